@@ -1,0 +1,1 @@
+"""warmfleet operator: kopf handlers, sizing and manifests; import `warmfleet.operator`."""

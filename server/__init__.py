@@ -1,0 +1,1 @@
+"""warmfleet server: engine, API, router, multimodal and models; import `warmfleet.server`."""

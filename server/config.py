@@ -1,0 +1,212 @@
+"""`warmfleet serve` flags as dataclasses: the one source of flag names and units (contract 3); no paddle.
+
+The operator imports this module to render pod args, so a renamed flag breaks a unit test,
+not a cluster. Every field carries its flag, help text and unit in `metadata`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+GiB = 1 << 30
+
+HASH_ALGOS = ("blake3", "sha256", "xxhash")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _opt(flag: str, help: str, **kw: Any) -> dict:
+    return {"flag": flag, "help": help, **kw}
+
+
+@dataclass
+class ModelConfig:
+    model: str = field(default="", metadata=_opt("--model", "Hugging Face checkpoint directory."))
+    served_model_name: Optional[str] = field(
+        default=None, metadata=_opt("--served-model-name", "Name clients use in `model` (default: the directory name).")
+    )
+    dtype: str = field(default="float32", metadata=_opt("--dtype", "Weight and activation dtype.", choices=DTYPES))
+    max_model_len: Optional[int] = field(
+        default=None, metadata=_opt("--max-model-len", "Context length in tokens (default: the checkpoint's).")
+    )
+    seed: int = field(default=0, metadata=_opt("--seed", "Seed for sampling without a request seed."))
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = field(default=64, metadata=_opt("--block-size", "Tokens per KV block."))
+    num_gpu_blocks: Optional[int] = field(
+        default=None, metadata=_opt("--num-gpu-blocks", "Blocks in the primary KV pool (overrides the memory budget).")
+    )
+    kv_cache_memory: Optional[float] = field(
+        default=None, metadata=_opt("--kv-cache-memory", "Primary KV pool budget in GiB when running on CPU.")
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9, metadata=_opt("--gpu-memory-utilization", "Fraction of GPU memory the engine may use (GPU only).")
+    )
+    enable_prefix_caching: bool = field(
+        default=True, metadata=_opt("--enable-prefix-caching", "Reuse cached KV blocks across requests.")
+    )
+    swap_space: float = field(
+        default=0.0, metadata=_opt("--swap-space", "CPU swap tier for evicted KV blocks, in GiB (0 disables).")
+    )
+    prefix_hash_algo: str = field(
+        default="blake3",
+        metadata=_opt(
+            "--prefix-hash-algo",
+            "Block-hash digest. blake3/sha256 are collision resistant; xxhash is faster but lets a "
+            "tenant who can craft collisions poison shared cache entries.",
+            choices=HASH_ALGOS,
+        ),
+    )
+    max_encoder_cache: int = field(
+        default=16384, metadata=_opt("--max-encoder-cache", "Vision-encoder output cache, in tokens (0 disables).")
+    )
+    max_processor_cache: float = field(
+        default=1.0, metadata=_opt("--max-processor-cache", "Preprocessed-image cache shared over ZMQ, in GiB (0 disables).")
+    )
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = field(
+        default=2048, metadata=_opt("--max-num-batched-tokens", "Token budget of one engine step (prefill chunks + decodes).")
+    )
+    max_num_seqs: int = field(default=64, metadata=_opt("--max-num-seqs", "Most requests running at once."))
+
+
+@dataclass
+class ServerConfig:
+    host: str = field(default="127.0.0.1", metadata=_opt("--host", "Address the HTTP API binds."))
+    port: int = field(default=8000, metadata=_opt("--port", "HTTP API port."))
+    kv_events_port: Optional[int] = field(
+        default=None, metadata=_opt("--kv-events-port", "Port of the ZMQ PUB socket for KV events (unset disables).")
+    )
+    kv_events_host: str = field(default="127.0.0.1", metadata=_opt("--kv-events-host", "Address the KV-event socket binds."))
+    replica_id: Optional[str] = field(
+        default=None, metadata=_opt("--replica-id", "Identity in KV events (default: host:port).")
+    )
+    api_key: Optional[str] = field(
+        default=None, metadata=_opt("--api-key", "Require `Authorization: Bearer KEY` (env WARMFLEET_API_KEY also works).")
+    )
+    allowed_local_media_path: Optional[str] = field(
+        default=None, metadata=_opt("--allowed-local-media-path", "Directory under which file:// images may be read.")
+    )
+    allowed_media_hosts: list = field(
+        default_factory=list,
+        metadata=_opt("--allowed-media-host", "Host or CIDR that image URLs may reach even if private (repeatable).", action="append"),
+    )
+    media_fetch_timeout_s: float = field(
+        default=10.0, metadata=_opt("--media-fetch-timeout-s", "Timeout for downloading one image, in seconds.")
+    )
+    media_max_bytes: int = field(
+        default=20 << 20, metadata=_opt("--media-max-bytes", "Largest image download, in bytes.")
+    )
+    log_level: str = field(default="info", metadata=_opt("--log-level", "Log level.", choices=("debug", "info", "warning", "error")))
+
+
+@dataclass
+class EngineConfig:
+    """Everything `warmfleet serve` accepts, grouped."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def validate(self) -> None:
+        """Raise ValueError with one readable sentence for an impossible combination."""
+        c, s = self.cache, self.scheduler
+        if c.block_size < 1 or c.block_size & (c.block_size - 1):
+            raise ValueError(f"--block-size must be a power of two >= 1, got {c.block_size}")
+        if c.num_gpu_blocks is not None and c.num_gpu_blocks < 2:
+            raise ValueError(f"--num-gpu-blocks must be >= 2, got {c.num_gpu_blocks}")
+        if c.swap_space < 0:
+            raise ValueError(f"--swap-space is GiB and must be >= 0, got {c.swap_space}")
+        if c.max_encoder_cache < 0 or c.max_processor_cache < 0:
+            raise ValueError("--max-encoder-cache and --max-processor-cache must be >= 0")
+        if not 0 < c.gpu_memory_utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {c.gpu_memory_utilization}")
+        if s.max_num_batched_tokens < 1 or s.max_num_seqs < 1:
+            raise ValueError("--max-num-batched-tokens and --max-num-seqs must be >= 1")
+        if not 0 < self.server.port < 65536:
+            raise ValueError(f"--port must be in 1..65535, got {self.server.port}")
+
+
+GROUPS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "server": ServerConfig}
+
+
+def flag_of(group: type, name: str) -> str:
+    """The command-line flag of a config field; raises KeyError for an unknown field."""
+    for f in dataclasses.fields(group):
+        if f.name == name:
+            return f.metadata["flag"]
+    raise KeyError(f"{group.__name__} has no field {name!r}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per config field, named and documented by the field's metadata."""
+    for gname, cls in GROUPS.items():
+        group = parser.add_argument_group(gname)
+        for f in dataclasses.fields(cls):
+            md = f.metadata
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            kw: dict[str, Any] = {"dest": f"{gname}.{f.name}", "help": f"{md['help']} (default: {default})", "default": default}
+            if isinstance(default, bool):
+                kw["action"] = argparse.BooleanOptionalAction
+            elif md.get("action") == "append":
+                kw["action"] = "append"
+                kw["default"] = None
+            else:
+                kw["type"] = _field_type(f)
+                if "choices" in md:
+                    kw["choices"] = md["choices"]
+            group.add_argument(md["flag"], **kw)
+
+
+def _field_type(f: dataclasses.Field) -> Any:
+    t = str(f.type)
+    if "float" in t:
+        return float
+    if "int" in t:
+        return int
+    return str
+
+
+def from_namespace(ns: argparse.Namespace) -> EngineConfig:
+    """Build an EngineConfig from parsed flags and validate it."""
+    parts: dict[str, Any] = {}
+    for gname, cls in GROUPS.items():
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            v = getattr(ns, f"{gname}.{f.name}")
+            if v is None and f.metadata.get("action") == "append":
+                v = []
+            kwargs[f.name] = v
+        parts[gname] = cls(**kwargs)
+    cfg = EngineConfig(**parts)
+    cfg.validate()
+    return cfg
+
+
+def to_args(cfg: EngineConfig) -> list[str]:
+    """Render a config as `warmfleet serve` arguments, omitting defaults (used by the operator)."""
+    args: list[str] = []
+    for gname, cls in GROUPS.items():
+        obj = getattr(cfg, gname)
+        ref = cls()
+        for f in dataclasses.fields(cls):
+            v, d = getattr(obj, f.name), getattr(ref, f.name)
+            if v == d:
+                continue
+            flag = f.metadata["flag"]
+            if isinstance(v, bool):
+                args.append(flag if v else "--no-" + flag[2:])
+            elif isinstance(v, list):
+                for item in v:
+                    args += [flag, str(item)]
+            elif v is not None:
+                args += [flag, str(v)]
+    return args

@@ -1,0 +1,193 @@
+"""KV-event wire format, replica → router (contract 2); msgpack only, never pickle; no paddle.
+
+Framing follows vLLM's KV-event stream so tools written for it can read ours:
+a ZMQ multipart message `[topic, seq (8-byte big-endian), payload]`, where payload is the
+msgpack array `[ts, [event, ...], dp_rank]` and each event a tagged array:
+
+    ["BlockStored", [hash, ...], parent_hash | None, [token ids], block_size, lora_id, medium]
+    ["BlockRemoved", [hash, ...], medium]
+    ["AllBlocksCleared"]
+    ["EncoderStored", [mm_hash, ...]]          # warmfleet extension
+    ["EncoderRemoved", [mm_hash, ...]]         # warmfleet extension
+    ["Load", running, waiting, free_gpu_blocks, total_gpu_blocks]   # warmfleet extension
+
+`medium` is "GPU" for the primary pool and "CPU" for the swap tier. The topic is the replica id.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import msgpack
+
+GPU = "GPU"
+CPU = "CPU"
+
+
+@dataclass
+class BlockStored:
+    block_hashes: list[bytes]
+    parent_block_hash: Optional[bytes]
+    token_ids: list[int]  # tokens of all stored blocks, concatenated
+    block_size: int
+    medium: str = GPU
+    lora_id: Optional[int] = None
+
+
+@dataclass
+class BlockRemoved:
+    block_hashes: list[bytes]
+    medium: str = GPU
+
+
+@dataclass
+class AllBlocksCleared:
+    pass
+
+
+@dataclass
+class EncoderStored:
+    mm_hashes: list[str]
+
+
+@dataclass
+class EncoderRemoved:
+    mm_hashes: list[str]
+
+
+@dataclass
+class Load:
+    num_running: int
+    num_waiting: int
+    free_gpu_blocks: int
+    total_gpu_blocks: int
+
+
+KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared, EncoderStored, EncoderRemoved, Load]
+
+
+def _event_to_wire(e: KVEvent) -> list:
+    if isinstance(e, BlockStored):
+        return ["BlockStored", e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, e.lora_id, e.medium]
+    if isinstance(e, BlockRemoved):
+        return ["BlockRemoved", e.block_hashes, e.medium]
+    if isinstance(e, AllBlocksCleared):
+        return ["AllBlocksCleared"]
+    if isinstance(e, EncoderStored):
+        return ["EncoderStored", e.mm_hashes]
+    if isinstance(e, EncoderRemoved):
+        return ["EncoderRemoved", e.mm_hashes]
+    if isinstance(e, Load):
+        return ["Load", e.num_running, e.num_waiting, e.free_gpu_blocks, e.total_gpu_blocks]
+    raise TypeError(f"not a KV event: {e!r}")
+
+
+def _event_from_wire(a: list) -> Optional[KVEvent]:
+    tag = a[0]
+    if tag == "BlockStored":
+        return BlockStored(list(a[1]), a[2], list(a[3]), a[4], medium=a[6] if len(a) > 6 and a[6] else GPU, lora_id=a[5])
+    if tag == "BlockRemoved":
+        return BlockRemoved(list(a[1]), a[2] if len(a) > 2 and a[2] else GPU)
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared()
+    if tag == "EncoderStored":
+        return EncoderStored(list(a[1]))
+    if tag == "EncoderRemoved":
+        return EncoderRemoved(list(a[1]))
+    if tag == "Load":
+        return Load(*a[1:5])
+    return None  # unknown tags from newer peers are skipped, not fatal
+
+
+@dataclass
+class EventBatch:
+    """One published message: a sequence number and the events since the previous one."""
+
+    replica_id: str
+    seq: int  # strictly increasing per replica, starting at 1 after every engine start
+    events: list[KVEvent] = field(default_factory=list)
+    ts: float = field(default_factory=time.time)
+
+
+def encode(batch: EventBatch) -> list[bytes]:
+    """ZMQ multipart frames for one batch."""
+    payload = msgpack.packb([batch.ts, [_event_to_wire(e) for e in batch.events], 0], use_bin_type=True)
+    return [batch.replica_id.encode(), struct.pack(">q", batch.seq), payload]
+
+
+def decode(frames: list[bytes]) -> EventBatch:
+    """Parse frames; raises ValueError on anything malformed (a subscriber must survive bad input)."""
+    if len(frames) != 3 or len(frames[1]) != 8:
+        raise ValueError(f"expected [topic, seq, payload] frames, got {len(frames)} frames")
+    try:
+        (seq,) = struct.unpack(">q", frames[1])
+        ts, raw_events, _rank = msgpack.unpackb(frames[2], raw=False, strict_map_key=True)[:3]
+        events = [e for e in (_event_from_wire(a) for a in raw_events) if e is not None]
+    except (msgpack.UnpackException, TypeError, IndexError, ValueError) as exc:
+        raise ValueError(f"malformed KV-event payload: {exc}") from exc
+    return EventBatch(frames[0].decode(errors="replace"), seq, events, ts)
+
+
+@dataclass
+class Snapshot:
+    """Full cache state of a replica for resync; `seq` is the last sequence number it reflects.
+
+    Served as JSON by `GET /v1/kv/snapshot` with hashes hex-encoded.
+    """
+
+    replica_id: str
+    seq: int
+    block_size: int
+    model_fingerprint: str
+    gpu: list[bytes]
+    cpu: list[bytes]
+    encoder: list[str]
+    load: Optional[Load] = None
+
+    def to_json(self) -> dict:
+        return {
+            "replica_id": self.replica_id,
+            "seq": self.seq,
+            "block_size": self.block_size,
+            "model_fingerprint": self.model_fingerprint,
+            "gpu": [h.hex() for h in self.gpu],
+            "cpu": [h.hex() for h in self.cpu],
+            "encoder": list(self.encoder),
+            "load": None if self.load is None else vars(self.load),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Snapshot":
+        load = d.get("load")
+        return cls(
+            d["replica_id"], int(d["seq"]), int(d["block_size"]), d["model_fingerprint"],
+            [bytes.fromhex(h) for h in d["gpu"]], [bytes.fromhex(h) for h in d["cpu"]],
+            list(d.get("encoder", [])), Load(**load) if load else None,
+        )
+
+
+class EventPublisher:
+    """ZMQ PUB socket that numbers and sends event batches; owned by the engine-core process."""
+
+    def __init__(self, replica_id: str, endpoint: str):
+        import zmq
+
+        self.replica_id = replica_id
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.PUB)
+        self._sock.setsockopt(zmq.SNDHWM, 100_000)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(endpoint)
+        self.seq = 0
+
+    def publish(self, events: list[KVEvent]) -> None:
+        if not events:
+            return
+        self.seq += 1
+        self._sock.send_multipart(encode(EventBatch(self.replica_id, self.seq, events)))
+
+    def close(self) -> None:
+        self._sock.close(0)
