@@ -1,0 +1,71 @@
+"""EngineClient: what the HTTP API and the offline LLM need from an engine; no paddle.
+
+The real implementation is `warmfleet.server.engine.async_engine.AsyncEngine` (engine core in
+its own process behind ZMQ + msgpack). Tests may substitute a `Fake*` that follows this shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Optional, Protocol
+
+from ..hashing import MMPlaceholder
+from .request import RequestOutput
+from .sampling_params import SamplingParams
+
+
+@dataclass
+class ModelInfo:
+    served_model_name: str
+    model_dir: str
+    max_model_len: int  # tokens of prompt + output
+    model_fingerprint: str  # contract-1 root input
+    block_size: int
+    architecture: str  # e.g. "Qwen2ForCausalLM"
+    is_multimodal: bool = False
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    gpu_blocks_total: int = 0
+    gpu_blocks_free: int = 0
+    cpu_blocks_total: int = 0
+    cpu_blocks_free: int = 0
+    # cumulative counters since start
+    prefix_queries_tokens: int = 0
+    prefix_hits_tokens_gpu: int = 0
+    prefix_hits_tokens_cpu: int = 0
+    swap_in_blocks: int = 0
+    swap_out_blocks: int = 0
+    preemptions: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    cache_salt: Optional[str] = None
+    mm_placeholders: list[MMPlaceholder] = field(default_factory=list)
+    mm_inputs: list = field(default_factory=list)  # preprocessed media, same order as placeholders
+
+
+class EngineClient(Protocol):
+    model_info: ModelInfo
+
+    def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """Stream incremental outputs; the last one has finished=True. Cancelling the iterator aborts."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def stats(self) -> EngineStats: ...
+
+    async def snapshot(self) -> dict:
+        """Cache state for router resync, as `events.Snapshot.to_json()`."""
+        ...
+
+    async def check_health(self) -> bool: ...
