@@ -1,0 +1,152 @@
+"""EngineCore: loads the model and wires scheduler, KV cache manager and runner into `step()`.
+
+Runs in-process for the offline `LLM` and inside the engine-core process behind the HTTP API.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import paddle
+
+from ..config import EngineConfig
+from ..events import EventPublisher, Load, Snapshot
+from ..hashing import model_fingerprint
+from .attention import CpuPagedAttention
+from .block_pool import BlockPool
+from .kv_cache_manager import KVCacheManager
+from .model_runner import ModelRunner, kv_layout, log_sizes, num_blocks_for
+from .protocol import EngineStats, GenerateRequest, ModelInfo
+from .request import Request, RequestOutput
+from .sampler import sample, token_logprobs
+from .scheduler import Scheduler
+
+log = logging.getLogger("warmfleet.engine")
+
+
+def read_model_info(cfg: EngineConfig) -> ModelInfo:
+    """Model facts the API needs, read from config.json without loading weights."""
+    import json
+
+    d = Path(cfg.model.model)
+    if not (d / "config.json").exists():
+        raise FileNotFoundError(f"{d} has no config.json; pass a Hugging Face checkpoint directory to --model "
+                                "(or create one with `warmfleet make-tiny-model DIR`)")
+    hf = json.loads((d / "config.json").read_text())
+    text_cfg = hf.get("text_config", hf)
+    max_len = cfg.model.max_model_len or int(text_cfg.get("max_position_embeddings", 4096))
+    arch = (hf.get("architectures") or ["unknown"])[0]
+    return ModelInfo(
+        served_model_name=cfg.model.served_model_name or d.resolve().name,
+        model_dir=str(d), max_model_len=max_len, model_fingerprint=model_fingerprint(d),
+        block_size=cfg.cache.block_size, architecture=arch, is_multimodal="VL" in arch,
+    )
+
+
+class EngineCore:
+    def __init__(self, cfg: EngineConfig, publisher: Optional[EventPublisher] = None):
+        from ..models.loader import load_model
+        from ..tokenizer import Tokenizer
+
+        self.cfg = cfg
+        self.info = read_model_info(cfg)
+        self.publisher = publisher
+        self.replica_id = publisher.replica_id if publisher else (cfg.server.replica_id or "local")
+        paddle.seed(cfg.model.seed)
+        t0 = time.monotonic()
+        backend = CpuPagedAttention()
+        self.model, self.hf_config = load_model(cfg.model.model, backend, cfg.model.dtype)
+        self.eos_token_ids = tuple(Tokenizer(cfg.model.model).eos_token_ids)
+        on_gpu = paddle.device.get_device().startswith("gpu")
+        layout = kv_layout(self.model, cfg.cache.block_size, cfg.model.dtype)
+        gpu, cpu = num_blocks_for(cfg.cache, layout, on_gpu)
+        log_sizes(layout, gpu, cpu, on_gpu)
+        self.runner = ModelRunner(self.model, backend, layout, gpu, cpu, cfg.model.seed)
+        self.pool = BlockPool(gpu, cpu, cfg.cache.enable_prefix_caching, cfg.cache.block_size)
+        self.kv = KVCacheManager(self.pool, cfg.cache.block_size, self.info.model_fingerprint, cfg.cache.prefix_hash_algo)
+        self.scheduler = Scheduler(cfg.scheduler, self.kv, self.info.max_model_len)
+        self.num_steps = 0
+        log.info("engine ready: model=%s arch=%s load_s=%.1f", self.info.served_model_name,
+                 self.info.architecture, time.monotonic() - t0)
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, g: GenerateRequest) -> None:
+        g.sampling_params.validate()
+        req = Request(g.request_id, list(g.prompt_token_ids), g.sampling_params, self.eos_token_ids,
+                      g.cache_salt, list(g.mm_placeholders), list(g.mm_inputs), time.time())
+        if g.sampling_params.seed is not None:
+            req.generator = np.random.default_rng(g.sampling_params.seed)
+        self.scheduler.add_request(req)
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.scheduler.abort(request_ids)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- one step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        try:
+            logits = self.runner.execute(out)
+        except Exception as exc:  # a model failure fails this step's requests, not the engine
+            log.exception("step failed; aborting its %d requests", len(out.scheduled))
+            ids = [s.request.request_id for s in out.scheduled]
+            self.scheduler.abort(ids)
+            results = self.scheduler.update(out, {})
+            for r in results:
+                if r.request_id in ids:
+                    r.error = f"engine step failed: {exc}"
+            self._publish()
+            return results
+        sampled, lps = {}, {}
+        for s in out.scheduled:
+            rid = s.request.request_id
+            if rid in logits:
+                sp = s.request.sampling_params
+                tok = sample(logits[rid], sp, s.request.generator or self.runner.rng)
+                sampled[rid] = tok
+                lps[rid] = token_logprobs(logits[rid], tok, sp.logprobs)
+        results = self.scheduler.update(out, sampled, lps)
+        self.num_steps += 1
+        self._publish()
+        return results
+
+    def _publish(self) -> None:
+        events = self.pool.take_events()
+        if self.publisher is not None and events:
+            self.publisher.publish(events)
+
+    # ---- introspection --------------------------------------------------------------------
+    def load(self) -> Load:
+        s = self.scheduler
+        return Load(len(s.running), len(s.waiting), self.pool.num_free_blocks, self.pool.num_gpu_blocks)
+
+    def publish_load(self) -> None:
+        if self.publisher is not None:
+            self.publisher.publish([self.load()])
+
+    def stats(self) -> EngineStats:
+        p, kv = self.pool, self.kv
+        cpu_total = p.cpu.num_blocks if p.cpu else 0
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            gpu_blocks_total=p.num_gpu_blocks, gpu_blocks_free=p.num_free_blocks,
+            cpu_blocks_total=cpu_total, cpu_blocks_free=cpu_total - (p.cpu.num_used if p.cpu else 0),
+            prefix_queries_tokens=kv.num_query_tokens, prefix_hits_tokens_gpu=kv.num_hit_tokens_gpu,
+            prefix_hits_tokens_cpu=kv.num_hit_tokens_cpu, swap_in_blocks=p.counters.swap_in_blocks,
+            swap_out_blocks=p.counters.swap_out_blocks, preemptions=self.scheduler.num_preemptions,
+        )
+
+    def snapshot(self) -> Snapshot:
+        """Cache state for router resync. Events produced so far are published first, so `seq` covers them."""
+        self._publish()
+        gpu, cpu = self.pool.snapshot()
+        seq = self.publisher.seq if self.publisher else 0
+        return Snapshot(self.replica_id, seq, self.cfg.cache.block_size, self.info.model_fingerprint,
+                        gpu, cpu, [], self.load())

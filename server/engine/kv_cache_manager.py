@@ -1,0 +1,142 @@
+"""KVCacheManager: per-request policy over the BlockPool (prefix lookup, slot allocation, freeing).
+
+    prompt:  |blk0|blk1|blk2|blk3|..
+    cached:  |GPU |GPU |CPU |miss     -> blocks 0-1 referenced, block 2 swapped in, prefill from 3*B
+
+The hit is capped at (num_tokens - 1) tokens: the last prompt token is always recomputed
+because its logits are needed to sample the first output token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ..events import CPU, GPU
+from ..hashing import BlockHash, block_hashes
+from .block_pool import BlockPool
+from .request import Request
+
+
+@dataclass
+class PrefixHit:
+    hashes: list[BlockHash]  # hashes of the hit blocks, in order
+    tiers: list[str]  # GPU or CPU per hit block
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.hashes)
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return sum(t == CPU for t in self.tiers)
+
+
+NO_HIT = PrefixHit([], [])
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, block_size: int, model_fingerprint: str, hash_algo: str = "blake3"):
+        self.pool = pool
+        self.block_size = block_size
+        self.model_fingerprint = model_fingerprint
+        self.hash_algo = hash_algo
+        # cumulative prefix-cache counters (tokens)
+        self.num_query_tokens = 0
+        self.num_hit_tokens_gpu = 0
+        self.num_hit_tokens_cpu = 0
+
+    # ---- hashing --------------------------------------------------------------------------
+    def update_block_hashes(self, req: Request) -> None:
+        """Extend `req.block_hashes` to cover every full block of its current tokens."""
+        tokens = req.all_token_ids
+        n_have = len(req.block_hashes)
+        if (len(tokens) // self.block_size) <= n_have:
+            return
+        req.block_hashes.extend(block_hashes(
+            tokens, req.mm_placeholders, self.block_size, self.model_fingerprint, req.cache_salt,
+            self.hash_algo, start_block=n_have, parent=req.block_hashes[-1] if n_have else None))
+
+    # ---- admission ------------------------------------------------------------------------
+    def find_prefix(self, req: Request) -> PrefixHit:
+        """Longest run of cached blocks at the start of the request (either tier)."""
+        if not self.pool.enable_caching:
+            return NO_HIT
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hit = PrefixHit([], [])
+        for h in req.block_hashes[:max_blocks]:
+            tier = self.pool.lookup(h)
+            if tier is None:
+                break
+            hit.hashes.append(h)
+            hit.tiers.append(tier)
+        return hit
+
+    def can_allocate(self, req: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
+        """Whether `allocate` would succeed without evicting a block this request itself needs."""
+        need_total = self._blocks_for(req.num_computed_tokens + hit.num_blocks * self.block_size + num_new_tokens)
+        have = len(req.block_ids)
+        new_blocks = max(0, need_total - have - hit.num_blocks) + hit.num_cpu_blocks
+        # GPU hits that sit idle in the free list stop being free once referenced.
+        idle_hits = sum(1 for h, t in zip(hit.hashes, hit.tiers)
+                        if t == GPU and self.pool.ref_cnt[self.pool.cached[h]] == 0)
+        return new_blocks <= self.pool.num_free_blocks - idle_hits
+
+    def allocate(self, req: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
+        """Reference hit blocks (swapping in CPU ones) and add blocks for `num_new_tokens`; False if no room."""
+        if not self.can_allocate(req, num_new_tokens, hit):
+            return False
+        if hit.num_blocks:
+            # GPU hits first, so evictions made for swap-ins cannot take a block we are about to use.
+            ids = [self.pool.take_cached(h) if t == GPU else None for h, t in zip(hit.hashes, hit.tiers)]
+            cpu_idx = [i for i, t in enumerate(hit.tiers) if t == CPU]
+            for i, bid in zip(cpu_idx, self.pool.swap_in([hit.hashes[i] for i in cpu_idx]) if cpu_idx else []):
+                ids[i] = bid
+            req.block_ids.extend(ids)  # type: ignore[arg-type]
+            req.num_computed_tokens += hit.num_blocks * self.block_size
+        need = self._blocks_for(req.num_computed_tokens + num_new_tokens) - len(req.block_ids)
+        if need > 0:
+            req.block_ids.extend(self.pool.allocate(need))
+        return True
+
+    def record_admission(self, req: Request, hit: PrefixHit) -> None:
+        """Count a first admission in the prefix-cache metrics and on the request."""
+        cpu_tokens = hit.num_cpu_blocks * self.block_size
+        req.num_cached_tokens = hit.num_blocks * self.block_size
+        req.num_cached_tokens_cpu = cpu_tokens
+        self.num_query_tokens += req.num_tokens
+        self.num_hit_tokens_gpu += req.num_cached_tokens - cpu_tokens
+        self.num_hit_tokens_cpu += cpu_tokens
+
+    # ---- after a step ---------------------------------------------------------------------
+    def cache_computed_blocks(self, req: Request) -> None:
+        """Register every full block whose KV is now computed, so later requests can hit it."""
+        if not self.pool.enable_caching:
+            return
+        self.update_block_hashes(req)
+        n_full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes))
+        tokens = req.all_token_ids
+        for i in range(n_full):
+            h = req.block_hashes[i]
+            bid = req.block_ids[i]
+            if self.pool.block_hash[bid] == h:
+                continue
+            parent = req.block_hashes[i - 1] if i else None
+            s = i * self.block_size
+            req.block_ids[i] = self.pool.cache_block(bid, h, parent, tokens[s:s + self.block_size])
+
+    def free(self, req: Request) -> None:
+        """Release the request's blocks, tail first, so shared heads outlive their tails."""
+        self.pool.free_blocks(list(reversed(req.block_ids)))
+        req.block_ids.clear()
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def hit_rate(self) -> Optional[float]:
+        if not self.num_query_tokens:
+            return None
+        return (self.num_hit_tokens_gpu + self.num_hit_tokens_cpu) / self.num_query_tokens

@@ -1,0 +1,134 @@
+"""ModelRunner: owns every device tensor (weights, both KV tiers); runs one scheduled step.
+
+Sizing is exact: bytes_per_block = 2 (K and V) × layers × block_size × kv_heads × head_dim × dtype
+bytes; primary blocks = budget ÷ bytes_per_block, swap blocks = swap_space GiB ÷ bytes_per_block.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+import numpy as np
+import paddle
+
+from ..config import GiB, CacheConfig
+from .attention import AttentionBackend, AttentionMetadata, LayerCache
+from .block_pool import SwapPlan
+from .scheduler import SchedulerOutput
+
+log = logging.getLogger("warmfleet.engine")
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DEFAULT_CPU_KV_GIB = 1.0
+
+
+@dataclass
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+
+    @property
+    def bytes_per_block(self) -> int:
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+
+def num_blocks_for(cfg: CacheConfig, layout: KVLayout, on_gpu: bool) -> tuple[int, int]:
+    """(primary blocks, swap blocks) from the flags."""
+    bpb = layout.bytes_per_block
+    if cfg.num_gpu_blocks is not None:
+        gpu = cfg.num_gpu_blocks
+    elif on_gpu:
+        total = paddle.device.cuda.get_device_properties().total_memory
+        used = paddle.device.cuda.memory_allocated()
+        gpu = int((total * cfg.gpu_memory_utilization - used) // bpb)
+    else:
+        gpu = int((cfg.kv_cache_memory if cfg.kv_cache_memory is not None else DEFAULT_CPU_KV_GIB) * GiB // bpb)
+    if gpu < 2:
+        raise ValueError(f"the KV budget holds {gpu} blocks of {bpb} bytes; raise --kv-cache-memory or --num-gpu-blocks")
+    cpu = int(cfg.swap_space * GiB // bpb) if cfg.enable_prefix_caching else 0
+    return gpu, cpu
+
+
+class ModelRunner:
+    def __init__(self, model, backend: AttentionBackend, layout: KVLayout, num_gpu_blocks: int,
+                 num_cpu_blocks: int, seed: int = 0):
+        self.model = model
+        self.layout = layout
+        self.backend = backend
+        self.caches: list[LayerCache] = [
+            self.backend.allocate(num_gpu_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim, layout.dtype)
+            for _ in range(layout.num_layers)
+        ]
+        shape = [num_cpu_blocks * layout.block_size, layout.num_kv_heads, layout.head_dim]
+        self.cpu_caches = [LayerCache(_host_zeros(shape, layout.dtype), _host_zeros(shape, layout.dtype))
+                           for _ in range(layout.num_layers if num_cpu_blocks else 0)]
+        self.rng = np.random.default_rng(seed)
+
+    # ---- swap tier ------------------------------------------------------------------------
+    def _slots(self, block_ids: list[int]) -> paddle.Tensor:
+        bs = self.layout.block_size
+        ids = np.asarray(block_ids, dtype=np.int64)[:, None] * bs + np.arange(bs, dtype=np.int64)[None, :]
+        return paddle.to_tensor(ids.reshape(-1))
+
+    def _copy(self, src: list[LayerCache], src_ids: list[int], dst: list[LayerCache], dst_ids: list[int]) -> None:
+        s, d = self._slots(src_ids), self._slots(dst_ids)
+        for a, b in zip(src, dst):
+            b.key.scatter_(d, paddle.gather(a.key, s).to(b.key.place), overwrite=True)
+            b.value.scatter_(d, paddle.gather(a.value, s).to(b.value.place), overwrite=True)
+
+    def apply_swaps(self, plan: SwapPlan) -> None:
+        """Swap-outs first (their source blocks may be reused by swap-ins of this same step)."""
+        if plan.swap_out:
+            g, c = zip(*plan.swap_out)
+            self._copy(self.caches, list(g), self.cpu_caches, list(c))
+        if plan.swap_in:
+            c, g = zip(*plan.swap_in)
+            self._copy(self.cpu_caches, list(c), self.caches, list(g))
+
+    # ---- forward --------------------------------------------------------------------------
+    @paddle.no_grad()
+    def execute(self, out: SchedulerOutput) -> dict[str, np.ndarray]:
+        """Run the step; returns float32 logits of the last position of every request that samples."""
+        self.apply_swaps(out.swap)
+        if not out.scheduled:
+            return {}
+        ids, pos, batch, last_rows, sampling = [], [], [], [], []
+        row = 0
+        for s in out.scheduled:
+            r = s.request
+            start, n = s.num_computed_before, s.num_tokens
+            ids.extend(r.all_token_ids[start:start + n])
+            pos.extend(range(start, start + n))
+            batch.append((r.block_ids, start, n))
+            row += n
+            if s.samples:
+                last_rows.append(row - 1)
+                sampling.append(r.request_id)
+        meta = AttentionMetadata.build(self.layout.block_size, batch)
+        hidden = self.model(paddle.to_tensor(np.asarray(ids, dtype=np.int64)),
+                            paddle.to_tensor(np.asarray(pos, dtype=np.int64)), self.caches, meta)
+        if not sampling:
+            return {}
+        logits = self.model.compute_logits(paddle.gather(hidden, paddle.to_tensor(last_rows))).numpy()
+        return dict(zip(sampling, logits.astype(np.float32)))
+
+
+def _host_zeros(shape: list[int], dtype: str) -> paddle.Tensor:
+    """Host memory for the swap tier: pinned when a GPU is present so copies can be asynchronous."""
+    if paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0:
+        return paddle.zeros(shape, dtype=dtype).pin_memory()
+    return paddle.zeros(shape, dtype=dtype)
+
+
+def kv_layout(model, block_size: int, dtype: str) -> KVLayout:
+    return KVLayout(model.num_layers, model.num_kv_heads, model.head_dim, block_size, dtype)
+
+
+def log_sizes(layout: KVLayout, gpu: int, cpu: int, on_gpu: bool) -> None:
+    log.info(
+        "kv cache sized: primary=%d blocks (%s, %.2f GiB) swap=%d blocks (%.2f GiB) block_size=%d bytes_per_block=%d",
+        gpu, "gpu" if on_gpu else "cpu", gpu * layout.bytes_per_block / GiB, cpu, cpu * layout.bytes_per_block / GiB,
+        layout.block_size, layout.bytes_per_block)

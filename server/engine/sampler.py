@@ -1,0 +1,48 @@
+"""Sampler: logits → next token per request (greedy, temperature, top-k, top-p, seeds, logprobs); numpy."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from .sampling_params import SamplingParams
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    m = x.max(axis=-1, keepdims=True)
+    z = x - m
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def sample(logits: np.ndarray, sp: SamplingParams, rng: np.random.Generator) -> int:
+    """One token from a [vocab] float32 logits row."""
+    if sp.greedy:
+        return int(np.argmax(logits))
+    x = logits.astype(np.float64) / sp.temperature
+    if sp.top_k and sp.top_k < x.shape[0]:
+        kth = np.partition(x, -sp.top_k)[-sp.top_k]
+        x = np.where(x < kth, -np.inf, x)
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    if sp.top_p < 1.0:
+        order = np.argsort(-p)
+        cum = np.cumsum(p[order])
+        keep = order[: int(np.searchsorted(cum, sp.top_p) + 1)]
+        mask = np.zeros_like(p)
+        mask[keep] = p[keep]
+        p = mask / mask.sum()
+    return int(rng.choice(p.shape[0], p=p))
+
+
+def token_logprobs(logits: np.ndarray, token: int, k: Optional[int]) -> Optional[tuple]:
+    """(logprob of `token`, [(token id, logprob) for the top k]) from the model's raw distribution."""
+    if k is None:
+        return None
+    lp = log_softmax(logits.astype(np.float64))
+    top = []
+    if k > 0:
+        idx = np.argpartition(-lp, k - 1)[:k]
+        idx = idx[np.argsort(-lp[idx])]
+        top = [(int(i), float(lp[i])) for i in idx]
+    return float(lp[token]), top
