@@ -1,0 +1,1 @@
+"""Cache-affinity router (`warmfleet route`): index of replicas' KV blocks, scoring policy, streaming proxy."""

@@ -1,0 +1,106 @@
+"""Replica registry: the fleet's members, their health and the load this router put on them; no I/O."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional
+from urllib.parse import urlsplit
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """Where to reach one replica."""
+
+    url: str  # base URL of the HTTP API, e.g. http://10.0.0.7:8000 (no trailing slash)
+    events: Optional[str] = None  # ZMQ endpoint of its KV events, e.g. tcp://10.0.0.7:5557; None = no events
+
+    @property
+    def id(self) -> str:
+        """Stable name used in the index, metrics and rendezvous hashing: the base URL."""
+        return self.url
+
+
+def parse_replica(text: str, default_events_port: Optional[int] = None) -> ReplicaSpec:
+    """Parse `http://host:port[,events=tcp://host:eport]`.
+
+    Without `events=`, a router-wide `--kv-events-port` gives tcp://<host of the URL>:<port>;
+    without either the replica is routed by load and cold hashing only.
+    """
+    url, *opts = [p.strip() for p in text.split(",")]
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"--replica needs an http(s)://host:port URL, got {text!r}")
+    events = None
+    for opt in opts:
+        key, sep, value = opt.partition("=")
+        if key != "events" or not sep or not value.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"--replica option must be events=tcp://host:port, got {opt!r}")
+        events = value
+    if events is None and default_events_port is not None:
+        host = parts.hostname if ":" not in parts.hostname else f"[{parts.hostname}]"
+        events = f"tcp://{host}:{default_events_port}"
+    return ReplicaSpec(url.rstrip("/"), events)
+
+
+@dataclass
+class Replica:
+    """Mutable state of one fleet member."""
+
+    spec: ReplicaSpec
+    healthy: bool = False  # passed the last health check and no request failed to connect since
+    kv_tracked: bool = True  # False once the replica proved it serves no snapshot: route without its index
+    in_flight: int = 0  # requests this router has open on it
+    down_since: Optional[float] = None  # monotonic time it was marked down
+    last_error: str = ""
+
+    @property
+    def id(self) -> str:
+        return self.spec.id
+
+
+class Registry:
+    """Members by id; calls `on_down(id)` / `on_up(id)` when health flips (index purge / resync)."""
+
+    def __init__(self, on_down: Callable[[str], None] = lambda r: None,
+                 on_up: Callable[[str], None] = lambda r: None) -> None:
+        self.replicas: dict[str, Replica] = {}
+        self._on_down, self._on_up = on_down, on_up
+
+    def set_members(self, specs: Iterable[ReplicaSpec]) -> tuple[list[ReplicaSpec], list[str]]:
+        """Make the membership exactly `specs`; returns (added specs, removed ids)."""
+        wanted = {s.id: s for s in specs}
+        removed = [rid for rid in self.replicas if rid not in wanted]
+        for rid in removed:
+            del self.replicas[rid]
+        added = []
+        for rid, spec in wanted.items():
+            cur = self.replicas.get(rid)
+            if cur is None or cur.spec != spec:
+                if cur is not None:
+                    removed.append(rid)
+                self.replicas[rid] = Replica(spec)
+                added.append(spec)
+        return added, removed
+
+    def get(self, rid: str) -> Optional[Replica]:
+        return self.replicas.get(rid)
+
+    def healthy(self) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.healthy]
+
+    def mark_down(self, rid: str, error: str) -> None:
+        r = self.replicas.get(rid)
+        if r is None:
+            return
+        r.last_error = error
+        if r.healthy or r.down_since is None:
+            r.healthy, r.down_since = False, time.monotonic()
+            self._on_down(rid)
+
+    def mark_up(self, rid: str) -> None:
+        r = self.replicas.get(rid)
+        if r is None or r.healthy:
+            return
+        r.healthy, r.down_since, r.last_error = True, None, ""
+        self._on_up(rid)

@@ -1,0 +1,116 @@
+"""KV index under stored/removed/cleared/gap/restart event sequences and snapshot resync."""
+
+from warmfleet.server.events import (
+    CPU, GPU, AllBlocksCleared, BlockRemoved, BlockStored, EncoderRemoved, EncoderStored, EventBatch, Load, Snapshot,
+)
+from warmfleet.server.router.index import Applied, KVIndex, PrefixMatch
+
+
+def H(i: int) -> bytes:
+    return bytes([i]) * 8
+
+
+def stored(*ids, medium=GPU):
+    return BlockStored([H(i) for i in ids], None, [], 4, medium=medium)
+
+
+def snap(seq, gpu=(), cpu=(), encoder=()):
+    return Snapshot("r", seq, 4, "fp", [H(i) for i in gpu], [H(i) for i in cpu], list(encoder))
+
+
+def synced_index(rid="a", seq=0):
+    idx = KVIndex()
+    assert idx.apply_snapshot(rid, snap(seq)) is Applied.OK
+    return idx
+
+
+def test_unsynced_replica_buffers_until_snapshot_then_replays_newer_batches():
+    idx = KVIndex()
+    assert idx.apply_batch("a", EventBatch("a", 5, [stored(1)])) is Applied.BUFFERED
+    assert idx.apply_batch("a", EventBatch("a", 6, [stored(2)])) is Applied.BUFFERED
+    assert idx.match([H(1), H(2)], ["a"])["a"] == PrefixMatch(0, 0)
+    # snapshot at seq 5 already contains block 1; batch 6 must be replayed on top
+    assert idx.apply_snapshot("a", snap(5, gpu=[1])) is Applied.OK
+    assert idx.match([H(1), H(2)], ["a"])["a"] == PrefixMatch(2, 0)
+    assert idx.state("a").seq == 6
+
+
+def test_stored_removed_and_tiers():
+    idx = synced_index()
+    assert idx.apply_batch("a", EventBatch("a", 1, [stored(1, 2, 3)])) is Applied.OK
+    assert idx.apply_batch("a", EventBatch("a", 2, [BlockRemoved([H(2)], GPU), stored(2, medium=CPU)])) is Applied.OK
+    m = idx.match([H(1), H(2), H(3), H(4)], ["a"])["a"]
+    assert m == PrefixMatch(gpu_blocks=2, cpu_blocks=1)
+    idx.apply_batch("a", EventBatch("a", 3, [BlockRemoved([H(2)], CPU)]))
+    assert idx.match([H(1), H(2), H(3)], ["a"])["a"] == PrefixMatch(1, 0)  # prefix stops at the hole
+    assert idx.num_blocks() == 2
+
+
+def test_match_is_per_replica_longest_prefix():
+    idx = synced_index("a")
+    idx.apply_snapshot("b", snap(0))
+    idx.apply_batch("a", EventBatch("a", 1, [stored(1, 2)]))
+    idx.apply_batch("b", EventBatch("b", 1, [stored(1, 2, 3)]))
+    got = idx.match([H(1), H(2), H(3), H(9)], ["a", "b", "c"])
+    assert (got["a"].blocks, got["b"].blocks, got["c"].blocks) == (2, 3, 0)
+
+
+def test_gap_requests_resync_and_snapshot_restores():
+    idx = synced_index()
+    idx.apply_batch("a", EventBatch("a", 1, [stored(1)]))
+    assert idx.apply_batch("a", EventBatch("a", 3, [stored(3)])) is Applied.NEED_RESYNC
+    assert not idx.is_synced("a")
+    assert idx.num_blocks() == 0  # unknown state is not trusted
+    assert idx.apply_batch("a", EventBatch("a", 4, [stored(4)])) is Applied.BUFFERED
+    assert idx.apply_snapshot("a", snap(3, gpu=[1, 2, 3])) is Applied.OK
+    assert idx.match([H(1), H(2), H(3), H(4)], ["a"])["a"].blocks == 4
+
+
+def test_snapshot_older_than_buffer_needs_another_resync():
+    idx = KVIndex()
+    idx.apply_batch("a", EventBatch("a", 10, [stored(1)]))
+    assert idx.apply_snapshot("a", snap(7)) is Applied.NEED_RESYNC  # 8 and 9 were never seen
+
+
+def test_all_blocks_cleared_purges_replica_only():
+    idx = synced_index("a")
+    idx.apply_snapshot("b", snap(0, gpu=[1]))
+    idx.apply_batch("a", EventBatch("a", 1, [stored(1, 2), stored(3, medium=CPU)]))
+    idx.apply_batch("a", EventBatch("a", 2, [AllBlocksCleared()]))
+    got = idx.match([H(1), H(2)], ["a", "b"])
+    assert got["a"].blocks == 0 and got["b"].blocks == 1
+    assert idx.is_synced("a")  # clearing is an ordinary event: no resync needed
+
+
+def test_restart_with_seq_one_purges_and_applies():
+    idx = synced_index()
+    idx.apply_batch("a", EventBatch("a", 1, [stored(1, 2)]))
+    idx.apply_batch("a", EventBatch("a", 2, [stored(3)]))
+    assert idx.apply_batch("a", EventBatch("a", 1, [stored(7)])) is Applied.OK
+    assert idx.match([H(1)], ["a"])["a"].blocks == 0
+    assert idx.match([H(7)], ["a"])["a"].blocks == 1
+
+
+def test_restart_seen_late_needs_resync():
+    idx = synced_index()
+    for s in range(1, 6):
+        idx.apply_batch("a", EventBatch("a", s, [stored(s)]))
+    assert idx.apply_batch("a", EventBatch("a", 3, [stored(9)])) is Applied.NEED_RESYNC
+    assert idx.num_blocks() == 0
+
+
+def test_purge_and_remove_forget_the_replica():
+    idx = synced_index("a")
+    idx.apply_batch("a", EventBatch("a", 1, [stored(1), EncoderStored(["img"])]))
+    idx.purge("a")
+    assert not idx.is_synced("a") and idx.num_blocks() == 0 and not idx.encoder_hits("a", ["img"])
+    idx.remove("a")
+    assert "a" not in idx.replicas
+
+
+def test_encoder_and_load_events():
+    idx = synced_index()
+    idx.apply_batch("a", EventBatch("a", 1, [EncoderStored(["x", "y"]), Load(2, 3, 10, 100)]))
+    idx.apply_batch("a", EventBatch("a", 2, [EncoderRemoved(["x"])]))
+    assert idx.encoder_hits("a", ["x", "y", "z"]) == {"y"}
+    assert idx.state("a").load == Load(2, 3, 10, 100)

@@ -1,0 +1,104 @@
+"""Scoring policy: tier weights, load, bounded load, cold-prefix rendezvous convergence (pure)."""
+
+from collections import Counter
+
+import pytest
+
+from warmfleet.server.router.policy import (
+    COLD_HASH, LEAST_LOAD, LOAD_SPILL, PREFIX_HIT, Candidate, PolicyConfig, cacheable_tokens, choose, load_cap,
+)
+
+B = 16
+REPLICAS = ["http://r0", "http://r1", "http://r2", "http://r3"]
+
+
+def test_longest_gpu_prefix_wins():
+    d = choose([Candidate("a", gpu_blocks=2), Candidate("b", gpu_blocks=5), Candidate("c")],
+               block_size=B, num_prompt_tokens=10 * B, cold_key=b"k")
+    assert d.order[0] == "b" and d.reason == PREFIX_HIT and d.predicted_cached_tokens == 5 * B
+    assert d.order[1] == "a"
+
+
+def test_cpu_tier_counts_partly():
+    cfg = PolicyConfig(cpu_weight=0.5)
+    # 4 GPU blocks beat 6 CPU-only blocks at weight 0.5 (64 vs 48 tokens)...
+    d = choose([Candidate("gpu", gpu_blocks=4), Candidate("cpu", cpu_blocks=6)],
+               block_size=B, num_prompt_tokens=20 * B, cold_key=b"k", cfg=cfg)
+    assert d.order[0] == "gpu"
+    # ...but 10 CPU-only blocks beat 4 GPU blocks (80 vs 64)
+    d = choose([Candidate("gpu", gpu_blocks=4), Candidate("cpu", cpu_blocks=10)],
+               block_size=B, num_prompt_tokens=20 * B, cold_key=b"k", cfg=cfg)
+    assert d.order[0] == "cpu" and d.predicted_cached_tokens == 10 * B
+
+
+def test_load_outweighs_a_short_hit():
+    cfg = PolicyConfig(load_weight=32, epsilon=10)  # large epsilon: only the score decides
+    d = choose([Candidate("busy", gpu_blocks=1, load=3), Candidate("idle", load=0)],
+               block_size=B, num_prompt_tokens=8 * B, cold_key=b"k", cfg=cfg)
+    assert d.order[0] == "idle" and d.reason == LEAST_LOAD
+
+
+def test_bounded_load_spills_a_hot_prefix():
+    cfg = PolicyConfig(epsilon=0.25, load_weight=0)
+    cands = [Candidate("hot", gpu_blocks=8, load=4), Candidate("b", load=0), Candidate("c", load=1)]
+    assert load_cap([4, 0, 1], 0.25) == 3
+    d = choose(cands, block_size=B, num_prompt_tokens=10 * B, cold_key=b"k", cfg=cfg)
+    assert d.order[0] != "hot" and d.reason == LOAD_SPILL and d.order[-1] == "hot"
+
+
+def test_bounded_load_never_exceeds_cap_over_a_burst():
+    """A hot prefix sent 100 times with nothing finishing: no replica above ceil((1+eps) * mean)."""
+    cfg = PolicyConfig(epsilon=0.25, load_weight=0)
+    load = Counter()
+    for i in range(100):
+        cands = [Candidate(r, gpu_blocks=8 if r == "http://r0" else 0, load=load[r]) for r in REPLICAS]
+        load[choose(cands, block_size=B, num_prompt_tokens=10 * B, cold_key=b"k", cfg=cfg).order[0]] += 1
+        mean = sum(load.values()) / len(REPLICAS)
+        assert max(load.values()) <= -(-(1.25 * mean) // 1) + 1
+    assert load["http://r0"] == max(load.values())
+
+
+def test_cold_prefix_converges_and_spreads():
+    """Same first block → same replica on every call; different prefixes spread over the fleet."""
+    cands = [Candidate(r) for r in REPLICAS]
+    first = {choose(cands, block_size=B, num_prompt_tokens=4 * B, cold_key=b"tenant-7").order[0] for _ in range(20)}
+    assert len(first) == 1
+    d = choose(cands, block_size=B, num_prompt_tokens=4 * B, cold_key=b"tenant-7")
+    assert d.reason == COLD_HASH and d.predicted_cached_tokens == 0
+    spread = Counter(choose(cands, block_size=B, num_prompt_tokens=4 * B, cold_key=f"t{i}".encode()).order[0]
+                     for i in range(400))
+    assert set(spread) == set(REPLICAS) and max(spread.values()) < 2 * 100
+
+
+def test_cold_hash_is_stable_when_a_replica_leaves():
+    """Rendezvous hashing: removing one replica only moves the keys that lived on it."""
+    keys = [f"k{i}".encode() for i in range(200)]
+    full = {k: choose([Candidate(r) for r in REPLICAS], block_size=B, num_prompt_tokens=2 * B, cold_key=k).order[0]
+            for k in keys}
+    less = {k: choose([Candidate(r) for r in REPLICAS[1:]], block_size=B, num_prompt_tokens=2 * B, cold_key=k).order[0]
+            for k in keys}
+    moved = [k for k in keys if full[k] != less[k]]
+    assert moved and all(full[k] == REPLICAS[0] for k in moved)
+
+
+def test_short_prompt_goes_to_least_loaded():
+    d = choose([Candidate("a", load=2), Candidate("b", load=1)], block_size=B, num_prompt_tokens=3, cold_key=None)
+    assert d.order == ["b", "a"] and d.reason == LEAST_LOAD
+
+
+def test_warm_image_attracts_request():
+    d = choose([Candidate("a"), Candidate("b", warm_image_tokens=256)], block_size=B, num_prompt_tokens=300,
+               cold_key=b"k")
+    assert d.order[0] == "b" and d.reason == PREFIX_HIT
+
+
+def test_prediction_leaves_last_token_to_compute():
+    assert cacheable_tokens(4 * B, B) == 3 * B
+    assert cacheable_tokens(4 * B + 1, B) == 4 * B
+    d = choose([Candidate("a", gpu_blocks=4)], block_size=B, num_prompt_tokens=4 * B, cold_key=b"k")
+    assert d.predicted_cached_tokens == 3 * B
+
+
+def test_no_replicas_is_an_error():
+    with pytest.raises(ValueError):
+        choose([], block_size=B, num_prompt_tokens=10, cold_key=None)
