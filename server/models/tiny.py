@@ -135,6 +135,7 @@ def weight_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     nh, nkv = config["num_attention_heads"], config["num_key_value_heads"]
     d = config.get("head_dim") or h // nh
     qkv_bias = config["model_type"] == "qwen2" or bool(config.get("attention_bias"))
+    o_bias = config["model_type"] != "qwen2" and bool(config.get("attention_bias"))
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -148,6 +149,8 @@ def weight_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_proj.bias"] = (nh * d,)
             shapes[p + "self_attn.k_proj.bias"] = (nkv * d,)
             shapes[p + "self_attn.v_proj.bias"] = (nkv * d,)
+        if o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
         shapes[p + "mlp.gate_proj.weight"] = (inter, h)
         shapes[p + "mlp.up_proj.weight"] = (inter, h)
         shapes[p + "mlp.down_proj.weight"] = (h, inter)

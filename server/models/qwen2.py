@@ -1,0 +1,246 @@
+"""Qwen2 / Qwen2.5 / Llama decoder in Paddle over the paged KV cache; attribute names mirror HF tensor names.
+
+Parameters keep the checkpoint's layout (a linear weight is [out, in], applied with
+`transpose_y`), so `dict(model.named_parameters())` is keyed and shaped exactly like the
+safetensors files and loading is `param.set_value(tensor)` per name. The model never sees
+block tables: the attention backend owns the cache (server/engine/attention.py).
+
+    forward(input_ids [T], positions [T], caches, meta) -> hidden [T, H] (after the final norm)
+    compute_logits(hidden [N, H]) -> logits [N, vocab] float32
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+from paddle import nn
+
+from ..engine.attention import AttentionBackend, AttentionMetadata, LayerCache
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _param(layer: nn.Layer, shape: list[int], dtype: str) -> paddle.Tensor:
+    p = layer.create_parameter(shape, dtype=dtype, default_initializer=nn.initializer.Constant(0.0))
+    p.stop_gradient = True
+    return p
+
+
+class Linear(nn.Layer):
+    """y = x @ W^T + b with W stored [out, in] as in HF checkpoints (no transpose at load time)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str):
+        super().__init__()
+        self.weight = _param(self, [out_features, in_features], dtype)
+        self.bias = _param(self, [out_features], dtype) if bias else None
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        y = paddle.matmul(x, self.weight, transpose_y=True)
+        return y + self.bias if self.bias is not None else y
+
+
+class Embedding(nn.Layer):
+    def __init__(self, num_embeddings: int, dim: int, dtype: str):
+        super().__init__()
+        self.weight = _param(self, [num_embeddings, dim], dtype)
+
+    def forward(self, ids: paddle.Tensor) -> paddle.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class RMSNorm(nn.Layer):
+    """HF's Qwen2/Llama RMSNorm: normalize in fp32, cast back, then scale."""
+
+    def __init__(self, dim: int, eps: float, dtype: str):
+        super().__init__()
+        self.weight = _param(self, [dim], dtype)
+        self.eps = eps
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        x32 = x.astype("float32")
+        x32 = x32 * paddle.rsqrt(paddle.mean(x32 * x32, axis=-1, keepdim=True) + self.eps)
+        return self.weight * x32.astype(x.dtype)
+
+
+def rope_inv_freq(config: dict[str, Any], head_dim: int) -> np.ndarray:
+    """Inverse frequencies [head_dim/2] float32 for rope types default, linear and llama3."""
+    params = dict(config.get("rope_scaling") or {})
+    params.update(config.get("rope_parameters") or {})  # transformers v5 layout
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    inv = (1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)).astype(np.float32)
+    if rope_type == "default":
+        return inv
+    if rope_type == "linear":
+        return (inv / np.float32(params["factor"])).astype(np.float32)
+    if rope_type == "llama3":
+        factor = np.float32(params["factor"])
+        low, high = np.float32(params["low_freq_factor"]), np.float32(params["high_freq_factor"])
+        old_ctx = np.float32(params["original_max_position_embeddings"])
+        wavelen = np.float32(2 * math.pi) / inv
+        scaled = np.where(wavelen > old_ctx / low, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < old_ctx / high) & ~(wavelen > old_ctx / low)
+        return np.where(is_medium, smoothed, scaled).astype(np.float32)
+    raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Layer):
+    """Non-interleaved ("rotate half") RoPE; cos/sin computed once per step in fp32.
+
+    A multimodal subclass (M-RoPE) overrides `cos_sin` to accept positions [3, T].
+    """
+
+    def __init__(self, config: dict[str, Any], head_dim: int):
+        super().__init__()
+        self.head_dim = head_dim
+        self.register_buffer("inv_freq", paddle.to_tensor(rope_inv_freq(config, head_dim)), persistable=False)
+
+    def cos_sin(self, positions: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """positions int64 [T] -> cos, sin float32 [T, 1, head_dim/2]."""
+        angles = positions.astype("float32").unsqueeze(-1) * self.inv_freq.unsqueeze(0)
+        return paddle.cos(angles).unsqueeze(1), paddle.sin(angles).unsqueeze(1)
+
+    @staticmethod
+    def apply(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> paddle.Tensor:
+        """x [T, H, D] -> rotated x, computed in fp32 and cast back."""
+        x32 = x.astype("float32")
+        x1, x2 = paddle.chunk(x32, 2, axis=-1)
+        return paddle.concat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class Qwen2Attention(nn.Layer):
+    def __init__(self, config: dict[str, Any], backend: AttentionBackend, dtype: str, biases: tuple[bool, bool]):
+        super().__init__()
+        h = config["hidden_size"]
+        qkv_bias, o_bias = biases
+        self.num_heads = config["num_attention_heads"]
+        self.num_kv_heads = config.get("num_key_value_heads") or self.num_heads
+        self.head_dim = config.get("head_dim") or h // self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}")
+        self.scale = self.head_dim ** -0.5
+        self.backend = backend
+        self.q_proj = Linear(h, self.num_heads * self.head_dim, qkv_bias, dtype)
+        self.k_proj = Linear(h, self.num_kv_heads * self.head_dim, qkv_bias, dtype)
+        self.v_proj = Linear(h, self.num_kv_heads * self.head_dim, qkv_bias, dtype)
+        self.o_proj = Linear(self.num_heads * self.head_dim, h, o_bias, dtype)
+
+    def forward(self, x, cos, sin, cache: LayerCache, meta: AttentionMetadata):
+        t = x.shape[0]
+        q = self.q_proj(x).reshape([t, self.num_heads, self.head_dim])
+        k = self.k_proj(x).reshape([t, self.num_kv_heads, self.head_dim])
+        v = self.v_proj(x).reshape([t, self.num_kv_heads, self.head_dim])
+        q = RotaryEmbedding.apply(q, cos, sin)
+        k = RotaryEmbedding.apply(k, cos, sin)
+        out = self.backend.forward(q, k, v, cache, meta, self.scale)  # [T, Hq, D]
+        return self.o_proj(out.reshape([t, self.num_heads * self.head_dim]))
+
+
+class Qwen2MLP(nn.Layer):
+    def __init__(self, config: dict[str, Any], dtype: str):
+        super().__init__()
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {config['hidden_act']!r} (only silu)")
+        h, inter = config["hidden_size"], config["intermediate_size"]
+        bias = bool(config.get("mlp_bias", False))
+        self.gate_proj = Linear(h, inter, bias, dtype)
+        self.up_proj = Linear(h, inter, bias, dtype)
+        self.down_proj = Linear(inter, h, bias, dtype)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Qwen2DecoderLayer(nn.Layer):
+    def __init__(self, config: dict[str, Any], backend: AttentionBackend, dtype: str, biases: tuple[bool, bool]):
+        super().__init__()
+        eps = float(config.get("rms_norm_eps", 1e-6))
+        self.input_layernorm = RMSNorm(config["hidden_size"], eps, dtype)
+        self.self_attn = Qwen2Attention(config, backend, dtype, biases)
+        self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps, dtype)
+        self.mlp = Qwen2MLP(config, dtype)
+
+    def forward(self, x, cos, sin, cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen2Model(nn.Layer):
+    def __init__(self, config: dict[str, Any], backend: AttentionBackend, dtype: str, biases: tuple[bool, bool]):
+        super().__init__()
+        self.embed_tokens = Embedding(config["vocab_size"], config["hidden_size"], dtype)
+        self.layers = nn.LayerList(
+            [Qwen2DecoderLayer(config, backend, dtype, biases) for _ in range(config["num_hidden_layers"])]
+        )
+        self.norm = RMSNorm(config["hidden_size"], float(config.get("rms_norm_eps", 1e-6)), dtype)
+
+
+class Qwen2ForCausalLM(nn.Layer):
+    """Qwen2/Qwen2.5 causal LM (q/k/v biases). `LlamaForCausalLM` is the same without them."""
+
+    def __init__(self, config: dict[str, Any], backend: AttentionBackend, dtype: str = "float32"):
+        super().__init__()
+        if dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; choose from {DTYPES}")
+        self.config = config
+        self.dtype_name = dtype
+        self.hidden_size = config["hidden_size"]
+        self.vocab_size = config["vocab_size"]
+        self.num_layers = config["num_hidden_layers"]
+        self.num_heads = config["num_attention_heads"]
+        self.num_kv_heads = config.get("num_key_value_heads") or self.num_heads
+        self.head_dim = config.get("head_dim") or self.hidden_size // self.num_heads
+        self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
+        self.model = Qwen2Model(config, backend, dtype, self.attention_biases(config))
+        self.rotary = RotaryEmbedding(config, self.head_dim)
+        self.lm_head = None if self.tie_word_embeddings else Linear(self.hidden_size, self.vocab_size, False, dtype)
+
+    @staticmethod
+    def attention_biases(config: dict[str, Any]) -> tuple[bool, bool]:
+        """(q/k/v bias, o_proj bias): Qwen2 always biases q/k/v and never o_proj."""
+        return True, False
+
+    def embed(self, input_ids: paddle.Tensor) -> paddle.Tensor:
+        """Token embeddings [T, hidden]; the VL model splices image embeddings into these."""
+        return self.model.embed_tokens(input_ids)
+
+    @paddle.no_grad()
+    def forward(self, input_ids: Optional[paddle.Tensor], positions: paddle.Tensor, caches: list[LayerCache],
+                meta: AttentionMetadata, inputs_embeds: Optional[paddle.Tensor] = None) -> paddle.Tensor:
+        """Hidden states [T, hidden] after the final norm; `inputs_embeds` overrides `input_ids`."""
+        if len(caches) != self.num_layers:
+            raise ValueError(f"got {len(caches)} layer caches for {self.num_layers} layers")
+        x = inputs_embeds if inputs_embeds is not None else self.embed(input_ids)
+        cos, sin = self.rotary.cos_sin(positions)
+        for layer, cache in zip(self.model.layers, caches):
+            x = layer(x, cos, sin, cache, meta)
+        return self.model.norm(x)
+
+    @paddle.no_grad()
+    def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] float32."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return paddle.matmul(hidden, weight, transpose_y=True).astype("float32")
+
+    def checkpoint_parameters(self) -> dict[str, paddle.Tensor]:
+        """Checkpoint tensor name -> parameter to fill (names already match HF's)."""
+        return dict(self.named_parameters())
+
+    def ignored_checkpoint_key(self, name: str) -> bool:
+        """Tensors a checkpoint may carry that this model does not need."""
+        return "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight")
+
+
+class LlamaForCausalLM(Qwen2ForCausalLM):
+    """Llama 2/3/3.1: Qwen2's layout without q/k/v biases (unless `attention_bias`)."""
+
+    @staticmethod
+    def attention_biases(config: dict[str, Any]) -> tuple[bool, bool]:
+        bias = bool(config.get("attention_bias", False))
+        return bias, bias
