@@ -1,0 +1,28 @@
+# warmfleet server/router/operator image on a PaddlePaddle GPU base.
+#
+# PyPI's `paddlepaddle-gpu` stops at 2.6, so the GPU runtime comes from Paddle's own image (or
+# wheel index: https://www.paddlepaddle.org.cn/packages/stable/cu126/). Build:
+#   docker build -t ghcr.io/warmfleet/warmfleet:0.1.0 .
+# CPU-only image (tests, demos): --build-arg BASE_IMAGE=python:3.11-slim --build-arg ENGINE_EXTRA=engine
+ARG BASE_IMAGE=paddlepaddle/paddle:3.0.0-gpu-cuda12.6-cudnn9.5-trt10.5
+FROM ${BASE_IMAGE}
+
+ARG ENGINE_EXTRA=engine-gpu
+ENV PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 WARMFLEET_LOG_FORMAT=json
+
+WORKDIR /opt/warmfleet
+COPY pyproject.toml README.md ./
+COPY warmfleet ./warmfleet
+COPY server ./server
+COPY operator ./operator
+# The base image already ships paddlepaddle-gpu; `engine-gpu` installs everything else the engine needs.
+RUN python -m pip install --no-deps . \
+ && python -m pip install ".[${ENGINE_EXTRA},operator]" \
+ && python -c "import paddle, warmfleet.server.config; print('paddle', paddle.__version__)"
+
+# Non-root by default; the operator's pod spec also sets runAsNonRoot and a read-only root filesystem.
+RUN useradd --uid 10001 --create-home --shell /usr/sbin/nologin warmfleet
+USER 10001:10001
+EXPOSE 8000 5557
+ENTRYPOINT ["warmfleet"]
+CMD ["serve", "--help"]
