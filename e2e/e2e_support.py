@@ -1,0 +1,94 @@
+"""Helpers shared by warmfleet's e2e tests: a handle on a running cluster and a deadline poll.
+
+Kept out of conftest.py so test modules can import them (``from e2e_support import ...``)
+without clashing with tests/conftest.py when both directories run in one session.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
+
+
+class WaitTimeout(AssertionError):
+    pass
+
+
+def wait_for(
+    fn: Callable[[], T | None],
+    timeout: float,
+    what: str,
+    interval: float = 0.25,
+) -> T:
+    """Call ``fn`` until it returns a truthy value or ``timeout`` seconds pass.
+
+    Exceptions from ``fn`` count as "not yet" and the last one is reported on timeout,
+    together with the last value seen.
+    """
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    last_exc: BaseException | None = None
+    while True:
+        try:
+            last = fn()
+            last_exc = None
+            if last:
+                return last
+        except Exception as exc:  # noqa: BLE001 - reported below
+            last_exc = exc
+        if time.monotonic() >= deadline:
+            detail = f"last error: {last_exc!r}" if last_exc else f"last value: {last!r}"
+            raise WaitTimeout(f"timed out after {timeout:.0f}s waiting for {what} ({detail})")
+        time.sleep(interval)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A running control plane and the tools to talk to it."""
+
+    kubeconfig: Path
+    bin_dir: Path | None
+    kubectl_path: Path
+    helm_path: Path | None
+    name: str | None = None
+    owned: bool = False
+    env: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def run(self, argv: list[str], *, input: str | None = None, check: bool = True,
+            timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(argv, input=input, capture_output=True, text=True,
+                              env=self.env, timeout=timeout)
+        if check and proc.returncode != 0:
+            raise AssertionError(
+                f"command failed ({proc.returncode}): {' '.join(argv)}\n"
+                f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+        return proc
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
+                timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return self.run([str(self.kubectl_path), "--kubeconfig", str(self.kubeconfig),
+                         "--request-timeout=60s", *args],
+                        input=input, check=check, timeout=timeout)
+
+    def kubectl_json(self, *args: str) -> Any:
+        return json.loads(self.kubectl(*args, "-o", "json").stdout)
+
+    def apply(self, manifest: str | dict | list, namespace: str | None = None) -> None:
+        if not isinstance(manifest, str):
+            docs = manifest if isinstance(manifest, list) else [manifest]
+            manifest = json.dumps({"apiVersion": "v1", "kind": "List", "items": docs})
+        ns = ["-n", namespace] if namespace else []
+        self.kubectl("apply", *ns, "-f", "-", input=manifest)
+
+    def helm(self, *args: str, check: bool = True,
+             timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        if self.helm_path is None:
+            raise AssertionError("helm is not available (no WARMFLEET_E2E_BIN/helm, none on PATH)")
+        return self.run([str(self.helm_path), "--kubeconfig", str(self.kubeconfig), *args],
+                        check=check, timeout=timeout)
