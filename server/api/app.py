@@ -1,0 +1,173 @@
+"""`build_app`: the FastAPI application of one replica (OpenAI routes, tokenize, probes, metrics, KV snapshot)."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import Any, Optional
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from ..config import EngineConfig
+from ..engine.protocol import EngineClient
+from ..tokenizer import ChatTemplateError
+from . import errors
+from .errors import APIError, bad_request
+from .metrics import CONTENT_TYPE
+from .protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
+from .serving import _message_dict, chat_completions, check_token_ids, completions, parse_body
+from .state import ServerState
+
+log = logging.getLogger("warmfleet.api")
+
+REPLICA_HEADER = "x-warmfleet-replica"
+
+
+def build_app(engine: Optional[EngineClient], tokenizer: Any, cfg: EngineConfig) -> FastAPI:
+    """The API of one replica. `engine` may be None while the model loads (attach it with `attach_engine`)."""
+    state = ServerState(cfg, engine, tokenizer)
+    app = FastAPI(title="warmfleet", docs_url=None, redoc_url=None)
+    app.state.wf = state
+    errors.install(app)
+    app.add_middleware(ResponseObserver, replica_id=state.replica_id, state=state)
+
+    def get_state(request: Request) -> ServerState:
+        return request.app.state.wf
+
+    def require_key(request: Request) -> None:
+        key = state.api_key
+        if not key:
+            return
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "invalid or missing API key (send `Authorization: Bearer KEY`)", code="invalid_api_key")
+
+    api = APIRouter(dependencies=[Depends(require_key)])
+
+    @api.post("/v1/chat/completions")
+    async def _chat(request: Request) -> Response:
+        return await chat_completions(request, get_state(request))
+
+    @api.post("/v1/completions")
+    async def _completions(request: Request) -> Response:
+        return await completions(request, get_state(request))
+
+    @api.get("/v1/models")
+    async def _models(request: Request) -> ModelList:
+        s = get_state(request)
+        info = s.engine.model_info if s.engine is not None else None
+        card = ModelCard(
+            id=s.model_name,
+            root=info.model_dir if info else s.cfg.model.model,
+            max_model_len=info.max_model_len if info else None,
+        )
+        return ModelList(data=[card])
+
+    @api.post("/tokenize")
+    async def _tokenize(request: Request) -> JSONResponse:
+        s = get_state(request)
+        body = await parse_body(request, TokenizeRequest, s)
+        s.check_model(body.model)
+        engine = s.require_engine()
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give exactly one of `prompt` or `messages`", param="prompt")
+        if body.messages is not None:
+            if not body.messages:
+                raise bad_request("messages must not be empty", param="messages", code="invalid_value")
+            messages = [_message_dict(m, i) for i, m in enumerate(body.messages)]
+            try:
+                text = await s.run_sync(_template, s.tokenizer, messages, body.add_generation_prompt)
+            except ChatTemplateError as exc:
+                raise bad_request(str(exc), param="messages", code="invalid_messages") from None
+            add_special = False  # the template already wrote them
+        else:
+            text, add_special = body.prompt, body.add_special_tokens
+        tokens = await s.run_sync(s.tokenizer.encode, text, add_special)
+        return JSONResponse({"count": len(tokens), "max_model_len": engine.model_info.max_model_len, "tokens": tokens})
+
+    @api.post("/detokenize")
+    async def _detokenize(request: Request) -> JSONResponse:
+        s = get_state(request)
+        body = await parse_body(request, DetokenizeRequest, s)
+        s.check_model(body.model)
+        s.require_engine()
+        check_token_ids(s, body.tokens, "tokens")
+        return JSONResponse({"prompt": await s.run_sync(s.tokenizer.decode, body.tokens)})
+
+    @api.get("/v1/kv/snapshot")
+    async def _snapshot(request: Request) -> JSONResponse:
+        return JSONResponse(await get_state(request).require_engine().snapshot())
+
+    app.include_router(api)
+
+    @app.get("/health")
+    async def _health(request: Request) -> Response:
+        s = get_state(request)
+        if s.engine is not None and not await _healthy(s.engine):
+            return JSONResponse({"status": "engine unhealthy"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def _ready(request: Request) -> Response:
+        s = get_state(request)
+        if s.engine is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        if s.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not await _healthy(s.engine):
+            return JSONResponse({"status": "engine unhealthy"}, status_code=503)
+        return JSONResponse({"status": "ready", "model": s.model_name})
+
+    @app.get("/metrics")
+    async def _metrics(request: Request) -> Response:
+        s = get_state(request)
+        stats = None
+        if s.engine is not None:
+            try:
+                stats = await s.engine.stats()
+            except Exception:  # scrape still answers with the API's own series
+                log.warning("engine stats unavailable", exc_info=True)
+        return Response(s.metrics.render(stats), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def attach_engine(app: FastAPI, engine: EngineClient, tokenizer: Any) -> None:
+    """Point a running app at its engine once the model has loaded (/ready turns 200)."""
+    app.state.wf.attach(engine, tokenizer)
+
+
+def _template(tokenizer: Any, messages: list[dict], add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+
+
+async def _healthy(engine: EngineClient) -> bool:
+    try:
+        return bool(await engine.check_health())
+    except Exception:
+        return False
+
+
+class ResponseObserver:
+    """ASGI middleware: stamps every response with the replica id and counts error statuses."""
+
+    def __init__(self, app: Any, replica_id: str, state: ServerState):
+        self.app = app
+        self.header = (REPLICA_HEADER.encode(), replica_id.encode())
+        self.state = state
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_header(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+                if message["status"] >= 400:
+                    self.state.metrics.error(message["status"])
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)

@@ -1,0 +1,122 @@
+"""Prometheus metrics on a private registry: vLLM names where the meaning is the same, `warmfleet:` otherwise.
+
+Request-level series (tokens, latencies, outcomes) are observed by the API as requests run;
+engine-level series (queues, KV usage, prefix-cache and swap counters) are read from
+`EngineClient.stats()` at scrape time, so they are exactly the engine's own numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ..engine.protocol import EngineStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# vLLM's buckets, so dashboards' heatmaps line up
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+
+
+class EngineStatsCollector(Collector):
+    """Exposes the last EngineStats read at scrape time as gauges and counters."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.stats: Optional[EngineStats] = None
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats
+        if s is None:
+            return
+        m = self.model_name
+
+        def gauge(name: str, doc: str, value: float, **labels: str) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=["model_name", *labels])
+            g.add_metric([m, *labels.values()], value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([m], value)
+            return c
+
+        yield gauge("vllm:num_requests_running", "Requests in the running batch.", s.num_running)
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "Primary KV pool usage, 1 means 100 percent.", _usage(s.gpu_blocks_total, s.gpu_blocks_free))
+
+        usage = GaugeMetricFamily("warmfleet:kv_cache_usage_perc", "KV block usage per tier, 1 means 100 percent.", labels=["model_name", "tier"])
+        usage.add_metric([m, "gpu"], _usage(s.gpu_blocks_total, s.gpu_blocks_free))
+        usage.add_metric([m, "cpu"], _usage(s.cpu_blocks_total, s.cpu_blocks_free))
+        yield usage
+        blocks = GaugeMetricFamily("warmfleet:kv_blocks", "KV blocks per tier and state.", labels=["model_name", "tier", "state"])
+        blocks.add_metric([m, "gpu", "total"], s.gpu_blocks_total)
+        blocks.add_metric([m, "gpu", "free"], s.gpu_blocks_free)
+        blocks.add_metric([m, "cpu", "total"], s.cpu_blocks_total)
+        blocks.add_metric([m, "cpu", "free"], s.cpu_blocks_free)
+        yield blocks
+
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_queries_tokens)
+        yield counter(
+            "vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache (all tiers).",
+            s.prefix_hits_tokens_gpu + s.prefix_hits_tokens_cpu,
+        )
+        hits = CounterMetricFamily("warmfleet:prefix_cache_hits", "Prompt tokens served from the prefix cache, per tier.", labels=["model_name", "tier"])
+        hits.add_metric([m, "gpu"], s.prefix_hits_tokens_gpu)
+        hits.add_metric([m, "cpu"], s.prefix_hits_tokens_cpu)
+        yield hits
+        yield counter("vllm:num_preemptions", "Requests preempted for lack of KV blocks.", s.preemptions)
+        yield counter("warmfleet:swap_in_blocks", "KV blocks copied from the CPU tier back to the primary pool.", s.swap_in_blocks)
+        yield counter("warmfleet:swap_out_blocks", "KV blocks moved from the primary pool to the CPU tier.", s.swap_out_blocks)
+
+
+def _usage(total: int, free: int) -> float:
+    return (total - free) / total if total > 0 else 0.0
+
+
+class Metrics:
+    """All series of one API server, on its own registry (tests can build many apps in one process)."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+        self.engine = EngineStatsCollector(model_name)
+        r.register(self.engine)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", labels, registry=r).labels(model_name)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", labels, registry=r).labels(model_name)
+        self.cached_prompt_tokens = Counter(
+            "warmfleet:cached_prompt_tokens", "Prompt tokens served from the prefix cache, as reported in usage.",
+            ["model_name", "tier"], registry=r,
+        )
+        self.request_success = Counter(
+            "vllm:request_success", "Finished requests by finish reason.", ["model_name", "finished_reason"], registry=r
+        )
+        self.request_errors = Counter(
+            "warmfleet:request_errors", "Requests answered with an error, by HTTP status.", ["model_name", "status"], registry=r
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", labels, buckets=_TTFT_BUCKETS, registry=r
+        ).labels(model_name)
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds", "Time between consecutive output tokens.", labels, buckets=_ITL_BUCKETS, registry=r
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "Request latency from arrival to last token.", labels, buckets=_E2E_BUCKETS, registry=r
+        ).labels(model_name)
+
+    def finished(self, reason: str) -> None:
+        self.request_success.labels(self.model_name, reason).inc()
+
+    def error(self, status: int) -> None:
+        self.request_errors.labels(self.model_name, str(status)).inc()
+
+    def render(self, stats: Optional[EngineStats]) -> bytes:
+        """Exposition text with engine series taken from `stats` (None leaves them out)."""
+        self.engine.stats = stats
+        return generate_latest(self.registry)

@@ -1,0 +1,103 @@
+"""What one API server holds: config, the engine and tokenizer once loaded, metrics, replica identity."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Optional, TypeVar
+
+import anyio
+
+from ..config import EngineConfig
+from ..engine.protocol import EngineClient
+from .errors import APIError
+from .metrics import Metrics
+
+T = TypeVar("T")
+
+
+def served_model_name(cfg: EngineConfig) -> str:
+    """The name clients pass as `model`: --served-model-name, else the checkpoint directory's name."""
+    return cfg.model.served_model_name or Path(cfg.model.model.rstrip("/")).name or "model"
+
+
+def replica_id(cfg: EngineConfig) -> str:
+    return cfg.server.replica_id or f"{cfg.server.host}:{cfg.server.port}"
+
+
+class ServerState:
+    """Engine and tokenizer are attached once the model has loaded; until then /v1 answers 503."""
+
+    def __init__(self, cfg: EngineConfig, engine: Optional[EngineClient] = None, tokenizer: Any = None):
+        self.cfg = cfg
+        self.replica_id = replica_id(cfg)
+        self.api_key = cfg.server.api_key or os.environ.get("WARMFLEET_API_KEY") or None
+        self.model_name = engine.model_info.served_model_name if engine is not None else served_model_name(cfg)
+        self.metrics = Metrics(self.model_name)
+        self.engine: Optional[EngineClient] = None
+        self.tokenizer: Any = None
+        self.vocab_size: Optional[int] = None
+        self.draining = False
+        self._kv_capacity_tokens: Optional[int] = None
+        if engine is not None:
+            self.attach(engine, tokenizer)
+
+    def attach(self, engine: EngineClient, tokenizer: Any) -> None:
+        """Make the server ready: from now on requests reach `engine`."""
+        self.tokenizer = tokenizer
+        self.vocab_size = _model_vocab_size(engine.model_info.model_dir, tokenizer)
+        self.engine = engine
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and not self.draining
+
+    def require_engine(self) -> EngineClient:
+        if self.engine is None:
+            raise APIError(503, "the model is still loading; retry when /ready answers 200", code="model_loading")
+        return self.engine
+
+    def check_model(self, name: Optional[str]) -> str:
+        """The served name for a request's `model`; 404 for any other name."""
+        if name is not None and name != self.model_name:
+            raise APIError(
+                404, f"The model `{name}` does not exist. This server serves `{self.model_name}`.",
+                param="model", code="model_not_found",
+            )
+        return self.model_name
+
+    async def context_limit(self) -> tuple[int, str]:
+        """Most tokens (prompt + output) one request may hold, and what sets that limit.
+
+        That is the model's context length, unless the primary KV pool is smaller: a request
+        the pool can never hold would wait forever, so it is refused instead.
+        """
+        engine = self.require_engine()
+        limit = engine.model_info.max_model_len
+        if self._kv_capacity_tokens is None:
+            try:
+                stats = await engine.stats()
+            except Exception:  # capacity unknown this time; the context length still applies
+                stats = None
+            if stats is not None:
+                self._kv_capacity_tokens = stats.gpu_blocks_total * engine.model_info.block_size
+        if self._kv_capacity_tokens and self._kv_capacity_tokens < limit:
+            return self._kv_capacity_tokens, "KV cache capacity"
+        return limit, "maximum context length"
+
+    async def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run CPU work (tokenizing, template rendering) off the event loop."""
+        return await anyio.to_thread.run_sync(fn, *args)
+
+
+def _model_vocab_size(model_dir: str, tokenizer: Any) -> Optional[int]:
+    """Embedding rows of the model (config.json), else the tokenizer's vocabulary; None if unknown."""
+    try:
+        size = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8")).get("vocab_size")
+        if isinstance(size, int) and size > 0:
+            return size
+    except (OSError, ValueError):
+        pass
+    size = getattr(tokenizer, "vocab_size", None)
+    return size if isinstance(size, int) and size > 0 else None
