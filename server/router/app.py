@@ -1,0 +1,176 @@
+"""The router's HTTP surface (FastAPI): OpenAI endpoints, health, readiness, metrics, auth and client limits."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Optional
+
+import httpx
+from fastapi import FastAPI, Request
+from starlette.background import BackgroundTask
+from starlette.responses import JSONResponse, Response
+
+from .auth import ConcurrencyLimiter, Tenants
+from .fleet import Fleet
+from .metrics import RouterMetrics
+from .policy import PolicyConfig
+from .prompt import HashConfig, PromptRenderer
+from .proxy import Proxy, ProxyConfig, error_response
+from .registry import ReplicaSpec
+
+Discovery = Callable[[Fleet], Awaitable[None]]  # runs until cancelled, calling fleet.set_members
+
+
+@dataclass
+class RouterSettings:
+    """Everything `warmfleet route` configures, in one place."""
+
+    hash_cfg: HashConfig
+    replicas: list[ReplicaSpec] = field(default_factory=list)  # static members (--replica)
+    renderer: Optional[PromptRenderer] = None  # None: route by load and cold hashing of nothing (tests only)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    tenants: Tenants = field(default_factory=lambda: Tenants({}))
+    max_concurrent_per_client: int = 0  # 0 = unlimited
+    replica_api_key: Optional[str] = None  # sent upstream as Bearer
+    health_interval_s: float = 0.2
+    health_timeout_s: float = 0.5
+    discovery: Optional[Discovery] = None
+
+
+def build_app(settings: RouterSettings) -> FastAPI:
+    metrics = RouterMetrics()
+    limiter = ConcurrencyLimiter(settings.max_concurrent_per_client)
+    upstream = {"authorization": f"Bearer {settings.replica_api_key}"} if settings.replica_api_key else {}
+    state: dict = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        fleet = Fleet(http, metrics, health_interval_s=settings.health_interval_s,
+                      health_timeout_s=settings.health_timeout_s, model_fingerprint=settings.hash_cfg.model_fingerprint,
+                      block_size=settings.hash_cfg.block_size, upstream_headers=upstream)
+        state["fleet"] = app.state.fleet = fleet
+        state["proxy"] = Proxy(fleet, settings.renderer, settings.hash_cfg, metrics, settings.policy, settings.proxy,
+                               upstream)
+        await fleet.set_members(settings.replicas)
+        await fleet.start()
+        disc = asyncio.create_task(settings.discovery(fleet)) if settings.discovery else None
+        try:
+            yield
+        finally:
+            if disc is not None:
+                disc.cancel()
+                await asyncio.gather(disc, return_exceptions=True)
+            await fleet.stop()
+            await http.aclose()
+
+    app = FastAPI(title="warmfleet router", lifespan=lifespan)
+    app.state.metrics = metrics
+
+    def client_headers(request: Request) -> dict:
+        """Headers passed upstream: the client's auth only when the router itself checks none."""
+        auth = request.headers.get("authorization")
+        return {"authorization": auth} if auth and not settings.tenants.enabled else {}
+
+    async def admit(request: Request, body: Optional[dict],
+                    call: Callable[[], Awaitable[Response]]) -> Response:
+        client = request.client.host if request.client else "unknown"
+        if settings.tenants.enabled:
+            key = settings.tenants.authenticate(request.headers.get("authorization"))
+            if key is None:
+                return error_response(401, "missing or unknown API key", "authentication_error")
+            client = "key:" + key
+            if body is not None:
+                salt = body.get("cache_salt")
+                body["cache_salt"] = settings.tenants.salt_for(key, salt if isinstance(salt, str) else None)
+        if not limiter.try_acquire(client):
+            return error_response(429, f"more than {limiter.limit} concurrent requests from this client",
+                                  "rate_limit_error")
+        try:
+            resp = await call()
+        except BaseException:
+            limiter.release(client)
+            raise
+        if resp.background is None:  # release when the last byte has gone (streams run after return)
+            resp.background = BackgroundTask(limiter.release, client)
+        else:
+            limiter.release(client)
+        return resp
+
+    async def json_body(request: Request) -> dict | Response:
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError):
+            return error_response(400, "request body is not valid JSON", "invalid_request_error")
+        if not isinstance(body, dict):
+            return error_response(400, "request body must be a JSON object", "invalid_request_error")
+        return body
+
+    async def generate(request: Request, path: str, kind: str) -> Response:
+        body = await json_body(request)
+        if isinstance(body, Response):
+            return body
+        return await admit(request, body, lambda: state["proxy"].forward(path, kind, body, client_headers(request)))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await generate(request, "/v1/chat/completions", "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, "/v1/completions", "completion")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await admit(request, None, lambda: state["proxy"].forward_plain("GET", "/v1/models", b"",
+                                                                               client_headers(request)))
+
+    async def plain_post(request: Request, path: str) -> Response:
+        raw = await request.body()
+        return await admit(request, None, lambda: state["proxy"].forward_plain("POST", path, raw,
+                                                                               client_headers(request)))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await plain_post(request, "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await plain_post(request, "/detokenize")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        fleet: Fleet = state["fleet"]
+        n = len(fleet.routable())
+        return JSONResponse({"ready": n > 0, "routable_replicas": n, "replicas": len(fleet.registry.replicas)},
+                            status_code=200 if n else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        fleet: Fleet = state["fleet"]
+        for rid in fleet.registry.replicas:
+            metrics.replica_engine_queue.labels(rid).set(fleet.engine_load(rid))
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/router/replicas")
+    async def replicas() -> Response:
+        """Debug view: members, health, load and how much of each one's cache the index knows."""
+        fleet: Fleet = state["fleet"]
+        out = []
+        for r in fleet.registry.replicas.values():
+            st = fleet.index.replicas.get(r.id)
+            out.append({"id": r.id, "events": r.spec.events, "healthy": r.healthy, "in_flight": r.in_flight,
+                        "engine_requests": fleet.engine_load(r.id), "synced": bool(st and st.synced),
+                        "gpu_blocks": len(st.gpu) if st else 0, "cpu_blocks": len(st.cpu) if st else 0,
+                        "last_error": r.last_error})
+        return JSONResponse({"replicas": out, "index_blocks": fleet.index.num_blocks()})
+
+    return app

@@ -1,0 +1,83 @@
+"""Tenants: API keys, each key's cache salt, and per-client concurrency limits; no I/O beyond reading the key file.
+
+A key's salt is the mapping file's value if it gives one, else HMAC-SHA256(secret, key). Every
+router process with the same keys and secret derives the same salt, so routers agree, and a
+tenant cannot name another tenant's salt without that tenant's key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from pathlib import Path
+from typing import Optional
+
+DEFAULT_SALT_SECRET = "warmfleet-cache-salt-v1"
+
+
+def derive_salt(key: str, secret: str = DEFAULT_SALT_SECRET) -> str:
+    return hmac.new(secret.encode(), key.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+class Tenants:
+    """Known API keys → cache salt; an empty set means the router is open (no key required)."""
+
+    def __init__(self, keys: dict[str, Optional[str]], secret: str = DEFAULT_SALT_SECRET):
+        self._salts = {k: (s or derive_salt(k, secret)) for k, s in keys.items()}
+
+    @classmethod
+    def from_flags(cls, api_keys: list[str], keys_file: Optional[str], secret: Optional[str]) -> "Tenants":
+        """`--api-key` values plus a JSON file `{"key": "salt" | null, ...}`."""
+        keys: dict[str, Optional[str]] = {k: None for k in api_keys if k}
+        if keys_file:
+            data = json.loads(Path(keys_file).read_text(encoding="utf-8"))
+            if not isinstance(data, dict) or not all(isinstance(k, str) and (v is None or isinstance(v, str))
+                                                     for k, v in data.items()):
+                raise ValueError(f"{keys_file}: expected a JSON object mapping API keys to salts (or null)")
+            keys.update(data)
+        return cls(keys, secret or DEFAULT_SALT_SECRET)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._salts)
+
+    def authenticate(self, authorization: Optional[str]) -> Optional[str]:
+        """The key from `Authorization: Bearer KEY` if it is known, else None (constant time per key)."""
+        if not authorization or not authorization.startswith("Bearer "):
+            return None
+        given = authorization[len("Bearer "):].strip().encode()
+        found = None
+        for key in self._salts:
+            if hmac.compare_digest(key.encode(), given):
+                found = key
+        return found
+
+    def salt_for(self, key: str, client_salt: Optional[str]) -> str:
+        """The tenant's salt; a client-given salt partitions further inside the tenant, never across tenants."""
+        salt = self._salts[key]
+        return salt if not client_salt else f"{salt}/{client_salt}"
+
+
+class ConcurrencyLimiter:
+    """At most `limit` open requests per client (0 = unlimited); `try_acquire` / `release`."""
+
+    def __init__(self, limit: int):
+        if limit < 0:
+            raise ValueError("--max-concurrent-per-client must be >= 0")
+        self.limit = limit
+        self.open: dict[str, int] = {}
+
+    def try_acquire(self, client: str) -> bool:
+        n = self.open.get(client, 0)
+        if self.limit and n >= self.limit:
+            return False
+        self.open[client] = n + 1
+        return True
+
+    def release(self, client: str) -> None:
+        n = self.open.get(client, 0) - 1
+        if n > 0:
+            self.open[client] = n
+        else:
+            self.open.pop(client, None)

@@ -1,0 +1,212 @@
+"""The fleet as one router sees it: membership, active health checks, KV-event feeds and snapshot resyncs.
+
+A replica leaves routing at its first failed health check or failed connection (passive),
+and its index entries are purged at once (it may come back cold). When it passes a check
+again it is routable, and a snapshot resync rebuilds what it holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Iterable, Optional
+
+import httpx
+
+from ..events import EventBatch, Snapshot
+from .index import Applied, KVIndex
+from .metrics import RouterMetrics
+from .registry import Registry, Replica, ReplicaSpec
+from .subscriber import EventSubscriber, cancel
+
+log = logging.getLogger(__name__)
+
+RESYNC_ATTEMPTS = 5  # snapshot fetches in a row before waiting for the next trigger
+
+
+class Fleet:
+    def __init__(self, http: httpx.AsyncClient, metrics: RouterMetrics, *, health_interval_s: float = 0.2,
+                 health_timeout_s: float = 0.5, model_fingerprint: Optional[str] = None,
+                 block_size: Optional[int] = None, upstream_headers: Optional[dict] = None):
+        self.http = http
+        self.metrics = metrics
+        self.index = KVIndex()
+        self.registry = Registry(on_down=self._on_down, on_up=self._on_up)
+        self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
+        self.model_fingerprint, self.block_size = model_fingerprint, block_size
+        self.upstream_headers = upstream_headers or {}
+        self._subscribers: dict[str, asyncio.Task] = {}
+        self._resyncs: dict[str, asyncio.Task] = {}
+        self._resync_again: set[str] = set()
+        self._health_task: Optional[asyncio.Task] = None
+
+    # --- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.check_health()
+        self._health_task = asyncio.create_task(self._health_loop())
+
+    async def stop(self) -> None:
+        tasks = list(self._subscribers.values()) + list(self._resyncs.values())
+        if self._health_task is not None:
+            tasks.append(self._health_task)
+        for t in tasks:
+            await cancel(t)
+        self._subscribers.clear()
+        self._resyncs.clear()
+
+    async def set_members(self, specs: Iterable[ReplicaSpec]) -> None:
+        """Make the fleet exactly `specs` (static flags or a discovery update)."""
+        added, removed = self.registry.set_members(specs)
+        for rid in removed:
+            task = self._subscribers.pop(rid, None)
+            if task is not None:
+                await cancel(task)
+            self.index.remove(rid)
+            for gauge in (self.metrics.replica_healthy, self.metrics.replica_in_flight):
+                try:
+                    gauge.remove(rid)
+                except KeyError:
+                    pass
+            log.info("replica %s left the fleet", rid)
+        for spec in added:
+            log.info("replica %s joined the fleet (events: %s)", spec.id, spec.events or "none")
+            if spec.events:
+                self._subscribers[spec.id] = asyncio.create_task(self._subscribe(spec))
+        if added:
+            await asyncio.gather(*(self._check(self.registry.replicas[s.id]) for s in added))
+
+    # --- routing view -----------------------------------------------------------------------
+    def routable(self) -> list[Replica]:
+        return self.registry.healthy()
+
+    def engine_load(self, rid: str, max_age_s: float = 2.0) -> int:
+        """Running + waiting requests from the replica's latest Load event, if fresh."""
+        st = self.index.replicas.get(rid)
+        if st is None or st.load is None or time.monotonic() - st.load_time > max_age_s:
+            return 0
+        return st.load.num_running + st.load.num_waiting
+
+    # --- health -----------------------------------------------------------------------------
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            try:
+                await self.check_health()
+            except Exception:
+                log.exception("health round failed")
+
+    async def check_health(self) -> None:
+        await asyncio.gather(*(self._check(r) for r in list(self.registry.replicas.values())))
+
+    async def _check(self, rep: Replica) -> None:
+        try:
+            resp = await self.http.get(rep.spec.url + "/health", timeout=self.health_timeout_s,
+                                       headers=self.upstream_headers)
+            ok = resp.status_code == 200
+            err = "" if ok else f"/health answered {resp.status_code}"
+        except httpx.HTTPError as exc:
+            ok, err = False, f"/health: {type(exc).__name__}"
+        if ok:
+            self.registry.mark_up(rep.id)
+        else:
+            self.registry.mark_down(rep.id, err)
+
+    def report_failure(self, rid: str, error: str) -> None:
+        """Passive detection: a request could not connect or was reset."""
+        self.registry.mark_down(rid, error)
+
+    def _on_down(self, rid: str) -> None:
+        log.warning("replica %s is down: %s", rid, self.registry.replicas[rid].last_error)
+        self.index.purge(rid)
+        self.metrics.replica_healthy.labels(rid).set(0)
+
+    def _on_up(self, rid: str) -> None:
+        log.info("replica %s is up", rid)
+        self.metrics.replica_healthy.labels(rid).set(1)
+        self.request_resync(rid, "recovered")
+
+    # --- events and resync ------------------------------------------------------------------
+    async def _subscribe(self, spec: ReplicaSpec) -> None:
+        rid = spec.id
+        sub = EventSubscriber(
+            spec.events or "",
+            on_batch=lambda b: self._on_batch(rid, b),
+            on_connect=lambda: self.request_resync(rid, "connect"),
+            on_bad=lambda exc: self.metrics.bad_events.labels(rid).inc(),
+        )
+        await sub.run()
+
+    def _on_batch(self, rid: str, batch: EventBatch) -> None:
+        before = self.index.state(rid).seq
+        result = self.index.apply_batch(rid, batch)
+        self.metrics.event_lag.observe(max(0.0, time.time() - batch.ts))
+        if result is Applied.NEED_RESYNC:
+            cause = "restart" if before is not None and batch.seq <= before else "gap"
+            self.request_resync(rid, cause)
+        elif result is Applied.BUFFERED and rid not in self._resyncs:
+            self.request_resync(rid, "unsynced")  # an earlier resync gave up; events prove the replica is back
+        self._update_index_metrics(rid)
+
+    def request_resync(self, rid: str, cause: str) -> None:
+        rep = self.registry.get(rid)
+        if rep is None or not rep.spec.events or not rep.kv_tracked:
+            return
+        if rid in self._resyncs:
+            self._resync_again.add(rid)  # a newer trigger: run once more after the current fetch
+            return
+        self.metrics.resyncs.labels(rid, cause).inc()
+        self._resyncs[rid] = asyncio.create_task(self._resync(rid))
+
+    async def _resync(self, rid: str) -> None:
+        try:
+            for attempt in range(RESYNC_ATTEMPTS):
+                self._resync_again.discard(rid)
+                rep = self.registry.get(rid)
+                if rep is None:
+                    return
+                snap = await self._fetch_snapshot(rep)
+                if snap is None:
+                    await asyncio.sleep(min(0.05 * 2 ** attempt, 1.0))
+                    continue
+                result = self.index.apply_snapshot(rid, snap)
+                self._update_index_metrics(rid)
+                if result is Applied.OK and rid not in self._resync_again:
+                    return
+        finally:
+            self._resyncs.pop(rid, None)
+
+    async def _fetch_snapshot(self, rep: Replica) -> Optional[Snapshot]:
+        try:
+            resp = await self.http.get(rep.spec.url + "/v1/kv/snapshot", timeout=10.0, headers=self.upstream_headers)
+        except httpx.HTTPError as exc:
+            log.info("snapshot from %s failed: %s", rep.id, type(exc).__name__)
+            return None
+        if resp.status_code in (404, 405, 501):
+            log.warning("replica %s serves no KV snapshot; routing it without its cache index", rep.id)
+            rep.kv_tracked = False
+            return None
+        if resp.status_code != 200:
+            return None
+        try:
+            snap = Snapshot.from_json(resp.json())
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("bad snapshot from %s: %s", rep.id, exc)
+            return None
+        self._check_compatible(rep.id, snap)
+        return snap
+
+    def _check_compatible(self, rid: str, snap: Snapshot) -> None:
+        if self.model_fingerprint and snap.model_fingerprint != self.model_fingerprint:
+            log.error("replica %s serves model %s, the router hashes for %s: its cache will never match",
+                      rid, snap.model_fingerprint, self.model_fingerprint)
+        if self.block_size and snap.block_size != self.block_size:
+            log.error("replica %s uses block size %d, the router %d: set the router's --block-size to match",
+                      rid, snap.block_size, self.block_size)
+
+    def _update_index_metrics(self, rid: str) -> None:
+        st = self.index.replicas.get(rid)
+        if st is not None:
+            self.metrics.replica_blocks.labels(rid, "gpu").set(len(st.gpu))
+            self.metrics.replica_blocks.labels(rid, "cpu").set(len(st.cpu))
+        self.metrics.index_blocks.set(self.index.num_blocks())

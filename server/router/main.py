@@ -1,0 +1,112 @@
+"""`warmfleet route`: flags → RouterSettings → uvicorn; imports nothing heavy until run()."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from ..config import CacheConfig, flag_of
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    cache = CacheConfig()
+    p.add_argument("--model", required=True, help="Checkpoint directory the replicas serve (tokenizer and "
+                   "chat template are read from it; its fingerprint roots every block hash).")
+    p.add_argument("--replica", action="append", default=[], metavar="URL[,events=tcp://HOST:PORT]",
+                   help="A replica's HTTP base URL, optionally with its KV-event endpoint (repeatable).")
+    p.add_argument("--kv-events-port", type=int, default=None,
+                   help="KV-event port of every replica without events=...: tcp://<URL host>:PORT. "
+                        "With discovery, used when the EndpointSlice names no 'kv-events' port.")
+    p.add_argument("--discover-service", default=None, metavar="NAMESPACE/NAME",
+                   help="Watch the EndpointSlices of this Service for replicas (Ready endpoints only).")
+    p.add_argument("--discover-port-name", default="http", help="EndpointSlice port name of the HTTP API.")
+    p.add_argument("--discover-events-port-name", default="kv-events",
+                   help="EndpointSlice port name of the KV-event socket.")
+    p.add_argument("--host", default="127.0.0.1", help="Address to bind.")
+    p.add_argument("--port", type=int, default=8080, help="Port to bind.")
+    p.add_argument(flag_of(CacheConfig, "block_size"), type=int, default=cache.block_size,
+                   help="Tokens per KV block; must equal the replicas' (checked against their snapshots).")
+    p.add_argument(flag_of(CacheConfig, "prefix_hash_algo"), default=cache.prefix_hash_algo,
+                   choices=("blake3", "sha256", "xxhash"), help="Block-hash digest; must equal the replicas'.")
+    p.add_argument("--cpu-tier-weight", type=float, default=0.5,
+                   help="Worth of a swap-tier block relative to a GPU block in scoring (0..1).")
+    p.add_argument("--load-weight", type=float, default=32.0,
+                   help="Cached prompt tokens that one in-flight request on a replica outweighs.")
+    p.add_argument("--balance-epsilon", type=float, default=0.25,
+                   help="Bounded load: no replica above (1 + EPS) x mean load while another can take the request.")
+    p.add_argument("--cold-key-blocks", type=int, default=1,
+                   help="Leading blocks whose hash places a prefix no replica holds (consistent hashing).")
+    p.add_argument("--max-attempts", type=int, default=3, help="Replicas tried before the first byte.")
+    p.add_argument("--connect-timeout-s", type=float, default=1.0, help="Connect timeout to a replica, seconds.")
+    p.add_argument("--upstream-timeout-s", type=float, default=600.0,
+                   help="Longest silence from a replica while answering, seconds.")
+    p.add_argument("--health-interval-s", type=float, default=0.2, help="Active health-check period, seconds.")
+    p.add_argument("--health-timeout-s", type=float, default=0.5, help="Health-check timeout, seconds.")
+    p.add_argument("--max-concurrent-per-client", type=int, default=0,
+                   help="Open requests per API key (or client address without keys); 0 = unlimited.")
+    p.add_argument("--api-key", action="append", default=[],
+                   help="Accepted client key (repeatable; env WARMFLEET_API_KEY). Each key gets its own cache_salt.")
+    p.add_argument("--api-keys-file", default=None,
+                   help='JSON {"key": "salt" or null}; null derives the salt as HMAC-SHA256(secret, key).')
+    p.add_argument("--salt-secret", default=None,
+                   help="HMAC secret for derived salts (env WARMFLEET_SALT_SECRET); same on every router.")
+    p.add_argument("--replica-api-key", default=None,
+                   help="Key sent to replicas as Bearer (env WARMFLEET_REPLICA_API_KEY).")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def settings_from_args(args: argparse.Namespace):
+    """Validate flags and build RouterSettings (loads the tokenizer)."""
+    from ..hashing import model_fingerprint
+    from .app import RouterSettings
+    from .auth import Tenants
+    from .policy import PolicyConfig
+    from .prompt import HashConfig, PromptRenderer
+    from .proxy import ProxyConfig
+    from .registry import parse_replica
+
+    if not args.replica and not args.discover_service:
+        raise ValueError("give at least one --replica URL or --discover-service NAMESPACE/NAME")
+    if args.block_size < 1:
+        raise ValueError("--block-size must be >= 1")
+    if not 0 <= args.cpu_tier_weight <= 1:
+        raise ValueError("--cpu-tier-weight must be in [0, 1]")
+    if args.balance_epsilon < 0 or args.cold_key_blocks < 1 or args.max_attempts < 1:
+        raise ValueError("--balance-epsilon must be >= 0, --cold-key-blocks and --max-attempts >= 1")
+    keys = list(args.api_key)
+    if os.environ.get("WARMFLEET_API_KEY"):
+        keys.append(os.environ["WARMFLEET_API_KEY"])
+    discovery = None
+    if args.discover_service:
+        from .discovery import EndpointSliceDiscovery
+
+        discovery = EndpointSliceDiscovery.from_flag(args.discover_service, args.discover_port_name,
+                                                     args.discover_events_port_name, args.kv_events_port).run
+    return RouterSettings(
+        hash_cfg=HashConfig(args.block_size, model_fingerprint(args.model), args.prefix_hash_algo),
+        replicas=[parse_replica(r, args.kv_events_port) for r in args.replica],
+        renderer=PromptRenderer(args.model),
+        policy=PolicyConfig(cpu_weight=args.cpu_tier_weight, load_weight=args.load_weight,
+                            epsilon=args.balance_epsilon),
+        proxy=ProxyConfig(max_attempts=args.max_attempts, connect_timeout_s=args.connect_timeout_s,
+                          read_timeout_s=args.upstream_timeout_s, cold_key_blocks=args.cold_key_blocks),
+        tenants=Tenants.from_flags(keys, args.api_keys_file,
+                                   args.salt_secret or os.environ.get("WARMFLEET_SALT_SECRET")),
+        max_concurrent_per_client=args.max_concurrent_per_client,
+        replica_api_key=args.replica_api_key or os.environ.get("WARMFLEET_REPLICA_API_KEY"),
+        health_interval_s=args.health_interval_s,
+        health_timeout_s=args.health_timeout_s,
+        discovery=discovery,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .app import build_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = build_app(settings_from_args(args))
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    return 0

@@ -1,0 +1,46 @@
+"""Prometheus metrics of one router process, on a registry of its own (several routers may share a test process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        p = "warmfleet_router_"
+        self.decisions = Counter(p + "decisions_total", "Routing decisions by reason.", ["reason"], registry=r)
+        self.requests = Counter(p + "requests_total", "Requests answered, by HTTP status class.", ["status"], registry=r)
+        self.retries = Counter(p + "retries_total", "Attempts moved to the next replica before the first byte.",
+                               registry=r)
+        self.stream_breaks = Counter(p + "stream_breaks_total", "Streams cut by a replica after the first byte.",
+                                     registry=r)
+        self.predicted_cached_tokens = Counter(
+            p + "predicted_cached_tokens_total", "Prompt tokens the router predicted the target would serve from cache "
+            "(counted only for requests whose replica reported usage).", registry=r)
+        self.actual_cached_tokens = Counter(
+            p + "actual_cached_tokens_total", "Prompt tokens replicas reported as cached (usage.cached_tokens).",
+            registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens_total", "Prompt tokens of routed requests (router's count).",
+                                     registry=r)
+        self.prediction_error = Histogram(
+            p + "prediction_error_tokens", "actual - predicted cached tokens per request.",
+            buckets=(-4096, -1024, -256, -64, -1, 0, 64, 256, 1024, 4096), registry=r)
+        self.replica_in_flight = Gauge(p + "replica_in_flight", "Requests this router has open per replica.",
+                                       ["replica"], registry=r)
+        self.replica_engine_queue = Gauge(p + "replica_engine_requests", "Running + waiting requests the replica "
+                                          "last reported in its KV events.", ["replica"], registry=r)
+        self.replica_healthy = Gauge(p + "replica_healthy", "1 if the replica is routable.", ["replica"], registry=r)
+        self.event_lag = Histogram(p + "event_lag_seconds", "Publish-to-apply delay of KV-event batches.",
+                                   buckets=(0.001, 0.005, 0.02, 0.1, 0.5, 2, 10), registry=r)
+        self.bad_events = Counter(p + "bad_event_messages_total", "Undecodable KV-event messages skipped.",
+                                  ["replica"], registry=r)
+        self.index_blocks = Gauge(p + "index_blocks", "Distinct block hashes in the index.", registry=r)
+        self.replica_blocks = Gauge(p + "replica_index_blocks", "Blocks indexed per replica and tier.",
+                                    ["replica", "tier"], registry=r)
+        self.resyncs = Counter(p + "resyncs_total", "Snapshot resyncs by cause.", ["replica", "cause"], registry=r)
+        self.route_seconds = Histogram(p + "route_seconds", "Time to render, tokenize, hash and score one request.",
+                                       buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05), registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

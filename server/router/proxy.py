@@ -1,0 +1,254 @@
+"""Route one request and relay the replica's answer: retries before the first byte, streams without buffering.
+
+    client ◀─ headers + first event ─┐   nothing reached the client yet: a refused/reset
+    attempt 1 ──✗ connect/reset      │   connection or 502/503/504 moves the request to
+    attempt 2 ──▶ 200, first chunk ──┘   the next replica in the decision's order
+              ──▶ events relayed as they arrive (cut at event boundaries, never held longer)
+              ──✗ mid-stream break  →  `data: {"error": ...}` then `data: [DONE]`
+
+A non-streaming answer is produced by the replica only at the end, so it is read whole before
+the client sees a byte: any failure before then is retried too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Optional
+
+import httpx
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from .fleet import Fleet
+from .metrics import RouterMetrics
+from .policy import RETRY, Candidate, Decision, PolicyConfig, choose
+from .prompt import HashConfig, Prompt, PromptRenderer, prompt_block_hashes
+from .registry import Replica
+
+log = logging.getLogger(__name__)
+
+RETRYABLE_STATUS = {502, 503, 504}
+CONNECT_FAILURES = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
+                    httpx.WriteError, httpx.PoolTimeout)
+PASSTHROUGH_HEADERS = ("content-type", "x-warmfleet-replica", "x-request-id")
+
+
+def error_response(status: int, message: str, type_: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "code": status}}, status_code=status)
+
+
+def sse_error(message: str) -> bytes:
+    payload = json.dumps({"error": {"message": message, "type": "upstream_error", "code": 502}})
+    return f"data: {payload}\n\ndata: [DONE]\n\n".encode()
+
+
+def _event_boundary(buf: bytes) -> int:
+    """End of the last complete SSE event in `buf` (0 if none)."""
+    lf, crlf = buf.rfind(b"\n\n"), buf.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+
+
+def cached_tokens_of(body: dict) -> Optional[int]:
+    usage = body.get("usage") if isinstance(body, dict) else None
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    value = details.get("cached_tokens") if isinstance(details, dict) else None
+    return value if isinstance(value, int) else None
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    max_attempts: int = 3  # replicas tried before the first byte
+    connect_timeout_s: float = 1.0  # connecting to a replica
+    read_timeout_s: float = 600.0  # between two bytes of an answer
+    cold_key_blocks: int = 1  # leading blocks whose chain hash places a prefix nobody holds
+
+
+class Proxy:
+    def __init__(self, fleet: Fleet, renderer: Optional[PromptRenderer], hash_cfg: HashConfig,
+                 metrics: RouterMetrics, policy: PolicyConfig = PolicyConfig(), cfg: ProxyConfig = ProxyConfig(),
+                 upstream_headers: Optional[dict] = None):
+        self.fleet, self.renderer, self.hash_cfg = fleet, renderer, hash_cfg
+        self.metrics, self.policy, self.cfg = metrics, policy, cfg
+        self.upstream_headers = upstream_headers or {}
+        self.timeout = httpx.Timeout(cfg.read_timeout_s, connect=cfg.connect_timeout_s)
+
+    # --- decision ---------------------------------------------------------------------------
+    def render(self, kind: str, body: dict) -> Optional[Prompt]:
+        if self.renderer is None:
+            return None
+        try:
+            return self.renderer.chat(body) if kind == "chat" else self.renderer.completion(body)
+        except Exception as exc:  # the replica will judge the request; the router only loses its prediction
+            log.debug("cannot render %s request: %s", kind, exc)
+            return None
+
+    def decide(self, kind: str, body: dict, replicas: list[Replica]) -> Decision:
+        t0 = time.perf_counter()
+        prompt = self.render(kind, body)
+        bs = self.hash_cfg.block_size
+        hashes = prompt_block_hashes(prompt, body.get("cache_salt"), self.hash_cfg) if prompt else []
+        matches = self.fleet.index.match(hashes, [r.id for r in replicas])
+        cands = []
+        for r in replicas:
+            m = matches[r.id]
+            warm = 0
+            if prompt and prompt.mm_items:
+                hits = self.fleet.index.encoder_hits(r.id, [i.mm_hash for i in prompt.mm_items])
+                warm = sum(i.length for i in prompt.mm_items if i.mm_hash in hits and i.offset >= m.blocks * bs)
+            cands.append(Candidate(r.id, m.gpu_blocks, m.cpu_blocks, warm,
+                                   load=max(r.in_flight, self.fleet.engine_load(r.id))))
+        cold_key = hashes[min(len(hashes), self.cfg.cold_key_blocks) - 1] if hashes else None
+        num_tokens = prompt.num_tokens if prompt else 0
+        decision = choose(cands, block_size=bs, num_prompt_tokens=num_tokens, cold_key=cold_key, cfg=self.policy)
+        self.metrics.route_seconds.observe(time.perf_counter() - t0)
+        self.metrics.decisions.labels(decision.reason).inc()
+        self.metrics.prompt_tokens.inc(num_tokens)
+        return decision
+
+    # --- forwarding -------------------------------------------------------------------------
+    async def forward(self, path: str, kind: str, body: dict, client_headers: dict) -> Response:
+        replicas = self.fleet.routable()
+        if not replicas:
+            return self._count(error_response(503, "no healthy replica", "service_unavailable"))
+        decision = self.decide(kind, body, replicas)
+        raw = json.dumps(body).encode()
+        stream = bool(body.get("stream"))
+        headers = {"content-type": "application/json", **client_headers, **self.upstream_headers}
+        last_error = "no replica accepted the request"
+        tried = 0
+        for rid in decision.order:
+            rep = self.fleet.registry.get(rid)
+            if rep is None or not rep.healthy:
+                continue
+            if tried == self.cfg.max_attempts:
+                break
+            if tried:
+                self.metrics.retries.inc()
+                self.metrics.decisions.labels(RETRY).inc()
+            tried += 1
+            self._enter(rep)
+            released = False
+            try:
+                resp = await self._send(rep, path, raw, headers)
+                if resp.status_code in RETRYABLE_STATUS:
+                    last_error = f"{rid} answered {resp.status_code}"
+                    await resp.aclose()
+                    continue
+                if stream and resp.status_code == 200:
+                    chunks = resp.aiter_raw()
+                    first = await anext(chunks, b"")
+                    released = True  # from here the relay owns the in-flight count
+                    return self._stream(rep, resp, chunks, first, decision)
+                content = await resp.aread()
+                await resp.aclose()
+                self._observe_usage(decision, content)
+                return self._count(Response(content, resp.status_code, self._reply_headers(resp, rep, decision)))
+            except CONNECT_FAILURES as exc:
+                last_error = f"{rid}: {type(exc).__name__}"
+                self.fleet.report_failure(rid, last_error)
+            except httpx.TimeoutException:
+                return self._count(error_response(504, f"replica {rid} timed out", "upstream_timeout"))
+            finally:
+                if not released:
+                    self._leave(rep)
+        return self._count(error_response(502, last_error, "upstream_error"))
+
+    async def forward_plain(self, method: str, path: str, raw: bytes, client_headers: dict) -> Response:
+        """A request without cache affinity (/v1/models, /tokenize): least-loaded replica, retried the same way."""
+        headers = {**client_headers, **self.upstream_headers}
+        if raw:
+            headers.setdefault("content-type", "application/json")
+        last_error = "no healthy replica"
+        for rep in sorted(self.fleet.routable(), key=lambda r: (r.in_flight, r.id))[: self.cfg.max_attempts]:
+            try:
+                resp = await self.fleet.http.request(method, rep.spec.url + path, content=raw or None,
+                                                     headers=headers, timeout=self.timeout)
+            except CONNECT_FAILURES as exc:
+                last_error = f"{rep.id}: {type(exc).__name__}"
+                self.fleet.report_failure(rep.id, last_error)
+                continue
+            except httpx.TimeoutException:
+                return error_response(504, f"replica {rep.id} timed out", "upstream_timeout")
+            if resp.status_code in RETRYABLE_STATUS:
+                last_error = f"{rep.id} answered {resp.status_code}"
+                continue
+            return Response(resp.content, resp.status_code, self._reply_headers(resp, rep, None))
+        return error_response(503 if last_error == "no healthy replica" else 502, last_error, "upstream_error")
+
+    async def _send(self, rep: Replica, path: str, raw: bytes, headers: dict) -> httpx.Response:
+        req = self.fleet.http.build_request("POST", rep.spec.url + path, content=raw, headers=headers,
+                                            timeout=self.timeout)
+        return await self.fleet.http.send(req, stream=True)
+
+    def _stream(self, rep: Replica, resp: httpx.Response, chunks: AsyncIterator[bytes], first: bytes,
+                decision: Decision) -> StreamingResponse:
+        async def relay() -> AsyncIterator[bytes]:
+            buf = first
+            try:
+                while True:
+                    cut = _event_boundary(buf)
+                    if cut:
+                        out, buf = buf[:cut], buf[cut:]
+                        if b'"cached_tokens"' in out:
+                            self._observe_sse_usage(decision, out)
+                        yield out
+                    chunk = await anext(chunks, None)
+                    if chunk is None:
+                        break
+                    buf += chunk
+                if buf:
+                    yield buf
+            except (httpx.HTTPError, OSError) as exc:
+                self.metrics.stream_breaks.inc()
+                log.warning("stream from %s broke: %s", rep.id, type(exc).__name__)
+                yield (b"\n\n" if buf else b"") + sse_error(f"replica {rep.id} failed mid-stream ({type(exc).__name__})")
+            finally:
+                await resp.aclose()
+                self._leave(rep)
+
+        return self._count(StreamingResponse(relay(), resp.status_code, self._reply_headers(resp, rep, decision)))
+
+    # --- bookkeeping ------------------------------------------------------------------------
+    def _reply_headers(self, resp: httpx.Response, rep: Replica, decision: Optional[Decision]) -> dict:
+        out = {k: resp.headers[k] for k in PASSTHROUGH_HEADERS if k in resp.headers}
+        out.setdefault("x-warmfleet-replica", rep.id)
+        if decision is not None:
+            out["x-warmfleet-route"] = f"{decision.reason}; predicted_cached_tokens={decision.predicted_cached_tokens}"
+        return out
+
+    def _enter(self, rep: Replica) -> None:
+        rep.in_flight += 1
+        self.metrics.replica_in_flight.labels(rep.id).set(rep.in_flight)
+
+    def _leave(self, rep: Replica) -> None:
+        rep.in_flight -= 1
+        self.metrics.replica_in_flight.labels(rep.id).set(rep.in_flight)
+
+    def _count(self, resp: Response) -> Response:
+        self.metrics.requests.labels(f"{resp.status_code // 100}xx").inc()
+        return resp
+
+    def _observe_usage(self, decision: Decision, content: bytes) -> None:
+        try:
+            actual = cached_tokens_of(json.loads(content))
+        except (ValueError, UnicodeDecodeError):
+            return
+        self._record_actual(decision, actual)
+
+    def _observe_sse_usage(self, decision: Decision, events: bytes) -> None:
+        for line in events.splitlines():
+            if line.startswith(b"data: {") and b'"cached_tokens"' in line:
+                try:
+                    self._record_actual(decision, cached_tokens_of(json.loads(line[6:])))
+                except (ValueError, UnicodeDecodeError):
+                    pass
+                return
+
+    def _record_actual(self, decision: Decision, actual: Optional[int]) -> None:
+        if actual is None:
+            return
+        self.metrics.actual_cached_tokens.inc(actual)
+        self.metrics.predicted_cached_tokens.inc(decision.predicted_cached_tokens)
+        self.metrics.prediction_error.observe(actual - decision.predicted_cached_tokens)
