@@ -6,16 +6,18 @@
 #   helm                                                          (helm.sh/helm/v4)
 #
 # Binaries land in ${WARMFLEET_E2E_CACHE:-$HOME/.cache/warmfleet-e2e}/bin-<hash>, where
-# <hash> covers go.mod, go.sum, tools.go, this script and the Go version, so a second run
-# (or a run after a fresh clone on the same machine) is instant. Only the Go module proxy
+# <hash> covers go.mod, go.sum, tools.go, the build flags and the Go version, so a second
+# run (or a run from a fresh clone on the same machine) is instant. Only the Go module proxy
 # is contacted, and only when the module cache lacks something.
 #
-# Usage: e2e/tools/build.sh [--print-dir]   (prints the bin dir on stdout as last line)
+# Usage: e2e/tools/build.sh      (logs on stderr; the bin dir is the last line on stdout)
+# Env:   WARMFLEET_E2E_CACHE, WARMFLEET_E2E_NICE (default 10)
 set -euo pipefail
 
 TOOLS_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 CACHE_ROOT="${WARMFLEET_E2E_CACHE:-$HOME/.cache/warmfleet-e2e}"
 BINARIES=(kube-apiserver kube-controller-manager kube-scheduler kubectl etcd kwok kwokctl helm)
+RECIPE=2   # bump when the build steps below change in a way the flags do not show
 
 log() { echo "[e2e-tools] $*" >&2; }
 die() { echo "[e2e-tools] ERROR: $*" >&2; exit 1; }
@@ -26,8 +28,10 @@ if ! command -v go >/dev/null 2>&1; then
   Install Go 1.26 or put it on PATH, or set WARMFLEET_E2E_BIN to a directory that already
   holds: ${BINARIES[*]}"
 fi
+export GOTOOLCHAIN=local CGO_ENABLED=0
+export GOFLAGS="-trimpath -mod=readonly -buildvcs=false"
 
-# Version of a required module, read from go.mod (single source of truth).
+# Version of a required module, read from go.mod (the single source of truth).
 modver() { awk -v m="$1" '$1==m && $2 ~ /^v/ {print $2; exit}' "$TOOLS_DIR/go.mod"; }
 KUBE_VERSION="$(modver k8s.io/kubernetes)"
 KWOK_VERSION="$(modver sigs.k8s.io/kwok)"
@@ -36,8 +40,23 @@ ETCD_VERSION="$(modver go.etcd.io/etcd/server/v3)"
 [[ -n "$KUBE_VERSION" && -n "$KWOK_VERSION" && -n "$HELM_VERSION" && -n "$ETCD_VERSION" ]] \
   || die "could not read tool versions from $TOOLS_DIR/go.mod"
 
-GO_VERSION="$(GOTOOLCHAIN=local go env GOVERSION)"
-HASH="$( { cat "$TOOLS_DIR/go.mod" "$TOOLS_DIR/go.sum" "$TOOLS_DIR/tools.go" "$TOOLS_DIR/build.sh"; \
+# Version stamps: kwokctl reads `<binary> --version` to pick flags, so they must be real.
+KUBE_MAJOR="${KUBE_VERSION#v}"; KUBE_MAJOR="${KUBE_MAJOR%%.*}"
+KUBE_MINOR="${KUBE_VERSION#v*.}"; KUBE_MINOR="${KUBE_MINOR%%.*}"
+BUILD_DATE="2000-01-01T00:00:00Z"   # fixed: reproducible binaries
+LDFLAGS="-s -w"
+for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+  LDFLAGS+=" -X $pkg.gitVersion=$KUBE_VERSION -X $pkg.gitMajor=$KUBE_MAJOR -X $pkg.gitMinor=$KUBE_MINOR"
+  LDFLAGS+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=$BUILD_DATE"
+done
+LDFLAGS+=" -X sigs.k8s.io/kwok/pkg/consts.Version=${KWOK_VERSION#v}"
+LDFLAGS+=" -X sigs.k8s.io/kwok/pkg/consts.KubeVersion=${KUBE_VERSION#v}"
+LDFLAGS+=" -X helm.sh/helm/v4/internal/version.version=$HELM_VERSION"
+LDFLAGS+=" -X helm.sh/helm/v4/internal/version.gitTreeState=clean"
+
+GO_VERSION="$(go env GOVERSION)"
+HASH="$( { cat "$TOOLS_DIR/go.mod" "$TOOLS_DIR/go.sum" "$TOOLS_DIR/tools.go"; \
+           echo "recipe=$RECIPE ldflags=$LDFLAGS goflags=$GOFLAGS cgo=$CGO_ENABLED"; \
            echo "$GO_VERSION $(go env GOOS)/$(go env GOARCH)"; } | sha256sum | cut -c1-16)"
 BIN_DIR="$CACHE_ROOT/bin-$HASH"
 
@@ -67,26 +86,10 @@ if have_all; then
 fi
 
 log "building toolchain into $BIN_DIR (kubernetes $KUBE_VERSION, etcd $ETCD_VERSION, kwok $KWOK_VERSION, helm $HELM_VERSION, $GO_VERSION)"
-log "first build takes a long time on 2 cores (tens of minutes); later runs reuse the cache"
-
-KUBE_MAJOR="${KUBE_VERSION#v}"; KUBE_MAJOR="${KUBE_MAJOR%%.*}"
-KUBE_MINOR="${KUBE_VERSION#v*.}"; KUBE_MINOR="${KUBE_MINOR%%.*}"
-BUILD_DATE="2000-01-01T00:00:00Z"   # fixed: reproducible binaries
-LDFLAGS="-s -w"
-for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
-  LDFLAGS+=" -X $pkg.gitVersion=$KUBE_VERSION -X $pkg.gitMajor=$KUBE_MAJOR -X $pkg.gitMinor=$KUBE_MINOR"
-  LDFLAGS+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=$BUILD_DATE"
-done
-LDFLAGS+=" -X sigs.k8s.io/kwok/pkg/consts.Version=${KWOK_VERSION#v}"
-LDFLAGS+=" -X sigs.k8s.io/kwok/pkg/consts.KubeVersion=${KUBE_VERSION#v}"
-LDFLAGS+=" -X helm.sh/helm/v4/internal/version.version=$HELM_VERSION"
-LDFLAGS+=" -X helm.sh/helm/v4/internal/version.gitTreeState=clean"
+log "a cold build takes tens of minutes on 2 cores; later runs reuse the cache"
 
 STAGE="$(mktemp -d "$CACHE_ROOT/.stage-XXXXXX")"
 trap 'rm -rf "$STAGE"' EXIT
-
-export GOTOOLCHAIN=local CGO_ENABLED=0
-export GOFLAGS="-trimpath -mod=readonly -buildvcs=false"
 NICE=(nice -n "${WARMFLEET_E2E_NICE:-10}")
 start=$(date +%s)
 cd "$TOOLS_DIR"
@@ -112,9 +115,9 @@ go $GO_VERSION
 hash $HASH
 build_seconds $(( $(date +%s) - start ))
 EOF
+chmod 755 "$STAGE"
 rm -rf "$BIN_DIR"
 mv "$STAGE" "$BIN_DIR"
 trap - EXIT
-chmod 755 "$BIN_DIR"
 log "built in $(( $(date +%s) - start ))s: $BIN_DIR ($(du -sh "$BIN_DIR" | cut -f1))"
 echo "$BIN_DIR"
