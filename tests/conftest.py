@@ -1,0 +1,23 @@
+"""Shared pytest fixtures: tiny random checkpoints written once per session (deterministic, see make_tiny_model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen2 checkpoint (2 layers, hidden 64, vocab 1024, ChatML template); treat as read-only."""
+    from warmfleet.server.models.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2", size="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A tiny Llama checkpoint (no q/k/v bias, llama3 RoPE scaling), same tokenizer; treat as read-only."""
+    from warmfleet.server.models.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), arch="llama", size="tiny", seed=0)
