@@ -1,0 +1,126 @@
+"""Thin kopf handlers: settings in one startup hook; create/update/resume, node and child events → reconcile."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Awaitable, Callable
+
+import kopf
+
+from warmfleet.operator import manifests as m
+from warmfleet.operator.kube import KubeError
+from warmfleet.operator.nodes import NodeInfo, node_info
+from warmfleet.operator.reconcile import OperatorState, fingerprint, plan_for, reconcile
+from warmfleet.operator.schema import SpecError
+from warmfleet.operator.spec import GROUP, PLURAL, VERSION
+
+FINALIZER = f"{GROUP}/finalizer"
+PROGRESS_PREFIX = GROUP
+WATCH_SERVER_TIMEOUT_S = 300  # the API server closes each watch after this, so a stalled watch recovers
+WATCH_CLIENT_TIMEOUT_S = 330
+
+LoginFn = Callable[..., Awaitable[Any] | Any]
+
+
+def default_login(**kwargs: Any) -> Any:
+    """In-cluster service account first, then kubeconfig."""
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
+def make_registry(*, default_image: str, login: LoginFn = default_login) -> kopf.OperatorRegistry:
+    """A registry holding every handler; `login` is replaceable so tests can point kopf at kmock."""
+    registry = kopf.OperatorRegistry()
+    isvc = (GROUP, VERSION, PLURAL)
+
+    @kopf.on.startup(registry=registry)
+    async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+        settings.persistence.finalizer = FINALIZER
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=PROGRESS_PREFIX)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix=PROGRESS_PREFIX, key="last-handled-configuration")
+        settings.watching.server_timeout = WATCH_SERVER_TIMEOUT_S
+        settings.watching.client_timeout = WATCH_CLIENT_TIMEOUT_S
+        settings.watching.connect_timeout = 30
+        settings.posting.level = logging.WARNING  # only warnings become Kubernetes Events
+        settings.peering.standalone = True  # one active replica: the chart runs one pod with a Recreate strategy
+        settings.execution.max_workers = 4
+        memo.state = OperatorState(default_image=default_image)
+
+    @kopf.on.cleanup(registry=registry)
+    async def close(memo: kopf.Memo, **_: Any) -> None:
+        if memo.state.kube is not None:
+            await memo.state.kube.close()
+
+    @kopf.on.login(registry=registry)
+    async def authenticate(memo: kopf.Memo, **kwargs: Any) -> Any:
+        info = login(memo=memo, **kwargs)
+        if hasattr(info, "__await__"):
+            info = await info
+        state: OperatorState = memo.state
+        if info is not None and (state.connection is None or state.connection.server != info.server):
+            state.connection, state.kube = info, None
+        return info
+
+    @kopf.index("", "v1", "nodes", registry=registry)
+    def nodes(body: kopf.Body, name: str, **_: Any) -> dict[str, NodeInfo]:
+        return {name: node_info(body)}
+
+    @kopf.index(*isvc, registry=registry)
+    def services(body: kopf.Body, namespace: str, name: str, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+        return {(namespace, name): dict(body)}
+
+    async def run(body: Any, memo: kopf.Memo, nodes: kopf.Index, logger: Any) -> None:
+        try:
+            outcome = await reconcile(memo.state, body, _node_list(nodes))
+        except KubeError as exc:
+            if exc.status in (400, 403, 422):  # permanent for this spec: say so, do not retry hot
+                kopf.warn(dict(body), reason="ApplyFailed", message=str(exc))
+                raise kopf.TemporaryError(str(exc), delay=60) from exc
+            raise kopf.TemporaryError(str(exc), delay=5) from exc
+        changed = {k: v for k, v in outcome.actions.items() if v != "unchanged"}
+        if changed or outcome.status_written:
+            logger.info(f"reconciled: {changed or 'no child changed'}; status {'written' if outcome.status_written else 'unchanged'}")
+
+    @kopf.on.resume(*isvc, registry=registry)
+    @kopf.on.create(*isvc, registry=registry)
+    @kopf.on.update(*isvc, registry=registry)
+    async def reconcile_service(body: kopf.Body, memo: kopf.Memo, nodes: kopf.Index, logger: Any, **_: Any) -> None:
+        await run(body, memo, nodes, logger)
+
+    @kopf.on.delete(*isvc, registry=registry, optional=True)
+    def forget(uid: str, memo: kopf.Memo, **_: Any) -> None:
+        memo.state.forget(uid)
+
+    @kopf.on.event("", "v1", "nodes", registry=registry)
+    async def node_changed(memo: kopf.Memo, nodes: kopf.Index, services: kopf.Index, logger: Any, **_: Any) -> None:
+        state: OperatorState = memo.state
+        node_list = _node_list(nodes)
+        for key in list(services):
+            for body in services.get(key, []):
+                uid = body["metadata"].get("uid")
+                if not _plan_changed(state, body, node_list, uid):
+                    continue
+                await run(body, memo, nodes, logger)
+
+    @kopf.on.event("apps", "v1", "deployments", labels=m.MANAGED_BY, registry=registry)
+    async def child_changed(body: kopf.Body, memo: kopf.Memo, nodes: kopf.Index, services: kopf.Index,
+                            logger: Any, **_: Any) -> None:
+        meta = body.get("metadata") or {}
+        owner = (meta.get("labels") or {}).get(m.SERVICE_LABEL)
+        for parent in services.get((meta.get("namespace"), owner), []):
+            await run(parent, memo, nodes, logger)
+
+    return registry
+
+
+def _node_list(index: kopf.Index) -> list[NodeInfo]:
+    return [info for key in index for info in index.get(key, [])]
+
+
+def _plan_changed(state: OperatorState, body: Any, nodes: list[NodeInfo], uid: str | None) -> bool:
+    """Whether a node event changes what this service should look like (cheap, pure)."""
+    try:
+        _, _, plan = plan_for(body, nodes, state.default_image)
+    except SpecError:
+        return False  # an invalid spec waits for a spec change, not a node change
+    return state.fingerprints.get(uid or "") != fingerprint(plan)

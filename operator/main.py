@@ -1,0 +1,114 @@
+"""`warmfleet operator [run|render|crd]`: run kopf, print the objects for a service offline, or emit the CRD."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+
+DEFAULT_IMAGE_ENV = "WARMFLEET_IMAGE"
+FALLBACK_IMAGE = "ghcr.io/warmfleet/warmfleet:latest"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Subcommands run (default), render and crd."""
+    parser.set_defaults(action="run", namespaces=[], liveness="http://0.0.0.0:8080/healthz", verbose=False,
+                        default_image=os.environ.get(DEFAULT_IMAGE_ENV, FALLBACK_IMAGE))
+    sub = parser.add_subparsers(dest="action", metavar="ACTION")
+    run_p = sub.add_parser("run", help="Run the kopf operator (the default).")
+    for p in (parser, run_p):
+        p.add_argument("--namespace", "-n", dest="namespaces", action="append", default=[],
+                       help="Watch only this namespace (repeatable); default: all namespaces.")
+        p.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="kopf liveness endpoint URL.")
+        p.add_argument("--verbose", action="store_true", help="Debug logging.")
+        p.add_argument("--default-image", default=os.environ.get(DEFAULT_IMAGE_ENV, FALLBACK_IMAGE),
+                       help=f"Server/router image when spec.server.image is unset (env {DEFAULT_IMAGE_ENV}).")
+    render_p = sub.add_parser("render", help="Print the objects the operator would apply, offline.")
+    render_p.add_argument("-f", "--filename", required=True, help="YAML with one or more InferenceService objects.")
+    render_p.add_argument("--nodes", required=True, help="YAML with Node objects (a List, or several documents).")
+    render_p.add_argument("--default-image", default=os.environ.get(DEFAULT_IMAGE_ENV, FALLBACK_IMAGE),
+                          help="Image when spec.server.image is unset.")
+    render_p.add_argument("-o", "--output", choices=("yaml", "json"), default="yaml", help="Output format.")
+    crd_p = sub.add_parser("crd", help="Print the CRD, or regenerate the committed CRD files.")
+    crd_p.add_argument("--write", metavar="REPO", help="Write crds/ and the chart's CRD template under this repo root.")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Dispatch to the chosen action."""
+    if args.action == "render":
+        return render_cmd(args)
+    if args.action == "crd":
+        return crd_cmd(args)
+    return run_operator(args)
+
+
+def run_operator(args: argparse.Namespace) -> int:
+    """Run kopf with our registry until interrupted."""
+    import asyncio
+
+    import kopf
+
+    from warmfleet.operator.handlers import make_registry
+
+    kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.PLAIN)
+    registry = make_registry(default_image=args.default_image)
+    asyncio.run(kopf.operator(
+        registry=registry, clusterwide=not args.namespaces, namespaces=args.namespaces,
+        liveness_endpoint=args.liveness or None, standalone=True,
+    ))
+    return 0
+
+
+def load_docs(path: str) -> list[dict[str, Any]]:
+    """YAML documents of a file, with `kind: List` expanded."""
+    out: list[dict[str, Any]] = []
+    with open(path) as fh:
+        for doc in yaml.safe_load_all(fh):
+            if not doc:
+                continue
+            out += doc.get("items", []) if doc.get("kind", "").endswith("List") else [doc]
+    return out
+
+
+def render_cmd(args: argparse.Namespace) -> int:
+    """Print the children of every InferenceService in -f, sized for the nodes in --nodes."""
+    from warmfleet.operator.nodes import node_info
+    from warmfleet.operator.reconcile import render
+    from warmfleet.operator.spec import KIND
+
+    nodes = [node_info(n) for n in load_docs(args.nodes) if n.get("kind", "Node") == "Node"]
+    services = [d for d in load_docs(args.filename) if d.get("kind") == KIND]
+    if not services:
+        raise ValueError(f"{args.filename} holds no {KIND}")
+    objs: list[dict[str, Any]] = []
+    for svc in services:
+        objs += render(svc, nodes, args.default_image)
+    sys.stdout.write(dump(objs, args.output))
+    return 0
+
+
+def dump(objs: Iterable[dict[str, Any]], fmt: str = "yaml") -> str:
+    """Objects as YAML documents or a JSON List."""
+    objs = list(objs)
+    if fmt == "json":
+        return json.dumps({"apiVersion": "v1", "kind": "List", "items": objs}, indent=2) + "\n"
+    return "".join("---\n" + yaml.safe_dump(o, sort_keys=False, width=120) for o in objs)
+
+
+def crd_cmd(args: argparse.Namespace) -> int:
+    """Print the CRD, or write crds/ and the chart template."""
+    from warmfleet.operator.crd import crd_yaml, write_crd
+    from warmfleet.operator.chartcrd import write_chart_crd
+
+    if not args.write:
+        sys.stdout.write(crd_yaml())
+        return 0
+    root = Path(args.write)
+    print(write_crd(root / "crds"))
+    print(write_chart_crd(root / "charts" / "warmfleet" / "templates"))
+    return 0

@@ -1,0 +1,407 @@
+"""Pure builders of an InferenceService's children (plain dicts); no kopf, no I/O, no f-string YAML."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from warmfleet.operator.nodes import GPU_MEMORY_LABEL, GPU_PRODUCT_LABEL, GPU_RESOURCE, Pool, format_bytes
+from warmfleet.operator.sizing import PoolSizing
+from warmfleet.operator.spec import GROUP, InferenceServiceSpec, served_name
+from warmfleet.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig, flag_of, to_args
+
+HTTP_PORT = 8000
+KV_EVENTS_PORT = 5557
+MODEL_MOUNT = "/models"
+SIZING_HASH_ANNOTATION = f"{GROUP}/sizing-hash"
+SERVICE_LABEL = f"{GROUP}/service"
+POOL_LABEL = f"{GROUP}/pool"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+MANAGED_BY = {"app.kubernetes.io/managed-by": "warmfleet-operator"}
+RUN_AS = 1000
+
+# How the router is started. NOTE: `warmfleet route` flags are assumed here, in one place:
+# change them together with the router's argparse. `None` means "not rendered yet".
+ROUTER_COMMAND = ["warmfleet", "route"]
+ROUTER_FLAGS: dict[str, str | None] = {
+    "discover_service": "--discover-service",  # NAMESPACE/NAME of the headless replica Service
+    "port": "--port",
+    "model": "--model",
+    "load_bound": None,  # TODO(#5): render once the router exposes its bounded-load epsilon (= loadBound - 1)
+}
+ROUTER_RESOURCES = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"cpu": "2", "memory": "2Gi"}}
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The InferenceService the children belong to."""
+
+    name: str
+    namespace: str
+
+
+@dataclass(frozen=True)
+class PlannedPool:
+    """A pool with its sizing and the replicas assigned to it."""
+
+    pool: Pool
+    sizing: PoolSizing
+    replicas: int
+
+
+def k8s_name(*parts: str, limit: int = 63) -> str:
+    """Join parts with '-' as a DNS label; too long names keep a hash so they stay unique."""
+    name = "-".join(p for p in parts if p)
+    if len(name) <= limit:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    return f"{name[: limit - 9].rstrip('-')}-{digest}"
+
+
+def names(owner: Owner) -> dict[str, str]:
+    """Names of the fixed children."""
+    return {
+        "config": k8s_name(owner.name, "config"),
+        "replicas": k8s_name(owner.name, "replicas"),
+        "router": k8s_name(owner.name, "router"),
+        "endpoint": k8s_name(owner.name),
+        "pdb": k8s_name(owner.name, "server"),
+    }
+
+
+def labels(owner: Owner, component: str, pool: str | None = None) -> dict[str, str]:
+    """Labels of a child and its pods."""
+    out = {
+        "app.kubernetes.io/name": "warmfleet",
+        "app.kubernetes.io/instance": owner.name[:63],
+        COMPONENT_LABEL: component,
+        SERVICE_LABEL: owner.name[:63],
+        **MANAGED_BY,
+    }
+    if pool:
+        out[POOL_LABEL] = pool
+    return out
+
+
+def server_selector(owner: Owner) -> dict[str, str]:
+    """Selects every server pod of the service (all pools)."""
+    return {SERVICE_LABEL: owner.name[:63], COMPONENT_LABEL: "server"}
+
+
+def selector_string(owner: Owner) -> str:
+    """The server pods' selector as a string (status.selector for the scale subresource)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(server_selector(owner).items()))
+
+
+def endpoint_url(owner: Owner, spec: InferenceServiceSpec) -> str:
+    """The router's in-cluster OpenAI base URL."""
+    return f"http://{names(owner)['endpoint']}.{owner.namespace}.svc:{spec.router.port}/v1"
+
+
+def _meta(owner: Owner, name: str, component: str, pool: str | None = None) -> dict[str, Any]:
+    return {"name": name, "namespace": owner.namespace, "labels": labels(owner, component, pool)}
+
+
+def server_args(owner: Owner, spec: InferenceServiceSpec, sizing: PoolSizing) -> list[str]:
+    """`warmfleet serve` arguments for one pool, rendered from the server's own config types (contract 3)."""
+    assert sizing.sizes is not None
+    sz = sizing.sizes
+    cfg = EngineConfig(
+        model=ModelConfig(
+            model=_model_dir(spec), served_model_name=served_name(spec, owner.name),
+            dtype=spec.model.dtype, max_model_len=spec.model.max_model_len,
+        ),
+        cache=CacheConfig(
+            block_size=spec.cache.block_size, enable_prefix_caching=spec.cache.prefix_caching,
+            swap_space=sz.swap_space_gib, max_encoder_cache=sz.encoder_cache_tokens,
+            max_processor_cache=sz.processor_cache_gib,
+        ),
+        scheduler=SchedulerConfig(max_num_batched_tokens=spec.server.max_num_batched_tokens),
+        server=ServerConfig(
+            host="0.0.0.0", port=HTTP_PORT, kv_events_port=KV_EVENTS_PORT, kv_events_host="0.0.0.0",
+            replica_id="$(POD_NAME)",
+        ),
+    )
+    args = ["serve", *to_args(cfg)]
+    # Sizes are always explicit, even when they equal a server default, so a pod shows what it got.
+    for group, fname, value in (
+        (CacheConfig, "swap_space", sz.swap_space_gib),
+        (CacheConfig, "max_encoder_cache", sz.encoder_cache_tokens),
+        (CacheConfig, "max_processor_cache", sz.processor_cache_gib),
+    ):
+        flag = flag_of(group, fname)
+        if flag not in args:
+            args += [flag, str(value)]
+    return args + list(spec.server.extra_args)
+
+
+def _model_dir(spec: InferenceServiceSpec) -> str:
+    return spec.model.path
+
+
+def _model_volume(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
+    if not spec.model.pvc:
+        return [], []
+    vol = {"name": "model", "persistentVolumeClaim": {"claimName": spec.model.pvc, "readOnly": True}}
+    mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
+    return [vol], [mount]
+
+
+def _api_key_env(spec: InferenceServiceSpec) -> list[dict]:
+    ref = spec.router.api_key_secret
+    if ref is None:
+        return []
+    return [{"name": "WARMFLEET_API_KEY", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
+
+
+def _pod_security() -> dict[str, Any]:
+    return {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _container_security() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+
+
+def node_affinity(spec: InferenceServiceSpec, pool: Pool) -> dict[str, Any]:
+    """Required node affinity to the pool's shape: the service selector, the named pool, GPU labels."""
+    wanted = {**spec.node_selector, **dict(pool.selector)}
+    exprs = [{"key": k, "operator": "In", "values": [v]} for k, v in sorted(wanted.items())]
+    if pool.gpu_product == "unknown":
+        exprs.append({"key": GPU_PRODUCT_LABEL, "operator": "DoesNotExist"})
+    else:
+        exprs.append({"key": GPU_PRODUCT_LABEL, "operator": "In", "values": [pool.gpu_product]})
+    if pool.gpu_memory_mib:
+        exprs.append({"key": GPU_MEMORY_LABEL, "operator": "In", "values": [str(pool.gpu_memory_mib)]})
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": exprs}]}}}
+
+
+def server_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, planned: PlannedPool) -> dict[str, Any]:
+    """One pool's server Deployment; the pod template carries the sizing hash so only changed pools roll."""
+    pool, sizing = planned.pool, planned.sizing
+    assert sizing.sizes is not None
+    sz = sizing.sizes
+    pod_labels = labels(owner, "server", pool.name)
+    match = {**server_selector(owner), POOL_LABEL: pool.name}
+    d = spec.disruption
+    mem = format_bytes(sz.memory_bytes)
+    resources = {
+        "requests": {"cpu": str(spec.server.cpus), "memory": mem, GPU_RESOURCE: str(spec.server.gpus_per_replica)},
+        "limits": {"cpu": str(spec.server.cpus), "memory": mem, GPU_RESOURCE: str(spec.server.gpus_per_replica)},
+    }
+    model_vols, model_mounts = _model_volume(spec)
+    container = {
+        "name": "server",
+        "image": image,
+        "imagePullPolicy": spec.server.image_pull_policy,
+        "command": ["warmfleet"],
+        "args": server_args(owner, spec, sizing),
+        "env": [
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "HOME", "value": "/tmp"},
+            *_api_key_env(spec),
+        ],
+        "ports": [
+            {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
+            {"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"},
+        ],
+        "resources": resources,
+        "startupProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 10, "failureThreshold": max(1, -(-d.startup_timeout_seconds // 10)),
+        },
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5, "failureThreshold": 2},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 3, "timeoutSeconds": 5},
+        # Readiness drops as soon as the pod terminates; the sleep lets the router notice and in-flight requests finish.
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(d.drain_seconds)]}}},
+        "securityContext": _container_security(),
+        "volumeMounts": [
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "tmp", "mountPath": "/tmp"},
+            *model_mounts,
+        ],
+    }
+    surge = 0 if d.max_unavailable > 0 else 1  # GPUs are scarce: surge only when nothing may be unavailable
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(owner, k8s_name(owner.name, pool.name), "server", pool.name),
+        "spec": {
+            "replicas": planned.replicas,
+            "selector": {"matchLabels": match},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": d.max_unavailable, "maxSurge": surge}},
+            "template": {
+                "metadata": {"labels": pod_labels, "annotations": {SIZING_HASH_ANNOTATION: sz.hash}},
+                "spec": {
+                    "affinity": node_affinity(spec, pool),
+                    "topologySpreadConstraints": [{
+                        "maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                        "whenUnsatisfiable": "ScheduleAnyway", "labelSelector": {"matchLabels": match},
+                    }],
+                    "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
+                    "securityContext": _pod_security(),
+                    "terminationGracePeriodSeconds": d.drain_seconds + 30,
+                    "containers": [container],
+                    "volumes": [
+                        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": format_bytes(sz.shm_bytes)}},
+                        {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+                        *model_vols,
+                    ],
+                },
+            },
+        },
+    }
+
+
+def replicas_service(owner: Owner) -> dict[str, Any]:
+    """Headless Service over all server pods: HTTP and KV-event ports, discovered by the router."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(owner, names(owner)["replicas"], "server"),
+        "spec": {
+            "clusterIP": "None",
+            "selector": server_selector(owner),
+            "ports": [
+                {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
+                {"name": "kv-events", "port": KV_EVENTS_PORT, "targetPort": "kv-events", "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def router_args(owner: Owner, spec: InferenceServiceSpec) -> list[str]:
+    """`warmfleet route` arguments (flags from ROUTER_FLAGS)."""
+    values = {
+        "discover_service": f"{owner.namespace}/{names(owner)['replicas']}",
+        "port": str(HTTP_PORT),
+        "model": _model_dir(spec),
+        "load_bound": str(spec.router.load_bound),
+    }
+    args = list(ROUTER_COMMAND[1:])
+    for key, value in values.items():
+        flag = ROUTER_FLAGS.get(key)
+        if flag:
+            args += [flag, value]
+    return args
+
+
+def router_deployment(owner: Owner, spec: InferenceServiceSpec, image: str) -> dict[str, Any]:
+    """The router Deployment: `warmfleet route` discovering replicas through EndpointSlices."""
+    n = names(owner)
+    pod_labels = labels(owner, "router")
+    model_vols, model_mounts = _model_volume(spec)
+    match = {SERVICE_LABEL: owner.name[:63], COMPONENT_LABEL: "router"}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(owner, n["router"], "router"),
+        "spec": {
+            "replicas": spec.router.replicas,
+            "selector": {"matchLabels": match},
+            "template": {
+                "metadata": {"labels": pod_labels},
+                "spec": {
+                    "serviceAccountName": n["router"],
+                    "securityContext": _pod_security(),
+                    "topologySpreadConstraints": [{
+                        "maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                        "whenUnsatisfiable": "ScheduleAnyway", "labelSelector": {"matchLabels": match},
+                    }],
+                    "containers": [{
+                        "name": "router",
+                        "image": image,
+                        "imagePullPolicy": spec.server.image_pull_policy,
+                        "command": [ROUTER_COMMAND[0]],
+                        "args": router_args(owner, spec),
+                        "env": [{"name": "HOME", "value": "/tmp"}, *_api_key_env(spec)],
+                        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
+                        "resources": ROUTER_RESOURCES,
+                        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
+                        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 3},
+                        "securityContext": _container_security(),
+                        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *model_mounts],
+                    }],
+                    "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}}, *model_vols],
+                },
+            },
+        },
+    }
+
+
+def router_service(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
+    """The OpenAI endpoint: a Service in front of the routers."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(owner, names(owner)["endpoint"], "router"),
+        "spec": {
+            "type": spec.router.service_type,
+            "selector": {SERVICE_LABEL: owner.name[:63], COMPONENT_LABEL: "router"},
+            "ports": [{"name": "http", "port": spec.router.port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def router_rbac(owner: Owner) -> list[dict[str, Any]]:
+    """ServiceAccount, Role and RoleBinding letting the router list/watch EndpointSlices."""
+    n = names(owner)["router"]
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(owner, n, "router")},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": _meta(owner, n, "router"),
+            "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": _meta(owner, n, "router"),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": n},
+            "subjects": [{"kind": "ServiceAccount", "name": n, "namespace": owner.namespace}],
+        },
+    ]
+
+
+def pdb(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
+    """PodDisruptionBudget over all server pods."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(owner, names(owner)["pdb"], "server"),
+        "spec": {"maxUnavailable": spec.disruption.max_unavailable, "selector": {"matchLabels": server_selector(owner)}},
+    }
+
+
+def config_map(owner: Owner, spec: InferenceServiceSpec, plan: list[PlannedPool]) -> dict[str, Any]:
+    """ConfigMap with the sizing report (pools, sizes, inputs) for humans and tools."""
+    from warmfleet.operator.schema import to_dict
+
+    report = {
+        "model": served_name(spec, owner.name),
+        "endpoint": endpoint_url(owner, spec),
+        "pools": [
+            {
+                "name": p.pool.name, "nodes": list(p.pool.nodes), "replicas": p.replicas, "fits": p.sizing.fits,
+                "message": p.sizing.message, "sizes": to_dict(p.sizing.sizes), "inputs": to_dict(p.sizing.inputs),
+            }
+            for p in plan
+        ],
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(owner, names(owner)["config"], "config"),
+        "data": {"sizing.json": json.dumps(report, indent=2, sort_keys=True)},
+    }
+
+
+def build_children(owner: Owner, spec: InferenceServiceSpec, image: str, plan: list[PlannedPool]) -> list[dict[str, Any]]:
+    """Every child object, in apply order; pools that cannot host replicas get no Deployment."""
+    objs = [config_map(owner, spec, plan), *router_rbac(owner), replicas_service(owner)]
+    objs += [server_deployment(owner, spec, image, p) for p in plan if p.sizing.fits]
+    objs += [pdb(owner, spec), router_deployment(owner, spec, image), router_service(owner, spec)]
+    return objs

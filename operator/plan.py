@@ -1,0 +1,53 @@
+"""Spec + nodes → the desired state: pools, sizes, replica split and children; pure, no kopf."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from warmfleet.operator import manifests as m
+from warmfleet.operator.nodes import NodeInfo, derive_pools
+from warmfleet.operator.sizing import assign_replicas, size_pool
+from warmfleet.operator.spec import InferenceServiceSpec, PoolShape, PoolStatus
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one InferenceService should look like given the nodes."""
+
+    pools: list[m.PlannedPool]
+    desired: int  # replicas wanted
+    capacity: int  # replicas the fitting pools can host
+    children: list[dict[str, Any]]
+
+    @property
+    def placed(self) -> int:
+        """Replicas assigned to pools (desired, capped by capacity)."""
+        return sum(p.replicas for p in self.pools)
+
+
+def make_plan(owner: m.Owner, spec: InferenceServiceSpec, nodes: list[NodeInfo], image: str) -> Plan:
+    """Derive pools from nodes, size each, split the replicas and build every child object."""
+    sized = [(pool, size_pool(spec, pool)) for pool in derive_pools(spec, nodes)]
+    caps = [sizing.capacity_per_node * len(pool.nodes) for pool, sizing in sized]
+    desired = spec.desired_replicas()
+    split = assign_replicas(desired, caps)
+    planned = [m.PlannedPool(pool, sizing, n) for (pool, sizing), n in zip(sized, split)]
+    return Plan(planned, desired, sum(caps), m.build_children(owner, spec, image, planned))
+
+
+def pool_status(p: m.PlannedPool, ready: int) -> PoolStatus:
+    """Status entry of one pool: nodes, shape, sizes and their inputs."""
+    pool = p.pool
+    return PoolStatus(
+        name=pool.name,
+        nodes=list(pool.nodes),
+        shape=PoolShape(gpu_product=pool.gpu_product, gpu_memory_mib=pool.gpu_memory_mib,
+                        gpus_per_node=pool.gpus_per_node, host_memory_bytes=pool.host_memory_bytes),
+        fits=p.sizing.fits,
+        message=p.sizing.message,
+        replicas=p.replicas,
+        ready_replicas=ready,
+        sizes=p.sizing.sizes,
+        inputs=p.sizing.inputs,
+    )

@@ -1,0 +1,278 @@
+"""InferenceService spec and status types: the single source of the CRD schema (see crd.py); no kopf."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Optional
+
+from warmfleet.operator.schema import Rule, from_dict, prop
+
+GROUP = "serving.warmfleet.io"
+VERSION = "v1alpha1"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+SINGULAR = "inferenceservice"
+SHORT_NAMES = ["wfis"]  # not `isvc`: KServe owns that one
+CATEGORIES = ["warmfleet"]
+
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+Mode = Literal["Auto", "Fixed"]
+
+
+@dataclass(kw_only=True)
+class GiBSize:
+    """A cache size in GiB: Auto derives it per node pool, Fixed takes `size`; min/max clamp Auto."""
+
+    mode: Mode = prop("Auto", doc="Auto sizes from the node pool's host memory; Fixed uses `size` everywhere.")
+    size: Optional[float] = prop(None, doc="Size in GiB when mode is Fixed (0 disables the cache).", minimum=0)
+    min: Optional[float] = prop(None, doc="Lower bound in GiB for the Auto size.", minimum=0)
+    max: Optional[float] = prop(None, doc="Upper bound in GiB for the Auto size.", minimum=0)
+
+    RULES: ClassVar[list[Rule]] = [
+        ("self.mode != 'Fixed' || has(self.size)", "size is required when mode is Fixed",
+         lambda s: s.mode != "Fixed" or s.size is not None),
+        ("!has(self.min) || !has(self.max) || self.min <= self.max", "min must be <= max",
+         lambda s: s.min is None or s.max is None or s.min <= s.max),
+    ]
+
+
+@dataclass(kw_only=True)
+class TokenSize:
+    """A cache size in tokens: Auto derives it from GPU memory, Fixed takes `size`; min/max clamp Auto."""
+
+    mode: Mode = prop("Auto", doc="Auto sizes from the pool's GPU memory and the model's hidden size; Fixed uses `size`.")
+    size: Optional[int] = prop(None, doc="Size in tokens when mode is Fixed (0 disables the cache).", minimum=0)
+    min: Optional[int] = prop(None, doc="Lower bound in tokens for the Auto size.", minimum=0)
+    max: Optional[int] = prop(None, doc="Upper bound in tokens for the Auto size.", minimum=0)
+
+    RULES: ClassVar[list[Rule]] = [
+        ("self.mode != 'Fixed' || has(self.size)", "size is required when mode is Fixed",
+         lambda s: s.mode != "Fixed" or s.size is not None),
+        ("!has(self.min) || !has(self.max) || self.min <= self.max", "min must be <= max",
+         lambda s: s.min is None or s.max is None or s.min <= s.max),
+    ]
+
+
+@dataclass(kw_only=True)
+class ModelSpec:
+    """The checkpoint every replica serves."""
+
+    path: str = prop(doc="Checkpoint directory inside the server container (baked into the image, or under /models when `pvc` is set).", minLength=1)
+    pvc: Optional[str] = prop(None, doc="PersistentVolumeClaim mounted read-only at /models.", pattern=DNS_LABEL, maxLength=253)
+    served_name: Optional[str] = prop(
+        None, doc="Name clients send as `model` (default: the InferenceService name). Immutable once set.",
+        minLength=1, maxLength=253,
+    )
+    dtype: Literal["bfloat16", "float16", "float32"] = prop("bfloat16", doc="Weight and activation dtype; also sizes encoder-cache entries.")
+    hidden_size: int = prop(
+        4096, doc="Width of one encoder-output token (the model's hidden size); the operator cannot read weights, so the encoder-cache bytes per token come from here.",
+        minimum=1, maximum=65536,
+    )
+    max_model_len: Optional[int] = prop(None, doc="Context length in tokens (default: the checkpoint's).", minimum=1)
+
+    RULES: ClassVar[list[Rule]] = []
+
+
+@dataclass(kw_only=True)
+class ServerSpec:
+    """The `warmfleet serve` pods."""
+
+    image: Optional[str] = prop(None, doc="Server image (default: the operator's --default-image).", minLength=1)
+    image_pull_policy: Literal["IfNotPresent", "Always", "Never"] = prop("IfNotPresent", doc="Kubernetes image pull policy.")
+    gpus_per_replica: int = prop(1, doc="nvidia.com/gpu per replica; replicas per node = GPUs per node ÷ this.", minimum=1, maximum=16)
+    cpus: int = prop(4, doc="CPU cores requested per replica (also the limit).", minimum=1, maximum=512)
+    engine_memory_gib: float = prop(
+        16.0, doc="Host memory the engine needs besides its caches (runtime, weight staging), in GiB.", minimum=1, maximum=4096,
+    )
+    max_num_batched_tokens: int = prop(2048, doc="Token budget of one engine step; the encoder cache never drops below it.", minimum=1)
+    extra_args: list[str] = prop([], doc="Extra `warmfleet serve` arguments appended after the rendered ones.", maxItems=64)
+
+
+@dataclass(kw_only=True)
+class Autoscaling:
+    """Replica bounds for an external autoscaler acting on the scale subresource."""
+
+    min_replicas: int = prop(1, doc="Fewest replicas.", minimum=0)
+    max_replicas: int = prop(doc="Most replicas.", minimum=1)
+
+    RULES: ClassVar[list[Rule]] = [
+        ("self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas",
+         lambda s: s.min_replicas <= s.max_replicas),
+    ]
+
+
+@dataclass(kw_only=True)
+class NamedPool:
+    """A named subset of the selected nodes; each still splits by node shape."""
+
+    name: str = prop(doc="Pool name, used in Deployment names.", pattern=DNS_LABEL, maxLength=20)
+    node_selector: dict[str, str] = prop({}, doc="Labels a node must carry to belong to this pool (on top of spec.nodeSelector).")
+
+
+@dataclass(kw_only=True)
+class CacheSpec:
+    """KV, encoder and processor caches."""
+
+    block_size: int = prop(64, doc="Tokens per KV block.", enum=[16, 32, 64, 128, 256])
+    prefix_caching: bool = prop(True, doc="Reuse cached KV blocks across requests.")
+    swap_space: GiBSize = prop(GiBSize(), doc="CPU swap tier for evicted KV blocks per replica, in GiB (--swap-space).")
+    encoder_cache: TokenSize = prop(TokenSize(), doc="Vision-encoder output cache per replica, in tokens (--max-encoder-cache).")
+    processor_cache: GiBSize = prop(GiBSize(), doc="Preprocessed-image cache per replica, in GiB (--max-processor-cache).")
+    host_reserve_fraction: float = prop(0.1, doc="Share of a node's allocatable memory kept free for kubelet, daemons and page cache.", minimum=0, maximum=0.9)
+    swap_fraction: float = prop(0.9, doc="Share of the host memory left per replica (after engine and processor cache) given to the swap tier.", minimum=0, maximum=1)
+    encoder_fraction: float = prop(0.05, doc="Share of each replica's GPU memory set aside for the encoder cache.", minimum=0, maximum=0.5)
+
+
+@dataclass(kw_only=True)
+class SecretKeyRef:
+    """A key in a Secret of the same namespace."""
+
+    name: str = prop(doc="Secret name.", pattern=DNS_LABEL, maxLength=253)
+    key: str = prop("api-key", doc="Key within the Secret.", minLength=1)
+
+
+@dataclass(kw_only=True)
+class RouterSpec:
+    """The cache-affinity router: the OpenAI endpoint."""
+
+    replicas: int = prop(2, doc="Router pods.", minimum=1, maximum=64)
+    load_bound: float = prop(1.25, doc="A replica loaded beyond this multiple of the mean loses its prefix affinity.", minimum=1, maximum=10)
+    api_key_secret: Optional[SecretKeyRef] = prop(None, doc="Secret holding the API key clients must send (router and servers read WARMFLEET_API_KEY).")
+    service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = prop("ClusterIP", doc="Type of the router Service.")
+    port: int = prop(8000, doc="Port of the router Service (the endpoint URL's port).", minimum=1, maximum=65535)
+
+
+@dataclass(kw_only=True)
+class DisruptionSpec:
+    """Rollouts, drains and startup."""
+
+    max_unavailable: int = prop(1, doc="Server replicas per pool that may be down during a rollout or a voluntary eviction (PDB).", minimum=0)
+    drain_seconds: int = prop(30, doc="Seconds a stopping replica keeps serving in-flight requests (preStop) before SIGTERM.", minimum=0, maximum=3600)
+    startup_timeout_seconds: int = prop(1800, doc="Seconds a replica may take to load weights before it is restarted.", minimum=60, maximum=86400)
+
+
+@dataclass(kw_only=True)
+class InferenceServiceSpec:
+    """Desired state of an InferenceService."""
+
+    model: ModelSpec = prop(doc="The checkpoint to serve.")
+    server: ServerSpec = prop(ServerSpec(), doc="Server pods.")
+    replicas: Optional[int] = prop(None, doc="Server replicas across all pools (default 1); exclusive with autoscaling.", minimum=0, maximum=4096)
+    autoscaling: Optional[Autoscaling] = prop(None, doc="Replica bounds instead of a fixed count; exclusive with replicas.")
+    node_selector: dict[str, str] = prop({}, doc="Labels a node must carry to host servers.")
+    pools: list[NamedPool] = prop([], doc="Optional named pools; without them every selected node shape is a pool.", maxItems=16)
+    cache: CacheSpec = prop(CacheSpec(), doc="Cache sizes.")
+    router: RouterSpec = prop(RouterSpec(), doc="Router.")
+    disruption: DisruptionSpec = prop(DisruptionSpec(), doc="Disruption and startup.")
+
+    RULES: ClassVar[list[Rule]] = [
+        ("!(has(self.replicas) && has(self.autoscaling))", "replicas and autoscaling are mutually exclusive",
+         lambda s: s.replicas is None or s.autoscaling is None),
+        ("!has(self.pools) || self.pools.all(p, self.pools.exists_one(q, q.name == p.name))", "pool names must be unique",
+         lambda s: len({p.name for p in s.pools}) == len(s.pools)),
+    ]
+
+    def desired_replicas(self) -> int:
+        """Replicas to run: spec.replicas, else autoscaling.minReplicas, else 1."""
+        if self.replicas is not None:
+            return self.replicas
+        if self.autoscaling is not None:
+            return self.autoscaling.min_replicas
+        return 1
+
+
+# The served name is immutable: a transition rule on the model object (oldSelf exists only on update).
+SERVED_NAME_RULE = {
+    "rule": "has(self.servedName) == has(oldSelf.servedName) && (!has(self.servedName) || self.servedName == oldSelf.servedName)",
+    "message": "model.servedName is immutable",
+}
+
+
+# ---- status ----
+
+@dataclass(kw_only=True)
+class Condition:
+    """A standard Kubernetes condition."""
+
+    type: Literal["Ready", "Progressing", "Degraded", "InvalidSpec"] = prop(doc="Condition type.")
+    status: Literal["True", "False", "Unknown"] = prop(doc="Condition status.")
+    reason: str = prop(doc="CamelCase reason.")
+    message: str = prop("", doc="Human-readable detail.")
+    last_transition_time: Optional[str] = prop(None, doc="When status last changed (RFC 3339).", format="date-time")
+    observed_generation: Optional[int] = prop(None, doc="Generation the condition was computed from.", format="int64")
+
+
+@dataclass(kw_only=True)
+class PoolShape:
+    """What nodes of one pool share."""
+
+    gpu_product: str = prop(doc="nvidia.com/gpu.product label ('unknown' if absent).")
+    gpu_memory_mib: int = prop(doc="Per-GPU memory from nvidia.com/gpu.memory, MiB (0 if absent).", format="int64")
+    gpus_per_node: int = prop(doc="Allocatable nvidia.com/gpu per node.")
+    host_memory_bytes: int = prop(doc="Smallest allocatable host memory among the pool's nodes, bytes.", format="int64")
+
+
+@dataclass(kw_only=True)
+class PoolSizes:
+    """Per-replica sizes derived for one pool, as rendered into pod args and resources."""
+
+    replicas_per_node: int = prop(doc="floor(GPUs per node / GPUs per replica).")
+    swap_space_gib: float = prop(doc="--swap-space, GiB.")
+    encoder_cache_tokens: int = prop(doc="--max-encoder-cache, tokens.", format="int64")
+    processor_cache_gib: float = prop(doc="--max-processor-cache, GiB.")
+    memory_bytes: int = prop(doc="Pod memory request = limit, bytes.", format="int64")
+    shm_bytes: int = prop(doc="/dev/shm size limit, bytes.", format="int64")
+    hash: str = prop(doc="Digest of the sizes; a change rolls the pool.")
+
+
+@dataclass(kw_only=True)
+class PoolInputs:
+    """The numbers the sizes came from."""
+
+    host_bytes_per_replica: int = prop(doc="Host memory per replica after the reserve, bytes.", format="int64")
+    engine_bytes: int = prop(doc="Engine host memory, bytes.", format="int64")
+    gpu_bytes_per_replica: int = prop(doc="GPU memory per replica, bytes.", format="int64")
+    bytes_per_encoder_token: int = prop(doc="hiddenSize x dtype bytes.")
+    sources: dict[str, str] = prop({}, doc="Per size: auto, fixed, min or max (which bound clamped it).")
+
+
+@dataclass(kw_only=True)
+class PoolStatus:
+    """One node pool."""
+
+    name: str = prop(doc="Pool name (suffix of its Deployment).")
+    nodes: list[str] = prop([], doc="Nodes in the pool.")
+    shape: Optional[PoolShape] = prop(None, doc="Node shape.")
+    fits: bool = prop(True, doc="Whether a replica fits on the pool's nodes.")
+    message: str = prop("", doc="Why the pool cannot host replicas, if it cannot.")
+    replicas: int = prop(0, doc="Replicas assigned to the pool.")
+    ready_replicas: int = prop(0, doc="Ready replicas of the pool's Deployment.")
+    sizes: Optional[PoolSizes] = prop(None, doc="Derived sizes.")
+    inputs: Optional[PoolInputs] = prop(None, doc="Inputs of the sizes.")
+
+
+@dataclass(kw_only=True)
+class InferenceServiceStatus:
+    """Observed state of an InferenceService."""
+
+    observed_generation: Optional[int] = prop(None, doc="metadata.generation last reconciled.", format="int64")
+    conditions: list[Condition] = prop([], doc="Ready, Progressing, Degraded, InvalidSpec.")
+    replicas: int = prop(0, doc="Server replicas that exist (scale subresource).")
+    desired_replicas: int = prop(0, doc="Server replicas wanted.")
+    ready_replicas: int = prop(0, doc="Server replicas ready.")
+    ready: str = prop("False", doc="Ready condition status, for printing.")
+    selector: str = prop("", doc="Label selector of the server pods (scale subresource).")
+    endpoint: str = prop("", doc="OpenAI base URL of the router.")
+    model: str = prop("", doc="Served model name.")
+    pools: list[PoolStatus] = prop([], doc="Node pools and their sizes.")
+
+
+def parse_spec(data: Any) -> InferenceServiceSpec:
+    """Parse and validate `spec` (defaults applied); raises SpecError."""
+    return from_dict(InferenceServiceSpec, data if data is not None else {}, "spec")
+
+
+def served_name(spec: InferenceServiceSpec, name: str) -> str:
+    """The model name clients use."""
+    return spec.model.served_name or name
+
