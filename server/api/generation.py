@@ -74,6 +74,9 @@ async def _pump(engine: EngineClient, choice: Choice, queue: asyncio.Queue, metr
         queue.put_nowait(_PumpDone())
     except EngineError as exc:
         queue.put_nowait(exc)
+    except Exception as exc:  # a dead or misbehaving engine: report it, never leave the consumer waiting
+        log.warning("engine request %s failed", choice.request.request_id, exc_info=True)
+        queue.put_nowait(EngineError(f"{type(exc).__name__}: {exc}"))
     finally:
         if not s.finished:
             metrics.finished("abort")

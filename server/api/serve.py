@@ -1,0 +1,156 @@
+"""`warmfleet serve`: one replica — HTTP API (uvicorn) up at once, engine loaded behind it, graceful drain on SIGTERM.
+
+The port answers /health from the first second so a slow model load is not mistaken for a
+dead pod; /ready turns 200 once the engine is up and 503 again while draining. On SIGTERM
+uvicorn stops accepting, in-flight requests get up to --drain-timeout-s to finish, then the
+engine process is shut down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import prometheus_client
+import uvicorn
+
+from ..config import EngineConfig, add_arguments as add_config_arguments, from_namespace
+from .app import attach_engine, build_app
+
+log = logging.getLogger("warmfleet.serve")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    group = parser.add_argument_group("serve")
+    group.add_argument("--drain-timeout-s", dest="serve.drain_timeout_s", type=float, default=30.0,
+                       help="On SIGTERM, seconds in-flight requests get to finish before they are cancelled "
+                            "(keep below the pod's terminationGracePeriodSeconds). (default: 30.0)")
+    group.add_argument("--log-format", dest="serve.log_format", choices=("json", "text"), default="json",
+                       help="json: one JSON object per line; text: key=value lines. (default: json)")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = from_namespace(args)
+    if not cfg.model.model:
+        raise ValueError("--model is required (a Hugging Face checkpoint directory)")
+    if not Path(cfg.model.model).is_dir():
+        raise FileNotFoundError(f"--model {cfg.model.model}: no such directory")
+    drain_timeout_s = getattr(args, "serve.drain_timeout_s", 30.0)
+    if drain_timeout_s < 0:
+        raise ValueError(f"--drain-timeout-s must be >= 0, got {drain_timeout_s}")
+    setup_logging(cfg.server.log_level, getattr(args, "serve.log_format", "json"))
+    return asyncio.run(serve(cfg, drain_timeout_s))
+
+
+async def serve(cfg: EngineConfig, drain_timeout_s: float = 30.0) -> int:
+    """Serve until SIGTERM/SIGINT; returns the exit code (1 if the engine could not start)."""
+    # NOTE: importing the engine client pulls in paddle, which installs its own SIGTERM handler; import it
+    # before uvicorn installs the graceful-shutdown handler, so uvicorn's wins.
+    from ..engine.async_engine import AsyncEngine  # noqa: F401
+
+    prometheus_client.disable_created_metrics()
+    app = build_app(None, None, cfg)
+    server = _Server(uvicorn.Config(
+        app, host=cfg.server.host, port=cfg.server.port, log_config=None, lifespan="off",
+        timeout_graceful_shutdown=drain_timeout_s, log_level=cfg.server.log_level,
+    ), app)
+    log.info("starting replica", extra={"fields": {"replica_id": app.state.wf.replica_id, "host": cfg.server.host,
+                                                     "port": cfg.server.port, "model": cfg.model.model}})
+    loader = asyncio.create_task(server.load_engine(cfg))
+    try:
+        await server.serve()
+    finally:
+        if not loader.done():
+            loader.cancel()
+        await asyncio.gather(loader, return_exceptions=True)
+        await server.stop_engine()
+    return 1 if server.failed else 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn.Server plus the engine's lifecycle around it."""
+
+    def __init__(self, config: uvicorn.Config, app: Any):
+        super().__init__(config)
+        self.app = app
+        self.engine: Any = None
+        self.failed = False
+
+    async def load_engine(self, cfg: EngineConfig) -> None:
+        """Load tokenizer and engine, then attach them (/ready → 200); on failure stop the server."""
+        from ..engine.async_engine import AsyncEngine
+        from ..tokenizer import Tokenizer
+
+        t0 = time.perf_counter()
+        try:
+            tokenizer = await asyncio.to_thread(Tokenizer, cfg.model.model)
+            self.engine = await AsyncEngine.start(cfg)
+        except Exception as exc:
+            log.error("engine failed to start: %s", exc, exc_info=True)
+            self.failed = True
+            self.should_exit = True
+            return
+        attach_engine(self.app, self.engine, tokenizer)
+        info = self.engine.model_info
+        log.info("ready", extra={"fields": {"model": info.served_model_name, "max_model_len": info.max_model_len,
+                                            "load_s": round(time.perf_counter() - t0, 3)}})
+
+    async def shutdown(self, sockets: Optional[list] = None) -> None:
+        self.app.state.wf.draining = True
+        log.info("draining", extra={"fields": {"timeout_s": self.config.timeout_graceful_shutdown}})
+        await super().shutdown(sockets)
+        await self.stop_engine()  # before uvicorn re-raises the captured signal
+
+    async def stop_engine(self) -> None:
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            await engine.shutdown()
+            log.info("engine stopped")
+
+
+# ---- structured logging ---------------------------------------------------------------------------
+_ACCESS_FIELDS = ("client", "method", "path", "http_version", "status")
+
+
+class _Formatter(logging.Formatter):
+    """One line per record: JSON, or key=value pairs; `extra={"fields": {...}}` adds keys."""
+
+    def __init__(self, fmt: str):
+        super().__init__()
+        self.json = fmt == "json"
+
+    def format(self, record: logging.LogRecord) -> str:
+        d: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.name == "uvicorn.access" and isinstance(record.args, tuple) and len(record.args) == 5:
+            d.update(zip(_ACCESS_FIELDS, record.args))
+        d.update(getattr(record, "fields", None) or {})
+        if record.exc_info:
+            d["exc"] = self.formatException(record.exc_info)
+        if self.json:
+            return json.dumps(d, default=str, ensure_ascii=False)
+        return " ".join(f"{k}={_kv(v)}" for k, v in d.items())
+
+
+def _kv(v: Any) -> str:
+    s = str(v)
+    return json.dumps(s) if (not s or any(c in s for c in ' "=\n')) else s
+
+
+def setup_logging(level: str, fmt: str = "json") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Formatter(fmt))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
