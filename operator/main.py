@@ -97,7 +97,22 @@ def dump(objs: Iterable[dict[str, Any]], fmt: str = "yaml") -> str:
     objs = list(objs)
     if fmt == "json":
         return json.dumps({"apiVersion": "v1", "kind": "List", "items": objs}, indent=2) + "\n"
-    return "".join("---\n" + yaml.safe_dump(o, sort_keys=False, width=120) for o in objs)
+    return "".join("---\n" + yaml.dump(o, Dumper=_Dumper, sort_keys=False, width=120) for o in objs)
+
+
+class _Dumper(yaml.SafeDumper):
+    """SafeDumper writing multi-line strings (the sizing report) as literal blocks, without YAML aliases."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str)
 
 
 def crd_cmd(args: argparse.Namespace) -> int:
