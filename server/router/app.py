@@ -70,6 +70,7 @@ def build_app(settings: RouterSettings) -> FastAPI:
 
     app = FastAPI(title="warmfleet router", lifespan=lifespan)
     app.state.metrics = metrics
+    app.state.limiter = limiter
 
     def client_headers(request: Request) -> dict:
         """Headers passed upstream: the client's auth only when the router itself checks none."""

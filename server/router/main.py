@@ -86,7 +86,7 @@ def settings_from_args(args: argparse.Namespace):
     return RouterSettings(
         hash_cfg=HashConfig(args.block_size, model_fingerprint(args.model), args.prefix_hash_algo),
         replicas=[parse_replica(r, args.kv_events_port) for r in args.replica],
-        renderer=PromptRenderer(args.model),
+        renderer=PromptRenderer(args.model, hash_algo=args.prefix_hash_algo),
         policy=PolicyConfig(cpu_weight=args.cpu_tier_weight, load_weight=args.load_weight,
                             epsilon=args.balance_epsilon),
         proxy=ProxyConfig(max_attempts=args.max_attempts, connect_timeout_s=args.connect_timeout_s,

@@ -3,8 +3,9 @@
 Chat requests go through the checkpoint's chat template (`warmfleet.server.tokenizer`), then
 `encode(add_special_tokens=False)`, as the replica does. Requests with images need the
 placeholder offsets the replica will compute; that is one function of the multimodal module,
-`warmfleet.server.multimodal.prompt.render(tokenizer, messages, **kw) -> (token_ids, placeholders)`.
-Until it exists, an image request is hashed only up to its first image (blocks wholly before
+`warmfleet.server.multimodal.prompt.render(tokenizer, messages, **kw) -> (token_ids, placeholders)`,
+which hashes data: URIs and cuts before images it cannot resolve without fetching.
+Without it, an image request is hashed only up to its first image (blocks wholly before
 the first placeholder are the same whatever the image expands to), which is exact, just shorter.
 """
 
@@ -41,35 +42,61 @@ def _has_images(messages: list) -> bool:
                for m in messages)
 
 
-class PromptRenderer:
-    """Owns the tokenizer; `chat(body)` / `completion(body)` raise ValueError for what they cannot render."""
+def _as_replica_sees(message: Any) -> Any:
+    """The replica validates messages with pydantic and dumps them without None fields; do the same."""
+    if not isinstance(message, dict):
+        return message
+    out = {k: v for k, v in message.items() if v is not None}
+    if isinstance(out.get("content"), list):
+        out["content"] = [{k: v for k, v in p.items() if v is not None} if isinstance(p, dict) else p
+                          for p in out["content"]]
+    return out
 
-    def __init__(self, model_dir: str, tokenizer: Any = None):
+
+class PromptRenderer:
+    """Owns the tokenizer; `chat(body)` / `completion(body)` raise ValueError for what they cannot render.
+
+    Mirrors the replica's API (server/api/serving.py): the chat template gets the messages and
+    `add_generation_prompt` only, and is encoded without special tokens; a completion's text
+    prompt is encoded with them.
+    """
+
+    def __init__(self, model_dir: str, tokenizer: Any = None, hash_algo: str = "blake3"):
         if tokenizer is None:
             from ..tokenizer import Tokenizer
 
             tokenizer = Tokenizer(model_dir)
         self.tokenizer = tokenizer
+        self.hash_algo = hash_algo
         self._mm_render = _mm_render()
+        self._processor_cfg: Any = None
         self._image_pad_ids = {i for i in (tokenizer.token_to_id(t) for t in IMAGE_PAD_TOKENS) if i is not None}
 
     def chat(self, body: dict) -> Prompt:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
-        kwargs = dict(body.get("chat_template_kwargs") or {})
+        messages = [_as_replica_sees(m) for m in messages]
         add_gen = bool(body.get("add_generation_prompt", True))
-        tools = body.get("tools")
-        if self._mm_render is not None and _has_images(messages):
-            ids, items = self._mm_render(self.tokenizer, messages, add_generation_prompt=add_gen, tools=tools,
-                                         **kwargs)
-            return Prompt(list(ids), list(items), len(ids))
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen, tools=tools, **kwargs)
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
         if _has_images(messages):
-            cut = next((i for i, t in enumerate(ids) if t in self._image_pad_ids), len(ids))
-            return Prompt(ids[:cut], [], len(ids))
+            return self._chat_with_images(messages, add_gen)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
         return Prompt(ids, [], len(ids))
+
+    def _chat_with_images(self, messages: list, add_gen: bool) -> Prompt:
+        if self._mm_render is not None and self._image_pad_ids:
+            if self._processor_cfg is None:
+                from ..multimodal.processor import ImageProcessorConfig
+
+                self._processor_cfg = ImageProcessorConfig.from_model_dir(self.tokenizer.model_dir)
+            ids, items = self._mm_render(self.tokenizer, messages, processor_cfg=self._processor_cfg,
+                                         hash_algo=self.hash_algo, add_generation_prompt=add_gen)
+            return Prompt(list(ids), list(items), len(ids))
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        cut = next((i for i, t in enumerate(ids) if t in self._image_pad_ids), len(ids))
+        return Prompt(ids[:cut], [], len(ids))
 
     def completion(self, body: dict) -> Prompt:
         prompt = body.get("prompt")

@@ -1,0 +1,348 @@
+"""Router against Fake replica apps on loopback: affinity from real KV events, retries, stream breaks, health, auth."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from typing import Callable, Optional
+
+import httpx
+import pytest
+import uvicorn
+import zmq
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from warmfleet.server.events import BlockStored, EventBatch, Snapshot, encode
+from warmfleet.server.hashing import block_hashes, model_fingerprint
+from warmfleet.server.router.app import RouterSettings, build_app
+from warmfleet.server.router.auth import Tenants, derive_salt
+from warmfleet.server.router.prompt import HashConfig, PromptRenderer
+from warmfleet.server.router.registry import ReplicaSpec
+from warmfleet.server.tokenizer import Tokenizer
+
+BLOCK = 16
+SYSTEM = "You are a meticulous assistant for the warmfleet project. " * 8
+
+
+async def until(pred: Callable[[], bool], what: str, timeout_s: float = 5.0) -> float:
+    """Wait for a condition with a deadline; returns the seconds it took."""
+    t0 = time.monotonic()
+    while not pred():
+        if time.monotonic() - t0 > timeout_s:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.005)
+    return time.monotonic() - t0
+
+
+class Served:
+    """A uvicorn server for an app on a free loopback port, in the test's event loop."""
+
+    def __init__(self, app):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.task: Optional[asyncio.Task] = None
+
+    async def start(self) -> "Served":
+        self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
+        await until(lambda: self.server.started, "server start")
+        return self
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        self.server.force_exit = True
+        await self.task
+
+
+class FakeSharedFailures:
+    """How many more requests, across all replicas sharing it, should fail (and how)."""
+
+    def __init__(self, n: int = 0, mode: str = "ok"):
+        self.n, self.mode = n, mode
+
+    def take(self) -> str:
+        if self.n > 0:
+            self.n -= 1
+            return self.mode
+        return "ok"
+
+
+class FakeReplica:
+    """Replica double: tokenizes like a replica, keeps a block set, publishes real KV events (events.encode).
+
+    Failure modes per request: "503", "reset" (headers, then the connection drops before any byte),
+    "break" (two SSE events, then the connection drops), "hold" (waits for `release`).
+    """
+
+    def __init__(self, name: str, tokenizer: Tokenizer, fingerprint: str, failures: FakeSharedFailures):
+        self.name, self.tok, self.fp, self.failures = name, tokenizer, fingerprint, failures
+        self.gpu: list[bytes] = []
+        self.seq = 0
+        self.received: list[dict] = []
+        self.release = asyncio.Event()
+        self.pub = zmq.Context.instance().socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        eport = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        self.events = f"tcp://127.0.0.1:{eport}"
+        self.app = self._build()
+
+    def publish(self, events: list, seq: Optional[int] = None) -> None:
+        self.seq = self.seq + 1 if seq is None else seq
+        self.pub.send_multipart(encode(EventBatch(self.name, self.seq, events)))
+
+    def _prompt_ids(self, body: dict) -> list[int]:
+        if "messages" in body:
+            text = self.tok.apply_chat_template(body["messages"], add_generation_prompt=True)
+            return self.tok.encode(text, add_special_tokens=False)
+        return self.tok.encode(body["prompt"], add_special_tokens=True)
+
+    def _serve(self, body: dict) -> int:
+        """Prefix-cache bookkeeping of one request; returns cached tokens."""
+        ids = self._prompt_ids(body)
+        hashes = block_hashes(ids, [], BLOCK, self.fp, body.get("cache_salt"))
+        hit = 0
+        for h in hashes:
+            if h not in self.gpu:
+                break
+            hit += 1
+        cached = min(hit * BLOCK, (len(ids) - 1) // BLOCK * BLOCK)
+        new = [h for h in hashes if h not in self.gpu]
+        if new:
+            self.gpu.extend(new)
+            self.publish([BlockStored(new, None, [], BLOCK)])
+        return cached
+
+    def _build(self) -> FastAPI:
+        app = FastAPI()
+        headers = {"x-warmfleet-replica": self.name}
+
+        @app.get("/health")
+        async def health():
+            return Response(status_code=200)
+
+        @app.get("/v1/kv/snapshot")
+        async def snapshot():
+            return JSONResponse(Snapshot(self.name, self.seq, BLOCK, self.fp, list(self.gpu), [], []).to_json())
+
+        async def generate(request: Request):
+            body = await request.json()
+            self.received.append(body)
+            mode = self.failures.take()
+            if mode == "503":
+                return JSONResponse({"error": {"message": "busy"}}, status_code=503, headers=headers)
+            cached = self._serve(body)
+            usage = {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3,
+                     "prompt_tokens_details": {"cached_tokens": cached}}
+            if mode == "reset":  # status line and headers go out, then the connection drops
+                async def reset():
+                    raise ConnectionResetError("fake reset before the first byte")
+                    yield b""
+
+                return StreamingResponse(reset(), media_type="application/json", headers=headers)
+            if not body.get("stream"):
+                return JSONResponse({"id": "x", "choices": [{"index": 0, "text": "hi"}], "usage": usage},
+                                    headers=headers)
+
+            async def events():
+                for word in ("hello", "world"):
+                    yield f"data: {json.dumps({'choices': [{'index': 0, 'text': word}]})}\n\n".encode()
+                if mode == "break":
+                    raise ConnectionResetError("fake break mid-stream")
+                if mode == "hold":
+                    await self.release.wait()
+                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
+                yield b"data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+        app.post("/v1/chat/completions")(generate)
+        app.post("/v1/completions")(generate)
+        return app
+
+    def close(self) -> None:
+        self.pub.close(0)
+
+
+class Fleet2:
+    """Two fake replicas behind a router, all on loopback."""
+
+    def __init__(self, model_dir, *, failures: Optional[FakeSharedFailures] = None, tenants: Optional[Tenants] = None,
+                 health_interval_s: float = 0.1, max_concurrent_per_client: int = 0):
+        self.tok = Tokenizer(model_dir)
+        self.fp = model_fingerprint(model_dir)
+        self.failures = failures or FakeSharedFailures()
+        self.replicas = [FakeReplica(f"r{i}", self.tok, self.fp, self.failures) for i in range(2)]
+        self.model_dir = model_dir
+        self.tenants = tenants or Tenants({})
+        self.health_interval_s = health_interval_s
+        self.max_concurrent_per_client = max_concurrent_per_client
+
+    async def __aenter__(self) -> "Fleet2":
+        self.served = [await Served(r.app).start() for r in self.replicas]
+        self.by_url = {s.url: r for s, r in zip(self.served, self.replicas)}
+        settings = RouterSettings(
+            hash_cfg=HashConfig(BLOCK, self.fp),
+            replicas=[ReplicaSpec(s.url, r.events) for s, r in zip(self.served, self.replicas)],
+            renderer=PromptRenderer(str(self.model_dir), tokenizer=self.tok),
+            tenants=self.tenants, health_interval_s=self.health_interval_s, health_timeout_s=0.5,
+            max_concurrent_per_client=self.max_concurrent_per_client,
+        )
+        self.app = build_app(settings)
+        self.router = await Served(self.app).start()
+        self.fleet = self.app.state.fleet
+        await until(lambda: all(self.fleet.index.is_synced(s.url) for s in self.served), "initial resync")
+        self.client = httpx.AsyncClient(base_url=self.router.url, timeout=10)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.client.aclose()
+        await self.router.stop()
+        for s in self.served:
+            if not s.task.done():
+                await s.stop()
+        for r in self.replicas:
+            r.close()
+
+    def url_of(self, name: str) -> str:
+        return next(u for u, r in self.by_url.items() if r.name == name)
+
+    def metric(self, name: str, **labels) -> float:
+        v = self.app.state.metrics.registry.get_sample_value(name, labels or None)
+        return 0.0 if v is None else v
+
+
+def chat(question: str, **extra) -> dict:
+    return {"model": "tiny", "messages": [{"role": "system", "content": SYSTEM},
+                                          {"role": "user", "content": question}], **extra}
+
+
+async def test_shared_prefix_lands_where_it_is_cached(tiny_model_dir):
+    async with Fleet2(tiny_model_dir) as f:
+        r1 = await f.client.post("/v1/chat/completions", json=chat("What is a KV cache?"))
+        assert r1.status_code == 200 and r1.headers["x-warmfleet-route"].startswith("cold_hash")
+        first = r1.headers["x-warmfleet-replica"]
+        url = f.url_of(first)
+        await until(lambda: f.fleet.index.state(url).gpu, "KV events from the first request")
+        r2 = await f.client.post("/v1/chat/completions", json=chat("And what is a block?"))
+        assert r2.headers["x-warmfleet-replica"] == first
+        assert r2.headers["x-warmfleet-route"].startswith("prefix_hit")
+        cached = r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached > 4 * BLOCK
+        # prediction equals what the replica reported, for both requests
+        assert f.metric("warmfleet_router_predicted_cached_tokens_total") == \
+            f.metric("warmfleet_router_actual_cached_tokens_total") == cached
+        # a streamed request is relayed whole and its usage observed
+        r3 = await f.client.post("/v1/chat/completions", json=chat("Stream it", stream=True))
+        assert r3.text.endswith("data: [DONE]\n\n") and r3.headers["x-warmfleet-replica"] == first
+        assert f.metric("warmfleet_router_actual_cached_tokens_total") > cached
+
+
+@pytest.mark.parametrize("mode", ["503", "reset"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_retry_on_next_replica_before_first_byte(tiny_model_dir, mode, stream):
+    async with Fleet2(tiny_model_dir, failures=FakeSharedFailures(1, mode)) as f:
+        r = await f.client.post("/v1/chat/completions", json=chat("retry me", stream=stream))
+        assert r.status_code == 200, r.text
+        assert sum(len(x.received) for x in f.replicas) == 2  # failed once, then answered elsewhere
+        failed = next(x for x in f.replicas if x.received and x.name != r.headers["x-warmfleet-replica"])
+        assert failed.received and f.metric("warmfleet_router_retries_total") == 1
+        if stream:
+            assert r.text.startswith("data: ") and r.text.endswith("data: [DONE]\n\n")
+
+
+async def test_refused_connection_marks_replica_down_and_retries(tiny_model_dir):
+    async with Fleet2(tiny_model_dir, health_interval_s=60) as f:  # only passive detection can notice
+        await f.served[0].stop()
+        dead = f.served[0].url
+        answered = set()
+        for i in range(4):
+            r = await f.client.post("/v1/chat/completions", json=chat(f"question {i}"))
+            assert r.status_code == 200
+            answered.add(r.headers["x-warmfleet-replica"])
+        assert answered == {"r1"}
+        assert not f.fleet.registry.get(dead).healthy
+        assert not f.fleet.index.is_synced(dead)  # purged
+
+
+async def test_mid_stream_break_ends_with_sse_error(tiny_model_dir):
+    async with Fleet2(tiny_model_dir, failures=FakeSharedFailures(1, "break")) as f:
+        async with f.client.stream("POST", "/v1/chat/completions", json=chat("break", stream=True)) as r:
+            assert r.status_code == 200
+            body = b"".join([c async for c in r.aiter_raw()]).decode()
+        events = [e for e in body.split("\n\n") if e]
+        assert [json.loads(e[6:])["choices"][0]["text"] for e in events[:2]] == ["hello", "world"]
+        assert "error" in json.loads(events[2][6:]) and events[3] == "data: [DONE]"
+        assert sum(len(x.received) for x in f.replicas) == 1  # bytes had reached the client: no retry
+        assert f.metric("warmfleet_router_stream_breaks_total") == 1
+
+
+async def test_dead_replica_stops_receiving_within_one_second(tiny_model_dir):
+    async with Fleet2(tiny_model_dir, health_interval_s=0.2) as f:
+        victim = f.served[0]
+        await victim.stop()
+        took = await until(lambda: not f.fleet.registry.get(victim.url).healthy, "health check to notice",
+                           timeout_s=3.0)
+        assert took < 1.0
+        for i in range(6):
+            r = await f.client.post("/v1/chat/completions", json=chat(f"after {i}"))
+            assert r.headers["x-warmfleet-replica"] == "r1"
+        assert f.metric("warmfleet_router_retries_total") == 0
+        assert (await f.client.get("/ready")).json()["routable_replicas"] == 1
+
+
+async def test_api_key_injects_per_tenant_salt(tiny_model_dir):
+    tenants = Tenants({"key-one": None, "key-two": "salt-two"})
+    async with Fleet2(tiny_model_dir, tenants=tenants) as f:
+        assert (await f.client.post("/v1/chat/completions", json=chat("hi"))).status_code == 401
+        bad = {"authorization": "Bearer nope"}
+        assert (await f.client.post("/v1/chat/completions", json=chat("hi"), headers=bad)).status_code == 401
+        one, two = {"authorization": "Bearer key-one"}, {"authorization": "Bearer key-two"}
+        r = await f.client.post("/v1/chat/completions", json=chat("tenant one", cache_salt="evil"), headers=one)
+        assert r.status_code == 200
+        got = f.by_url[f.url_of(r.headers["x-warmfleet-replica"])].received[-1]
+        assert got["cache_salt"] == derive_salt("key-one") + "/evil"
+        assert "authorization" not in {k.lower() for k in got}  # the tenant's key is not forwarded
+        url = f.url_of(r.headers["x-warmfleet-replica"])
+        await until(lambda: f.fleet.index.state(url).gpu, "tenant one's blocks")
+        # same text, other tenant: the router must not predict a hit across tenants
+        r2 = await f.client.post("/v1/chat/completions", json=chat("tenant one", cache_salt="evil"), headers=two)
+        assert not r2.headers["x-warmfleet-route"].startswith("prefix_hit")
+        assert r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        got2 = f.by_url[f.url_of(r2.headers["x-warmfleet-replica"])].received[-1]
+        assert got2["cache_salt"] == "salt-two/evil"
+
+
+async def test_per_client_concurrency_limit(tiny_model_dir):
+    async with Fleet2(tiny_model_dir, failures=FakeSharedFailures(1, "hold"), max_concurrent_per_client=1) as f:
+        async with f.client.stream("POST", "/v1/chat/completions", json=chat("long", stream=True)) as held:
+            assert held.status_code == 200
+            r = await f.client.post("/v1/chat/completions", json=chat("second"))
+            assert r.status_code == 429
+            for x in f.replicas:
+                x.release.set()
+            await held.aread()
+        await until(lambda: not f.app.state.limiter.open, "the held request's slot to be released")
+        assert (await f.client.post("/v1/chat/completions", json=chat("third"))).status_code == 200
+
+
+async def test_bad_messages_and_gap_trigger_snapshot_resync(tiny_model_dir):
+    async with Fleet2(tiny_model_dir) as f:
+        rep, url = f.replicas[0], f.served[0].url
+        rep.pub.send_multipart([b"garbage"])
+        rep.pub.send_multipart([b"r0", b"\x00" * 8, b"\xc1not msgpack"])
+        await until(lambda: f.metric("warmfleet_router_bad_event_messages_total", replica=url) == 2, "bad messages")
+        # blocks the router never heard of, then a batch that skips a sequence number
+        rep.gpu.extend([b"\x01" * 32, b"\x02" * 32])
+        rep.seq += 1
+        rep.publish([BlockStored([b"\x03" * 32], None, [], BLOCK)])
+        rep.gpu.append(b"\x03" * 32)
+        await until(lambda: f.metric("warmfleet_router_resyncs_total", replica=url, cause="gap") >= 1, "gap resync")
+        await until(lambda: f.fleet.index.state(url).gpu == set(rep.gpu), "index equals the snapshot")
+        # and the feed goes on in order after the resync
+        rep.publish([BlockStored([b"\x04" * 32], None, [], BLOCK)])
+        await until(lambda: b"\x04" * 32 in f.fleet.index.state(url).gpu, "in-order event after resync")
