@@ -67,7 +67,7 @@ def transformers_throughput(model_dir: Path, vocab: int, batch: int, new_tokens:
     except ImportError:
         return None
     torch.set_num_threads(os.cpu_count() or 1)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ids = torch.tensor([tokens(rng, vocab, 32) for _ in range(batch)])
     t0 = time.perf_counter()
     with torch.no_grad():

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import multiprocessing
+import json
 import shutil
+import subprocess
+import sys
 import tempfile
 from typing import AsyncIterator, Optional
 
@@ -16,7 +18,7 @@ import zmq.asyncio
 from ..config import EngineConfig
 from . import serde
 from .core import read_model_info
-from .core_proc import config_to_dict, run_engine_core
+from .core_proc import config_to_dict
 from .protocol import EngineStats, GenerateRequest, ModelInfo
 from .request import RequestOutput
 
@@ -42,7 +44,7 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
-        self._proc: Optional[multiprocessing.Process] = None
+        self._proc: Optional[subprocess.Popen] = None
         self._reader: Optional[asyncio.Task] = None
         self._ready = asyncio.get_running_loop().create_future()
         self.dead: Optional[str] = None
@@ -52,11 +54,11 @@ class AsyncEngine:
     async def start(cls, cfg: EngineConfig, ready_timeout_s: float = 600.0) -> "AsyncEngine":
         """Spawn the engine-core process and wait until its model is loaded."""
         self = cls(cfg, read_model_info(cfg))
-        mp = multiprocessing.get_context("spawn")
-        self._proc = mp.Process(
-            target=run_engine_core, name="warmfleet-engine-core", daemon=True,
-            args=(config_to_dict(cfg), f"ipc://{self._dir}/in", f"ipc://{self._dir}/out", cfg.server.log_level))
-        self._proc.start()
+        # A fresh interpreter with -P (no cwd on sys.path: the repo's operator/ would shadow the stdlib).
+        self._proc = subprocess.Popen([
+            sys.executable, "-P", "-m", "warmfleet.server.engine.core_proc",
+            json.dumps(config_to_dict(cfg)), f"ipc://{self._dir}/in", f"ipc://{self._dir}/out",
+        ])
         self._reader = asyncio.create_task(self._read_loop())
         watchdog = asyncio.create_task(self._watch_process())
         try:
@@ -97,10 +99,10 @@ class AsyncEngine:
                 self._fail(f"engine failed to start: {payload}")
 
     async def _watch_process(self) -> None:
-        while self._proc is not None and self._proc.is_alive():
-            await asyncio.sleep(0.5)
+        while self._proc is not None and self._proc.poll() is None:
+            await asyncio.sleep(0.2)
         if self._proc is not None and not self._closing:
-            self._fail(f"engine process exited with code {self._proc.exitcode}")
+            self._fail(f"engine process exited with code {self._proc.returncode}")
 
     def _fail(self, message: str) -> None:
         if self.dead is None:
@@ -165,17 +167,15 @@ class AsyncEngine:
         return bool(await self._call("reset_prefix_cache"))
 
     async def check_health(self) -> bool:
-        return self.dead is None and self._proc is not None and self._proc.is_alive()
+        return self.dead is None and self._proc is not None and self._proc.poll() is None
 
     async def shutdown(self) -> None:
         self._closing = True
-        if self._proc is not None and self._proc.is_alive():
+        if self._proc is not None and self._proc.poll() is None:
             try:
                 await self._in.send(serde.packb(["shutdown", None]))
+                await asyncio.wait_for(asyncio.to_thread(self._proc.wait), 5)
             except Exception:
-                pass
-            self._proc.join(timeout=5)
-            if self._proc.is_alive():
                 self._proc.kill()
         for t in (self._reader, getattr(self, "_watchdog", None)):
             if t is not None:

@@ -28,8 +28,8 @@ def config_from_dict(d: dict):
                         ServerConfig(**d["server"]))
 
 
-def run_engine_core(cfg_dict: dict, in_addr: str, out_addr: str, log_level: str = "info") -> None:
-    """Process entry point."""
+def run_engine_core(cfg_dict: dict, in_addr: str, out_addr: str) -> None:
+    """Process entry point: `python -P -m warmfleet.server.engine.core_proc CONFIG_JSON IN_ADDR OUT_ADDR`."""
     import zmq
 
     from ..events import EventPublisher
@@ -38,9 +38,9 @@ def run_engine_core(cfg_dict: dict, in_addr: str, out_addr: str, log_level: str 
 
     from ..logging_setup import setup_logging
 
-    setup_logging(log_level)
-    log = logging.getLogger("warmfleet.engine")
     cfg = config_from_dict(cfg_dict)
+    setup_logging(cfg.server.log_level)
+    log = logging.getLogger("warmfleet.engine")
     ctx = zmq.Context()
     inp = ctx.socket(zmq.PULL)
     inp.connect(in_addr)
@@ -67,7 +67,11 @@ def run_engine_core(cfg_dict: dict, in_addr: str, out_addr: str, log_level: str 
     poller = zmq.Poller()
     poller.register(inp, zmq.POLLIN)
     last_load = 0.0
+    parent = os.getppid()
     while True:
+        if os.getppid() != parent:  # the API process is gone: never linger as an orphan holding memory
+            log.warning("API process exited; engine core stopping")
+            return
         timeout_ms = 0 if core.has_work else 100
         while poller.poll(timeout_ms):
             timeout_ms = 0
@@ -113,3 +117,9 @@ def _call(core, method: str):
     if method == "reset_prefix_cache":
         return core.pool.reset()
     return {"error": f"unknown method {method}"}
+
+
+if __name__ == "__main__":
+    import json
+
+    run_engine_core(json.loads(sys.argv[1]), sys.argv[2], sys.argv[3])

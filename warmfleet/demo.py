@@ -1,0 +1,116 @@
+"""`warmfleet demo`: a local fleet (replicas + router) on a tiny checkpoint made on first run; no cluster."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="Checkpoint directory (default: a tiny Qwen2 made on first run).")
+    p.add_argument("--replicas", type=int, default=2, help="Number of local replicas.")
+    p.add_argument("--port", type=int, default=8000, help="Router port: the OpenAI endpoint.")
+    p.add_argument("--once", action="store_true", help="Send the sample conversation, print the figures, and exit.")
+    p.add_argument("--startup-timeout-s", type=float, default=300.0, help="Seconds to wait for every process.")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, name: str, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with code {proc.returncode}; its log is above")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{name} was not ready at {url} in time")
+
+
+def _chat(base: str, messages: list[dict]) -> dict:
+    body = json.dumps({"model": "tiny-qwen2", "messages": messages, "max_tokens": 16, "temperature": 0}).encode()
+    req = urllib.request.Request(f"{base}/v1/chat/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read()) | {"replica": r.headers.get("x-warmfleet-replica")}
+
+
+def _interrupt(*_args) -> None:
+    raise KeyboardInterrupt
+
+
+def default_model() -> Path:
+    from warmfleet.server.models.tiny import make_tiny_model
+
+    out = Path(os.environ.get("WARMFLEET_CACHE", Path.home() / ".cache" / "warmfleet")) / "models" / "tiny-qwen2"
+    if not (out / "config.json").exists():
+        print(f"[demo] writing a tiny random Qwen2 checkpoint to {out}", flush=True)
+        make_tiny_model(out, arch="qwen2", size="tiny", seed=0)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.replicas < 1:
+        raise ValueError("--replicas must be >= 1")
+    model = Path(args.model) if args.model else default_model()
+    exe = [sys.executable, "-P", "-m", "warmfleet.cli"]
+    procs: list[subprocess.Popen] = []
+    deadline = time.monotonic() + args.startup_timeout_s
+    try:
+        replicas = []
+        for i in range(args.replicas):
+            port, events = _free_port(), _free_port()
+            procs.append(subprocess.Popen(exe + [
+                "serve", "--model", str(model), "--served-model-name", "tiny-qwen2", "--port", str(port),
+                "--kv-events-port", str(events), "--replica-id", f"replica-{i}", "--block-size", "16",
+                "--kv-cache-memory", "0.05", "--swap-space", "0.05"]))
+            replicas.append((f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{events}"))
+        for (url, _), p in zip(replicas, procs):
+            _wait_ready(f"{url}/ready", p, f"replica {url}", deadline)
+        router_args = ["route", "--model", str(model), "--port", str(args.port), "--block-size", "16"]
+        for url, events in replicas:
+            router_args += ["--replica", f"{url},events={events}"]
+        procs.append(subprocess.Popen(exe + router_args))
+        base = f"http://127.0.0.1:{args.port}"
+        _wait_ready(f"{base}/ready", procs[-1], "router", deadline)
+        print(f"\n[demo] OpenAI endpoint: {base}/v1  (model 'tiny-qwen2', {args.replicas} replicas)", flush=True)
+
+        system = {"role": "system", "content": "You are a helpful assistant. " * 12}
+        for q in ("What is a prefix cache?", "And why route by it?"):
+            r = _chat(base, [system, {"role": "user", "content": q}])
+            u = r["usage"]
+            cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            print(f"[demo] {q!r} -> replica {r['replica']}: prompt {u['prompt_tokens']} tokens, "
+                  f"{cached} from cache", flush=True)
+        if args.once:
+            return 0
+        print(f"[demo] try: curl {base}/v1/chat/completions -H 'Content-Type: application/json' "
+              "-d '{\"model\":\"tiny-qwen2\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}'\n"
+              "[demo] Ctrl-C stops the fleet.", flush=True)
+        signal.signal(signal.SIGTERM, _interrupt)
+        while True:
+            time.sleep(3600)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
