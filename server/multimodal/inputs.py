@@ -1,0 +1,97 @@
+"""Frontend path for one chat request with images: load, hash, preprocess (or hit the processor cache), expand; no paddle.
+
+    part ──uuid?──► processor cache GET "uuid:<id>" ──hit──► pixels (no download at all)
+      │                                              └─miss, no URL──► UnknownMediaError (400)
+      └─► raw bytes (data:/http/file) ─► mm_hash(bytes, params) ─► cache GET ─hit─► pixels
+                                                                  └─miss─► decode + preprocess ─► cache PUT
+
+A dead or slow processor cache only costs its timeout: the frontend preprocesses locally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from ..hashing import mm_hash
+from .media import MediaError, MediaLoader, decode_image
+from .processor import ImageProcessor, ProcessedImage
+from .processor_cache import ProcessorCacheClient
+from .prompt import ExpandedPrompt, ImageInfo, ImagePart, UnknownMediaError, expand, image_parts
+
+
+@dataclass
+class PreparedPrompt:
+    """Everything the engine needs for one multimodal request, plus figures for metrics and usage."""
+
+    prompt: ExpandedPrompt  # token ids + placeholders (contract 1 inputs)
+    images: list[ProcessedImage] = field(default_factory=list)  # same order as prompt.mm_placeholders
+    hash_time_s: float = 0.0  # time spent computing mm_hash
+    num_processor_cache_hits: int = 0
+    num_processor_cache_misses: int = 0
+
+    @property
+    def num_image_tokens(self) -> int:
+        return self.prompt.num_image_tokens
+
+
+class ImageInputPreparer:
+    """Owned by one API frontend; thread-safe (the cache client locks its socket)."""
+
+    def __init__(self, tokenizer, processor: ImageProcessor, loader: MediaLoader,
+                 cache: Optional[ProcessorCacheClient] = None, hash_algo: str = "blake3"):
+        self.tokenizer = tokenizer
+        self.processor = processor
+        self.loader = loader
+        self.cache = cache
+        self.hash_algo = hash_algo
+
+    def _from_cache(self, h: str, out: PreparedPrompt) -> Optional[ProcessedImage]:
+        if self.cache is None:
+            return None
+        img = self.cache.get(h)
+        if img is None:
+            out.num_processor_cache_misses += 1
+        else:
+            out.num_processor_cache_hits += 1
+        return img
+
+    def prepare_image(self, part: ImagePart, out: PreparedPrompt) -> tuple[ImageInfo, ProcessedImage]:
+        if part.uuid is not None:
+            h = mm_hash(uuid=part.uuid)
+            img = self._from_cache(h, out)
+            if img is not None:
+                return ImageInfo(h, img.grid_thw), img
+            if part.url is None:
+                raise UnknownMediaError(part.where, f"unknown image uuid {part.uuid!r}: this server holds no image "
+                                                    "with it; send the image together with its uuid first")
+        data, _source = self.loader.load_bytes(part.url, part.where)
+        t0 = time.perf_counter()
+        h = mm_hash(data, uuid=part.uuid, params=self.processor.hash_params(), algo=self.hash_algo)
+        out.hash_time_s += time.perf_counter() - t0
+        img = self._from_cache(h, out) if part.uuid is None else None
+        if img is None:
+            picture = decode_image(data, part.where, self.loader.cfg.max_image_pixels)
+            try:
+                img = self.processor(picture)
+            except ValueError as exc:
+                raise MediaError(part.where, str(exc)) from None
+            if self.cache is not None:
+                self.cache.put(h, img)
+        return ImageInfo(h, img.grid_thw), img
+
+    def prepare(self, messages: Sequence[dict], **template_kwargs) -> PreparedPrompt:
+        """Blocking: do it on a worker thread (`prepare_async`)."""
+        out = PreparedPrompt(ExpandedPrompt([]))
+        infos = []
+        for part in image_parts(messages):
+            info, img = self.prepare_image(part, out)
+            infos.append(info)
+            out.images.append(img)
+        out.prompt = expand(self.tokenizer, messages, infos, self.processor.cfg.merge_size, **template_kwargs)
+        return out
+
+    async def prepare_async(self, messages: Sequence[dict], **template_kwargs) -> PreparedPrompt:
+        return await asyncio.to_thread(self.prepare, messages, **template_kwargs)

@@ -1,0 +1,288 @@
+"""Processor cache: one process per pod holding preprocessed pixels per mm_hash (LRU, byte budget), served over ZMQ IPC; no paddle.
+
+Wire (ZMQ DEALER → ROUTER, multipart; msgpack + raw buffers, never pickle):
+
+    request                                 reply
+    [req_id, b"GET", mm_hash]               [req_id, b"HIT", header, pixels] | [req_id, b"MISS"]
+    [req_id, b"PUT", mm_hash, header, px]   (none: fire and forget)
+    [req_id, b"STATS"]                      [req_id, b"STATS", msgpack{hits, misses, ...}]
+    [req_id, b"PING"]                       [req_id, b"PONG"]
+    anything else                           [req_id, b"ERR", reason]  (the server keeps running)
+
+Clients keep one socket for their lifetime; replies carry the request id, so a reply that
+arrives after its call timed out is recognised and dropped instead of answering the next
+call. If the server is down, calls fail fast (ZMQ_IMMEDIATE) and callers preprocess locally;
+`ProcessorCacheProcess` restarts the server when it exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import wait as mp_wait
+from typing import Optional
+
+import msgpack
+import zmq
+
+from . import wire
+from .processor import ProcessedImage
+
+log = logging.getLogger("warmfleet.processor_cache")
+
+DEFAULT_TIMEOUT_S = 0.5
+
+
+def default_address(tag: str = "") -> str:
+    """A per-pod IPC endpoint under the temp directory (an emptyDir / /dev/shm in a pod)."""
+    return f"ipc://{tempfile.gettempdir()}/warmfleet-processor-cache{('-' + tag) if tag else ''}-{os.getuid()}.sock"
+
+
+@dataclass
+class CacheStats:
+    """Counters since the server process started."""
+
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    puts: int = 0
+    rejected: int = 0  # items larger than the whole budget, never stored
+    bad_messages: int = 0
+    entries: int = 0
+    usage_bytes: int = 0
+    capacity_bytes: int = 0
+
+
+class LRUStore:
+    """mm_hash → (header, pixel bytes), least recently used evicted first; reads refresh recency."""
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity_bytes = capacity_bytes
+        self.items: OrderedDict[bytes, tuple[bytes, bytes]] = OrderedDict()
+        self.stats = CacheStats(capacity_bytes=capacity_bytes)
+
+    @staticmethod
+    def _size(entry: tuple[bytes, bytes]) -> int:
+        return len(entry[0]) + len(entry[1])
+
+    def get(self, key: bytes) -> Optional[tuple[bytes, bytes]]:
+        entry = self.items.get(key)
+        if entry is None:
+            self.stats.misses += 1
+            return None
+        self.items.move_to_end(key)
+        self.stats.hits += 1
+        return entry
+
+    def put(self, key: bytes, header: bytes, data: bytes) -> None:
+        entry = (header, data)
+        size = self._size(entry)
+        if size > self.capacity_bytes:
+            self.stats.rejected += 1
+            return
+        old = self.items.pop(key, None)
+        if old is not None:
+            self.stats.usage_bytes -= self._size(old)
+        while self.items and self.stats.usage_bytes + size > self.capacity_bytes:
+            _, ev = self.items.popitem(last=False)
+            self.stats.usage_bytes -= self._size(ev)
+            self.stats.evictions += 1
+        self.items[key] = entry
+        self.stats.usage_bytes += size
+        self.stats.puts += 1
+        self.stats.entries = len(self.items)
+
+
+def handle(store: LRUStore, frames: list[bytes]) -> Optional[list[bytes]]:
+    """Reply frames (without routing id) for one request; None for PUT. Never raises."""
+    if len(frames) < 2:
+        store.stats.bad_messages += 1
+        return None  # no request id to answer to
+    req_id, cmd, args = frames[0], frames[1], frames[2:]
+    try:
+        if cmd == b"GET" and len(args) == 1:
+            entry = store.get(args[0])
+            return [req_id, b"MISS"] if entry is None else [req_id, b"HIT", entry[0], entry[1]]
+        if cmd == b"PUT" and len(args) == 3:
+            wire.decode(args[1], args[2])  # validate before storing: a bad PUT must not poison later GETs
+            store.put(args[0], args[1], args[2])
+            return None
+        if cmd == b"STATS" and not args:
+            store.stats.entries = len(store.items)
+            return [req_id, b"STATS", msgpack.packb(asdict(store.stats))]
+        if cmd == b"PING":
+            return [req_id, b"PONG"]
+        raise ValueError(f"unknown command {cmd[:16]!r} with {len(args)} arguments")
+    except Exception as exc:  # noqa: BLE001 - one bad message must never stop the server
+        store.stats.bad_messages += 1
+        return [req_id, b"ERR", str(exc).encode()[:500]]
+
+
+def serve(address: str, capacity_bytes: int) -> None:
+    """Server loop (the processor-cache process's main); runs until the process is terminated."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if address.startswith("ipc://"):
+        path = address[len("ipc://"):]
+        if os.path.exists(path):
+            os.unlink(path)  # a stale socket file from a crashed predecessor
+    sock.bind(address)
+    store = LRUStore(capacity_bytes)
+    log.info("processor cache serving %s with %.2f GiB", address, capacity_bytes / (1 << 30))
+    while True:
+        msg = sock.recv_multipart()
+        reply = handle(store, msg[1:])
+        if reply is not None:
+            sock.send_multipart([msg[0], *reply], copy=False)
+
+
+class ProcessorCacheClient:
+    """One frontend's connection: `get` / `put` / `stats` with timeouts; thread-safe, one socket reused."""
+
+    def __init__(self, address: str, timeout_s: float = DEFAULT_TIMEOUT_S, ctx: Optional[zmq.Context] = None):
+        self.address = address
+        self.timeout_s = timeout_s
+        self._ctx = ctx or zmq.Context.instance()
+        self._sock: Optional[zmq.Socket] = None
+        self._lock = threading.Lock()
+        self._next_id = 0
+        self.num_timeouts = 0
+        self.num_unavailable = 0
+        self.num_errors = 0
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            s = self._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.IMMEDIATE, 1)  # no queueing toward a server that is not there: fail fast
+            s.setsockopt(zmq.SNDHWM, 64)
+            s.setsockopt(zmq.RECONNECT_IVL, 50)
+            s.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            s.connect(self.address)
+            self._sock = s
+        return self._sock
+
+    def _send(self, frames: list, expect_reply: bool, connect_wait_s: float = 0.0) -> Optional[list[zmq.Frame]]:
+        """`connect_wait_s` > 0 waits that long for a connection; 0 fails at once when there is none."""
+        with self._lock:
+            sock = self._socket()
+            self._next_id += 1
+            req_id = self._next_id.to_bytes(8, "big")
+            try:
+                if connect_wait_s > 0:
+                    sock.setsockopt(zmq.SNDTIMEO, int(connect_wait_s * 1000))
+                    sock.send_multipart([req_id, *frames], copy=False)
+                else:
+                    sock.send_multipart([req_id, *frames], flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                self.num_unavailable += 1
+                return None
+            if not expect_reply:
+                return None
+            deadline = time.monotonic() + self.timeout_s
+            while True:
+                remaining_ms = int((deadline - time.monotonic()) * 1000)
+                if remaining_ms <= 0 or not sock.poll(remaining_ms, zmq.POLLIN):
+                    self.num_timeouts += 1
+                    return None
+                reply = sock.recv_multipart(copy=False)
+                if reply and reply[0].bytes == req_id:
+                    return reply[1:]
+                # a late reply to an earlier, timed-out call: drop it
+
+    def get(self, mm_hash: str) -> Optional[ProcessedImage]:
+        """Cached pixels, or None on a miss, a timeout or a dead server (the caller preprocesses)."""
+        reply = self._send([b"GET", mm_hash.encode()], expect_reply=True)
+        if not reply or reply[0].bytes != b"HIT" or len(reply) != 3:
+            if reply and reply[0].bytes == b"ERR":
+                self.num_errors += 1
+            return None
+        try:
+            return wire.decode(reply[1].bytes, reply[2].buffer)
+        except ValueError:
+            self.num_errors += 1
+            return None
+
+    def put(self, mm_hash: str, img: ProcessedImage) -> None:
+        """Offer pixels to the cache; never blocks and never fails the caller."""
+        header, buf = wire.encode(img)
+        self._send([b"PUT", mm_hash.encode(), header, buf], expect_reply=False)
+
+    def stats(self) -> Optional[CacheStats]:
+        reply = self._send([b"STATS"], expect_reply=True)
+        if not reply or reply[0].bytes != b"STATS":
+            return None
+        return CacheStats(**msgpack.unpackb(reply[1].bytes))
+
+    def ping(self, timeout_s: float = 1.0) -> bool:
+        """True when the server answers; waits up to `timeout_s` for a connection, then for the reply."""
+        reply = self._send([b"PING"], expect_reply=True, connect_wait_s=timeout_s)
+        return bool(reply) and reply[0].bytes == b"PONG"
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close(0)
+                self._sock = None
+
+
+def _process_main(address: str, capacity_bytes: int) -> None:
+    logging.basicConfig(level=logging.INFO)
+    serve(address, capacity_bytes)
+
+
+class ProcessorCacheProcess:
+    """Owns the pod's cache server process: starts it, restarts it whenever it exits, stops it."""
+
+    def __init__(self, address: str, capacity_bytes: int):
+        if capacity_bytes <= 0:
+            raise ValueError("processor cache needs a positive byte budget (--max-processor-cache 0 disables it)")
+        self.address = address
+        self.capacity_bytes = capacity_bytes
+        self._ctx = mp.get_context("spawn")
+        self.process: Optional[mp.process.BaseProcess] = None
+        self.num_restarts = 0
+        self._stop_r, self._stop_w = self._ctx.Pipe(duplex=False)
+        self._stopping = False
+        self._watcher: Optional[threading.Thread] = None
+
+    @classmethod
+    def from_gib(cls, address: str, gib: float) -> "ProcessorCacheProcess":
+        return cls(address, int(gib * (1 << 30)))
+
+    def _spawn(self) -> None:
+        self.process = self._ctx.Process(target=_process_main, args=(self.address, self.capacity_bytes),
+                                         name="warmfleet-processor-cache", daemon=True)
+        self.process.start()
+
+    def start(self) -> "ProcessorCacheProcess":
+        self._spawn()
+        self._watcher = threading.Thread(target=self._watch, name="processor-cache-watch", daemon=True)
+        self._watcher.start()
+        return self
+
+    def _watch(self) -> None:
+        while True:
+            proc = self.process
+            mp_wait([proc.sentinel, self._stop_r])
+            if self._stopping:
+                return
+            log.warning("processor cache process exited with %s; restarting", proc.exitcode)
+            self.num_restarts += 1
+            self._spawn()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._stop_w.send(b"stop")
+        if self._watcher is not None:
+            self._watcher.join()
+        if self.process is not None and self.process.is_alive():
+            self.process.terminate()
+            self.process.join()
