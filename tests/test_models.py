@@ -279,3 +279,25 @@ def test_bfloat16_weights_load_and_run(ckpt):
     ref = {k: v.astype(np.float32) for k, v in weights.items()}
     got = model.model.layers[0].self_attn.q_proj.weight.numpy()
     np.testing.assert_allclose(got, ref["model.layers.0.self_attn.q_proj.weight"], rtol=1e-2, atol=1e-3)
+
+
+def test_half_precision_on_cpu_fails_at_load_with_a_clear_error(tiny_model_dir):
+    if not paddle.device.get_device().startswith("cpu"):
+        pytest.skip("GPU present: bfloat16 is supported")
+    with pytest.raises(ValueError, match="bfloat16 needs a GPU"):
+        load_model(tiny_model_dir, CpuPagedAttention(), "bfloat16")
+
+
+def test_rope_config_layouts_agree():
+    """transformers v5 writes `rope_parameters`; v4 writes `rope_theta` + `rope_scaling`."""
+    from warmfleet.server.models.qwen2 import rope_inv_freq
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 512}
+    v4 = rope_inv_freq({"rope_theta": 500000.0, "rope_scaling": scaling}, 64)
+    v5 = rope_inv_freq({"rope_parameters": {"rope_theta": 500000.0, **scaling}}, 64)
+    np.testing.assert_array_equal(v4, v5)
+    plain = rope_inv_freq({"rope_theta": 500000.0}, 64)
+    assert plain[0] == v4[0] == 1.0 and v4[-1] == pytest.approx(plain[-1] / 8)  # high freqs kept, low freqs / factor
+    with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
+        rope_inv_freq({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, 64)

@@ -188,6 +188,9 @@ class Qwen2ForCausalLM(nn.Layer):
         super().__init__()
         if dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r}; choose from {DTYPES}")
+        if dtype != "float32" and paddle.device.get_device().startswith("cpu"):
+            # NOTE: Paddle 3.3's CPU matmul has no bfloat16/float16 kernel; fail here, not mid-request.
+            raise ValueError(f"dtype {dtype} needs a GPU; Paddle's CPU kernels run float32 only (use --dtype float32)")
         self.config = config
         self.dtype_name = dtype
         self.hidden_size = config["hidden_size"]
