@@ -15,6 +15,7 @@ GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"  # MiB, as GPU feature discovery writes it
 GiB = 1 << 30
 MiB = 1 << 20
+HOST_MEMORY_BUCKET = 16 * GiB  # host memory granularity of a node shape
 
 _SUFFIXES = {
     "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60,
@@ -105,9 +106,9 @@ def _slug(text: str, limit: int) -> str:
     return (s[:limit].strip("-")) or "gpu"
 
 
-def pool_name(named: str | None, product: str, gpus: int, gpu_memory_mib: int, host_gib: int) -> str:
+def pool_name(named: str | None, product: str, gpus: int, gpu_memory_mib: int, host_bucket: int) -> str:
     """Stable name of a shape, e.g. `h200-8g-1a2b3`; prefixed by the named pool."""
-    key = f"{named}|{product}|{gpu_memory_mib}|{gpus}|{host_gib}"
+    key = f"{named}|{product}|{gpu_memory_mib}|{gpus}|{host_bucket}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:5]
     base = f"{_slug(product, 16)}-{gpus}g-{digest}"
     return f"{named}-{base}" if named else base
@@ -116,8 +117,9 @@ def pool_name(named: str | None, product: str, gpus: int, gpu_memory_mib: int, h
 def derive_pools(spec: InferenceServiceSpec, nodes: list[NodeInfo]) -> list[Pool]:
     """Group Ready, schedulable nodes matching the selector by shape; sorted by name.
 
-    Host memory joins a shape floored to whole GiB (kubelet reservations jitter by a few
-    MiB between otherwise identical nodes); the pool is sized for its smallest node.
+    Host memory joins a shape rounded to the nearest HOST_MEMORY_BUCKET (kubelet reservations
+    differ by MiB to a few GiB between otherwise identical nodes); the pool is sized for its
+    smallest node, so a replica fits on every member.
     """
     named = [(p.name, p.node_selector) for p in spec.pools] or [(None, {})]
     groups: dict[tuple, list[NodeInfo]] = {}
@@ -126,14 +128,14 @@ def derive_pools(spec: InferenceServiceSpec, nodes: list[NodeInfo]) -> list[Pool
             continue
         for pname, selector in named:
             if _matches(node.labels, selector):
-                key = (pname, node.gpu_product, node.gpu_memory_mib, node.gpus, node.memory_bytes // GiB)
+                key = (pname, node.gpu_product, node.gpu_memory_mib, node.gpus, round(node.memory_bytes / HOST_MEMORY_BUCKET))
                 groups.setdefault(key, []).append(node)
                 break
     pools = []
     selectors = dict(named)
-    for (pname, product, mem_mib, gpus, host_gib), members in groups.items():
+    for (pname, product, mem_mib, gpus, host_bucket), members in groups.items():
         pools.append(Pool(
-            name=pool_name(pname, product, gpus, mem_mib, host_gib),
+            name=pool_name(pname, product, gpus, mem_mib, host_bucket),
             named=pname,
             gpu_product=product,
             gpu_memory_mib=mem_mib,

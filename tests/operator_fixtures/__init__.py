@@ -1,0 +1,1 @@
+"""Node and InferenceService builders shared by the operator tests."""
