@@ -1,0 +1,48 @@
+"""Packaging and CLI: the operator/ folder never shadows the stdlib; bad flags exit 2 with one line."""
+
+import subprocess
+import sys
+
+import pytest
+
+
+def test_stdlib_operator_is_not_shadowed():
+    import operator
+
+    import warmfleet.operator
+
+    assert operator.eq(1, 1) and hasattr(operator, "itemgetter")
+    assert warmfleet.operator.__name__ == "warmfleet.operator"
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-P", "-m", "warmfleet.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["serve", "--model", "/nonexistent", "--block-size", "48"], "--block-size must be a power of two"),
+    (["serve", "--model", "/nonexistent", "--swap-space", "-1"], "--swap-space"),
+    (["serve", "--model", "/nonexistent/ckpt"], "/nonexistent/ckpt"),
+])
+def test_bad_serve_flags_exit_2_with_one_line(args, needle):
+    r = _cli(*args)
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+
+
+def test_unknown_flag_is_an_argparse_error():
+    r = _cli("serve", "--model", "x", "--no-such-flag")
+    assert r.returncode == 2 and "unrecognized arguments" in r.stderr
+
+
+def test_config_round_trips_through_rendered_args():
+    import argparse
+
+    from warmfleet.server.config import CacheConfig, EngineConfig, ModelConfig, add_arguments, from_namespace, to_args
+
+    cfg = EngineConfig(ModelConfig(model="/m", served_model_name="m"),
+                       CacheConfig(swap_space=12.5, max_encoder_cache=8192, enable_prefix_caching=False))
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert from_namespace(p.parse_args(to_args(cfg))) == cfg
