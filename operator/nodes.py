@@ -106,9 +106,9 @@ def _slug(text: str, limit: int) -> str:
     return (s[:limit].strip("-")) or "gpu"
 
 
-def pool_name(named: str | None, product: str, gpus: int, gpu_memory_mib: int, host_bucket: int) -> str:
-    """Stable name of a shape, e.g. `h200-8g-1a2b3`; prefixed by the named pool."""
-    key = f"{named}|{product}|{gpu_memory_mib}|{gpus}|{host_bucket}"
+def pool_name(named: str | None, product: str, gpus: int, gpu_memory_mib: int) -> str:
+    """Stable name of a GPU shape, e.g. `h200-8g-1a2b3`; prefixed by the named pool."""
+    key = f"{named}|{product}|{gpu_memory_mib}|{gpus}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:5]
     base = f"{_slug(product, 16)}-{gpus}g-{digest}"
     return f"{named}-{base}" if named else base
@@ -119,7 +119,10 @@ def derive_pools(spec: InferenceServiceSpec, nodes: list[NodeInfo]) -> list[Pool
 
     Host memory joins a shape rounded to the nearest HOST_MEMORY_BUCKET (kubelet reservations
     differ by MiB to a few GiB between otherwise identical nodes); the pool is sized for its
-    smallest node, so a replica fits on every member.
+    smallest node, so a replica fits on every member. The name leaves host memory out, so a
+    change of allocatable memory re-sizes (rolls) the pool in place instead of renaming it;
+    only when one GPU shape comes in several memory sizes do the smaller groups (by node
+    count) get a `-<GiB>gi` suffix.
     """
     named = [(p.name, p.node_selector) for p in spec.pools] or [(None, {})]
     groups: dict[tuple, list[NodeInfo]] = {}
@@ -131,17 +134,24 @@ def derive_pools(spec: InferenceServiceSpec, nodes: list[NodeInfo]) -> list[Pool
                 key = (pname, node.gpu_product, node.gpu_memory_mib, node.gpus, round(node.memory_bytes / HOST_MEMORY_BUCKET))
                 groups.setdefault(key, []).append(node)
                 break
-    pools = []
     selectors = dict(named)
-    for (pname, product, mem_mib, gpus, host_bucket), members in groups.items():
-        pools.append(Pool(
-            name=pool_name(pname, product, gpus, mem_mib, host_bucket),
-            named=pname,
-            gpu_product=product,
-            gpu_memory_mib=mem_mib,
-            gpus_per_node=gpus,
-            host_memory_bytes=min(n.memory_bytes for n in members),
-            nodes=tuple(n.name for n in members),
-            selector=tuple(sorted(selectors[pname].items())),
-        ))
+    by_name: dict[str, list[tuple[int, list[NodeInfo]]]] = {}
+    for (pname, product, mem_mib, gpus, bucket), members in groups.items():
+        by_name.setdefault(pool_name(pname, product, gpus, mem_mib), []).append((bucket, members))
+    pools = []
+    for base, variants in by_name.items():
+        variants.sort(key=lambda v: (-len(v[1]), v[0]))  # the largest group keeps the plain name
+        for i, (bucket, members) in enumerate(variants):
+            first = members[0]
+            pname = next(k[0] for k, v in groups.items() if v is members)
+            pools.append(Pool(
+                name=base if i == 0 else f"{base}-{bucket * HOST_MEMORY_BUCKET // GiB}gi",
+                named=pname,
+                gpu_product=first.gpu_product,
+                gpu_memory_mib=first.gpu_memory_mib,
+                gpus_per_node=first.gpus,
+                host_memory_bytes=min(n.memory_bytes for n in members),
+                nodes=tuple(n.name for n in members),
+                selector=tuple(sorted(selectors[pname].items())),
+            ))
     return sorted(pools, key=lambda p: p.name)

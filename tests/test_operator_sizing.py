@@ -71,9 +71,10 @@ def test_pool_memory_jitter_within_a_gib_is_one_pool_sized_for_the_smallest():
     assert pool.nodes == ("h1", "h2") and pool.host_memory_bytes == 2 * TiB - 300 * MiB
 
 
-def test_different_host_memory_is_a_different_pool():
-    big = h200("h2", memory=1 * TiB)
-    assert len(derive_pools(spec(), [node_info(h200("h1")), node_info(big)])) == 2
+def test_different_host_memory_is_a_different_pool_and_the_majority_keeps_the_name():
+    plain = derive_pools(spec(), [node_info(h200("h1")), node_info(h200("h2"))])[0].name
+    pools = derive_pools(spec(), [node_info(h200("h1")), node_info(h200("h2")), node_info(h200("h3", memory=1 * TiB))])
+    assert [(p.name, p.nodes) for p in pools] == [(plain, ("h1", "h2")), (f"{plain}-1024gi", ("h3",))]
 
 
 def test_selector_and_named_pools():

@@ -1,0 +1,115 @@
+"""The CRD generated from spec.py: committed files in sync, structural schema, CEL rules, spec parsing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from warmfleet.operator.chartcrd import chart_crd_template
+from warmfleet.operator.crd import CRD_FILE, crd, crd_yaml
+from warmfleet.operator.schema import SpecError
+from warmfleet.operator.spec import InferenceServiceSpec, parse_spec
+
+REPO = Path(__file__).resolve().parents[1]
+REGEN = "regenerate with `warmfleet operator crd --write .`"
+
+
+def test_committed_crd_matches_spec_types():
+    assert (REPO / "crds" / CRD_FILE).read_text() == crd_yaml(), REGEN
+
+
+def test_chart_crd_template_matches_spec_types():
+    assert (REPO / "charts/warmfleet/templates/crd.yaml").read_text() == chart_crd_template(), REGEN
+
+
+def version():
+    return crd()["spec"]["versions"][0]
+
+
+def walk(schema, path="$"):
+    yield path, schema
+    for k, v in (schema.get("properties") or {}).items():
+        yield from walk(v, f"{path}.{k}")
+    if isinstance(schema.get("items"), dict):
+        yield from walk(schema["items"], f"{path}[]")
+    if isinstance(schema.get("additionalProperties"), dict):
+        yield from walk(schema["additionalProperties"], f"{path}{{}}")
+
+
+def test_schema_is_structural_and_documented():
+    root = version()["schema"]["openAPIV3Schema"]
+    for path, node in walk(root):
+        assert "type" in node, path
+        assert not node.get("x-kubernetes-preserve-unknown-fields"), path
+        if path.startswith(("$.spec.", "$.status.")) and not path.endswith(("[]", "}")):
+            assert node.get("description"), path
+
+
+def test_defaults_enums_ranges_and_cel():
+    spec = version()["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    p = spec["properties"]
+    assert p["model"]["properties"]["dtype"]["enum"] == ["bfloat16", "float16", "float32"]
+    assert p["cache"]["properties"]["blockSize"]["default"] == 64
+    assert p["cache"]["properties"]["swapSpace"]["properties"]["mode"]["enum"] == ["Auto", "Fixed"]
+    assert p["server"]["properties"]["gpusPerReplica"]["minimum"] == 1
+    rules = {r["rule"] for r in spec["x-kubernetes-validations"]}
+    assert "!(has(self.replicas) && has(self.autoscaling))" in rules
+    swap_rules = {r["rule"] for r in p["cache"]["properties"]["swapSpace"]["x-kubernetes-validations"]}
+    assert "self.mode != 'Fixed' || has(self.size)" in swap_rules
+    assert any("oldSelf.servedName" in r["rule"] for r in p["model"]["x-kubernetes-validations"])
+    assert p["autoscaling"]["x-kubernetes-validations"][0]["rule"] == "self.minReplicas <= self.maxReplicas"
+
+
+def test_subresources_printer_columns_and_names():
+    v = version()
+    assert v["subresources"]["status"] == {}
+    assert v["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
+    cols = [c["name"] for c in v["additionalPrinterColumns"]]
+    assert cols == ["Ready", "Replicas", "Desired", "Model", "Endpoint", "Age"]
+    names = crd()["spec"]["names"]
+    assert "isvc" not in names["shortNames"] and names["shortNames"]
+
+
+def test_defaults_satisfy_their_own_schema():
+    root = version()["schema"]["openAPIV3Schema"]
+    for path, node in walk(root):
+        if "default" in node and "enum" in node:
+            assert node["default"] in node["enum"], path
+        if "default" in node and "minimum" in node:
+            assert node["default"] >= node["minimum"], path
+
+
+def test_example_validates_against_the_crd_schema():
+    jsonschema = pytest.importorskip("jsonschema")
+    example = yaml.safe_load((REPO / "examples/inferenceservice.yaml").read_text())
+    jsonschema.validate(example["spec"], version()["schema"]["openAPIV3Schema"]["properties"]["spec"])
+    parse_spec(example["spec"])
+
+
+def test_parse_applies_defaults():
+    s = parse_spec({"model": {"path": "/m"}})
+    assert isinstance(s, InferenceServiceSpec)
+    assert (s.cache.block_size, s.cache.swap_space.mode, s.router.replicas, s.desired_replicas()) == (64, "Auto", 2, 1)
+    assert parse_spec({"model": {"path": "/m"}, "autoscaling": {"minReplicas": 2, "maxReplicas": 5}}).desired_replicas() == 2
+
+
+@pytest.mark.parametrize("spec,needle", [
+    ({}, "spec.model: is required"),
+    ({"model": {"path": "/m"}, "replicas": 1, "autoscaling": {"maxReplicas": 2}}, "mutually exclusive"),
+    ({"model": {"path": "/m"}, "autoscaling": {"minReplicas": 3, "maxReplicas": 2}}, "minReplicas must be <= maxReplicas"),
+    ({"model": {"path": "/m"}, "cache": {"swapSpace": {"mode": "Fixed"}}}, "spec.cache.swapSpace: size is required"),
+    ({"model": {"path": "/m"}, "cache": {"encoderCache": {"min": 10, "max": 5}}}, "min must be <= max"),
+    ({"model": {"path": "/m"}, "cache": {"blockSize": 48}}, "spec.cache.blockSize"),
+    ({"model": {"path": "/m", "dtype": "int8"}}, "must be one of"),
+    ({"model": {"path": "/m"}, "replicas": -1}, "must be >= 0"),
+    ({"model": {"path": "/m"}, "server": {"gpusPerReplica": "2"}}, "must be an integer"),
+    ({"model": {"path": "/m"}, "sever": {}}, "unknown field(s) sever"),
+    ({"model": {"path": "/m"}, "pools": [{"name": "a"}, {"name": "a"}]}, "pool names must be unique"),
+    ({"model": {"path": "/m"}, "pools": [{"name": "Bad_Name"}]}, "must match"),
+])
+def test_bad_specs_are_readable_errors(spec, needle):
+    with pytest.raises(SpecError) as err:
+        parse_spec(spec)
+    assert needle in str(err.value)
