@@ -1,0 +1,162 @@
+"""A real `warmfleet serve` on loopback with the tiny checkpoint, answered by the official openai client."""
+
+from __future__ import annotations
+
+import json
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Iterator
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+START_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Replica:
+    """A `warmfleet serve` subprocess whose JSON log lines are read by a thread into a queue."""
+
+    def __init__(self, model_dir, cwd):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-c", "import sys; from warmfleet.cli import main; sys.exit(main())",
+               "serve", "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port),
+               "--served-model-name", "tiny", "--replica-id", "e2e-replica",
+               "--block-size", "16", "--num-gpu-blocks", "256", "--max-model-len", "2048", "--drain-timeout-s", "60"]
+        # cwd outside the repo: its operator/ folder would shadow the standard library
+        self.proc = subprocess.Popen(cmd, cwd=cwd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        self.lines: queue.Queue = queue.Queue()
+        self.log: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.log.append(line)
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def wait_for_log(self, msg: str, timeout_s: float) -> dict:
+        """Block until a JSON log record with this message appears (the server says so itself, no polling)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            if line is None:
+                raise RuntimeError("server exited:\n" + "".join(self.log[-40:]))
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("msg") == msg:
+                return record
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def replica(tiny_model_dir, tmp_path_factory) -> Iterator[Replica]:
+    r = Replica(tiny_model_dir, tmp_path_factory.mktemp("serve-cwd"))
+    try:
+        r.wait_for_log("ready", START_TIMEOUT_S)
+        yield r
+    finally:
+        r.stop()
+
+
+@pytest.fixture(scope="module")
+def client(replica) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=replica.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def test_probes_and_replica_header(replica):
+    r = httpx.get(replica.url + "/ready")
+    assert r.status_code == 200 and r.headers["x-warmfleet-replica"] == "e2e-replica"
+    assert httpx.get(replica.url + "/health").status_code == 200
+    metrics = httpx.get(replica.url + "/metrics").text
+    assert "vllm:num_requests_running" in metrics and "vllm:kv_cache_usage_perc" in metrics
+
+
+def test_chat_completion(client):
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello!"}],
+                                          max_completion_tokens=8, temperature=0)
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    assert isinstance(chat.choices[0].message.content, str)
+    assert 0 < chat.usage.completion_tokens <= 8 and chat.usage.prompt_tokens > 0
+
+
+def test_chat_streaming_matches_non_streaming(client):
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    full = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    text, usage, finish = "", None, None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage:
+            usage = chunk.usage
+    assert text == full.choices[0].message.content  # greedy: same tokens either way
+    assert finish == full.choices[0].finish_reason
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_completions_and_n(client):
+    comp = client.completions.create(model="tiny", prompt=["Once upon", "a time"], max_tokens=4, n=2, seed=3)
+    assert sorted(c.index for c in comp.choices) == [0, 1, 2, 3]
+    assert comp.usage.completion_tokens <= 16
+
+
+def test_repeated_long_prefix_reports_cached_tokens(client):
+    system = {"role": "system", "content": "You answer questions about the warmfleet serving engine. " * 12}
+    first = client.chat.completions.create(
+        model="tiny", messages=[system, {"role": "user", "content": "first question"}], max_tokens=2)
+    second = client.chat.completions.create(
+        model="tiny", messages=[system, {"role": "user", "content": "second question"}], max_tokens=2)
+    assert first.usage.prompt_tokens > 64
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % 16 == 0 and cached < second.usage.prompt_tokens
+
+
+def test_errors_from_the_real_server(client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model="tiny", prompt=[5] * 3000, max_tokens=1)
+    assert "2048" in exc.value.message and "3000" in exc.value.message
+
+
+def test_sigterm_drains_in_flight_stream(replica, client):
+    """Last in this module: SIGTERM lets a running stream finish, then the process exits."""
+    stream = client.completions.create(model="tiny", prompt="Once", max_tokens=64, stream=True,
+                                       extra_body={"ignore_eos": True})
+    it = iter(stream)
+    first = next(it)  # the request is running
+    replica.proc.send_signal(signal.SIGTERM)
+    replica.wait_for_log("draining", 30)
+    rest = list(it)
+    finish = [c.choices[0].finish_reason for c in [first, *rest] if c.choices and c.choices[0].finish_reason]
+    assert finish == ["length"]
+    replica.wait_for_log("engine stopped", 60)
+    replica.proc.wait(timeout=30)
