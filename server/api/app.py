@@ -16,12 +16,13 @@ from . import errors
 from .errors import APIError, bad_request
 from .metrics import CONTENT_TYPE
 from .protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
-from .serving import _message_dict, chat_completions, check_token_ids, completions, parse_body
+from .serving import chat_completions, check_token_ids, completions, message_dict, parse_body
 from .state import ServerState
 
 log = logging.getLogger("warmfleet.api")
 
 REPLICA_HEADER = "x-warmfleet-replica"
+_PROBES = frozenset({"/health", "/ready", "/metrics"})  # their 503s are states, not request errors
 
 
 def build_app(engine: Optional[EngineClient], tokenizer: Any, cfg: EngineConfig) -> FastAPI:
@@ -76,7 +77,7 @@ def build_app(engine: Optional[EngineClient], tokenizer: Any, cfg: EngineConfig)
         if body.messages is not None:
             if not body.messages:
                 raise bad_request("messages must not be empty", param="messages", code="invalid_value")
-            messages = [_message_dict(m, i) for i, m in enumerate(body.messages)]
+            messages = [message_dict(m, i) for i, m in enumerate(body.messages)]
             try:
                 text = await s.run_sync(_template, s.tokenizer, messages, body.add_generation_prompt)
             except ChatTemplateError as exc:
@@ -163,10 +164,12 @@ class ResponseObserver:
             await self.app(scope, receive, send)
             return
 
+        count = scope.get("path") not in _PROBES
+
         async def send_with_header(message: dict) -> None:
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", []), self.header]}
-                if message["status"] >= 400:
+                if count and message["status"] >= 400:
                     self.state.metrics.error(message["status"])
             await send(message)
 

@@ -229,7 +229,7 @@ async def chat_completions(request: Request, state: ServerState) -> Response:
         raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
         raise bad_request(f"top_logprobs must be in [0, 20], got {body.top_logprobs}", param="top_logprobs")
-    messages = [_message_dict(m, i) for i, m in enumerate(body.messages)]
+    messages = [message_dict(m, i) for i, m in enumerate(body.messages)]
     try:
         prompt_ids = await state.run_sync(_render_chat, state.tokenizer, messages, body.add_generation_prompt)
     except ChatTemplateError as exc:
@@ -247,7 +247,7 @@ async def chat_completions(request: Request, state: ServerState) -> Response:
     return await until_disconnect(request, _chat_full(state, choices, meta, top))
 
 
-def _message_dict(m: Any, index: int) -> dict[str, Any]:
+def message_dict(m: Any, index: int) -> dict[str, Any]:
     msg = m.model_dump(exclude_none=True)
     if isinstance(m.content, list):
         for part in m.content:
