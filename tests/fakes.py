@@ -17,6 +17,7 @@ class FakeEngine:
     Deterministic: a seeded request appends " #<seed>" to the reply, so n>1 choices differ.
     Prefix caching is imitated: a prompt's cached tokens are the full blocks it shares with
     an earlier prompt (same cache_salt), as a real replica would report.
+    Set `raises` to make generate/snapshot raise it (a dead engine process).
     Set `hang_after` to stop producing after that many tokens until the request is aborted or
     cancelled (`hanging` is set then), and `error` to fail every request with that message.
     """
@@ -39,6 +40,7 @@ class FakeEngine:
         self.hang_after: Optional[int] = None
         self.hanging = asyncio.Event()
         self.error: Optional[str] = None
+        self.raises: Optional[Exception] = None  # raised from generate/snapshot, like a dead engine process
         self.healthy = True
         self._seen: list[tuple[Optional[str], list[int]]] = []
 
@@ -72,6 +74,8 @@ class FakeEngine:
         common = {"num_prompt_tokens": len(req.prompt_token_ids), "num_cached_tokens": cached}
         done = False
         try:
+            if self.raises is not None:
+                raise self.raises
             if self.error is not None:
                 done = True
                 yield RequestOutput(req.request_id, [], True, "abort", error=self.error, **common)
@@ -110,6 +114,8 @@ class FakeEngine:
         )
 
     async def snapshot(self) -> dict:
+        if self.raises is not None:
+            raise self.raises
         return Snapshot("fake-replica", 5, self.model_info.block_size, "fake", [b"\x01" * 32], [b"\x02" * 32], []).to_json()
 
     async def check_health(self) -> bool:

@@ -285,6 +285,18 @@ async def test_engine_error_non_streaming_is_json(client, engine):
     assert "boom" in err["message"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_dead_engine_is_reported_not_hung(client, engine, stream):
+    engine.raises = RuntimeError("engine process exited with code -9")
+    r = await client.post(CHAT, json=chat_body(stream=stream))
+    if stream:
+        events = sse_events(r.text)
+        assert events[-1] == "[DONE]" and "exited" in events[-2]["error"]["message"]
+    else:
+        assert "exited" in assert_error(r, 500, code="engine_error")["message"]
+    assert_error(await client.get("/v1/kv/snapshot"), 503, code="engine_unavailable")
+
+
 # ---- errors -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("content", [b"{bad json", b"", b"[1, 2]", b"\xff\xfe", b"[" * 100000])
 async def test_malformed_body_is_400(client, content):

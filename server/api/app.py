@@ -99,7 +99,12 @@ def build_app(engine: Optional[EngineClient], tokenizer: Any, cfg: EngineConfig)
 
     @api.get("/v1/kv/snapshot")
     async def _snapshot(request: Request) -> JSONResponse:
-        return JSONResponse(await get_state(request).require_engine().snapshot())
+        engine = get_state(request).require_engine()
+        try:
+            return JSONResponse(await engine.snapshot())
+        except Exception as exc:  # engine busy or gone: the router retries the resync later
+            log.warning("snapshot failed: %s", exc)
+            raise APIError(503, f"engine snapshot unavailable: {exc}", code="engine_unavailable") from None
 
     app.include_router(api)
 

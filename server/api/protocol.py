@@ -92,12 +92,6 @@ class CompletionRequest(SamplingFields):
     best_of: Optional[int] = None
 
 
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: Optional[dict[str, int]] = None
-
 
 class ModelCard(BaseModel):
     id: str
@@ -121,16 +115,7 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
 
 
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-
 
 class DetokenizeRequest(_Request):
     model: Optional[str] = None
     tokens: list[TokenId]
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
