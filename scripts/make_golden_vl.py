@@ -91,6 +91,104 @@ def make_processor_goldens() -> None:
     print(f"wrote {OUT / 'processor.npz'} ({len(cases)} cases)")
 
 
+MODEL_PROMPTS = {
+    # name -> list of (image seed, width, height) and the text around them
+    "one_image": ([(11, 90, 60)], "Describe this picture in one sentence."),
+    "two_images": ([(12, 60, 84), (13, 112, 56)], "What differs between these two pictures?"),
+}
+NUM_GREEDY = 8
+LOGIT_ROWS = 12
+
+
+def model_messages(images: list[tuple[int, int, int]], text: str) -> tuple[list[dict], list[bytes]]:
+    """Chat messages with PNG data URIs (the same structure the tests rebuild from the stored bytes)."""
+    import base64
+
+    raw = [encode(synthetic_photo(w, h, seed), "PNG") for seed, w, h in images]
+    parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b).decode()}}
+             for b in raw]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}], raw
+
+
+def make_model_goldens(arch: str) -> None:
+    import hashlib
+    import tempfile
+
+    import torch
+    import transformers
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    try:
+        from transformers import Qwen2VLImageProcessorPil as ImageProc
+    except ImportError:
+        from transformers import Qwen2VLImageProcessor as ImageProc
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+    from warmfleet.server.multimodal.tiny_vl import make_tiny_vl_model
+
+    out_dir = OUT / arch
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = make_tiny_vl_model(Path(tmp) / arch, arch=arch, size="tiny", seed=0)
+        weights_sha = hashlib.sha256((ckpt / "model.safetensors").read_bytes()).hexdigest()
+        tok = AutoTokenizer.from_pretrained(ckpt)
+        proc_cfg = json.loads((ckpt / "preprocessor_config.json").read_text())
+        image_proc = ImageProc(**{k: v for k, v in proc_cfg.items() if k in (
+            "min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std")})
+        model = AutoModelForImageTextToText.from_pretrained(ckpt, torch_dtype=torch.float32,
+                                                            attn_implementation="eager").eval()
+        cfg = json.loads((ckpt / "config.json").read_text())
+        pad_id = cfg["image_token_id"]
+        merge = proc_cfg["merge_size"]
+        meta = {"arch": arch, "weights_sha256": weights_sha, "transformers": transformers.__version__,
+                "torch": torch.__version__, "prompts": {}}
+        for name, (images, text) in MODEL_PROMPTS.items():
+            messages, raw = model_messages(images, text)
+            prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            pil = [Image.open(io.BytesIO(b)) for b in raw]
+            px = image_proc(images=pil, return_tensors="pt")
+            grids = px["image_grid_thw"]
+            counts = [int(g.prod()) // merge ** 2 for g in grids]
+            pieces = prompt.split("<|image_pad|>")
+            assert len(pieces) == len(counts) + 1, "template must emit one pad per image"
+            expanded = pieces[0] + "".join("<|image_pad|>" * n + p for n, p in zip(counts, pieces[1:]))
+            ids = torch.tensor([tok(expanded, add_special_tokens=False)["input_ids"]])
+            mm_kw = {}
+            if "mm_token_type_ids" in __import__("inspect").signature(model.model.get_rope_index).parameters:
+                mm_kw["mm_token_type_ids"] = (ids == pad_id).int()  # transformers >= 5 wants the modality map
+            with torch.no_grad():
+                feats = model.get_image_features(pixel_values=px["pixel_values"], image_grid_thw=grids)
+                feats = getattr(feats, "pooler_output", feats)
+                if isinstance(feats, torch.Tensor):
+                    feats = torch.split(feats, counts)
+                res = model(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=px["pixel_values"],
+                            image_grid_thw=grids, **mm_kw)
+                logits = res.logits[0].float().numpy()
+                pos = model.model.get_rope_index(ids, image_grid_thw=grids, attention_mask=torch.ones_like(ids),
+                                                 **mm_kw)[0]
+                gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                     pixel_values=px["pixel_values"], image_grid_thw=grids,
+                                     max_new_tokens=NUM_GREEDY, do_sample=False, eos_token_id=None, pad_token_id=0,
+                                     **mm_kw)
+            n = ids.shape[1]
+            rows = np.unique(np.concatenate([np.linspace(0, n - 1, LOGIT_ROWS).round().astype(np.int64), [n - 1]]))
+            arrays = {
+                "input_ids": ids[0].numpy().astype(np.int64),
+                "image_grid_thw": grids.numpy().astype(np.int64),
+                "mrope_positions": pos[:, 0].numpy().astype(np.int64),
+                "logit_rows": rows,
+                "logits": logits[rows],
+                "greedy": gen[0, n:].numpy().astype(np.int64),
+            }
+            for i, (b, f) in enumerate(zip(raw, feats)):
+                arrays[f"image{i}_bytes"] = np.frombuffer(b, dtype=np.uint8)
+                arrays[f"image{i}_embeds"] = f.float().numpy()
+            np.savez_compressed(out_dir / f"{name}.npz", **arrays)
+            meta["prompts"][name] = {"text": text, "images": images, "num_tokens": int(n), "image_pad_id": pad_id}
+        (out_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    print(f"wrote {out_dir}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="what", required=True)

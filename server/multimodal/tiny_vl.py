@@ -41,7 +41,7 @@ def vl_config(arch: str, size: str, vocab: int, ids: dict[str, int]) -> dict[str
     if arch == "qwen2_vl":
         cfg.update(architectures=["Qwen2VLForConditionalGeneration"], model_type="qwen2_vl")
         cfg["vision_config"] = dict(common, depth=vs["vision_depth"], embed_dim=vs["vision_dim"],
-                                    num_heads=vs["vision_heads"], mlp_ratio=vs["vision_inter"] / vs["vision_dim"],
+                                    num_heads=vs["vision_heads"], mlp_ratio=vs["vision_inter"] // vs["vision_dim"],
                                     hidden_size=s["hidden_size"], hidden_act="quick_gelu", model_type="qwen2_vl")
     elif arch == "qwen2_5_vl":
         cfg.update(architectures=["Qwen2_5_VLForConditionalGeneration"], model_type="qwen2_5_vl")
