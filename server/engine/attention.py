@@ -23,6 +23,19 @@ class LayerCache:
     value: paddle.Tensor  # [num_slots, num_kv_heads, head_dim]
 
 
+QUERY_CHUNK = 256  # queries per attention tile on CPU: skips masked-out keys and bounds memory
+
+
+@dataclass
+class QueryTile:
+    """Queries [start, end) of a sequence (relative to its first new token) attend to keys [0, key_end)."""
+
+    start: int
+    end: int
+    key_end: int
+    mask: paddle.Tensor | None  # additive [end-start, key_end] causal mask; None when nothing is masked
+
+
 @dataclass
 class SeqAttention:
     """One sequence's slice of a flattened step batch."""
@@ -31,7 +44,7 @@ class SeqAttention:
     query_len: int  # new tokens computed this step
     context_len: int  # tokens with KV after this step (cached + new)
     context_slots: paddle.Tensor  # int64 [context_len]: slot of every context token, in order
-    mask: paddle.Tensor | None  # additive [1, 1, query_len, context_len] causal mask, None when query_len == 1
+    tiles: list[QueryTile]
 
 
 @dataclass
@@ -51,12 +64,17 @@ class AttentionMetadata:
             pos = np.arange(ctx, dtype=np.int64)
             slots = bt[pos // block_size] * block_size + pos % block_size
             slots_all.append(slots[num_computed:])
-            mask = None
-            if num_new > 1:
-                q_pos = np.arange(num_computed, ctx)[:, None]
-                m = np.where(pos[None, :] <= q_pos, 0.0, -np.inf).astype(np.float32)
-                mask = paddle.to_tensor(m[None, None])
-            seqs.append(SeqAttention(start, num_new, ctx, paddle.to_tensor(slots), mask))
+            tiles = []
+            for t0 in range(0, num_new, QUERY_CHUNK):
+                t1 = min(num_new, t0 + QUERY_CHUNK)
+                key_end = num_computed + t1  # causal: the tile's last query sees keys up to itself
+                mask = None
+                if t1 - t0 > 1:
+                    q_pos = np.arange(num_computed + t0, key_end)[:, None]
+                    m = np.where(pos[None, :key_end] <= q_pos, 0.0, -np.inf).astype(np.float32)
+                    mask = paddle.to_tensor(m)
+                tiles.append(QueryTile(t0, t1, key_end, mask))
+            seqs.append(SeqAttention(start, num_new, ctx, paddle.to_tensor(slots), tiles))
             start += num_new
         return cls(paddle.to_tensor(np.concatenate(slots_all)), seqs)
 
@@ -79,22 +97,20 @@ class CpuPagedAttention:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] → [T, Hq, D]."""
         cache.key.scatter_(meta.slot_mapping, k, overwrite=True)
         cache.value.scatter_(meta.slot_mapping, v, overwrite=True)
-        num_heads, num_kv = q.shape[1], k.shape[1]
+        num_heads, num_kv, head_dim = q.shape[1], k.shape[1], q.shape[2]
+        rep = num_heads // num_kv  # query head h reads kv head h // rep (grouped-query attention)
         outs = []
         for s in meta.seqs:
             qs = q[s.query_start: s.query_start + s.query_len]  # [L, Hq, D]
-            ks = paddle.gather(cache.key, s.context_slots)  # [C, Hkv, D]
-            vs = paddle.gather(cache.value, s.context_slots)
-            if num_heads != num_kv:
-                rep = num_heads // num_kv
-                ks = paddle.repeat_interleave(ks, rep, axis=1)
-                vs = paddle.repeat_interleave(vs, rep, axis=1)
-            qh = qs.transpose([1, 0, 2])  # [H, L, D]
-            kh = ks.transpose([1, 0, 2])
-            vh = vs.transpose([1, 0, 2])
-            scores = paddle.matmul(qh, kh, transpose_y=True) * scale  # [H, L, C]
-            if s.mask is not None:
-                scores = scores + s.mask[0]
-            probs = F.softmax(scores.astype("float32"), axis=-1).astype(qh.dtype)
-            outs.append(paddle.matmul(probs, vh).transpose([1, 0, 2]))  # [L, H, D]
+            # [Hkv, rep, L, D]: each kv head serves its group of query heads without copying K/V
+            qg = qs.reshape([s.query_len, num_kv, rep, head_dim]).transpose([1, 2, 0, 3])
+            kh = paddle.gather(cache.key, s.context_slots).transpose([1, 0, 2]).unsqueeze(1)  # [Hkv, 1, C, D]
+            vh = paddle.gather(cache.value, s.context_slots).transpose([1, 0, 2]).unsqueeze(1)
+            for t in s.tiles:
+                scores = paddle.matmul(qg[:, :, t.start:t.end], kh[:, :, :t.key_end], transpose_y=True) * scale
+                if t.mask is not None:
+                    scores = scores + t.mask
+                probs = F.softmax(scores.astype("float32"), axis=-1).astype(qg.dtype)
+                o = paddle.matmul(probs, vh[:, :, :t.key_end])  # [Hkv, rep, tile, D]
+                outs.append(o.transpose([2, 0, 1, 3]).reshape([t.end - t.start, num_heads, head_dim]))
         return paddle.concat(outs, axis=0)
