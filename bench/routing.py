@@ -152,6 +152,15 @@ def stop(p: subprocess.Popen) -> None:
         p.kill()
 
 
+def tool(name: str) -> str:
+    """A console script of this venv (found next to the interpreter even when the venv is not on PATH)."""
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    found = shutil.which(name, path=path)
+    if found is None:
+        raise FileNotFoundError(f"{name} not found: pip install sglang-router vllm-router")
+    return found
+
+
 def start_router(kind: str, fleet: Fleet, cwd: str) -> tuple[str, subprocess.Popen | None]:
     if kind == "rr":
         return "", None
@@ -163,10 +172,10 @@ def start_router(kind: str, fleet: Fleet, cwd: str) -> tuple[str, subprocess.Pop
         for u, e, _ in fleet.replicas:
             args += ["--replica", f"{u},events={e}"]
     elif kind == "sglang":
-        args = [shutil.which("sglang-router") or "sglang-router", "launch", "--worker-urls", *urls,
+        args = [tool("sglang-router"), "launch", "--worker-urls", *urls,
                 "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port)]
     elif kind == "vllm":
-        args = [shutil.which("vllm-router") or "vllm-router", "--worker-urls", *urls, "--policy", "cache_aware",
+        args = [tool("vllm-router"), "--worker-urls", *urls, "--policy", "cache_aware",
                 "--host", "127.0.0.1", "--port", str(port)]
     else:
         raise ValueError(f"unknown router {kind!r}")
