@@ -57,6 +57,7 @@ class LLM:
         self.engine = EngineCore(self.config)
         self.tokenizer = Tokenizer(model)
         self._ids = itertools.count()
+        self._images = None  # ImageInputPreparer, made on the first chat with images
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  sampling_params: Optional[SamplingParams] = None, cache_salt: Optional[str] = None) -> list[LLMOutput]:
@@ -68,12 +69,37 @@ class LLM:
 
     def chat(self, messages: Union[list[dict], list[list[dict]]], sampling_params: Optional[SamplingParams] = None,
              cache_salt: Optional[str] = None) -> list[LLMOutput]:
-        """Apply the checkpoint's chat template to one conversation or a list of them, then generate."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        token_lists = [self.tokenizer.encode(self.tokenizer.apply_chat_template(c)) for c in convs]  # type: ignore[arg-type]
-        return self._run(token_lists, sampling_params or SamplingParams(), cache_salt)
+        """Apply the checkpoint's chat template to one conversation or a list of them, then generate.
 
-    def _run(self, token_lists: list[list[int]], sp: SamplingParams, salt: Optional[str]) -> list[LLMOutput]:
+        Content parts may be OpenAI `image_url` parts (data: URIs, http(s), file:// under
+        `allowed_local_media_path`) with an optional `uuid`, as over HTTP.
+        """
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        token_lists, mm = [], []
+        for conv in convs:
+            if self.engine.is_multimodal:
+                prepared = self._image_preparer().prepare(conv)  # type: ignore[arg-type]
+                token_lists.append(prepared.prompt.prompt_token_ids)
+                mm.append((prepared.prompt.mm_placeholders, prepared.images))
+            else:
+                token_lists.append(self.tokenizer.encode(self.tokenizer.apply_chat_template(conv)))  # type: ignore[arg-type]
+                mm.append(([], []))
+        return self._run(token_lists, sampling_params or SamplingParams(), cache_salt, mm)
+
+    def _image_preparer(self):
+        if self._images is None:
+            from .multimodal.inputs import ImageInputPreparer
+            from .multimodal.media import MediaConfig, MediaLoader
+            from .multimodal.processor import ImageProcessor
+
+            self._images = ImageInputPreparer(
+                self.tokenizer, ImageProcessor.from_model_dir(self.config.model.model),
+                MediaLoader(MediaConfig.from_server_config(self.config.server)),
+                hash_algo=self.config.cache.prefix_hash_algo)
+        return self._images
+
+    def _run(self, token_lists: list[list[int]], sp: SamplingParams, salt: Optional[str],
+             mm: Optional[list[tuple[list, list]]] = None) -> list[LLMOutput]:
         sp.validate()
         limit = self.engine.info.max_model_len
         streams: dict[str, tuple[int, int, OutputStream]] = {}
@@ -86,7 +112,8 @@ class LLM:
             results.append(LLMOutput(rid, ids, [], 0, 0, 0.0))
             for c in range(sp.n):
                 sub = SamplingParams(**{**vars(sp), "n": 1, "seed": None if sp.seed is None else sp.seed + c})
-                self.engine.add_request(GenerateRequest(f"{rid}-{c}", ids, sub, salt))
+                placeholders, images = mm[i] if mm else ([], [])
+                self.engine.add_request(GenerateRequest(f"{rid}-{c}", ids, sub, salt, placeholders, images))
                 streams[f"{rid}-{c}"] = (i, c, OutputStream(IncrementalDetokenizer(self.tokenizer), sp.stop))
         for r in results:
             r.outputs = [CompletionOutput(c, "", [], None) for c in range(sp.n)]

@@ -17,7 +17,10 @@ from ..config import EngineConfig
 from ..events import EventPublisher, Load, Snapshot
 from ..hashing import model_fingerprint
 from .attention import CpuPagedAttention
+from ..multimodal.mrope import mrope_positions
+from ..multimodal.wire import from_msgpack
 from .block_pool import BlockPool
+from .encoder_cache import EncoderCache
 from .kv_cache_manager import KVCacheManager
 from .model_runner import ModelRunner, kv_layout, log_sizes, num_blocks_for
 from .protocol import EngineStats, GenerateRequest, ModelInfo
@@ -69,6 +72,8 @@ class EngineCore:
         self.pool = BlockPool(gpu, cpu, cfg.cache.enable_prefix_caching, cfg.cache.block_size)
         self.kv = KVCacheManager(self.pool, cfg.cache.block_size, self.info.model_fingerprint, cfg.cache.prefix_hash_algo)
         self.scheduler = Scheduler(cfg.scheduler, self.kv, self.info.max_model_len)
+        self.is_multimodal = hasattr(self.model, "encode_images")
+        self.encoder_cache = EncoderCache(cfg.cache.max_encoder_cache) if self.is_multimodal else None
         self.num_steps = 0
         log.info("engine ready: model=%s arch=%s load_s=%.1f", self.info.served_model_name,
                  self.info.architecture, time.monotonic() - t0)
@@ -76,8 +81,16 @@ class EngineCore:
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, g: GenerateRequest) -> None:
         g.sampling_params.validate()
+        if g.mm_placeholders and not self.is_multimodal:
+            raise ValueError(f"{self.info.architecture} does not accept images")
+        if len(g.mm_inputs) != len(g.mm_placeholders):
+            raise ValueError(f"{len(g.mm_placeholders)} image placeholders but {len(g.mm_inputs)} images")
+        images = [from_msgpack(m) if isinstance(m, dict) else m for m in g.mm_inputs]
         req = Request(g.request_id, list(g.prompt_token_ids), g.sampling_params, self.eos_token_ids,
-                      g.cache_salt, list(g.mm_placeholders), list(g.mm_inputs), time.time())
+                      g.cache_salt, list(g.mm_placeholders), images, time.time())
+        if self.is_multimodal:
+            req.mrope = mrope_positions(req.num_prompt_tokens, req.mm_placeholders, [im.grid_thw for im in images],
+                                        self.model.merge_size)
         if g.sampling_params.seed is not None:
             req.generator = np.random.default_rng(g.sampling_params.seed)
         self.scheduler.add_request(req)
@@ -93,7 +106,7 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         try:
-            logits = self.runner.execute(out)
+            logits = self.runner.execute(out, self.encoder_cache)
         except Exception as exc:  # a model failure fails this step's requests, not the engine
             log.exception("step failed; aborting its %d requests", len(out.scheduled))
             ids = [s.request.request_id for s in out.scheduled]
@@ -102,6 +115,7 @@ class EngineCore:
             for r in results:
                 if r.request_id in ids:
                     r.error = f"engine step failed: {exc}"
+            self._release_finished(results)
             self._publish()
             return results
         sampled, lps = {}, {}
@@ -113,12 +127,22 @@ class EngineCore:
                 sampled[rid] = tok
                 lps[rid] = token_logprobs(logits[rid], tok, sp.logprobs)
         results = self.scheduler.update(out, sampled, lps)
+        self._release_finished(results)
         self.num_steps += 1
         self._publish()
         return results
 
+    def _release_finished(self, results: list[RequestOutput]) -> None:
+        """Unpin the encoder-cache entries of requests that ended."""
+        if self.encoder_cache is not None:
+            for r in results:
+                if r.finished:
+                    self.encoder_cache.release(r.request_id)
+
     def _publish(self) -> None:
         events = self.pool.take_events()
+        if self.encoder_cache is not None:
+            events += self.encoder_cache.take_events()
         if self.publisher is not None and events:
             self.publisher.publish(events)
 
@@ -141,7 +165,16 @@ class EngineCore:
             prefix_queries_tokens=kv.num_query_tokens, prefix_hits_tokens_gpu=kv.num_hit_tokens_gpu,
             prefix_hits_tokens_cpu=kv.num_hit_tokens_cpu, swap_in_blocks=p.counters.swap_in_blocks,
             swap_out_blocks=p.counters.swap_out_blocks, preemptions=self.scheduler.num_preemptions,
+            **self._encoder_stats(),
         )
+
+    def _encoder_stats(self) -> dict:
+        if self.encoder_cache is None:
+            return {}
+        st = self.encoder_cache.stats
+        return {"encoder_cache_hits": st.num_hits, "encoder_cache_misses": st.num_misses,
+                "encoder_cache_evictions": st.num_evictions, "encoder_cache_usage_tokens": st.usage_tokens,
+                "encoder_cache_budget_tokens": st.budget_tokens}
 
     def snapshot(self) -> Snapshot:
         """Cache state for router resync. Events produced so far are published first, so `seq` covers them."""
@@ -149,4 +182,4 @@ class EngineCore:
         gpu, cpu = self.pool.snapshot()
         seq = self.publisher.seq if self.publisher else 0
         return Snapshot(self.replica_id, seq, self.cfg.cache.block_size, self.info.model_fingerprint,
-                        gpu, cpu, [], self.load())
+                        gpu, cpu, self.encoder_cache.mm_hashes() if self.encoder_cache else [], self.load())

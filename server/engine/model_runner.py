@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any, Optional
+
 import numpy as np
 import paddle
+
+from ..multimodal.mrope import positions_for_span
 
 from ..config import GiB, CacheConfig
 from .attention import AttentionBackend, AttentionMetadata, LayerCache
 from .block_pool import SwapPlan
+from .encoder_cache import EncoderCache, image_slices
+from .request import Request
 from .scheduler import SchedulerOutput
 
 log = logging.getLogger("warmfleet.engine")
@@ -90,30 +96,71 @@ class ModelRunner:
 
     # ---- forward --------------------------------------------------------------------------
     @paddle.no_grad()
-    def execute(self, out: SchedulerOutput) -> dict[str, np.ndarray]:
+    def execute(self, out: SchedulerOutput, encoder_cache: Optional[EncoderCache] = None) -> dict[str, np.ndarray]:
         """Run the step; returns float32 logits of the last position of every request that samples."""
         self.apply_swaps(out.swap)
         if not out.scheduled:
             return {}
+        vl = hasattr(self.model, "encode_images")
         ids, pos, batch, last_rows, sampling = [], [], [], [], []
+        pieces: list[tuple[int, Any]] = []
         row = 0
         for s in out.scheduled:
             r = s.request
             start, n = s.num_computed_before, s.num_tokens
             ids.extend(r.all_token_ids[start:start + n])
-            pos.extend(range(start, start + n))
+            if vl:
+                pos.append(positions_for_span(r.mrope[0], r.mrope[1], start, start + n))
+                pieces += self._image_pieces(r, start, n, row, encoder_cache)
+            else:
+                pos.extend(range(start, start + n))
             batch.append((r.block_ids, start, n))
             row += n
             if s.samples:
                 last_rows.append(row - 1)
                 sampling.append(r.request_id)
         meta = AttentionMetadata.build(self.layout.block_size, batch)
-        hidden = self.model(paddle.to_tensor(np.asarray(ids, dtype=np.int64)),
-                            paddle.to_tensor(np.asarray(pos, dtype=np.int64)), self.caches, meta)
+        input_ids = paddle.to_tensor(np.asarray(ids, dtype=np.int64))
+        if vl:
+            positions = paddle.to_tensor(np.concatenate(pos, axis=1))
+            embeds = self.model.embed_with_images(input_ids, pieces)
+            hidden = self.model(None, positions, self.caches, meta, inputs_embeds=embeds)
+        else:
+            hidden = self.model(input_ids, paddle.to_tensor(np.asarray(pos, dtype=np.int64)), self.caches, meta)
         if not sampling:
             return {}
         logits = self.model.compute_logits(paddle.gather(hidden, paddle.to_tensor(last_rows))).numpy()
         return dict(zip(sampling, logits.astype(np.float32)))
+
+    def _image_pieces(self, r: Request, start: int, n: int, row: int,
+                      cache: Optional[EncoderCache]) -> list[tuple[int, Any]]:
+        """(step row, embedding rows) for every image overlapping tokens [start, start+n) of `r`.
+
+        Only the rows the span needs are used, so an image that is partly prefix-cached gets
+        exactly its uncached rows. Encoder-cache hits skip the vision encoder entirely.
+        """
+        slices = image_slices(r.mm_placeholders, start, start + n)
+        if not slices:
+            return []
+        embs: dict[int, Any] = {}
+        misses = []
+        for sl in slices:
+            hit = cache.lookup(sl.mm_hash) if cache is not None else None
+            if hit is not None:
+                embs[sl.index] = hit
+            else:
+                misses.append(sl.index)
+        if misses:
+            imgs = [r.mm_inputs[i] for i in misses]
+            for i, emb in zip(misses, self.model.encode_images([im.pixel_values for im in imgs],
+                                                               [im.grid_thw for im in imgs])):
+                embs[i] = emb
+                if cache is not None:
+                    cache.store(r.mm_placeholders[i].mm_hash, emb, int(emb.shape[0]))
+        if cache is not None:
+            for sl in slices:
+                cache.pin(r.request_id, sl.mm_hash)
+        return [(row + sl.dst[0], embs[sl.index][sl.rows[0]:sl.rows[1]]) for sl in slices]
 
 
 def _host_zeros(shape: list[int], dtype: str) -> paddle.Tensor:

@@ -40,6 +40,11 @@ class EngineStats:
     swap_in_blocks: int = 0
     swap_out_blocks: int = 0
     preemptions: int = 0
+    encoder_cache_hits: int = 0  # lookups (per image per step) served without running the vision encoder
+    encoder_cache_misses: int = 0
+    encoder_cache_evictions: int = 0
+    encoder_cache_usage_tokens: int = 0
+    encoder_cache_budget_tokens: int = 0
     extra: dict = field(default_factory=dict)
 
 

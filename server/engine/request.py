@@ -39,7 +39,8 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     cache_salt: Optional[str] = None
     mm_placeholders: list[MMPlaceholder] = field(default_factory=list)
-    mm_inputs: list[Any] = field(default_factory=list)  # per-image model inputs (pixel arrays), same order
+    mm_inputs: list[Any] = field(default_factory=list)  # ProcessedImage per placeholder, same order
+    mrope: Optional[tuple[Any, int]] = None  # VL models: (int64 [3, num_prompt] positions, delta after the prompt)
     arrival_time: float = 0.0
 
     output_token_ids: list[int] = field(default_factory=list)

@@ -14,6 +14,7 @@ from typing import Iterable, Optional
 
 from ..config import SchedulerConfig
 from .block_pool import SwapPlan
+from .encoder_cache import chunk_end
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestOutput, RequestStatus
 
@@ -87,7 +88,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._fit_chunk(req, req.num_computed_tokens, min(req.num_tokens - req.num_computed_tokens, budget),
+                                budget)
             if n <= 0:
                 i += 1
                 continue
@@ -107,8 +109,9 @@ class Scheduler:
                 req = self.waiting[0]
                 hit = self.kv.find_prefix(req)
                 cached = hit.num_blocks * self.kv.block_size
-                n = min(req.num_tokens - req.num_computed_tokens - cached, budget)
-                if not self.kv.allocate(req, n, hit):
+                start = req.num_computed_tokens + cached
+                n = self._fit_chunk(req, start, min(req.num_tokens - start, budget), budget)
+                if n <= 0 or not self.kv.allocate(req, n, hit):
                     break
                 self.waiting.popleft()
                 if req.num_preemptions == 0:
@@ -119,6 +122,19 @@ class Scheduler:
                 budget -= n
         out.swap = self.kv.pool.take_plan()
         return out
+
+    def _fit_chunk(self, req: Request, start: int, n: int, budget: int) -> int:
+        """Shrink a chunk so it never ends inside an image (the encoder runs on whole images).
+
+        An image larger than what is left of the budget waits for the next step, unless it could
+        never fit a step at all; then it runs alone, over budget, rather than never.
+        """
+        if not req.mm_placeholders or n <= 0:
+            return n
+        end = chunk_end(req.mm_placeholders, start, start + n)
+        if end > start + n:  # the span starts at an image that does not fit in n tokens
+            return end - start if budget == self.config.max_num_batched_tokens else 0
+        return end - start
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -19,6 +19,8 @@ logger = logging.getLogger("warmfleet.models")
 MODEL_REGISTRY: dict[str, Any] = {
     "Qwen2ForCausalLM": "warmfleet.server.models.qwen2:Qwen2ForCausalLM",
     "LlamaForCausalLM": "warmfleet.server.models.qwen2:LlamaForCausalLM",
+    "Qwen2VLForConditionalGeneration": "warmfleet.server.models.qwen2_vl:Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration": "warmfleet.server.models.qwen2_vl:Qwen2_5_VLForConditionalGeneration",
 }
 
 

@@ -56,6 +56,7 @@ SIZES: dict[str, dict[str, Any]] = {
                   num_attention_heads=8, num_key_value_heads=4, initializer_range=0.02),
 }
 ARCHS = ("qwen2", "llama")
+VL_ARCHS = ("qwen2_vl", "qwen2_5_vl")  # written by warmfleet.server.multimodal.tiny_vl
 MAX_POSITION_EMBEDDINGS = 4096
 
 
@@ -231,7 +232,7 @@ def _write_json(path: Path, obj: Any) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", help="Output directory (created if missing).")
-    parser.add_argument("--arch", choices=ARCHS, default="qwen2", help="Decoder architecture.")
+    parser.add_argument("--arch", choices=ARCHS + VL_ARCHS, default="qwen2", help="Model architecture.")
     parser.add_argument("--size", choices=tuple(SIZES), default="tiny",
                         help="tiny: 2 layers, hidden 64 (tests); bench: 4 layers, hidden 512 (CPU benchmarks).")
     parser.add_argument("--seed", type=int, default=0, help="Weight seed; same seed, same bytes.")
@@ -241,6 +242,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     overrides = {"tie_word_embeddings": True} if args.tie_word_embeddings else None
-    out = make_tiny_model(args.out, arch=args.arch, size=args.size, seed=args.seed, overrides=overrides)
+    if args.arch in VL_ARCHS:
+        from ..multimodal.tiny_vl import make_tiny_vl_model
+
+        out = make_tiny_vl_model(args.out, arch=args.arch, size=args.size, seed=args.seed, overrides=overrides)
+    else:
+        out = make_tiny_model(args.out, arch=args.arch, size=args.size, seed=args.seed, overrides=overrides)
     print(f"wrote {args.arch}/{args.size} checkpoint (seed {args.seed}) to {out} in {time.perf_counter() - t0:.2f} s")
     return 0
