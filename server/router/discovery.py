@@ -108,14 +108,22 @@ class EndpointSliceDiscovery:
         w = self._watch_factory()  # type: ignore[misc]
         done = object()
 
+        def hand_over(item: object) -> bool:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+                return True
+            except RuntimeError:  # the loop is gone: the router is shutting down
+                return False
+
         def pump() -> None:
             try:
                 for ev in w.stream(self._api.list_namespaced_endpoint_slice, self.namespace, label_selector=selector,
                                    resource_version=resource_version, timeout_seconds=WATCH_TIMEOUT_S):
-                    loop.call_soon_threadsafe(queue.put_nowait, ev)
+                    if not hand_over(ev):
+                        return
             except Exception as exc:  # handed to the loop, which re-lists
-                loop.call_soon_threadsafe(queue.put_nowait, exc)
-            loop.call_soon_threadsafe(queue.put_nowait, done)
+                hand_over(exc)
+            hand_over(done)
 
         threading.Thread(target=pump, name="endpointslice-watch", daemon=True).start()
         try:
