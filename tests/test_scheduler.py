@@ -122,3 +122,27 @@ def test_second_request_reuses_first_ones_blocks():
     s.add_request(b)
     out, _ = step(s)
     assert b.num_cached_tokens == 12 and out.scheduled[0].num_tokens == 2
+
+
+def test_request_outgrowing_the_pool_ends_with_length_not_a_livelock():
+    s, pool = make(num_blocks=3, budget=64)  # 12 tokens of KV in all
+    r = req("a", 8, max_tokens=50)
+    s.add_request(r)
+    outs = []
+    for _ in range(30):
+        if not s.has_work:
+            break
+        outs += step(s)[1]
+    assert outs[-1].finished and outs[-1].finish_reason == "length"
+    assert len(r.output_token_ids) == 5 and not s.has_work  # KV for 8 prompt + 4 outputs fills 12 slots; the 5th is sampled from it
+    assert pool.num_free_blocks == 3
+
+
+def test_prompt_larger_than_the_pool_is_refused():
+    s, _ = make(num_blocks=2)
+    try:
+        s.add_request(req("a", 8))
+    except ValueError as e:
+        assert "KV pool holds 8" in str(e)
+    else:
+        raise AssertionError("expected ValueError")

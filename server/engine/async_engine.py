@@ -17,9 +17,8 @@ import zmq.asyncio
 
 from ..config import EngineConfig
 from . import serde
-from .core import read_model_info
 from .core_proc import config_to_dict
-from .protocol import EngineStats, GenerateRequest, ModelInfo
+from .protocol import EngineStats, GenerateRequest, ModelInfo, read_model_info
 from .request import RequestOutput
 
 log = logging.getLogger("warmfleet.engine")

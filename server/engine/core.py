@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -15,7 +14,6 @@ import paddle
 
 from ..config import EngineConfig
 from ..events import EventPublisher, Load, Snapshot
-from ..hashing import model_fingerprint
 from .attention import CpuPagedAttention
 from ..multimodal.mrope import mrope_positions
 from ..multimodal.wire import from_msgpack
@@ -23,31 +21,12 @@ from .block_pool import BlockPool
 from .encoder_cache import EncoderCache
 from .kv_cache_manager import KVCacheManager
 from .model_runner import ModelRunner, kv_layout, log_sizes, num_blocks_for
-from .protocol import EngineStats, GenerateRequest, ModelInfo
+from .protocol import EngineStats, GenerateRequest, read_model_info
 from .request import Request, RequestOutput
 from .sampler import sample, token_logprobs
 from .scheduler import Scheduler
 
 log = logging.getLogger("warmfleet.engine")
-
-
-def read_model_info(cfg: EngineConfig) -> ModelInfo:
-    """Model facts the API needs, read from config.json without loading weights."""
-    import json
-
-    d = Path(cfg.model.model)
-    if not (d / "config.json").exists():
-        raise FileNotFoundError(f"{d} has no config.json; pass a Hugging Face checkpoint directory to --model "
-                                "(or create one with `warmfleet make-tiny-model DIR`)")
-    hf = json.loads((d / "config.json").read_text())
-    text_cfg = hf.get("text_config", hf)
-    max_len = cfg.model.max_model_len or int(text_cfg.get("max_position_embeddings", 4096))
-    arch = (hf.get("architectures") or ["unknown"])[0]
-    return ModelInfo(
-        served_model_name=cfg.model.served_model_name or d.resolve().name,
-        model_dir=str(d), max_model_len=max_len, model_fingerprint=model_fingerprint(d),
-        block_size=cfg.cache.block_size, architecture=arch, is_multimodal="VL" in arch,
-    )
 
 
 class EngineCore:

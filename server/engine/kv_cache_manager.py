@@ -74,7 +74,7 @@ class KVCacheManager:
 
     def can_allocate(self, req: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
         """Whether `allocate` would succeed without evicting a block this request itself needs."""
-        need_total = self._blocks_for(req.num_computed_tokens + hit.num_blocks * self.block_size + num_new_tokens)
+        need_total = self.blocks_for(req.num_computed_tokens + hit.num_blocks * self.block_size + num_new_tokens)
         have = len(req.block_ids)
         new_blocks = max(0, need_total - have - hit.num_blocks) + hit.num_cpu_blocks
         # GPU hits that sit idle in the free list stop being free once referenced.
@@ -94,7 +94,7 @@ class KVCacheManager:
                 ids[i] = bid
             req.block_ids.extend(ids)  # type: ignore[arg-type]
             req.num_computed_tokens += hit.num_blocks * self.block_size
-        need = self._blocks_for(req.num_computed_tokens + num_new_tokens) - len(req.block_ids)
+        need = self.blocks_for(req.num_computed_tokens + num_new_tokens) - len(req.block_ids)
         if need > 0:
             req.block_ids.extend(self.pool.allocate(need))
         return True
@@ -130,7 +130,7 @@ class KVCacheManager:
         self.pool.free_blocks(list(reversed(req.block_ids)))
         req.block_ids.clear()
 
-    def _blocks_for(self, num_tokens: int) -> int:
+    def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def usage(self) -> float:

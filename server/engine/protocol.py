@@ -6,10 +6,13 @@ its own process behind ZMQ + msgpack). Tests may substitute a `Fake*` that follo
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import AsyncIterator, Optional, Protocol
 
-from ..hashing import MMPlaceholder
+from ..config import EngineConfig
+from ..hashing import MMPlaceholder, model_fingerprint
 from .request import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -56,6 +59,23 @@ class GenerateRequest:
     cache_salt: Optional[str] = None
     mm_placeholders: list[MMPlaceholder] = field(default_factory=list)
     mm_inputs: list = field(default_factory=list)  # preprocessed media, same order as placeholders
+
+
+def read_model_info(cfg: EngineConfig) -> ModelInfo:
+    """Model facts the API needs, read from config.json without loading weights."""
+    d = Path(cfg.model.model)
+    if not (d / "config.json").exists():
+        raise FileNotFoundError(f"{d} has no config.json; pass a Hugging Face checkpoint directory to --model "
+                                "(or create one with `warmfleet make-tiny-model DIR`)")
+    hf = json.loads((d / "config.json").read_text())
+    text_cfg = hf.get("text_config", hf)
+    max_len = cfg.model.max_model_len or int(text_cfg.get("max_position_embeddings", 4096))
+    arch = (hf.get("architectures") or ["unknown"])[0]
+    return ModelInfo(
+        served_model_name=cfg.model.served_model_name or d.resolve().name,
+        model_dir=str(d), max_model_len=max_len, model_fingerprint=model_fingerprint(d),
+        block_size=cfg.cache.block_size, architecture=arch, is_multimodal="VL" in arch,
+    )
 
 
 class EngineClient(Protocol):

@@ -59,6 +59,9 @@ class Scheduler:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         if req.num_prompt_tokens + 1 > self.max_model_len:
             raise ValueError(f"prompt has {req.num_prompt_tokens} tokens; the context holds {self.max_model_len}")
+        capacity = self.kv.pool.num_gpu_blocks * self.kv.block_size
+        if req.num_prompt_tokens + 1 > capacity:
+            raise ValueError(f"prompt has {req.num_prompt_tokens} tokens; the whole KV pool holds {capacity}")
         self.kv.update_block_hashes(req)
         self.requests[req.request_id] = req
         self.waiting.append(req)
@@ -92,6 +95,13 @@ class Scheduler:
                                 budget)
             if n <= 0:
                 i += 1
+                continue
+            if self.kv.blocks_for(req.num_computed_tokens + n) > self.kv.pool.num_gpu_blocks:
+                # it has outgrown the whole pool: end it rather than preempt it forever
+                self.running.remove(req)
+                self._finish(req, RequestStatus.FINISHED_LENGTH)
+                self._finished.append(RequestOutput(req.request_id, [], True, "length", req.num_prompt_tokens,
+                                                    req.num_cached_tokens, req.num_cached_tokens_cpu))
                 continue
             while not self.kv.allocate(req, n):
                 victim = self.running[-1]  # newest; never one already in this step's batch
