@@ -61,17 +61,19 @@ def make_registry(*, default_image: str, login: LoginFn = default_login) -> kopf
             state.connection, state.kube = info, None
         return info
 
-    @kopf.index("", "v1", "nodes", registry=registry)
+    @kopf.index("", "v1", "nodes", id="nodes", registry=registry)
     def nodes(body: kopf.Body, name: str, **_: Any) -> dict[str, NodeInfo]:
         return {name: node_info(body)}
 
-    @kopf.index(*isvc, registry=registry)
+    @kopf.index(*isvc, id="services", registry=registry)
     def services(body: kopf.Body, namespace: str, name: str, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
         return {(namespace, name): dict(body)}
 
-    async def run(body: Any, memo: kopf.Memo, nodes: kopf.Index, logger: Any) -> None:
+    async def run(body: Any, memo: kopf.Memo, nodes: kopf.Index, logger: Any, services: kopf.Index | None = None) -> None:
+        key = (body["metadata"].get("namespace"), body["metadata"]["name"])
+        alive = (lambda: key in services) if services is not None else (lambda: True)
         try:
-            outcome = await reconcile(memo.state, body, _node_list(nodes))
+            outcome = await reconcile(memo.state, body, _node_list(nodes), alive=alive)
         except KubeError as exc:
             if exc.status in (400, 403, 422):  # permanent for this spec: say so, do not retry hot
                 kopf.warn(dict(body), reason="ApplyFailed", message=str(exc))
@@ -100,7 +102,7 @@ def make_registry(*, default_image: str, login: LoginFn = default_login) -> kopf
                 uid = body["metadata"].get("uid")
                 if not _plan_changed(state, body, node_list, uid):
                     continue
-                await run(body, memo, nodes, logger)
+                await run(body, memo, nodes, logger, services)
 
     @kopf.on.event("apps", "v1", "deployments", labels=m.MANAGED_BY, registry=registry)
     async def child_changed(body: kopf.Body, memo: kopf.Memo, nodes: kopf.Index, services: kopf.Index,
@@ -108,7 +110,7 @@ def make_registry(*, default_image: str, login: LoginFn = default_login) -> kopf
         meta = body.get("metadata") or {}
         owner = (meta.get("labels") or {}).get(m.SERVICE_LABEL)
         for parent in services.get((meta.get("namespace"), owner), []):
-            await run(parent, memo, nodes, logger)
+            await run(parent, memo, nodes, logger, services)
 
     return registry
 

@@ -95,12 +95,18 @@ class Outcome:
 
 async def reconcile(
     state: OperatorState, body: Mapping[str, Any], nodes: list[NodeInfo], *, post_event: EventFn = kopf_event,
-    now: Callable[[], str] = utcnow,
+    now: Callable[[], str] = utcnow, alive: Callable[[], bool] = lambda: True,
 ) -> Outcome:
-    """Bring children and status in line with spec + nodes. Idempotent; a bad spec becomes InvalidSpec + Event."""
+    """Bring children and status in line with spec + nodes. Idempotent; a bad spec becomes InvalidSpec + Event.
+
+    `alive` is checked once the per-service lock is held: a reconcile queued behind another
+    one for a service deleted meanwhile does nothing.
+    """
     meta = body.get("metadata") or {}
     uid = meta.get("uid") or f"{meta.get('namespace')}/{meta.get('name')}"
     async with state.lock(uid):
+        if not alive():
+            return Outcome()
         return await _reconcile(state, body, nodes, post_event, now, uid)
 
 

@@ -1,0 +1,236 @@
+"""Handler flows with kopf running in-process against kmock: create, update, nodes, bad spec, delete, restart."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any, AsyncIterator, Callable
+
+import kmock
+import kopf
+import pytest
+
+from operator_fixtures.shapes import GiB, TiB, a100, h200, l4, service
+from warmfleet.operator.handlers import make_registry
+from warmfleet.operator.manifests import SIZING_HASH_ANNOTATION
+
+ISVC = "serving.warmfleet.io/v1alpha1/inferenceservices"
+DEPLOY = "apps/v1/deployments"
+NODES = "v1/nodes"
+KINDS = {
+    "v1/configmaps": "ConfigMap", "v1/services": "Service", "v1/serviceaccounts": "ServiceAccount",
+    "v1/events": "Event", DEPLOY: "Deployment", "policy/v1/poddisruptionbudgets": "PodDisruptionBudget",
+    "rbac.authorization.k8s.io/v1/roles": "Role", "rbac.authorization.k8s.io/v1/rolebindings": "RoleBinding",
+}
+TIMEOUT_S = 15
+
+
+@pytest.fixture()
+def cluster(kmock: kmock.KubernetesEmulator) -> kmock.KubernetesEmulator:
+    """kmock with the discovery kopf needs and every resource the operator touches."""
+    everything = {"list", "watch", "get", "create", "patch", "delete"}
+    kmock.resources["v1/namespaces"] = kmock.ResourceInfo(kind="Namespace", namespaced=False, verbs={"list", "watch"})
+    kmock.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = kmock.ResourceInfo(
+        kind="CustomResourceDefinition", namespaced=False, verbs={"list", "watch"})
+    kmock.resources[ISVC] = kmock.ResourceInfo(kind="InferenceService", namespaced=True, verbs=everything, subresources={"status"})
+    kmock.resources[NODES] = kmock.ResourceInfo(kind="Node", namespaced=False, verbs={"list", "watch", "get", "patch"})
+    for res, kind in KINDS.items():
+        kmock.resources[res] = kmock.ResourceInfo(kind=kind, namespaced=True, verbs=everything)
+    kmock.objects["v1/namespaces", None, "default"] = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "default", "resourceVersion": "1"}}
+    return kmock
+
+
+@contextlib.asynccontextmanager
+async def operator(cluster: kmock.KubernetesEmulator) -> AsyncIterator[None]:
+    """Run the operator in-process until the block ends."""
+    registry = make_registry(default_image="img:test", login=lambda **_: kopf.ConnectionInfo(server=str(cluster.url)))
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(kopf.operator(registry=registry, clusterwide=True, standalone=True,
+                                             stop_flag=stop, ready_flag=ready, liveness_endpoint=None))
+    await asyncio.wait_for(ready.wait(), TIMEOUT_S)
+    try:
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, TIMEOUT_S)
+
+
+async def eventually(check: Callable[[], Any], what: str) -> Any:
+    """Wait until `check()` is truthy (re-checking as the event loop runs); fail with `what` after a timeout."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            value = check()
+        except (KeyError, TypeError, LookupError):
+            value = None
+        if value:
+            return value
+        await asyncio.sleep(0.02)  # yield to the operator's tasks; the condition decides, not the delay
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def obj(cluster, res: str, name: str, ns: str | None = "default") -> dict[str, Any] | None:
+    try:
+        found = cluster.objects[res, ns, name]
+    except KeyError:
+        return None
+    return None if found.deleted else found.raw
+
+
+def status(cluster, name: str = "qwen") -> dict[str, Any]:
+    return (obj(cluster, ISVC, name) or {}).get("status") or {}
+
+
+def condition(cluster, type_: str, name: str = "qwen") -> dict[str, Any]:
+    return next((c for c in status(cluster, name).get("conditions", []) if c["type"] == type_), {})
+
+
+def server_deployments(cluster) -> dict[str, dict[str, Any]]:
+    out = {}
+    for (res, ns, name), o in cluster.objects.items():
+        if res.plural == "deployments" and not o.deleted and o.raw["metadata"]["labels"].get("app.kubernetes.io/component") == "server":
+            out[name] = o.raw
+    return out
+
+
+def writes(cluster, since: int = 0) -> list[str]:
+    """Mutating requests to children (not status, not kopf's own annotations on the service)."""
+    return [f"{r.method} {r.url.path}" for r in list(cluster)[since:]
+            if str(r.method).upper().endswith(("POST", "PATCH", "PUT", "DELETE")) and "/inferenceservices" not in r.url.path
+            and "/events" not in r.url.path and "/nodes" not in r.url.path]
+
+
+def seed(cluster, *objs: dict[str, Any], res: str = NODES) -> None:
+    for o in objs:
+        cluster.objects[res, o["metadata"].get("namespace"), o["metadata"]["name"]] = o
+
+
+async def test_create_builds_children_and_status(cluster):
+    seed(cluster, h200("h1"), l4("l1"))
+    seed(cluster, service(spec={"replicas": 3}), res=ISVC)
+    async with operator(cluster):
+        await eventually(lambda: condition(cluster, "InvalidSpec").get("status") == "False", "a reconciled status")
+        deps = server_deployments(cluster)
+        assert len(deps) == 2 and sum(d["spec"]["replicas"] for d in deps.values()) == 3
+        for res, name in [("v1/services", "qwen"), ("v1/services", "qwen-replicas"), ("v1/configmaps", "qwen-config"),
+                          ("policy/v1/poddisruptionbudgets", "qwen-server"), (DEPLOY, "qwen-router"),
+                          ("rbac.authorization.k8s.io/v1/roles", "qwen-router")]:
+            child = obj(cluster, res, name)
+            assert child is not None, name
+            assert child["metadata"]["ownerReferences"][0]["uid"] == "uid-qwen"
+        st = status(cluster)
+        assert st["observedGeneration"] == 1 and st["desiredReplicas"] == 3 and st["readyReplicas"] == 0
+        assert st["endpoint"] == "http://qwen.default.svc:8000/v1"
+        assert {p["shape"]["gpuProduct"] for p in st["pools"]} == {"NVIDIA-H200", "NVIDIA-L4"}
+        h = next(p for p in st["pools"] if p["shape"]["gpuProduct"] == "NVIDIA-H200")
+        assert h["sizes"]["swapSpaceGib"] == 161.25 and h["inputs"]["hostBytesPerReplica"] == int(2 * TiB * 0.9 / 8)
+        assert condition(cluster, "Ready")["status"] == "False"
+        assert condition(cluster, "Progressing")["status"] == "True"
+        assert condition(cluster, "Degraded")["status"] == "False"
+
+        # Readiness of a child flows into the parent's status through the Deployment watch.
+        for name in list(deps) + ["qwen-router"]:
+            d = obj(cluster, DEPLOY, name)
+            await cluster.patch(f"/apis/apps/v1/namespaces/default/deployments/{name}",
+                                json={"status": {"readyReplicas": d["spec"]["replicas"]}})
+        await eventually(lambda: condition(cluster, "Ready").get("status") == "True", "Ready=True")
+        assert status(cluster)["readyReplicas"] == 3 and status(cluster)["ready"] == "True"
+
+
+async def test_update_spec_and_restart_without_changes(cluster):
+    seed(cluster, h200("h1"))
+    seed(cluster, service(spec={"replicas": 2}), res=ISVC)
+    async with operator(cluster):
+        await eventually(lambda: status(cluster).get("replicas") == 2, "2 replicas")
+        (name,) = server_deployments(cluster)
+        hash_before = server_deployments(cluster)[name]["spec"]["template"]["metadata"]["annotations"][SIZING_HASH_ANNOTATION]
+        ready_since = condition(cluster, "Ready")["lastTransitionTime"]
+        await cluster.patch(f"/apis/{ISVC.rsplit('/', 1)[0]}/namespaces/default/inferenceservices/qwen",
+                            json={"metadata": {"generation": 2}, "spec": {"replicas": 4, "cache": {"swapSpace": {"mode": "Fixed", "size": 32}}}})
+        await eventually(lambda: status(cluster).get("observedGeneration") == 2, "generation 2 observed")
+        dep = server_deployments(cluster)[name]
+        assert dep["spec"]["replicas"] == 4
+        assert dep["spec"]["template"]["metadata"]["annotations"][SIZING_HASH_ANNOTATION] != hash_before
+        assert "32.0" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert condition(cluster, "Ready")["lastTransitionTime"] == ready_since  # status unchanged → time kept
+    mark = len(list(cluster))
+    async with operator(cluster):
+        # the resume handler runs and finds nothing to change: no child writes at all
+        await eventually(lambda: any("/inferenceservices" in r.url.path and str(r.method).upper().endswith("PATCH")
+                                     for r in list(cluster)[mark:]) or _resumed(cluster, mark), "resume")
+    assert writes(cluster, mark) == []
+
+
+def _resumed(cluster, since: int) -> bool:
+    # every fixed child was read back by the resumed reconcile
+    paths = {r.url.path for r in list(cluster)[since:] if str(r.method).upper().endswith("GET")}
+    return "/api/v1/namespaces/default/services/qwen" in paths
+
+
+async def test_node_added_and_changed(cluster):
+    seed(cluster, h200("h1"), a100("a1"))
+    seed(cluster, service(spec={"replicas": 20}), res=ISVC)
+    async with operator(cluster):
+        await eventually(lambda: condition(cluster, "Degraded").get("reason") == "InsufficientCapacity", "capacity short")
+        before = {n: d["spec"]["template"] for n, d in server_deployments(cluster).items()}
+        mark = len(list(cluster))
+        # a second H200 node: more capacity, same sizes → replicas move, no template changes
+        await cluster.post("/api/v1/nodes", json=h200("h2"))
+        await eventually(lambda: status(cluster).get("replicas") == 20, "20 replicas placed")
+        assert condition(cluster, "Degraded")["status"] == "False"
+        after = {n: d["spec"]["template"] for n, d in server_deployments(cluster).items()}
+        assert after == before
+        # a heartbeat-like node update that changes no shape causes no writes
+        mark = len(list(cluster))
+        await cluster.patch("/api/v1/nodes/h1", json={"status": {"conditions": [{"type": "Ready", "status": "True", "lastHeartbeatTime": "now"}]}})
+        await cluster.patch("/api/v1/nodes/h2", json={"metadata": {"annotations": {"touched": "yes"}}})
+        # the A100 node's allocatable memory shrinks: only the A100 pool rolls
+        await cluster.patch("/api/v1/nodes/a1", json={"status": {"allocatable": {"memory": f"{(TiB - 64 * GiB) // 1024}Ki"}}})
+        a100_name = next(n for n in before if "a100" in n)
+        await eventually(lambda: server_deployments(cluster)[a100_name]["spec"]["template"] != before[a100_name], "a100 re-sized")
+        after = {n: d["spec"]["template"] for n, d in server_deployments(cluster).items()}
+        assert [n for n in before if after[n] != before[n]] == [a100_name]
+        child_writes = writes(cluster, mark)
+        assert child_writes and all("deployments/" + a100_name in w or "configmaps" in w for w in child_writes), child_writes
+
+
+async def test_node_removed_prunes_its_pool(cluster):
+    seed(cluster, h200("h1"), l4("l1"))
+    seed(cluster, service(spec={"replicas": 2}), res=ISVC)
+    async with operator(cluster):
+        await eventually(lambda: len(server_deployments(cluster)) == 2, "two pools")
+        await cluster.delete("/api/v1/nodes/l1")
+        await eventually(lambda: len(server_deployments(cluster)) == 1, "the L4 pool deleted")
+        assert "h200" in next(iter(server_deployments(cluster)))
+        await eventually(lambda: len(status(cluster).get("pools", [])) == 1, "one pool in status")
+
+
+async def test_bad_spec_is_a_condition_and_an_event_not_a_crash(cluster):
+    seed(cluster, h200("h1"))
+    seed(cluster, service(spec={"replicas": 1, "autoscaling": {"maxReplicas": 3}}), res=ISVC)
+    async with operator(cluster):
+        cond = await eventually(lambda: condition(cluster, "InvalidSpec").get("status") == "True" and condition(cluster, "InvalidSpec"), "InvalidSpec")
+        assert "mutually exclusive" in cond["message"]
+        assert server_deployments(cluster) == {}
+        events = await eventually(lambda: [o.raw for (r, _, _), o in cluster.objects.items()
+                                           if r.plural == "events" and not o.deleted and o.raw.get("reason") == "InvalidSpec"], "an Event")
+        assert events[0]["type"] == "Warning" and events[0]["involvedObject"]["name"] == "qwen"
+        # fixing the spec recovers
+        await cluster.patch(f"/apis/{ISVC.rsplit('/', 1)[0]}/namespaces/default/inferenceservices/qwen",
+                            json={"metadata": {"generation": 2}, "spec": {"autoscaling": None}})
+        await eventually(lambda: condition(cluster, "InvalidSpec").get("status") == "False", "InvalidSpec cleared")
+        assert len(server_deployments(cluster)) == 1
+
+
+async def test_delete_is_not_blocked_and_not_recreated(cluster):
+    seed(cluster, h200("h1"))
+    seed(cluster, service(spec={"replicas": 1}), res=ISVC)
+    async with operator(cluster):
+        await eventually(lambda: status(cluster).get("replicas") == 1 and obj(cluster, "v1/services", "qwen"), "reconciled")
+        await cluster.delete(f"/apis/{ISVC.rsplit('/', 1)[0]}/namespaces/default/inferenceservices/qwen")
+        await eventually(lambda: obj(cluster, ISVC, "qwen") is None, "the service gone (no blocking finalizer)")
+        mark = len(list(cluster))
+        await cluster.post("/api/v1/nodes", json=h200("h2"))
+        await eventually(lambda: obj(cluster, NODES, "h2", None) is not None, "node seen")
+        assert writes(cluster, mark) == []
