@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
-from .config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from .config import GiB, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
 from .engine.core import EngineCore
 from .engine.protocol import GenerateRequest
 from .engine.sampling_params import SamplingParams
@@ -91,11 +91,13 @@ class LLM:
             from .multimodal.inputs import ImageInputPreparer
             from .multimodal.media import MediaConfig, MediaLoader
             from .multimodal.processor import ImageProcessor
+            from .multimodal.processor_cache import LocalProcessorCache
 
+            budget = int(self.config.cache.max_processor_cache * GiB)
             self._images = ImageInputPreparer(
                 self.tokenizer, ImageProcessor.from_model_dir(self.config.model.model),
                 MediaLoader(MediaConfig.from_server_config(self.config.server)),
-                hash_algo=self.config.cache.prefix_hash_algo)
+                LocalProcessorCache(budget) if budget > 0 else None, hash_algo=self.config.cache.prefix_hash_algo)
         return self._images
 
     def _run(self, token_lists: list[list[int]], sp: SamplingParams, salt: Optional[str],

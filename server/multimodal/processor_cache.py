@@ -143,6 +143,24 @@ def serve(address: str, capacity_bytes: int) -> None:
             sock.send_multipart([msg[0], *reply], copy=False)
 
 
+class LocalProcessorCache:
+    """In-process processor cache (offline `LLM`): the same LRU and byte budget, no process, no socket."""
+
+    def __init__(self, capacity_bytes: int):
+        self.store = LRUStore(capacity_bytes)
+
+    def get(self, mm_hash: str) -> Optional[ProcessedImage]:
+        entry = self.store.get(mm_hash.encode())
+        return None if entry is None else wire.decode(*entry)
+
+    def put(self, mm_hash: str, img: ProcessedImage) -> None:
+        header, buf = wire.encode(img)
+        self.store.put(mm_hash.encode(), header, bytes(buf))
+
+    def stats(self) -> CacheStats:
+        return self.store.stats
+
+
 class ProcessorCacheClient:
     """One frontend's connection: `get` / `put` / `stats` with timeouts; thread-safe, one socket reused."""
 
