@@ -11,6 +11,10 @@ from warmfleet.server.engine.request import RequestOutput
 from warmfleet.server.events import Snapshot
 
 
+ENCODER_CACHE_STATS = {"encoder_cache_hits": 5, "encoder_cache_misses": 3, "encoder_cache_evictions": 1,
+                       "encoder_cache_usage_tokens": 120, "encoder_cache_budget_tokens": 4096}
+
+
 class FakeEngine:
     """EngineClient double: replies with the tokens of `reply` (one per step), then EOS.
 
@@ -20,17 +24,21 @@ class FakeEngine:
     Set `raises` to make generate/snapshot raise it (a dead engine process).
     Set `hang_after` to stop producing after that many tokens until the request is aborted or
     cancelled (`hanging` is set then), and `error` to fail every request with that message.
+    `multimodal=True` makes it a Qwen2-VL-like model (ModelInfo.is_multimodal) whose stats carry
+    encoder-cache figures; requests keep their mm_placeholders / mm_inputs for inspection.
     """
 
     def __init__(self, tokenizer, model_dir: str | Path, *, reply: str = "Hello there, how are you?",
                  served_model_name: str = "tiny", max_model_len: int = 512, block_size: int = 16,
-                 gpu_blocks: int = 1024, replies: Optional[list[list[int]]] = None):
+                 gpu_blocks: int = 1024, replies: Optional[list[list[int]]] = None, multimodal: bool = False):
         self.tokenizer = tokenizer
         self.reply = reply
         self.replies = replies  # explicit token ids per request, in arrival order (overrides `reply`)
         self.model_info = ModelInfo(
             served_model_name=served_model_name, model_dir=str(model_dir), max_model_len=max_model_len,
-            model_fingerprint="fake", block_size=block_size, architecture="Qwen2ForCausalLM",
+            model_fingerprint="fake", block_size=block_size,
+            architecture="Qwen2VLForConditionalGeneration" if multimodal else "Qwen2ForCausalLM",
+            is_multimodal=multimodal,
         )
         self.gpu_blocks = gpu_blocks
         self.requests: list[GenerateRequest] = []
@@ -107,11 +115,15 @@ class FakeEngine:
         self.aborted.append(request_id)
 
     async def stats(self) -> EngineStats:
-        return EngineStats(
+        stats = EngineStats(
             num_running=1, num_waiting=2, gpu_blocks_total=self.gpu_blocks, gpu_blocks_free=self.gpu_blocks // 4,
             cpu_blocks_total=100, cpu_blocks_free=90, prefix_queries_tokens=1000, prefix_hits_tokens_gpu=600,
             prefix_hits_tokens_cpu=100, swap_in_blocks=3, swap_out_blocks=7, preemptions=2,
         )
+        if self.model_info.is_multimodal:  # set as attributes: works before and after EngineStats declares them
+            for name, value in ENCODER_CACHE_STATS.items():
+                setattr(stats, name, value)
+        return stats
 
     async def snapshot(self) -> dict:
         if self.raises is not None:

@@ -1,16 +1,21 @@
-"""HTTP API against FakeEngine: OpenAI shapes, every error case, SSE streaming, n>1, stop strings, disconnects, tokenize, metrics."""
+"""HTTP API against FakeEngine: OpenAI shapes, every error case, SSE streaming, n>1, stop strings, disconnects, tokenize, metrics, images."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import json
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
+from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from fakes import FakeEngine
+from fakes import ENCODER_CACHE_STATS, FakeEngine
+from warmfleet.server.multimodal import wire
 from warmfleet.server.api.app import REPLICA_HEADER, attach_engine, build_app
 from warmfleet.server.config import EngineConfig
 from warmfleet.server.tokenizer import Tokenizer
@@ -375,6 +380,8 @@ async def test_kv_pool_smaller_than_context_limits_requests(tok, tiny_model_dir)
     (chat_body(stream_options={"include_usage": True}), "stream_options"),
     (chat_body(stop_token_ids=[10 ** 6]), "stop_token_ids"),
     (chat_body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]),
+     "messages.0.content.0"),
+    (chat_body(messages=[{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": ""}}]}]),
      "messages.0.content"),
 ])
 async def test_unsupported_values_are_400(client, engine, body, param):
@@ -595,3 +602,255 @@ async def test_openai_client_chat_streaming_and_completions(app):
     finally:
         await client.close()
         await http.aclose()
+
+
+
+# ---- images (Qwen2-VL-like FakeEngine) ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory):
+    from warmfleet.server.multimodal.tiny_vl import make_tiny_vl_model
+
+    return make_tiny_vl_model(tmp_path_factory.mktemp("tiny-vl-api"), arch="qwen2_vl", size="tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def vl_tok(vl_dir) -> Tokenizer:
+    return Tokenizer(vl_dir)
+
+
+@pytest.fixture
+def vl_engine(vl_tok, vl_dir) -> FakeEngine:
+    return FakeEngine(vl_tok, vl_dir, reply=REPLY, multimodal=True, max_model_len=2048)
+
+
+def vl_app_for(vl_engine, vl_tok, vl_dir, **server):
+    return build_app(vl_engine, vl_tok, make_cfg(vl_dir, **server))
+
+
+@pytest.fixture
+async def vl_client(vl_engine, vl_tok, vl_dir):
+    app = vl_app_for(vl_engine, vl_tok, vl_dir)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as c:
+        c.app = app
+        yield c
+
+
+def image_bytes(w=64, h=48, seed=0, fmt="PNG", mode="RGB") -> bytes:
+    rng = np.random.default_rng(seed)
+    shape = (h, w, 3) if mode == "RGB" else (h, w)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8)).save(buf, fmt)
+    return buf.getvalue()
+
+
+def data_uri(data: bytes, mime="image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def image_chat(*parts: dict, text: str = "What is in the picture?", **kw) -> dict:
+    return chat_body(messages=[{"role": "user", "content": [*parts, {"type": "text", "text": text}]}], **kw)
+
+
+def image_part(url: str | None = None, uuid: str | None = None) -> dict:
+    part: dict = {"type": "image_url"}
+    if url is not None:
+        part["image_url"] = {"url": url}
+    if uuid is not None:
+        part["uuid"] = uuid
+    return part
+
+
+def metric_value(text: str, name: str, **labels: str) -> float | None:
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return None
+
+
+async def test_image_request_reaches_engine_with_placeholders_and_pixels(vl_client, vl_engine, vl_tok):
+    r = await vl_client.post(CHAT, json=image_chat(image_part(data_uri(image_bytes()))))
+    assert r.status_code == 200, r.text
+    (req,) = vl_engine.requests
+    (ph,) = req.mm_placeholders
+    pad = vl_tok.token_to_id("<|image_pad|>")
+    ids = req.prompt_token_ids
+    assert ph.length == 4  # 64x48 → 56x56 pixels → 4x4 patches → 2x2 merged tokens
+    assert ids[ph.offset:ph.offset + ph.length] == [pad] * 4 and ids.count(pad) == 4
+    assert ids[ph.offset - 1] == vl_tok.token_to_id("<|vision_start|>")
+    (img,) = [wire.from_msgpack(d) for d in req.mm_inputs]
+    assert img.grid_thw == (1, 4, 4) and img.pixel_values.shape[0] == 16
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens"] == len(ids)
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 0, "image_tokens": 4}
+    assert r.json()["choices"][0]["message"]["content"] == REPLY
+
+
+async def test_text_only_request_to_a_vl_model_builds_no_image_pipeline(vl_client, vl_engine):
+    r = await vl_client.post(CHAT, json=chat_body(messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}]))
+    assert r.status_code == 200
+    assert vl_client.app.state.wf._image_preparer is None
+    assert vl_engine.requests[0].mm_placeholders == [] and vl_engine.requests[0].mm_inputs == []
+    assert r.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0, "image_tokens": 0}
+
+
+async def test_two_images_in_order_and_n_samples_share_them(vl_client, vl_engine):
+    a, b = data_uri(image_bytes(seed=1)), data_uri(image_bytes(w=120, h=60, seed=2, fmt="JPEG"), "image/jpeg")
+    r = await vl_client.post(CHAT, json=image_chat(image_part(a), image_part(b), n=2, seed=1))
+    assert r.status_code == 200, r.text
+    r0, r1 = vl_engine.requests
+    assert r0.mm_placeholders == r1.mm_placeholders and len(r0.mm_placeholders) == 2
+    first, second = r0.mm_placeholders
+    assert first.offset + first.length < second.offset and first.mm_hash != second.mm_hash
+    grids = [wire.from_msgpack(d).grid_thw for d in r0.mm_inputs]
+    assert grids[0] == (1, 4, 4) and grids[1][1:] != (4, 4)
+    assert r.json()["usage"]["prompt_tokens_details"]["image_tokens"] == first.length + second.length
+
+
+async def test_image_streaming_reports_image_tokens(vl_client):
+    body = image_chat(image_part(data_uri(image_bytes())), stream=True, stream_options={"include_usage": True})
+    r = await vl_client.post(CHAT, json=body)
+    assert r.status_code == 200
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-2] if e["choices"]) == REPLY
+    assert events[-2]["usage"]["prompt_tokens_details"]["image_tokens"] == 4
+
+
+def _bomb_png() -> bytes:
+    buf = io.BytesIO()
+    Image.new("1", (9000, 9000)).save(buf, "PNG")  # 81 Mpx (over the 64 Mpx cap) in a few kB
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("part, code, words", [
+    (image_part("data:image/png;base64,@@not base64@@"), "invalid_image", "invalid base64"),
+    (image_part(data_uri(b"these bytes are no picture")), "invalid_image", "not a supported image"),
+    (image_part(data_uri(image_bytes()[:200])), "invalid_image", "truncated"),
+    (image_part(data_uri(_bomb_png())), "invalid_image", "more than the limit"),
+    (image_part("data:text/plain;base64,aGk="), "invalid_image", "expected image/*"),
+    (image_part("http://127.0.0.1:9/cat.png"), "invalid_image", "non-public address"),
+    (image_part("http://169.254.169.254/latest/meta-data"), "invalid_image", "non-public address"),
+    (image_part("http://[::1]:9/cat.png"), "invalid_image", "non-public address"),
+    (image_part("file:///etc/passwd"), "invalid_image", "--allowed-local-media-path"),
+    (image_part("ftp://example.com/cat.png"), "invalid_image", "unsupported image URL scheme"),
+    (image_part(uuid="never-sent"), "unknown_image", "unknown image uuid 'never-sent'"),
+    (image_part(), "invalid_image", "needs image_url.url or a uuid"),
+    (image_part(data_uri(image_bytes()), uuid=""), "invalid_image", "uuid"),
+])
+async def test_bad_images_are_400s_naming_the_part(vl_client, vl_engine, part, code, words):
+    body = chat_body(messages=[
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "look:"}, part]},
+    ])
+    err = assert_error(await vl_client.post(CHAT, json=body), 400, code=code, param="messages.1.content.1")
+    assert err["message"].startswith("messages[1].content[1]: ") and words in err["message"], err
+    assert vl_engine.requests == []
+
+
+async def test_video_parts_and_handwritten_placeholders_are_400s(vl_client, vl_engine, vl_tok):
+    video = chat_body(messages=[{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "x"}}]}])
+    assert_error(await vl_client.post(CHAT, json=video), 400, param="messages.0.content")
+    pads = chat_body(messages=[{"role": "user", "content": "<|vision_start|><|image_pad|><|vision_end|>hi"}])
+    assert_error(await vl_client.post(CHAT, json=pads), 400, code="invalid_value", param="messages")
+    extra = image_chat(image_part(data_uri(image_bytes())), text="and <|image_pad|> here")
+    assert_error(await vl_client.post(CHAT, json=extra), 400, code="invalid_messages", param="messages")
+    pad = vl_tok.token_to_id("<|image_pad|>")
+    assert_error(await vl_client.post(COMPLETIONS, json={"prompt": [1, pad, 2]}), 400, param="prompt")
+    assert vl_engine.requests == []
+
+
+async def test_image_to_a_text_only_model_is_400(client, engine):
+    body = image_chat(image_part(data_uri(image_bytes())))
+    err = assert_error(await client.post(CHAT, json=body), 400, code="unsupported_value", param="messages.0.content.0")
+    assert "does not accept images" in err["message"] and err["message"].startswith("messages[0].content[0]: ")
+    assert engine.requests == []
+
+
+async def test_file_urls_only_under_the_allowed_directory(vl_engine, vl_tok, vl_dir, tmp_path):
+    media = tmp_path / "media"
+    media.mkdir()
+    (media / "cat.png").write_bytes(image_bytes())
+    (tmp_path / "secret.png").write_bytes(image_bytes())
+    app = vl_app_for(vl_engine, vl_tok, vl_dir, allowed_local_media_path=str(media))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
+        ok = await c.post(CHAT, json=image_chat(image_part((media / "cat.png").as_uri())))
+        assert ok.status_code == 200, ok.text
+        escape = image_part(f"file://{media}/../secret.png")
+        err = assert_error(await c.post(CHAT, json=image_chat(escape)), 400, code="invalid_image")
+        assert "outside the allowed media directory" in err["message"]
+    assert len(vl_engine.requests) == 1
+
+
+async def test_tokenize_expands_image_pads(vl_client, vl_tok):
+    body = {"messages": image_chat(image_part(data_uri(image_bytes())))["messages"]}
+    r = await vl_client.post("/tokenize", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"].count(vl_tok.token_to_id("<|image_pad|>")) == 4
+
+
+async def test_image_and_encoder_cache_metrics(vl_client):
+    assert (await vl_client.post(CHAT, json=image_chat(image_part(data_uri(image_bytes()))))).status_code == 200
+    text = (await vl_client.get("/metrics")).text
+    assert metric_value(text, "warmfleet:image_tokens_total") == 4
+    assert metric_value(text, "warmfleet:request_images_total") == 1
+    assert metric_value(text, "warmfleet:image_hash_seconds_count") == 1
+    assert metric_value(text, "warmfleet:image_prepare_seconds_count") == 1
+    for name, value in ENCODER_CACHE_STATS.items():
+        suffix = "_total" if name.split("_")[-1] in ("hits", "misses", "evictions") else ""
+        assert metric_value(text, f"warmfleet:{name}{suffix}") == value, name
+    assert metric_value(text, "warmfleet:processor_cache_up") is None  # no processor cache in this app
+
+
+async def test_encoder_cache_series_are_zero_when_the_engine_has_none(client):
+    text = (await client.get("/metrics")).text
+    assert metric_value(text, "warmfleet:encoder_cache_hits_total") == 0
+    assert metric_value(text, "warmfleet:encoder_cache_budget_tokens") == 0
+
+
+@pytest.fixture
+def processor_cache(tmp_path):
+    from warmfleet.server.multimodal.processor_cache import ProcessorCacheProcess
+
+    proc = ProcessorCacheProcess(f"ipc://{tmp_path}/pc.sock", capacity_bytes=64 << 20).start()
+    yield proc
+    proc.stop()
+
+
+async def test_processor_cache_hits_uuid_reuse_metrics_and_fallback(vl_engine, vl_tok, vl_dir, processor_cache):
+    import os
+    import signal
+
+    app = vl_app_for(vl_engine, vl_tok, vl_dir)
+    state = app.state.wf
+    state.connect_processor_cache(processor_cache.address, timeout_s=10.0)  # exact counts even on a busy machine
+    state.processor_cache_process = processor_cache
+    assert state.processor_cache.ping(timeout_s=30.0)
+    uri = data_uri(image_bytes(seed=7))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
+        for _ in range(2):
+            assert (await c.post(CHAT, json=image_chat(image_part(uri)))).status_code == 200
+        with_uuid = await c.post(CHAT, json=image_chat(image_part(uri, uuid="cat-1")))
+        only_uuid = await c.post(CHAT, json=image_chat(image_part(uuid="cat-1")))
+        assert with_uuid.status_code == 200 and only_uuid.status_code == 200, only_uuid.text
+        r_plain, _, r_uuid, r_only = vl_engine.requests
+        assert r_only.prompt_token_ids == r_uuid.prompt_token_ids
+        assert r_only.mm_placeholders == r_uuid.mm_placeholders and r_uuid.mm_placeholders[0].mm_hash == "uuid:cat-1"
+        assert r_only.mm_inputs == r_uuid.mm_inputs == r_plain.mm_inputs  # the same pixels, from the cache
+        assert r_plain.mm_placeholders[0].mm_hash != "uuid:cat-1"
+        text = (await c.get("/metrics")).text
+        assert metric_value(text, "warmfleet:processor_cache_up") == 1
+        assert metric_value(text, "warmfleet:processor_cache_hits_total") == 2  # repeat by bytes, uuid-only
+        assert metric_value(text, "warmfleet:processor_cache_lookups_total", result="hit") == 2
+        assert metric_value(text, "warmfleet:processor_cache_entries") == 2  # by digest and by uuid
+        assert metric_value(text, "warmfleet:processor_cache_usage_bytes") > 0
+        assert metric_value(text, "warmfleet:processor_cache_capacity_bytes") == 64 << 20
+
+        os.kill(processor_cache.process.pid, signal.SIGKILL)  # the cache dies: requests still work
+        processor_cache.process.join()
+        r = await c.post(CHAT, json=image_chat(image_part(data_uri(image_bytes(seed=8)))))
+        assert r.status_code == 200, r.text
+        assert wire.from_msgpack(vl_engine.requests[-1].mm_inputs[0]).grid_thw == (1, 4, 4)
+        text = (await c.get("/metrics")).text  # answers even if the cache is still restarting
+        assert metric_value(text, "warmfleet:processor_cache_restarts_total") in (0, 1)
+    state.close()

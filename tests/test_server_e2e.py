@@ -30,13 +30,13 @@ def free_port() -> int:
 class Replica:
     """A `warmfleet serve` subprocess whose JSON log lines are read by a thread into a queue."""
 
-    def __init__(self, model_dir, cwd):
+    def __init__(self, model_dir, cwd, extra_args: tuple[str, ...] = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-c", "import sys; from warmfleet.cli import main; sys.exit(main())",
                "serve", "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port),
                "--served-model-name", "tiny", "--replica-id", "e2e-replica",
-               "--block-size", "16", "--num-gpu-blocks", "256", "--max-model-len", "2048", "--drain-timeout-s", "60"]
+               "--block-size", "16", "--num-gpu-blocks", "256", "--max-model-len", "2048", "--drain-timeout-s", "60", *extra_args]
         # cwd outside the repo: its operator/ folder would shadow the standard library
         self.proc = subprocess.Popen(cmd, cwd=cwd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
         self.lines: queue.Queue = queue.Queue()
@@ -49,8 +49,11 @@ class Replica:
             self.lines.put(line)
         self.lines.put(None)
 
-    def wait_for_log(self, msg: str, timeout_s: float) -> dict:
-        """Block until a JSON log record with this message appears (the server says so itself, no polling)."""
+    def wait_for_log(self, msg: str, timeout_s: float, prefix: bool = False) -> dict:
+        """Block until a JSON log record with this message (or, with `prefix`, starting with it) appears.
+
+        The server says so itself, no polling; records read past are consumed.
+        """
         deadline = time.monotonic() + timeout_s
         while True:
             line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
@@ -60,7 +63,8 @@ class Replica:
                 record = json.loads(line)
             except ValueError:
                 continue
-            if record.get("msg") == msg:
+            got = record.get("msg", "")
+            if got == msg or (prefix and isinstance(got, str) and got.startswith(msg)):
                 return record
 
     def stop(self) -> None:

@@ -16,7 +16,15 @@ from . import errors
 from .errors import APIError, bad_request
 from .metrics import CONTENT_TYPE
 from .protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
-from .serving import chat_completions, check_token_ids, completions, message_dict, parse_body
+from .serving import (
+    chat_completions,
+    check_token_ids,
+    completions,
+    has_images,
+    message_dict,
+    parse_body,
+    prepare_images,
+)
 from .state import ServerState
 
 log = logging.getLogger("warmfleet.api")
@@ -78,6 +86,11 @@ def build_app(engine: Optional[EngineClient], tokenizer: Any, cfg: EngineConfig)
             if not body.messages:
                 raise bad_request("messages must not be empty", param="messages", code="invalid_value")
             messages = [message_dict(m, i) for i, m in enumerate(body.messages)]
+            if has_images(body.messages):  # pads expanded exactly as a chat request would send them
+                images = await prepare_images(s, body.messages, messages, body.add_generation_prompt)
+                tokens = images.prompt_token_ids
+                return JSONResponse({"count": len(tokens), "max_model_len": engine.model_info.max_model_len,
+                                     "tokens": tokens})
             try:
                 text = await s.run_sync(_template, s.tokenizer, messages, body.add_generation_prompt)
             except ChatTemplateError as exc:
@@ -135,7 +148,8 @@ def build_app(engine: Optional[EngineClient], tokenizer: Any, cfg: EngineConfig)
                 stats = await s.engine.stats()
             except Exception:  # scrape still answers with the API's own series
                 log.warning("engine stats unavailable", exc_info=True)
-        return Response(s.metrics.render(stats), media_type=CONTENT_TYPE)
+        pc_view = await s.run_sync(s.processor_cache_view) if s.processor_cache is not None else None
+        return Response(s.metrics.render(stats, pc_view), media_type=CONTENT_TYPE)
 
     return app
 

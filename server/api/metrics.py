@@ -1,13 +1,15 @@
 """Prometheus metrics on a private registry: vLLM names where the meaning is the same, `warmfleet:` otherwise.
 
-Request-level series (tokens, latencies, outcomes) are observed by the API as requests run;
-engine-level series (queues, KV usage, prefix-cache and swap counters) are read from
-`EngineClient.stats()` at scrape time, so they are exactly the engine's own numbers.
+Request-level series (tokens, latencies, outcomes, images) are observed by the API as requests run;
+engine-level series (queues, KV usage, prefix-cache, swap and encoder-cache counters) are read from
+`EngineClient.stats()` at scrape time, so they are exactly the engine's own numbers; the processor
+cache's series come from the pod's cache process (`ProcessorCacheClient.stats()`) at scrape time.
 """
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -20,6 +22,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # vLLM's buckets, so dashboards' heatmaps line up
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_HASH_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+_PREPARE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
 
 
@@ -74,6 +78,80 @@ class EngineStatsCollector(Collector):
         yield counter("warmfleet:swap_in_blocks", "KV blocks copied from the CPU tier back to the primary pool.", s.swap_in_blocks)
         yield counter("warmfleet:swap_out_blocks", "KV blocks moved from the primary pool to the CPU tier.", s.swap_out_blocks)
 
+        # NOTE: getattr, so a text-only engine (or one without these fields yet) exports zeros.
+        def field(name: str) -> float:
+            return getattr(s, name, 0) or 0
+
+        yield counter("warmfleet:encoder_cache_hits", "Image lookups served from the vision-encoder cache.",
+                      field("encoder_cache_hits"))
+        yield counter("warmfleet:encoder_cache_misses", "Image lookups that ran the vision encoder.",
+                      field("encoder_cache_misses"))
+        yield counter("warmfleet:encoder_cache_evictions", "Entries evicted from the vision-encoder cache.",
+                      field("encoder_cache_evictions"))
+        yield gauge("warmfleet:encoder_cache_usage_tokens", "Vision-encoder cache usage, in tokens.",
+                    field("encoder_cache_usage_tokens"))
+        yield gauge("warmfleet:encoder_cache_budget_tokens", "Vision-encoder cache budget (--max-encoder-cache), in tokens.",
+                    field("encoder_cache_budget_tokens"))
+
+
+@dataclass
+class ProcessorCacheView:
+    """What one scrape knows of the pod's processor cache."""
+
+    stats: Optional[Any]  # processor_cache.CacheStats from the cache process; None when it did not answer
+    num_timeouts: int = 0  # this frontend's calls that got no reply in time
+    num_unavailable: int = 0  # calls refused at once because no cache process was connected
+    num_errors: int = 0  # ERR replies and undecodable hits
+    num_restarts: int = 0  # times the cache process was restarted after it exited
+
+
+class ProcessorCacheCollector(Collector):
+    """Exposes the last ProcessorCacheView read at scrape time; nothing when the pod runs no processor cache."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.view: Optional[ProcessorCacheView] = None
+
+    def collect(self) -> Iterator[Metric]:
+        v = self.view
+        if v is None:
+            return
+        m = self.model_name
+        up = GaugeMetricFamily("warmfleet:processor_cache_up", "1 if the processor-cache process answered this scrape.",
+                               labels=["model_name"])
+        up.add_metric([m], 1 if v.stats is not None else 0)
+        yield up
+        failures = CounterMetricFamily("warmfleet:processor_cache_client_failures",
+                                       "Processor-cache calls of this frontend that failed (it preprocesses itself then), by cause.",
+                                       labels=["model_name", "kind"])
+        failures.add_metric([m, "timeout"], v.num_timeouts)
+        failures.add_metric([m, "unavailable"], v.num_unavailable)
+        failures.add_metric([m, "error"], v.num_errors)
+        yield failures
+        restarts = CounterMetricFamily("warmfleet:processor_cache_restarts", "Restarts of the processor-cache process.",
+                                       labels=["model_name"])
+        restarts.add_metric([m], v.num_restarts)
+        yield restarts
+        s = v.stats
+        if s is None:
+            return
+        for name, doc, value in (
+            ("hits", "Processor-cache lookups that found preprocessed pixels (since the cache process started).", s.hits),
+            ("misses", "Processor-cache lookups that found nothing (since the cache process started).", s.misses),
+            ("evictions", "Entries evicted from the processor cache (since the cache process started).", s.evictions),
+        ):
+            c = CounterMetricFamily(f"warmfleet:processor_cache_{name}", doc, labels=["model_name"])
+            c.add_metric([m], value)
+            yield c
+        for name, doc, value in (
+            ("usage_bytes", "Processor-cache usage, in bytes.", s.usage_bytes),
+            ("capacity_bytes", "Processor-cache budget (--max-processor-cache), in bytes.", s.capacity_bytes),
+            ("entries", "Images held by the processor cache.", s.entries),
+        ):
+            g = GaugeMetricFamily(f"warmfleet:processor_cache_{name}", doc, labels=["model_name"])
+            g.add_metric([m], value)
+            yield g
+
 
 def _usage(total: int, free: int) -> float:
     return (total - free) / total if total > 0 else 0.0
@@ -88,6 +166,8 @@ class Metrics:
         r, labels = self.registry, ["model_name"]
         self.engine = EngineStatsCollector(model_name)
         r.register(self.engine)
+        self.processor_cache = ProcessorCacheCollector(model_name)
+        r.register(self.processor_cache)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", labels, registry=r).labels(model_name)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", labels, registry=r).labels(model_name)
         self.cached_prompt_tokens = Counter(
@@ -109,6 +189,23 @@ class Metrics:
         self.e2e = Histogram(
             "vllm:e2e_request_latency_seconds", "Request latency from arrival to last token.", labels, buckets=_E2E_BUCKETS, registry=r
         ).labels(model_name)
+        self.images = Counter("warmfleet:request_images", "Images in admitted requests.", labels, registry=r).labels(model_name)
+        self.image_tokens = Counter(
+            "warmfleet:image_tokens", "Prompt tokens that are image placeholders, in admitted requests.", labels, registry=r
+        ).labels(model_name)
+        self.image_hash_seconds = Histogram(
+            "warmfleet:image_hash_seconds", "Time computing the mm_hash of one request's images (raw bytes).", labels,
+            buckets=_HASH_BUCKETS, registry=r,
+        ).labels(model_name)
+        self.image_prepare_seconds = Histogram(
+            "warmfleet:image_prepare_seconds",
+            "Time preparing one request's images: load, hash, preprocess or processor-cache hit, prompt expansion.",
+            labels, buckets=_PREPARE_BUCKETS, registry=r,
+        ).labels(model_name)
+        self.processor_cache_lookups = Counter(
+            "warmfleet:processor_cache_lookups", "This frontend's processor-cache lookups, by result.",
+            ["model_name", "result"], registry=r,
+        )
 
     def finished(self, reason: str) -> None:
         self.request_success.labels(self.model_name, reason).inc()
@@ -116,7 +213,8 @@ class Metrics:
     def error(self, status: int) -> None:
         self.request_errors.labels(self.model_name, str(status)).inc()
 
-    def render(self, stats: Optional[EngineStats]) -> bytes:
-        """Exposition text with engine series taken from `stats` (None leaves them out)."""
+    def render(self, stats: Optional[EngineStats], processor_cache: Optional[ProcessorCacheView] = None) -> bytes:
+        """Exposition text with engine and processor-cache series taken from the arguments (None leaves them out)."""
         self.engine.stats = stats
+        self.processor_cache.view = processor_cache
         return generate_latest(self.registry)

@@ -46,7 +46,9 @@ class SamplingFields(_Request):
 
 
 class ImageURL(BaseModel):
-    url: str
+    model_config = ConfigDict(extra="allow")  # e.g. a `uuid` inside image_url
+
+    url: Optional[str] = None  # may be left out when the part carries a `uuid` of an image sent before
     detail: Optional[str] = None
 
 
@@ -56,7 +58,7 @@ class ContentPart(BaseModel):
     type: str
     text: Optional[str] = None
     image_url: Optional[Union[ImageURL, str]] = None
-    uuid: Optional[str] = None
+    uuid: Optional[str] = None  # FastDeploy's convention: the image's identity; later requests may send only it
 
 
 class ChatMessage(BaseModel):

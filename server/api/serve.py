@@ -4,6 +4,12 @@ The port answers /health from the first second so a slow model load is not mista
 dead pod; /ready turns 200 once the engine is up and 503 again while draining. On SIGTERM
 uvicorn stops accepting, in-flight requests get up to --drain-timeout-s to finish, then the
 engine process is shut down.
+
+A multimodal model gets the pod's processor cache (`--max-processor-cache` GiB > 0): one
+`ProcessorCacheProcess` on a private IPC socket in a fresh temp directory, started before
+/ready turns 200 and stopped at shutdown. The frontend talks to it through one reused
+`ProcessorCacheClient`; if the process dies, requests are preprocessed locally until it has
+been restarted.
 """
 
 from __future__ import annotations
@@ -12,7 +18,9 @@ import argparse
 import asyncio
 import json
 import logging
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -82,6 +90,8 @@ class _Server(uvicorn.Server):
         self.app = app
         self.engine: Any = None
         self.failed = False
+        self.processor_cache: Any = None  # ProcessorCacheProcess, multimodal models only
+        self._processor_cache_dir: Optional[str] = None
 
     async def load_engine(self, cfg: EngineConfig) -> None:
         """Load tokenizer and engine, then attach them (/ready → 200); on failure stop the server."""
@@ -97,10 +107,47 @@ class _Server(uvicorn.Server):
             self.failed = True
             self.should_exit = True
             return
-        attach_engine(self.app, self.engine, tokenizer)
         info = self.engine.model_info
+        if getattr(info, "is_multimodal", False) and cfg.cache.max_processor_cache > 0:
+            try:
+                await self.start_processor_cache(cfg.cache.max_processor_cache)
+            except Exception as exc:  # images still work, each frontend preprocesses them itself
+                log.error("processor cache failed to start: %s", exc, exc_info=True)
+        attach_engine(self.app, self.engine, tokenizer)
         log.info("ready", extra={"fields": {"model": info.served_model_name, "max_model_len": info.max_model_len,
                                             "load_s": round(time.perf_counter() - t0, 3)}})
+
+    async def start_processor_cache(self, gib: float) -> None:
+        """Start the pod's processor-cache process on a private IPC socket and connect the frontend to it."""
+        from ..multimodal.processor_cache import ProcessorCacheProcess
+
+        self._processor_cache_dir = tempfile.mkdtemp(prefix="warmfleet-pc-")
+        address = f"ipc://{self._processor_cache_dir}/cache.sock"
+        self.processor_cache = ProcessorCacheProcess.from_gib(address, gib)
+        await asyncio.to_thread(self.processor_cache.start)
+        state = self.app.state.wf
+        state.connect_processor_cache(address)
+        state.processor_cache_process = self.processor_cache
+        up = False
+        for _ in range(30):  # the spawned process imports numpy, zmq, Pillow; short pings keep shutdown prompt
+            up = await asyncio.to_thread(state.processor_cache.ping, 1.0)
+            if up:
+                break
+        fields = {"address": address, "pid": self.processor_cache.process.pid, "capacity_gib": gib, "up": up}
+        if up:
+            log.info("processor cache started", extra={"fields": fields})
+        else:
+            log.warning("processor cache not answering yet; preprocessing locally until it does", extra={"fields": fields})
+
+    async def stop_processor_cache(self) -> None:
+        proc, self.processor_cache = self.processor_cache, None
+        self.app.state.wf.close()
+        if proc is not None:
+            await asyncio.to_thread(proc.stop)
+            log.info("processor cache stopped")
+        path, self._processor_cache_dir = self._processor_cache_dir, None
+        if path is not None:
+            shutil.rmtree(path, ignore_errors=True)
 
     async def shutdown(self, sockets: Optional[list] = None) -> None:
         self.app.state.wf.draining = True
@@ -113,6 +160,7 @@ class _Server(uvicorn.Server):
         if engine is not None:
             await engine.shutdown()
             log.info("engine stopped")
+        await self.stop_processor_cache()
 
 
 # ---- structured logging ---------------------------------------------------------------------------

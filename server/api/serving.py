@@ -1,7 +1,8 @@
 """The OpenAI endpoints: chat/completions and completions, streaming (SSE) or not.
 
 Each handler checks the request (→ 400/404 before any engine work), tokenizes off the event
-loop, fans out one engine request per choice (`generation.stream_choices`), and shapes deltas
+loop (a chat request with image parts also loads, hashes and preprocesses its images there, or
+takes them from the processor cache; a text-only one never touches the multimodal code), fans out one engine request per choice (`generation.stream_choices`), and shapes deltas
 into OpenAI JSON. A client that goes away mid-request cancels the work, which aborts the engine
 requests and frees their KV blocks.
 """
@@ -13,6 +14,7 @@ import dataclasses
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Optional, TypeVar
 
 import anyio
@@ -22,6 +24,7 @@ from pydantic import BaseModel, ValidationError
 
 from ..engine.protocol import GenerateRequest
 from ..engine.sampling_params import SamplingParams
+from ..hashing import MMPlaceholder
 from ..outputs import EngineError, OutputStream, chat_logprobs, completion_logprobs
 from ..tokenizer import ChatTemplateError, IncrementalDetokenizer
 from .errors import APIError, bad_request, error_body, validation_error
@@ -32,6 +35,7 @@ from .state import ServerState
 M = TypeVar("M", bound=BaseModel)
 
 _BIG_BODY_BYTES = 256 << 10  # bodies larger than this are parsed off the event loop
+IMAGE_PART_TYPES = ("image_url", "image")  # as multimodal.prompt, which text-only requests never import
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "client went away"; logged, never seen by the client
 
 
@@ -123,8 +127,17 @@ def sampling_params(body: SamplingFields, max_tokens: int, logprobs: Optional[in
     return sp
 
 
+def check_no_image_tokens(state: ServerState, ids: list[int], param: str) -> None:
+    """A multimodal model's image placeholder token may only stand where the API put an image's pads."""
+    if state.image_pad_id is not None and state.image_pad_id in ids:
+        raise bad_request(
+            "the prompt contains the image placeholder token <|image_pad|> but no image for it; "
+            "send images as image_url content parts", param=param, code="invalid_value",
+        )
+
+
 def make_choices(state: ServerState, base_id: str, prompts: list[list[int]], sp: SamplingParams,
-                 cache_salt: Optional[str]) -> list[Choice]:
+                 cache_salt: Optional[str], images: Optional["ImageInputs"] = None) -> list[Choice]:
     """One engine request per (prompt, sample); sample i of a seeded request uses seed + i."""
     choices = []
     for p, ids in enumerate(prompts):
@@ -133,18 +146,22 @@ def make_choices(state: ServerState, base_id: str, prompts: list[list[int]], sp:
             child = dataclasses.replace(sp, n=1, seed=seed)
             stream = OutputStream(IncrementalDetokenizer(state.tokenizer, ids), sp.stop)
             req = GenerateRequest(f"{base_id}-{p}-{i}", ids, child, cache_salt=cache_salt)
+            if images is not None:
+                req.mm_placeholders = list(images.placeholders)
+                req.mm_inputs = images.inputs  # shared by the n samples; never mutated
             choices.append(Choice(index=p * sp.n + i, prompt_index=p, request=req, stream=stream))
     return choices
 
 
 def usage(choices: list[Choice], state: ServerState) -> dict[str, Any]:
     """OpenAI usage; each prompt counts once, its cached tokens are the best any of its samples got."""
-    prompt_tokens = cached = 0
+    prompt_tokens = cached = image_tokens = 0
     by_prompt: dict[int, list[Choice]] = {}
     for c in choices:
         by_prompt.setdefault(c.prompt_index, []).append(c)
     for group in by_prompt.values():
         prompt_tokens += len(group[0].request.prompt_token_ids)
+        image_tokens += sum(m.length for m in group[0].request.mm_placeholders)
         best = max(group, key=lambda c: c.stream.num_cached_tokens)
         cached += best.stream.num_cached_tokens
         state.metrics.cached_prompt_tokens.labels(state.model_name, "cpu").inc(best.stream.num_cached_tokens_cpu)
@@ -152,11 +169,14 @@ def usage(choices: list[Choice], state: ServerState) -> dict[str, Any]:
             best.stream.num_cached_tokens - best.stream.num_cached_tokens_cpu
         )
     completion = sum(c.stream.num_generated_tokens for c in choices)
+    details: dict[str, int] = {"cached_tokens": cached}
+    if state.image_pad_id is not None or image_tokens:  # a multimodal model always reports it
+        details["image_tokens"] = image_tokens
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
+        "prompt_tokens_details": details,
     }
 
 
@@ -230,17 +250,25 @@ async def chat_completions(request: Request, state: ServerState) -> Response:
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
         raise bad_request(f"top_logprobs must be in [0, 20], got {body.top_logprobs}", param="top_logprobs")
     messages = [message_dict(m, i) for i, m in enumerate(body.messages)]
-    try:
-        prompt_ids = await state.run_sync(_render_chat, state.tokenizer, messages, body.add_generation_prompt)
-    except ChatTemplateError as exc:
-        raise bad_request(str(exc), param="messages", code="invalid_messages") from None
+    images: Optional[ImageInputs] = None
+    if has_images(body.messages):
+        images = await prepare_images(state, body.messages, messages, body.add_generation_prompt)
+        prompt_ids = images.prompt_token_ids
+    else:
+        try:
+            prompt_ids = await state.run_sync(_render_chat, state.tokenizer, messages, body.add_generation_prompt)
+        except ChatTemplateError as exc:
+            raise bad_request(str(exc), param="messages", code="invalid_messages") from None
+        check_no_image_tokens(state, prompt_ids, "messages")
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = await resolve_max_tokens(state, body.requested_max_tokens(), True, len(prompt_ids), param, "messages")
     top = (body.top_logprobs or 0) if body.logprobs else None
     sp = sampling_params(body, max_tokens, top, state)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    choices = make_choices(state, rid, [prompt_ids], sp, body.cache_salt)
+    choices = make_choices(state, rid, [prompt_ids], sp, body.cache_salt, images)
     meta = {"id": rid, "created": int(time.time()), "model": model}
+    if images is not None:
+        images.count(state)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return SSEResponse(_chat_stream(state, choices, meta, top, include_usage))
@@ -251,12 +279,94 @@ def message_dict(m: Any, index: int) -> dict[str, Any]:
     msg = m.model_dump(exclude_none=True)
     if isinstance(m.content, list):
         for part in m.content:
-            if part.type != "text":
+            if part.type != "text" and part.type not in IMAGE_PART_TYPES:
                 raise bad_request(
                     f"messages[{index}]: content part type {part.type!r} is not supported by this server",
                     param=f"messages.{index}.content", code="unsupported_value",
                 )
     return msg
+
+
+# ---- images ---------------------------------------------------------------------------------------
+def _is_image_part(part: Any) -> bool:
+    """The rule of multimodal.prompt.image_parts, on the parsed model (no multimodal import for text)."""
+    return part.type in IMAGE_PART_TYPES or part.image_url is not None or getattr(part, "image", None) is not None
+
+
+def has_images(messages: list[Any]) -> bool:
+    return any(isinstance(m.content, list) and any(_is_image_part(p) for p in m.content) for m in messages)
+
+
+def _first_image_part(messages: list[Any]) -> tuple[int, int]:
+    for i, m in enumerate(messages):
+        if isinstance(m.content, list):
+            for j, p in enumerate(m.content):
+                if _is_image_part(p):
+                    return i, j
+    raise ValueError("no image part")
+
+
+@dataclass
+class ImageInputs:
+    """A chat request's images, prepared by the frontend for the engine."""
+
+    prompt_token_ids: list[int]  # rendered prompt with every image's pads expanded
+    placeholders: list[MMPlaceholder]  # one per image, in prompt order
+    inputs: list[dict]  # wire.to_msgpack of each image's pixels, same order as `placeholders`
+    num_image_tokens: int
+    hash_time_s: float
+    prepare_time_s: float
+    num_processor_cache_hits: int
+    num_processor_cache_misses: int
+
+    def count(self, state: ServerState) -> None:
+        """Metrics of an admitted request."""
+        m = state.metrics
+        m.images.inc(len(self.placeholders))
+        m.image_tokens.inc(self.num_image_tokens)
+        m.image_prepare_seconds.observe(self.prepare_time_s)
+        if self.hash_time_s > 0:
+            m.image_hash_seconds.observe(self.hash_time_s)
+        if self.num_processor_cache_hits:
+            m.processor_cache_lookups.labels(state.model_name, "hit").inc(self.num_processor_cache_hits)
+        if self.num_processor_cache_misses:
+            m.processor_cache_lookups.labels(state.model_name, "miss").inc(self.num_processor_cache_misses)
+
+
+def _part_param(where: str) -> str:
+    """"messages[0].content[1]" → "messages.0.content.1" (how `param` names fields elsewhere)."""
+    return where.replace("[", ".").replace("]", "")
+
+
+async def prepare_images(state: ServerState, parsed: list[Any], messages: list[dict],
+                         add_generation_prompt: bool) -> ImageInputs:
+    """Load, hash, preprocess (or fetch from the processor cache) and expand; every bad input is a 400."""
+    if not state.is_multimodal:
+        i, j = _first_image_part(parsed)
+        raise bad_request(
+            f"messages[{i}].content[{j}]: the model `{state.model_name}` does not accept images (text-only model)",
+            param=f"messages.{i}.content.{j}", code="unsupported_value",
+        )
+    from ..multimodal import wire
+    from ..multimodal.media import MediaError
+    from ..multimodal.prompt import UnknownMediaError
+
+    t0 = time.perf_counter()
+    try:
+        prepared = await state.image_preparer().prepare_async(messages, add_generation_prompt=add_generation_prompt)
+    except UnknownMediaError as exc:
+        raise bad_request(str(exc), param=_part_param(exc.where), code="unknown_image") from None
+    except MediaError as exc:
+        raise bad_request(str(exc), param=_part_param(exc.where), code="invalid_image") from None
+    except ValueError as exc:  # template failure; placeholders written by hand that do not match the images
+        raise bad_request(str(exc), param="messages", code="invalid_messages") from None
+    inputs = await state.run_sync(lambda: [wire.to_msgpack(img) for img in prepared.images])
+    return ImageInputs(
+        prompt_token_ids=prepared.prompt.prompt_token_ids, placeholders=list(prepared.prompt.mm_placeholders),
+        inputs=inputs, num_image_tokens=prepared.num_image_tokens, hash_time_s=prepared.hash_time_s,
+        prepare_time_s=time.perf_counter() - t0, num_processor_cache_hits=prepared.num_processor_cache_hits,
+        num_processor_cache_misses=prepared.num_processor_cache_misses,
+    )
 
 
 def _render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool) -> list[int]:
@@ -359,6 +469,7 @@ async def _completion_prompts(body: CompletionRequest, state: ServerState) -> tu
             text = await state.run_sync(state.tokenizer.decode, ids) if ids else ""
         if not ids:
             raise bad_request(f"prompt {i} is empty (no tokens)", param="prompt", code="invalid_value")
+        check_no_image_tokens(state, ids, "prompt")
         prompts.append(ids)
         texts.append(text)
     return prompts, texts

@@ -5,14 +5,18 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 import anyio
 
 from ..config import EngineConfig
 from ..engine.protocol import EngineClient
 from .errors import APIError
-from .metrics import Metrics
+from .metrics import Metrics, ProcessorCacheView
+
+if TYPE_CHECKING:
+    from ..multimodal.inputs import ImageInputPreparer
+    from ..multimodal.processor_cache import ProcessorCacheClient
 
 T = TypeVar("T")
 
@@ -38,8 +42,13 @@ class ServerState:
         self.engine: Optional[EngineClient] = None
         self.tokenizer: Any = None
         self.vocab_size: Optional[int] = None
+        self.image_pad_id: Optional[int] = None  # multimodal models: prompts may hold it only where an image is
         self.draining = False
         self._kv_capacity_tokens: Optional[int] = None
+        # Multimodal: built on the first request with an image, so text-only serving never pays for it.
+        self.processor_cache: Optional["ProcessorCacheClient"] = None  # set by `warmfleet serve` (one per pod)
+        self.processor_cache_process: Any = None  # the pod's ProcessorCacheProcess when this server owns it
+        self._image_preparer: Optional["ImageInputPreparer"] = None
         if engine is not None:
             self.attach(engine, tokenizer)
 
@@ -47,7 +56,56 @@ class ServerState:
         """Make the server ready: from now on requests reach `engine`."""
         self.tokenizer = tokenizer
         self.vocab_size = _model_vocab_size(engine.model_info.model_dir, tokenizer)
+        self.image_pad_id = None
+        if getattr(engine.model_info, "is_multimodal", False):
+            from ..multimodal.prompt import IMAGE_PAD
+
+            self.image_pad_id = tokenizer.token_to_id(IMAGE_PAD)
         self.engine = engine
+
+    @property
+    def is_multimodal(self) -> bool:
+        return self.engine is not None and bool(getattr(self.engine.model_info, "is_multimodal", False))
+
+    def connect_processor_cache(self, address: str, timeout_s: Optional[float] = None) -> None:
+        """Use the pod's processor-cache process at `address` (one socket, reused for every request)."""
+        from ..multimodal.processor_cache import DEFAULT_TIMEOUT_S, ProcessorCacheClient
+
+        self.processor_cache = ProcessorCacheClient(address, timeout_s=timeout_s or DEFAULT_TIMEOUT_S)
+
+    def image_preparer(self) -> "ImageInputPreparer":
+        """The frontend's image pipeline (loader, processor, cache client), made on first use."""
+        if self._image_preparer is None:
+            from ..multimodal.inputs import ImageInputPreparer
+            from ..multimodal.media import MediaConfig, MediaLoader
+            from ..multimodal.processor import ImageProcessor
+
+            engine = self.require_engine()
+            self._image_preparer = ImageInputPreparer(
+                self.tokenizer, ImageProcessor.from_model_dir(engine.model_info.model_dir),
+                MediaLoader(MediaConfig.from_server_config(self.cfg.server)), self.processor_cache,
+                hash_algo=self.cfg.cache.prefix_hash_algo,
+            )
+        return self._image_preparer
+
+    def processor_cache_view(self) -> Optional[ProcessorCacheView]:
+        """Blocking (one round trip, bounded by the client's timeout): the cache's figures for /metrics."""
+        client = self.processor_cache
+        if client is None:
+            return None
+        stats = client.stats()
+        proc = self.processor_cache_process
+        return ProcessorCacheView(stats, client.num_timeouts, client.num_unavailable, client.num_errors,
+                                  getattr(proc, "num_restarts", 0))
+
+    def close(self) -> None:
+        """Release the image pipeline's sockets (download pool, processor-cache client)."""
+        prep, self._image_preparer = self._image_preparer, None
+        if prep is not None:
+            prep.loader.close()
+        cache, self.processor_cache = self.processor_cache, None
+        if cache is not None:
+            cache.close()
 
     @property
     def ready(self) -> bool:
