@@ -2,8 +2,9 @@
 
 Each handler checks the request (→ 400/404 before any engine work), tokenizes off the event
 loop (a chat request with image parts also loads, hashes and preprocesses its images there, or
-takes them from the processor cache; a text-only one never touches the multimodal code), fans out one engine request per choice (`generation.stream_choices`), and shapes deltas
-into OpenAI JSON. A client that goes away mid-request cancels the work, which aborts the engine
+takes them from the processor cache; a text-only one never touches the multimodal code), fans
+out one engine request per choice (`generation.stream_choices`), and shapes deltas into OpenAI
+JSON. A client that goes away mid-request cancels the work, which aborts the engine
 requests and frees their KV blocks.
 """
 
