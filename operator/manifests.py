@@ -22,14 +22,15 @@ COMPONENT_LABEL = "app.kubernetes.io/component"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "warmfleet-operator"}
 RUN_AS = 1000
 
-# How the router is started. NOTE: `warmfleet route` flags are assumed here, in one place:
-# change them together with the router's argparse. `None` means "not rendered yet".
+# How the router is started. NOTE: `warmfleet route` flags live here, in one place (checked
+# against server/router/main.py by a test): change them together with the router's argparse.
 ROUTER_COMMAND = ["warmfleet", "route"]
-ROUTER_FLAGS: dict[str, str | None] = {
+ROUTER_FLAGS: dict[str, str] = {
     "discover_service": "--discover-service",  # NAMESPACE/NAME of the headless replica Service
+    "host": "--host",
     "port": "--port",
     "model": "--model",
-    "load_bound": None,  # TODO(#5): render once the router exposes its bounded-load epsilon (= loadBound - 1)
+    "load_bound": "--balance-epsilon",  # bounded load: epsilon = loadBound - 1
 }
 ROUTER_RESOURCES = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"cpu": "2", "memory": "2Gi"}}
 
@@ -276,16 +277,16 @@ def router_args(owner: Owner, spec: InferenceServiceSpec) -> list[str]:
     """`warmfleet route` arguments (flags from ROUTER_FLAGS)."""
     values = {
         "discover_service": f"{owner.namespace}/{names(owner)['replicas']}",
+        "host": "0.0.0.0",
         "port": str(HTTP_PORT),
         "model": _model_dir(spec),
-        "load_bound": str(spec.router.load_bound),
+        "load_bound": f"{spec.router.load_bound - 1:g}",
     }
     args = list(ROUTER_COMMAND[1:])
     for key, value in values.items():
-        flag = ROUTER_FLAGS.get(key)
-        if flag:
-            args += [flag, value]
-    return args
+        args += [ROUTER_FLAGS[key], value]
+    # the router hashes blocks exactly like the replicas (contract 1): same block size
+    return args + [flag_of(CacheConfig, "block_size"), str(spec.cache.block_size)]
 
 
 def router_deployment(owner: Owner, spec: InferenceServiceSpec, image: str) -> dict[str, Any]:
@@ -319,7 +320,7 @@ def router_deployment(owner: Owner, spec: InferenceServiceSpec, image: str) -> d
                         "env": [{"name": "HOME", "value": "/tmp"}, *_api_key_env(spec)],
                         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
                         "resources": ROUTER_RESOURCES,
-                        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
+                        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5},
                         "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 3},
                         "securityContext": _container_security(),
                         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *model_mounts],

@@ -155,6 +155,7 @@ def test_headless_service_router_and_rbac():
     assert rc["command"] == ["warmfleet"] and rc["args"][0] == "route"
     assert rc["args"][rc["args"].index("--discover-service") + 1] == "default/qwen-replicas"
     assert rc["args"][rc["args"].index("--model") + 1] == "/models/qwen"
+    assert rc["args"][rc["args"].index("--host") + 1] == "0.0.0.0"
     assert router["spec"]["replicas"] == 3
     assert router["spec"]["template"]["spec"]["serviceAccountName"] == "qwen-router"
     env = {e["name"]: e for e in rc["env"]}
@@ -163,6 +164,21 @@ def test_headless_service_router_and_rbac():
     assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}]
     (binding,) = by_kind(items, "RoleBinding")
     assert binding["subjects"][0]["name"] == "qwen-router" and binding["roleRef"]["name"] == "qwen-router"
+
+
+def test_router_args_parse_with_the_routers_own_argparse():
+    from warmfleet.server.router import main
+
+    items = objs(service(spec={"router": {"loadBound": 1.5}, "cache": {"blockSize": 32}}), [l4()])
+    router = next(d for d in by_kind(items, "Deployment") if d["metadata"]["name"] == "qwen-router")
+    args = container(router)["args"]
+    assert args[0] == "route"
+    parser = argparse.ArgumentParser()
+    main.add_arguments(parser)
+    ns = parser.parse_args(args[1:])
+    assert (ns.discover_service, ns.host, ns.port, ns.model) == ("default/qwen-replicas", "0.0.0.0", m.HTTP_PORT, "/models/qwen")
+    assert ns.balance_epsilon == 0.5
+    assert vars(ns)[next(k for k in vars(ns) if k.endswith("block_size"))] == 32
 
 
 def test_pvc_is_mounted_read_only():
