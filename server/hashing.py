@@ -64,16 +64,22 @@ class MMPlaceholder:
 
 
 def mm_hash(data: Optional[bytes] = None, *, uuid: Optional[str] = None, params: Optional[dict] = None,
-            algo: str = "blake3") -> MMHash:
+            algo: str = "blake3", namespace: Optional[str] = None) -> MMHash:
     """Identity of one media item: the client's uuid, else a digest of raw bytes + preprocessing params.
 
     Raw bytes (after base64 decoding or download), not decoded pixels, so the router can hash
     without decoding. `params` holds every preprocessing parameter that changes the pixels
     the model sees (min/max pixels, patch size, ...).
+
+    A uuid names content the client chose, so it is scoped by `namespace` (the request's cache
+    salt): one tenant cannot bind another tenant's uuid to different pixels, nor read its image
+    back by sending the uuid alone. Requests without a salt share one public namespace.
     """
     if uuid is not None:
         if not uuid:
             raise ValueError("uuid must be a non-empty string")
+        if namespace:
+            return MMHash("uuid:" + digest_fn(algo)(msgpack.packb([namespace, uuid])).hex())
         return MMHash("uuid:" + uuid)
     if data is None:
         raise ValueError("mm_hash needs either the media bytes or a uuid")

@@ -78,7 +78,7 @@ class LLM:
         token_lists, mm = [], []
         for conv in convs:
             if self.engine.is_multimodal:
-                prepared = self._image_preparer().prepare(conv)  # type: ignore[arg-type]
+                prepared = self._image_preparer().prepare(conv, cache_salt)  # type: ignore[arg-type]
                 token_lists.append(prepared.prompt.prompt_token_ids)
                 mm.append((prepared.prompt.mm_placeholders, prepared.images))
             else:

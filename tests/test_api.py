@@ -847,7 +847,7 @@ async def test_processor_cache_hits_uuid_reuse_metrics_and_fallback(vl_engine, v
         assert metric_value(text, "warmfleet:processor_cache_capacity_bytes") == 64 << 20
 
         os.kill(processor_cache.process.pid, signal.SIGKILL)  # the cache dies: requests still work
-        processor_cache.process.join()
+        processor_cache.process.wait()
         r = await c.post(CHAT, json=image_chat(image_part(data_uri(image_bytes(seed=8)))))
         assert r.status_code == 200, r.text
         assert wire.from_msgpack(vl_engine.requests[-1].mm_inputs[0]).grid_thw == (1, 4, 4)

@@ -96,3 +96,16 @@ def test_text_model_refuses_images(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), block_size=16, num_gpu_blocks=32)
     with pytest.raises(ValueError, match="does not accept images"):
         llm.engine.add_request(GenerateRequest("x", [1, 2, 3], GREEDY, None, [MMPlaceholder("h", 1, 1)], [None]))
+
+
+def test_uuids_are_scoped_by_tenant(vl_dir):
+    from warmfleet.server.multimodal.prompt import UnknownMediaError
+
+    llm = LLM(str(vl_dir), block_size=16, num_gpu_blocks=256)
+    part = {"type": "image_url", "image_url": {"url": image_uri(5)}, "uuid": "cat-photo"}
+    llm.chat([{"role": "user", "content": [part, {"type": "text", "text": "hi"}]}], GREEDY, cache_salt="tenant-a")
+    only_uuid = [{"role": "user", "content": [{"type": "image_url", "image_url": {}, "uuid": "cat-photo"},
+                                              {"type": "text", "text": "hi"}]}]
+    assert llm.chat(only_uuid, GREEDY, cache_salt="tenant-a")[0].num_cached_tokens > 0  # same tenant: reuse
+    with pytest.raises(UnknownMediaError):  # another tenant cannot read tenant-a's image by its uuid
+        llm.chat(only_uuid, GREEDY, cache_salt="tenant-b")

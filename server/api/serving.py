@@ -253,7 +253,7 @@ async def chat_completions(request: Request, state: ServerState) -> Response:
     messages = [message_dict(m, i) for i, m in enumerate(body.messages)]
     images: Optional[ImageInputs] = None
     if has_images(body.messages):
-        images = await prepare_images(state, body.messages, messages, body.add_generation_prompt)
+        images = await prepare_images(state, body.messages, messages, body.add_generation_prompt, body.cache_salt)
         prompt_ids = images.prompt_token_ids
     else:
         try:
@@ -340,7 +340,7 @@ def _part_param(where: str) -> str:
 
 
 async def prepare_images(state: ServerState, parsed: list[Any], messages: list[dict],
-                         add_generation_prompt: bool) -> ImageInputs:
+                         add_generation_prompt: bool, cache_salt: Optional[str] = None) -> ImageInputs:
     """Load, hash, preprocess (or fetch from the processor cache) and expand; every bad input is a 400."""
     if not state.is_multimodal:
         i, j = _first_image_part(parsed)
@@ -354,7 +354,8 @@ async def prepare_images(state: ServerState, parsed: list[Any], messages: list[d
 
     t0 = time.perf_counter()
     try:
-        prepared = await state.image_preparer().prepare_async(messages, add_generation_prompt=add_generation_prompt)
+        prepared = await state.image_preparer().prepare_async(messages, cache_salt,
+                                                               add_generation_prompt=add_generation_prompt)
     except UnknownMediaError as exc:
         raise bad_request(str(exc), param=_part_param(exc.where), code="unknown_image") from None
     except MediaError as exc:

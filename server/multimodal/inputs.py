@@ -58,9 +58,10 @@ class ImageInputPreparer:
             out.num_processor_cache_hits += 1
         return img
 
-    def prepare_image(self, part: ImagePart, out: PreparedPrompt) -> tuple[ImageInfo, ProcessedImage]:
+    def prepare_image(self, part: ImagePart, out: PreparedPrompt,
+                      cache_salt: Optional[str] = None) -> tuple[ImageInfo, ProcessedImage]:
         if part.uuid is not None:
-            h = mm_hash(uuid=part.uuid)
+            h = mm_hash(uuid=part.uuid, algo=self.hash_algo, namespace=cache_salt)
             img = self._from_cache(h, out)
             if img is not None:
                 return ImageInfo(h, img.grid_thw), img
@@ -69,7 +70,8 @@ class ImageInputPreparer:
                                                     "with it; send the image together with its uuid first")
         data, _source = self.loader.load_bytes(part.url, part.where)
         t0 = time.perf_counter()
-        h = mm_hash(data, uuid=part.uuid, params=self.processor.hash_params(), algo=self.hash_algo)
+        h = mm_hash(data, uuid=part.uuid, params=self.processor.hash_params(), algo=self.hash_algo,
+                    namespace=cache_salt)
         out.hash_time_s += time.perf_counter() - t0
         img = self._from_cache(h, out) if part.uuid is None else None
         if img is None:
@@ -82,16 +84,17 @@ class ImageInputPreparer:
                 self.cache.put(h, img)
         return ImageInfo(h, img.grid_thw), img
 
-    def prepare(self, messages: Sequence[dict], **template_kwargs) -> PreparedPrompt:
-        """Blocking: do it on a worker thread (`prepare_async`)."""
+    def prepare(self, messages: Sequence[dict], cache_salt: Optional[str] = None, **template_kwargs) -> PreparedPrompt:
+        """Blocking: do it on a worker thread (`prepare_async`). `cache_salt` scopes client uuids per tenant."""
         out = PreparedPrompt(ExpandedPrompt([]))
         infos = []
         for part in image_parts(messages):
-            info, img = self.prepare_image(part, out)
+            info, img = self.prepare_image(part, out, cache_salt)
             infos.append(info)
             out.images.append(img)
         out.prompt = expand(self.tokenizer, messages, infos, self.processor.cfg.merge_size, **template_kwargs)
         return out
 
-    async def prepare_async(self, messages: Sequence[dict], **template_kwargs) -> PreparedPrompt:
-        return await asyncio.to_thread(self.prepare, messages, **template_kwargs)
+    async def prepare_async(self, messages: Sequence[dict], cache_salt: Optional[str] = None,
+                            **template_kwargs) -> PreparedPrompt:
+        return await asyncio.to_thread(self.prepare, messages, cache_salt, **template_kwargs)

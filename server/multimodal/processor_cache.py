@@ -18,14 +18,14 @@ call. If the server is down, calls fail fast (ZMQ_IMMEDIATE) and callers preproc
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
-from multiprocessing.connection import wait as mp_wait
 from typing import Optional
 
 import msgpack
@@ -136,7 +136,13 @@ def serve(address: str, capacity_bytes: int) -> None:
     sock.bind(address)
     store = LRUStore(capacity_bytes)
     log.info("processor cache serving %s with %.2f GiB", address, capacity_bytes / (1 << 30))
+    parent = os.getppid()
     while True:
+        if not sock.poll(500, zmq.POLLIN):
+            if os.getppid() != parent:  # the server that owns us is gone: never linger holding memory
+                log.warning("owner process exited; processor cache stopping")
+                return
+            continue
         msg = sock.recv_multipart()
         reply = handle(store, msg[1:])
         if reply is not None:
@@ -251,24 +257,21 @@ class ProcessorCacheClient:
                 self._sock = None
 
 
-def _process_main(address: str, capacity_bytes: int) -> None:
-    logging.basicConfig(level=logging.INFO)
-    serve(address, capacity_bytes)
-
-
 class ProcessorCacheProcess:
-    """Owns the pod's cache server process: starts it, restarts it whenever it exits, stops it."""
+    """Owns the pod's cache server process: starts it, restarts it whenever it exits, stops it.
+
+    The process is a fresh `python -P` interpreter (msgpack config on argv, nothing pickled),
+    so it never imports from the current directory.
+    """
 
     def __init__(self, address: str, capacity_bytes: int):
         if capacity_bytes <= 0:
             raise ValueError("processor cache needs a positive byte budget (--max-processor-cache 0 disables it)")
         self.address = address
         self.capacity_bytes = capacity_bytes
-        self._ctx = mp.get_context("spawn")
-        self.process: Optional[mp.process.BaseProcess] = None
+        self.process: Optional[subprocess.Popen] = None
         self.num_restarts = 0
-        self._stop_r, self._stop_w = self._ctx.Pipe(duplex=False)
-        self._stopping = False
+        self._stopping = threading.Event()
         self._watcher: Optional[threading.Thread] = None
 
     @classmethod
@@ -276,9 +279,8 @@ class ProcessorCacheProcess:
         return cls(address, int(gib * (1 << 30)))
 
     def _spawn(self) -> None:
-        self.process = self._ctx.Process(target=_process_main, args=(self.address, self.capacity_bytes),
-                                         name="warmfleet-processor-cache", daemon=True)
-        self.process.start()
+        self.process = subprocess.Popen([sys.executable, "-P", "-m", "warmfleet.server.multimodal.processor_cache",
+                                         self.address, str(self.capacity_bytes)])
 
     def start(self) -> "ProcessorCacheProcess":
         self._spawn()
@@ -287,20 +289,30 @@ class ProcessorCacheProcess:
         return self
 
     def _watch(self) -> None:
-        while True:
+        while not self._stopping.is_set():
             proc = self.process
-            mp_wait([proc.sentinel, self._stop_r])
-            if self._stopping:
+            code = proc.wait()
+            if self._stopping.is_set():
                 return
-            log.warning("processor cache process exited with %s; restarting", proc.exitcode)
+            log.warning("processor cache process exited with %s; restarting", code)
             self.num_restarts += 1
             self._spawn()
 
     def stop(self) -> None:
-        self._stopping = True
-        self._stop_w.send(b"stop")
-        if self._watcher is not None:
-            self._watcher.join()
-        if self.process is not None and self.process.is_alive():
+        self._stopping.set()
+        if self.process is not None and self.process.poll() is None:
             self.process.terminate()
-            self.process.join()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
+
+
+if __name__ == "__main__":
+    from ..logging_setup import setup_logging
+
+    setup_logging("info")
+    serve(sys.argv[1], int(sys.argv[2]))

@@ -109,14 +109,15 @@ def image_parts(messages: Sequence[dict]) -> list[ImagePart]:
 
 
 def describe_image_bytes(data: bytes, part: ImagePart, cfg: ImageProcessorConfig, *, max_pixels: int = 64 << 20,
-                         hash_algo: str = "blake3") -> ImageInfo:
+                         hash_algo: str = "blake3", cache_salt: Optional[str] = None) -> ImageInfo:
     """mm_hash and grid of an image from its raw bytes, reading only the header (the router's path)."""
     w, h = image_size(data, part.where, max_pixels)
     try:
         grid = cfg.grid_thw(w, h)
     except ValueError as exc:
         raise MediaError(part.where, str(exc)) from None
-    return ImageInfo(mm_hash(data, uuid=part.uuid, params=cfg.hash_params(), algo=hash_algo), grid)
+    return ImageInfo(mm_hash(data, uuid=part.uuid, params=cfg.hash_params(), algo=hash_algo, namespace=cache_salt),
+                     grid)
 
 
 def _template_messages(messages: Sequence[dict]) -> list[dict]:
@@ -177,7 +178,7 @@ def expand(tokenizer, messages: Sequence[dict], images: Sequence[ImageInfo], mer
 def render(tokenizer, messages: Sequence[dict], *, processor_cfg: Optional[ImageProcessorConfig] = None,
            grid_lookup: Optional[Callable[[str], Optional[tuple[int, int, int]]]] = None,
            hash_algo: str = "blake3", max_pixels: int = 64 << 20, max_bytes: int = 20 << 20,
-           **template_kwargs) -> tuple[list[int], list[MMPlaceholder]]:
+           cache_salt: Optional[str] = None, **template_kwargs) -> tuple[list[int], list[MMPlaceholder]]:
     """Router path: ids and placeholders from the request alone (data: URIs hashed and header-read).
 
     An image the router cannot resolve without fetching (http(s)/file URLs, a uuid that
@@ -187,7 +188,7 @@ def render(tokenizer, messages: Sequence[dict], *, processor_cfg: Optional[Image
     cfg = processor_cfg or ImageProcessorConfig.from_model_dir(tokenizer.model_dir)
     infos: list[Optional[ImageInfo]] = []
     for part in image_parts(messages):
-        infos.append(_resolve_for_router(part, cfg, grid_lookup, hash_algo, max_pixels, max_bytes))
+        infos.append(_resolve_for_router(part, cfg, grid_lookup, hash_algo, max_pixels, max_bytes, cache_salt))
     ids, pad_id = render_tokens(tokenizer, messages, **template_kwargs)
     known = list(_until_none(infos))
     if len(known) == len(infos):
@@ -209,12 +210,12 @@ def _until_none(items: Iterable[Optional[ImageInfo]]) -> Iterable[ImageInfo]:
 
 
 def _resolve_for_router(part: ImagePart, cfg: ImageProcessorConfig, grid_lookup, hash_algo: str,
-                        max_pixels: int, max_bytes: int) -> Optional[ImageInfo]:
+                        max_pixels: int, max_bytes: int, cache_salt: Optional[str]) -> Optional[ImageInfo]:
     if part.url and part.url.startswith("data:"):
         data = decode_data_uri(part.url, part.where, max_bytes)
-        return describe_image_bytes(data, part, cfg, max_pixels=max_pixels, hash_algo=hash_algo)
+        return describe_image_bytes(data, part, cfg, max_pixels=max_pixels, hash_algo=hash_algo, cache_salt=cache_salt)
     if part.uuid is not None and grid_lookup is not None:
-        h = mm_hash(uuid=part.uuid)
+        h = mm_hash(uuid=part.uuid, algo=hash_algo, namespace=cache_salt)
         grid = grid_lookup(h)
         if grid is not None:
             return ImageInfo(h, tuple(grid))
