@@ -95,7 +95,6 @@ def test_hash_params_change_with_pixels_affecting_settings():
     assert a != b and json.dumps(a, sort_keys=True)
 
 
-@pytest.mark.skipif(not GOLDEN.exists(), reason="golden file missing: run scripts/make_golden_vl.py processor")
 def test_matches_hf_qwen2vl_image_processor():
     g = np.load(GOLDEN, allow_pickle=False)
     n = int(g["num_cases"])

@@ -195,7 +195,7 @@ def test_long_names_are_dns_labels():
 
 
 def test_rendered_objects_match_kubernetes_schemas():
-    kv = pytest.importorskip("kubernetes_validate")
+    import kubernetes_validate as kv
     for o in objs(service(spec={"model": {"path": "/m", "pvc": "store"}, "router": {"apiKeySecret": {"name": "k"}}})):
         kv.validate(o, "1.32", strict=True)
 
