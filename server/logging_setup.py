@@ -1,4 +1,8 @@
-"""Structured logging for every warmfleet process: one JSON object per line (or key=value text)."""
+"""Structured logging for every warmfleet process: one JSON object (or key=value line) per record.
+
+`log.info("msg", extra={"fields": {...}})` adds keys; uvicorn access records become fields.
+The format comes from the caller or WARMFLEET_LOG_FORMAT (json | text); the default is json.
+"""
 
 from __future__ import annotations
 
@@ -7,39 +11,42 @@ import logging
 import os
 import sys
 import time
+from typing import Any, Optional
 
-_STD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
+_ACCESS_FIELDS = ("client", "method", "path", "http_version", "status")
 
 
-class JsonFormatter(logging.Formatter):
+class StructuredFormatter(logging.Formatter):
+    def __init__(self, fmt: str = "json"):
+        super().__init__()
+        self.json = fmt == "json"
+
     def format(self, record: logging.LogRecord) -> str:
-        d = {
+        d: dict[str, Any] = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        d.update({k: v for k, v in vars(record).items() if k not in _STD and not k.startswith("_")})
+        if record.name == "uvicorn.access" and isinstance(record.args, tuple) and len(record.args) == 5:
+            d.update(zip(_ACCESS_FIELDS, record.args))
+        d.update(getattr(record, "fields", None) or {})
         if record.exc_info:
             d["exc"] = self.formatException(record.exc_info)
-        return json.dumps(d, default=str)
+        if self.json:
+            return json.dumps(d, default=str, ensure_ascii=False)
+        return " ".join(f"{k}={_kv(v)}" for k, v in d.items())
 
 
-class TextFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        extras = " ".join(f"{k}={v}" for k, v in vars(record).items() if k not in _STD and not k.startswith("_"))
-        line = f"{time.strftime('%H:%M:%S', time.localtime(record.created))} {record.levelname.lower():7s} " \
-               f"{record.name}: {record.getMessage()}" + (f" {extras}" if extras else "")
-        if record.exc_info:
-            line += "\n" + self.formatException(record.exc_info)
-        return line
+def _kv(v: Any) -> str:
+    s = str(v)
+    return json.dumps(s) if (not s or any(c in s for c in ' "=\n')) else s
 
 
-def setup_logging(level: str = "info", fmt: str | None = None) -> None:
-    """Configure the root logger once per process; WARMFLEET_LOG_FORMAT=json|text (default text on a tty)."""
-    fmt = fmt or os.environ.get("WARMFLEET_LOG_FORMAT") or ("text" if sys.stderr.isatty() else "json")
+def setup_logging(level: str = "info", fmt: Optional[str] = None) -> None:
+    """Configure the root logger of this process (call once, early)."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    handler.setFormatter(StructuredFormatter(fmt or os.environ.get("WARMFLEET_LOG_FORMAT", "json")))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

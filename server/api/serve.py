@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +27,7 @@ import prometheus_client
 import uvicorn
 
 from ..config import EngineConfig, add_arguments as add_config_arguments, from_namespace
+from ..logging_setup import setup_logging
 from .app import attach_engine, build_app
 
 log = logging.getLogger("warmfleet.serve")
@@ -40,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--drain-timeout-s", dest="serve.drain_timeout_s", type=float, default=30.0,
                        help="On SIGTERM, seconds in-flight requests get to finish before they are cancelled "
                             "(keep below the pod's terminationGracePeriodSeconds). (default: 30.0)")
-    group.add_argument("--log-format", dest="serve.log_format", choices=("json", "text"), default="json",
+    group.add_argument("--log-format", dest="serve.log_format", choices=("json", "text"), default=None,
                        help="json: one JSON object per line; text: key=value lines. (default: json)")
 
 
@@ -53,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     drain_timeout_s = getattr(args, "serve.drain_timeout_s", 30.0)
     if drain_timeout_s < 0:
         raise ValueError(f"--drain-timeout-s must be >= 0, got {drain_timeout_s}")
-    setup_logging(cfg.server.log_level, getattr(args, "serve.log_format", "json"))
+    setup_logging(cfg.server.log_level, getattr(args, "serve.log_format", None))
     return asyncio.run(serve(cfg, drain_timeout_s))
 
 
@@ -161,44 +160,3 @@ class _Server(uvicorn.Server):
             await engine.shutdown()
             log.info("engine stopped")
         await self.stop_processor_cache()
-
-
-# ---- structured logging ---------------------------------------------------------------------------
-_ACCESS_FIELDS = ("client", "method", "path", "http_version", "status")
-
-
-class _Formatter(logging.Formatter):
-    """One line per record: JSON, or key=value pairs; `extra={"fields": {...}}` adds keys."""
-
-    def __init__(self, fmt: str):
-        super().__init__()
-        self.json = fmt == "json"
-
-    def format(self, record: logging.LogRecord) -> str:
-        d: dict[str, Any] = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        if record.name == "uvicorn.access" and isinstance(record.args, tuple) and len(record.args) == 5:
-            d.update(zip(_ACCESS_FIELDS, record.args))
-        d.update(getattr(record, "fields", None) or {})
-        if record.exc_info:
-            d["exc"] = self.formatException(record.exc_info)
-        if self.json:
-            return json.dumps(d, default=str, ensure_ascii=False)
-        return " ".join(f"{k}={_kv(v)}" for k, v in d.items())
-
-
-def _kv(v: Any) -> str:
-    s = str(v)
-    return json.dumps(s) if (not s or any(c in s for c in ' "=\n')) else s
-
-
-def setup_logging(level: str, fmt: str = "json") -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_Formatter(fmt))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())

@@ -20,7 +20,7 @@ import paddle.nn.functional as F
 from paddle import nn
 
 from ..engine.attention import AttentionBackend
-from .qwen2 import Linear, Qwen2ForCausalLM, RMSNorm, RotaryEmbedding, _param, rope_inv_freq
+from .qwen2 import Linear, Qwen2ForCausalLM, RMSNorm, RotaryEmbedding, _param
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
