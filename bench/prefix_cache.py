@@ -55,25 +55,43 @@ def decode_throughput(llm, vocab: int, batch: int, new_tokens: int, rng) -> floa
 
     prompts = [tokens(rng, vocab, 32) for _ in range(batch)]
     sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # warm-up
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, cache_salt=f"decode-{rng.integers(1 << 30)}")
     return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
 
 
-def transformers_throughput(model_dir: Path, vocab: int, batch: int, new_tokens: int, rng) -> float | None:
-    try:
-        import torch
-        from transformers import AutoModelForCausalLM
-    except ImportError:
-        return None
-    torch.set_num_threads(os.cpu_count() or 1)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    ids = torch.tensor([tokens(rng, vocab, 32) for _ in range(batch)])
+_HF_SCRIPT = """
+import json, sys, time
+import numpy as np, torch
+from transformers import AutoModelForCausalLM
+model_dir, batch, new_tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+ids = torch.tensor(np.random.default_rng(0).integers(10, model.config.vocab_size - 10, (batch, 32)))
+gen = lambda n: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                               do_sample=False)
+with torch.no_grad():
+    gen(2)  # warm-up
     t0 = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False)
-    return (out.shape[1] - ids.shape[1]) * batch / (time.perf_counter() - t0)
+    out = gen(new_tokens)
+print(json.dumps((out.shape[1] - ids.shape[1]) * batch / (time.perf_counter() - t0)))
+"""
+
+
+def transformers_throughput(model_dir: Path, batch: int, new_tokens: int) -> float | None:
+    """transformers.generate decode tok/s in its own process (so the two runtimes never share threads)."""
+    import subprocess
+
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
+        return None
+    r = subprocess.run([sys.executable, "-P", "-c", _HF_SCRIPT, str(model_dir), str(batch), str(new_tokens)],
+                       capture_output=True, text=True, timeout=1800)
+    if r.returncode != 0:
+        progress(f"transformers baseline failed: {r.stderr.strip().splitlines()[-1:]}")
+        return None
+    return float(r.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:
@@ -124,8 +142,9 @@ def main() -> int:
     progress(f"decode throughput, {new_tokens} new tokens at batch 1 and 16")
     dec1 = decode_throughput(llm, vocab, 1, new_tokens, rng)
     dec16 = decode_throughput(llm, vocab, 16, new_tokens, rng)
-    hf1 = transformers_throughput(model_dir, vocab, 1, new_tokens, rng)
-    hf16 = transformers_throughput(model_dir, vocab, 16, new_tokens, rng) if hf1 is not None else None
+    progress("transformers.generate baseline (only where torch is installed)")
+    hf1 = transformers_throughput(model_dir, 1, new_tokens)
+    hf16 = transformers_throughput(model_dir, 16, new_tokens) if hf1 is not None else None
 
     m_miss, m_hit, m_swap = (statistics.median(x) for x in (miss, hit, swap_hit))
     result = {

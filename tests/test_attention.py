@@ -32,3 +32,25 @@ def test_multi_tile_prefill_matches_dense(split):
                             AttentionMetadata.build(bs, [(table, split, n - split)]), 8 ** -0.5)
         out = paddle.concat([a, b])
     np.testing.assert_allclose(out.numpy(), dense(q, k, v).numpy(), atol=2e-5)
+
+
+def test_mixed_step_with_padded_decode_batch_matches_dense():
+    """One step: a 5-token prefill chunk between two decodes whose contexts differ in length."""
+    paddle.seed(1)
+    bs, lens = 4, [9, 6, 13]  # total tokens per sequence after this step
+    news = [1, 5, 1]  # decode, prefill chunk, decode
+    seqs = [(paddle.randn([n, 4, 8]), paddle.randn([n, 2, 8]), paddle.randn([n, 2, 8])) for n in lens]
+    backend = CpuPagedAttention()
+    cache = backend.allocate(16, bs, 2, 8, "float32")
+    tables = [[0, 1, 2], [3, 4], [5, 6, 7, 8]]
+    for (q, k, v), table, n, new in zip(seqs, tables, lens, news):  # fill the already-cached part
+        backend.forward(q[: n - new], k[: n - new], v[: n - new], cache,
+                        AttentionMetadata.build(bs, [(table, 0, n - new)]), 8 ** -0.5)
+    meta = AttentionMetadata.build(bs, [(t, n - new, new) for t, n, new in zip(tables, lens, news)])
+    assert meta.decode is not None and len(meta.seqs) == 1
+    out = backend.forward(paddle.concat([q[n - new:] for (q, _, _), n, new in zip(seqs, lens, news)]),
+                          paddle.concat([k[n - new:] for (_, k, _), n, new in zip(seqs, lens, news)]),
+                          paddle.concat([v[n - new:] for (_, _, v), n, new in zip(seqs, lens, news)]),
+                          cache, meta, 8 ** -0.5)
+    expected = paddle.concat([dense(q, k, v)[n - new:] for (q, k, v), n, new in zip(seqs, lens, news)])
+    np.testing.assert_allclose(out.numpy(), expected.numpy(), atol=2e-5)

@@ -16,7 +16,7 @@ import paddle
 from ..multimodal.mrope import positions_for_span
 
 from ..config import GiB, CacheConfig
-from .attention import AttentionBackend, AttentionMetadata, LayerCache
+from .attention import AttentionBackend, AttentionMetadata, LayerCache, dense_transposes
 from .block_pool import SwapPlan
 from .encoder_cache import EncoderCache, image_slices
 from .request import Request
@@ -98,6 +98,10 @@ class ModelRunner:
     @paddle.no_grad()
     def execute(self, out: SchedulerOutput, encoder_cache: Optional[EncoderCache] = None) -> dict[str, np.ndarray]:
         """Run the step; returns float32 logits of the last position of every request that samples."""
+        with dense_transposes():
+            return self._execute(out, encoder_cache)
+
+    def _execute(self, out: SchedulerOutput, encoder_cache: Optional[EncoderCache]) -> dict[str, np.ndarray]:
         self.apply_swaps(out.swap)
         if not out.scheduled:
             return {}
