@@ -205,13 +205,15 @@ cmd_env() {
   cat "$envf"
 }
 
-# A cluster is stale when none of the processes recorded in its pids/ directory is alive.
+# A cluster is stale when none of the processes recorded in its pids/ directory is alive
+# (a live pid only counts if its command line is this cluster's: pids get reused).
 cluster_alive() {
   local pidf pid
   for pidf in "$KWOK_WORKDIR/clusters/$1"/pids/*.pid; do
     [[ -f "$pidf" ]] || continue
     pid="$(cat "$pidf" 2>/dev/null || true)"
-    [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null && return 0
+    [[ -n "$pid" && -r "/proc/$pid/cmdline" ]] || continue
+    tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF "/clusters/$1/" && return 0
   done
   return 1
 }
@@ -225,7 +227,9 @@ cmd_prune_quiet() {
     log "removing stale cluster '$name'"
     kwokctl_ --name "$name" delete cluster >/dev/null 2>&1 || rm -rf "$d"
     rm -f "$(cluster_env_file "$name")" "$STATE_DIR/$name.kwokctl.yaml" "$STATE_DIR/$name.create.log"
+    [[ "$(last_name)" == "$name" ]] && rm -f "$STATE_DIR/last"
   done
+  return 0
 }
 
 case "${1:-}" in

@@ -86,6 +86,41 @@ class Cluster:
         ns = ["-n", namespace] if namespace else []
         self.kubectl("apply", *ns, "-f", "-", input=manifest)
 
+    def token_kubeconfig(self, namespace: str, service_account: str, path: Path,
+                         duration: str = "2h") -> Path:
+        """Write a kubeconfig at ``path`` that authenticates only as the ServiceAccount.
+
+        The token comes from the TokenRequest API (``kubectl create token``), so the RBAC the
+        API server enforces is exactly the account's; no client certificate is included.
+        """
+        token = self.kubectl("-n", namespace, "create", "token", service_account,
+                             f"--duration={duration}").stdout.strip()
+        raw = self.kubectl_json("config", "view", "--raw", "--minify", "--flatten")
+        cluster = raw["clusters"][0]["cluster"]
+        user = f"system:serviceaccount:{namespace}:{service_account}"
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "e2e", "cluster": {
+                "server": cluster["server"],
+                "certificate-authority-data": cluster["certificate-authority-data"],
+            }}],
+            "users": [{"name": user, "user": {"token": token}}],
+            "contexts": [{"name": "e2e", "context": {"cluster": "e2e", "user": user,
+                                                     "namespace": namespace}}],
+            "current-context": "e2e",
+        }
+        path.write_text(json.dumps(config, indent=2))  # JSON is YAML
+        path.chmod(0o600)
+        return path
+
+    def as_kubeconfig(self, kubeconfig: Path) -> "Cluster":
+        """The same cluster and tools, talking through another kubeconfig."""
+        env = dict(self.env)
+        env["KUBECONFIG"] = str(kubeconfig)
+        return Cluster(kubeconfig=kubeconfig, bin_dir=self.bin_dir, kubectl_path=self.kubectl_path,
+                       helm_path=self.helm_path, name=self.name, owned=False, env=env)
+
     def helm(self, *args: str, check: bool = True,
              timeout: float = 300) -> subprocess.CompletedProcess[str]:
         if self.helm_path is None:

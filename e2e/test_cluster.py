@@ -142,6 +142,26 @@ def test_garbage_collector_deletes_dependents(e2e_cluster: Cluster, namespace: s
     wait_for(dependent_gone, 60, "garbage collection of the dependent ConfigMap")
 
 
+def test_rbac_is_enforced_for_service_account_tokens(
+        e2e_cluster: Cluster, namespace: str, tmp_path) -> None:
+    e2e_cluster.kubectl("-n", namespace, "create", "serviceaccount", "probe")
+    probe = e2e_cluster.as_kubeconfig(
+        e2e_cluster.token_kubeconfig(namespace, "probe", tmp_path / "probe.kubeconfig"))
+    who = probe.kubectl_json("auth", "whoami")
+    assert who["status"]["userInfo"]["username"] == f"system:serviceaccount:{namespace}:probe"
+    denied = probe.kubectl("-n", namespace, "get", "pods", check=False)
+    assert denied.returncode != 0 and "forbidden" in denied.stderr.lower(), denied.stderr
+
+    e2e_cluster.kubectl("-n", namespace, "create", "role", "pod-reader",
+                        "--verb=get,list", "--resource=pods")
+    e2e_cluster.kubectl("-n", namespace, "create", "rolebinding", "probe-reads",
+                        "--role=pod-reader", f"--serviceaccount={namespace}:probe")
+    wait_for(lambda: probe.kubectl("-n", namespace, "get", "pods", check=False).returncode == 0,
+             30, "the RoleBinding to take effect")
+    still_denied = probe.kubectl("-n", namespace, "create", "configmap", "nope", check=False)
+    assert still_denied.returncode != 0 and "forbidden" in still_denied.stderr.lower()
+
+
 def test_helm_client_works(e2e_cluster: Cluster) -> None:
     out = e2e_cluster.helm("version", "--short").stdout
     assert out.startswith("v"), out
