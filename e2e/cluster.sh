@@ -132,6 +132,11 @@ cmd_up() {
   KUBE_VERSION="$(awk '$1=="kubernetes"{print $2}' "$BIN/VERSIONS" 2>/dev/null || true)"
   KUBE_VERSION="${KUBE_VERSION:-$("$BIN/kube-apiserver" --version | awk '{print $2}')}"
   mkdir -p "$KWOK_WORKDIR" "$STATE_DIR"
+  # Serialise prune + create across concurrent invocations: prune must not see a cluster
+  # that another `up` is still creating (no pids yet), and kwokctl picks free ports by
+  # looking at the clusters that already exist.
+  exec 8>"$STATE_DIR/.lock"
+  flock 8
   cmd_prune_quiet
 
   local cfg="$STATE_DIR/$name.kwokctl.yaml"
@@ -139,11 +144,12 @@ cmd_up() {
   log "creating cluster '$name' (kubernetes $KUBE_VERSION, binaries $BIN)"
   local klog="$STATE_DIR/$name.create.log"
   if ! kwokctl_ --config "$cfg" --name "$name" create cluster \
-      --kubeconfig "" --wait "${UP_TIMEOUT}s" --timeout "${UP_TIMEOUT}s" >"$klog" 2>&1; then
+      --kubeconfig "" --wait "${UP_TIMEOUT}s" --timeout "${UP_TIMEOUT}s" >"$klog" 2>&1 8>&-; then
     cat "$klog" >&2
     kwokctl_ --name "$name" delete cluster >/dev/null 2>&1 || true
     die "kwokctl create cluster '$name' failed (log above, component logs under $KWOK_WORKDIR/clusters/$name/logs)"
   fi
+  flock -u 8
   local kubeconfig="$KWOK_WORKDIR/clusters/$name/kubeconfig.yaml"
   [[ -f "$kubeconfig" ]] || die "kwokctl did not write $kubeconfig"
   local kc=("$BIN/kubectl" --kubeconfig "$kubeconfig")
@@ -225,7 +231,7 @@ cmd_prune_quiet() {
     name="$(basename "$d")"
     cluster_alive "$name" && continue
     log "removing stale cluster '$name'"
-    kwokctl_ --name "$name" delete cluster >/dev/null 2>&1 || rm -rf "$d"
+    kwokctl_ --name "$name" delete cluster >/dev/null 2>&1 8>&- || rm -rf "$d"
     rm -f "$(cluster_env_file "$name")" "$STATE_DIR/$name.kwokctl.yaml" "$STATE_DIR/$name.create.log"
     [[ "$(last_name)" == "$name" ]] && rm -f "$STATE_DIR/last"
   done
@@ -237,6 +243,6 @@ case "${1:-}" in
   down) shift; cmd_down "$@" ;;
   env) shift; cmd_env "$@" ;;
   bin) toolchain_dir ;;
-  prune) BIN="$(toolchain_dir)"; mkdir -p "$STATE_DIR"; cmd_prune_quiet ;;
+  prune) BIN="$(toolchain_dir)"; mkdir -p "$STATE_DIR"; exec 8>"$STATE_DIR/.lock"; flock 8; cmd_prune_quiet ;;
   *) echo "usage: $0 up|down|env [NAME] | bin | prune" >&2; exit 2 ;;
 esac
