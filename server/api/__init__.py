@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP API of one replica (FastAPI) and `warmfleet serve`; never imports paddle."""
