@@ -1,16 +1,30 @@
 """Routing benchmark: the same seeded workload through round-robin, SGLang's and vllm-router's cache_aware, and warmfleet.
 
     python bench/routing.py [--quick] [--json] [--routers rr,sglang,vllm,warmfleet] [--model DIR]
+                            [--requests N] [--rates 2,6] [--seeds 0,1,2] [--no-images] [--out DIR]
 
 Starts N real `warmfleet serve` replicas on loopback (KV pools small enough that the working
-set does not fit one replica), fresh for every router so each starts cold, and drives an
+set does not fit one replica), fresh for every run so each router starts cold, and drives an
 open-loop workload: tenants with Zipf-popular system prompts, multi-turn conversations with
-growing history, and one hot prefix taking half the traffic. Reports per router the fleet
-cached-token ratio (from `usage`), TTFT p50/p90, request spread (max/mean per replica),
-errors, and for warmfleet the router-added latency against direct requests and a churn run
-(one replica killed mid-run and restarted cold). The oracle is the cached-token ratio of an
-unbounded cache that saw every earlier request. Needs `pip install sglang-router vllm-router`.
+growing history, and one hot prefix taking half the traffic. A second workload on the VL
+checkpoint sends requests that share images but not text (skipped with --no-images, or when
+the replicas do not accept images). Runs are interleaved per (rate, seed): every router sees
+the same machine load, so ratios between routers are measured side by side.
+
+Reports per router the fleet cached-token ratio (from `usage`), TTFT p50/p90, request spread
+(max/mean per replica), errors, and for warmfleet the router-added latency against direct
+requests, decision reasons with the tokens each reason lost against the oracle, and a churn
+run (one replica killed mid-run and restarted cold). The oracle is the cached-token ratio of
+an unbounded cache that saw every earlier request. Writes `routing.json` and `routing.png`
+(bar charts per router) to --out. Needs `pip install sglang-router vllm-router`.
 Progress goes to stderr; with --json the last stdout line is one JSON object.
+
+Sizes: --quick is the tiny checkpoint, 2 replicas, 60 requests, one rate, one seed. The
+default is the issue's shape (bench checkpoint, 4 replicas with 160 KV blocks each, two rates,
+three seeds) scaled down so that it finishes in about 25 minutes on 2 shared cores: 120
+requests per text run instead of 300, and the image workload (VL bench checkpoint, 40 blocks
+per replica, 60 requests) at the lower rate and seed 0 only. `--requests 300 --image-seeds
+0,1,2` gives the full length (about an hour here).
 """
 
 from __future__ import annotations
@@ -46,16 +60,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def model_dir(arg: str | None, quick: bool) -> Path:
+def model_dir(arg: str | None, quick: bool, arch: str = "qwen2") -> Path:
     if arg:
         return Path(arg)
-    from warmfleet.server.models.tiny import make_tiny_model
-
     size = "tiny" if quick else "bench"
-    out = Path(os.environ.get("WARMFLEET_CACHE", Path.home() / ".cache" / "warmfleet")) / "models" / f"{size}-qwen2"
+    name = f"{size}-{arch.replace('_', '-')}"
+    out = Path(os.environ.get("WARMFLEET_CACHE", Path.home() / ".cache" / "warmfleet")) / "models" / name
     if not (out / "config.json").exists():
-        progress(f"writing the {size} checkpoint to {out}")
-        make_tiny_model(out, arch="qwen2", size=size, seed=0)
+        progress(f"writing the {size} {arch} checkpoint to {out}")
+        subprocess.run(EXE + ["make-tiny-model", str(out), "--arch", arch, "--size", size], check=True,
+                       cwd=tempfile.gettempdir(), stdout=subprocess.DEVNULL)
     return out
 
 
@@ -86,28 +100,64 @@ def workload(seed: int, n: int, tenants: int = 8) -> list[list[dict]]:
     return out
 
 
-def oracle_ratio(model: Path, trace: list[list[dict]]) -> float:
-    """Cached tokens with one unbounded cache that saw every earlier request (contract-1 hashes)."""
+def photo_uri(seed: int, side: int = 224) -> str:
+    """A deterministic PNG as a data: URI (a gradient with noise, like bench/multimodal.py)."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:side, 0:side].astype(np.float32)
+    img = np.stack([xx / side * 255, yy / side * 255, (np.sin(xx / (10 + seed)) + 1) * 127], -1)
+    img = img + rng.normal(0, 6, (side, side, 3))
+    buf = io.BytesIO()
+    Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def image_workload(seed: int, n: int, images: int = 12) -> list[list[dict]]:
+    """Requests that share images but not text: Zipf over a set of images, a fresh question each time."""
+    rng = random.Random(seed)
+    words = "what where colour shape count left right top corner gradient noise texture bright dark".split()
+    uris = [photo_uri(1000 * seed + k) for k in range(images)]
+    zipf = [1 / (i + 1) for i in range(images)]
+    out = []
+    for _ in range(n):
+        k = rng.choices(range(images), zipf)[0]
+        question = " ".join(rng.choice(words) for _ in range(10 + rng.randrange(10)))
+        out.append([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uris[k]}},
+                                                 {"type": "text", "text": question}]}])
+    return out
+
+
+def oracle_hits(model: Path, trace: list[list[dict]]) -> list[tuple[int, int]]:
+    """Per request (cached, prompt) tokens for one unbounded cache that saw every earlier request (contract 1)."""
     from warmfleet.server.hashing import block_hashes, model_fingerprint
     from warmfleet.server.router.policy import cacheable_tokens
     from warmfleet.server.router.prompt import PromptRenderer
 
     r, fp = PromptRenderer(str(model)), model_fingerprint(model)
     seen: set = set()
-    cached = total = 0
+    out = []
     for msgs in trace:
-        ids = r.chat({"messages": msgs}).token_ids
-        hs = block_hashes(ids, [], BLOCK, fp)
+        p = r.chat({"messages": msgs})
+        hs = block_hashes(p.token_ids, p.mm_items, BLOCK, fp)
         hit = next((i for i, h in enumerate(hs) if h not in seen), len(hs))
-        cached += min(hit * BLOCK, cacheable_tokens(len(ids), BLOCK))
-        total += len(ids)
+        out.append((min(hit * BLOCK, cacheable_tokens(p.num_tokens, BLOCK)), p.num_tokens))
         seen.update(hs)
-    return cached / total
+    return out
+
+
+def oracle_ratio(model: Path, trace: list[list[dict]]) -> float:
+    hits = oracle_hits(model, trace)
+    return sum(c for c, _ in hits) / sum(t for _, t in hits)
 
 
 # --- processes ------------------------------------------------------------------------------
 class Fleet:
-    def __init__(self, model: Path, n: int, gpu_blocks: int, cwd: str):
+    def __init__(self, model: Path, n: int, gpu_blocks: int, cwd: str):  # noqa: D107
         self.model, self.n, self.gpu_blocks, self.cwd = model, n, gpu_blocks, cwd
         self.replicas: list[tuple[str, str, subprocess.Popen]] = []
 
@@ -161,14 +211,14 @@ def tool(name: str) -> str:
     return found
 
 
-def start_router(kind: str, fleet: Fleet, cwd: str) -> tuple[str, subprocess.Popen | None]:
+def start_router(kind: str, fleet: Fleet, cwd: str, extra: list[str] = ()) -> tuple[str, subprocess.Popen | None]:
     if kind == "rr":
         return "", None
     port = free_port()
     urls = [u for u, _, _ in fleet.replicas]
     if kind == "warmfleet":
         args = EXE + ["route", "--model", str(fleet.model), "--port", str(port), "--block-size", str(BLOCK),
-                      "--log-level", "warning"]
+                      "--log-level", "warning", *extra]
         for u, e, _ in fleet.replicas:
             args += ["--replica", f"{u},events={e}"]
     elif kind == "sglang":
@@ -185,14 +235,15 @@ def start_router(kind: str, fleet: Fleet, cwd: str) -> tuple[str, subprocess.Pop
 
 
 # --- driving --------------------------------------------------------------------------------
-async def one(client: httpx.AsyncClient, base: str, msgs: list[dict], rec: list) -> None:
+async def one(client: httpx.AsyncClient, base: str, i: int, msgs: list[dict], rec: list) -> None:
     t0 = time.perf_counter()
     body = {"model": "bench", "messages": msgs, "max_tokens": 4, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    ttft, cached, prompt, replica, err = None, 0, 0, None, None
+    ttft, cached, prompt, replica, route, err = None, 0, 0, None, None, None
     try:
         async with client.stream("POST", base + "/v1/chat/completions", json=body) as r:
             replica = r.headers.get("x-warmfleet-replica")
+            route = r.headers.get("x-warmfleet-route")
             if r.status_code != 200:
                 err = f"HTTP {r.status_code}"
             async for line in r.aiter_lines():
@@ -208,7 +259,8 @@ async def one(client: httpx.AsyncClient, base: str, msgs: list[dict], rec: list)
                     cached = (ev["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     except httpx.HTTPError as exc:
         err = type(exc).__name__
-    rec.append({"t": t0, "ttft": ttft, "cached": cached, "prompt": prompt, "replica": replica, "error": err})
+    rec.append({"i": i, "t": t0, "ttft": ttft, "cached": cached, "prompt": prompt, "replica": replica,
+                "route": route, "error": err})
 
 
 async def drive(bases: list[str], trace: list, rate: float, seed: int, on_tick=None) -> list[dict]:
@@ -219,7 +271,7 @@ async def drive(bases: list[str], trace: list, rate: float, seed: int, on_tick=N
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=None)) as client:
         tasks = []
         for i, msgs in enumerate(trace):
-            tasks.append(asyncio.create_task(one(client, next(cycle), msgs, rec)))
+            tasks.append(asyncio.create_task(one(client, next(cycle), i, msgs, rec)))
             if on_tick:
                 await on_tick(i)
             await asyncio.sleep(rng.expovariate(rate))
@@ -227,7 +279,7 @@ async def drive(bases: list[str], trace: list, rate: float, seed: int, on_tick=N
     return rec
 
 
-def summarize(rec: list[dict]) -> dict:
+def summarize(rec: list[dict], oracle: list[tuple[int, int]] | None = None) -> dict:
     ok = [r for r in rec if not r["error"]]
     ttfts = sorted(r["ttft"] for r in ok if r["ttft"] is not None)
     per = {}
@@ -239,9 +291,20 @@ def summarize(rec: list[dict]) -> dict:
         return round(ttfts[min(len(ttfts) - 1, int(p * len(ttfts)))], 4) if ttfts else None
 
     prompt = sum(r["prompt"] for r in ok)
-    return {"cached_ratio": round(sum(r["cached"] for r in ok) / prompt, 4) if prompt else None,
-            "ttft_p50_s": q(0.5), "ttft_p90_s": q(0.9), "errors": len(rec) - len(ok),
-            "spread": round(max(per.values()) / statistics.mean(per.values()), 3) if per else None}
+    out = {"cached_ratio": round(sum(r["cached"] for r in ok) / prompt, 4) if prompt else None,
+           "ttft_p50_s": q(0.5), "ttft_p90_s": q(0.9), "errors": len(rec) - len(ok),
+           "spread": round(max(per.values()) / statistics.mean(per.values()), 3) if per else None}
+    if oracle is not None and any(r["route"] for r in ok):  # warmfleet: where did hits go, by decision reason
+        reasons: dict = {}
+        for r in ok:
+            reason = (r["route"] or "none").split(";")[0]
+            predicted = int((r["route"] or "=0").rsplit("=", 1)[1])
+            d = reasons.setdefault(reason, {"requests": 0, "lost_vs_oracle": 0, "mispredicted": 0})
+            d["requests"] += 1
+            d["lost_vs_oracle"] += max(0, oracle[r["i"]][0] - r["cached"])
+            d["mispredicted"] += abs(predicted - r["cached"])
+        out["reasons"] = reasons
+    return out
 
 
 async def added_latency(router: str, direct: str, n: int) -> dict:
@@ -254,10 +317,12 @@ async def added_latency(router: str, direct: str, n: int) -> dict:
                 t0 = time.perf_counter()
                 await c.post(base + "/v1/completions", json=body)
                 out.append(time.perf_counter() - t0)
+    paired = sorted(a - b for a, b in zip(r, d))
     d.sort()
     r.sort()
     return {"added_p50_ms": round((r[n // 2] - d[n // 2]) * 1e3, 3),
-            "added_p99_ms": round((r[int(n * 0.99)] - d[int(n * 0.99)]) * 1e3, 3)}
+            "added_p99_ms": round((r[int(n * 0.99)] - d[int(n * 0.99)]) * 1e3, 3),
+            "paired_median_ms": round(paired[n // 2] * 1e3, 3), "direct_p50_ms": round(d[n // 2] * 1e3, 3)}
 
 
 async def unrouted_after(router: str, victim_url: str, killed: float) -> float:
@@ -293,50 +358,192 @@ async def churn(fleet: Fleet, router: str, trace: list, rate: float, cwd: str) -
             "requests_to_victim_after_kill": len(to_victim)}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="Tiny checkpoint, 2 replicas, one rate, one seed.")
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--routers", default="rr,sglang,vllm,warmfleet")
-    ap.add_argument("--replicas", type=int, default=None)
-    args = ap.parse_args()
-    model = model_dir(args.model, args.quick)
-    n = args.replicas or (2 if args.quick else 4)
-    seeds, rates, nreq = ([0], [4.0], 60) if args.quick else ([0, 1, 2], [2.0, 6.0], 300)
-    gpu_blocks = 48 if args.quick else 160  # the working set does not fit one replica
-    cwd = tempfile.mkdtemp(prefix="wf-bench-")
-    results: dict = {"replicas": n, "requests": nreq, "rates": rates, "seeds": seeds, "routers": {}}
-    results["oracle_cached_ratio"] = round(statistics.mean(oracle_ratio(model, workload(s, nreq)) for s in seeds), 4)
-    for kind in args.routers.split(","):
-        runs = []
-        for rate in rates:
-            for seed in seeds:
+TARGETS = "ratio >= 0.9 x oracle and >= best peer + 0.15; TTFT p90 <= 0.6 x best peer; spread <= 1.25; " \
+          "churn: 0 errors, <= 1 s; added latency p50 <= 2 ms"
+PEERS = ("rr", "sglang", "vllm")
+
+
+def mean_of(runs: list[dict]) -> dict:
+    keys = [k for k in runs[0] if k != "reasons"]
+    out = {k: (round(statistics.mean(r[k] for r in runs if r[k] is not None), 4)
+               if any(r[k] is not None for r in runs) else None) for k in keys}
+    if any("reasons" in r for r in runs):
+        agg: dict = {}
+        for r in runs:
+            for reason, d in r.get("reasons", {}).items():
+                a = agg.setdefault(reason, {k: 0 for k in d})
+                for k, v in d.items():
+                    a[k] += v
+        out["reasons"] = agg
+    return out
+
+
+def verdict(res: dict, oracle: float) -> dict:
+    """The issue's targets for warmfleet on one workload (peers present in `res` only)."""
+    wf = res.get("warmfleet")
+    peers = [res[k] for k in ("sglang", "vllm") if k in res]
+    if not wf:
+        return {}
+    out = {"ratio_vs_oracle": round(wf["cached_ratio"] / oracle, 3) if oracle else None,
+           "ratio_ok_oracle": bool(oracle and wf["cached_ratio"] >= 0.9 * oracle),
+           "spread_ok": wf["spread"] is not None and wf["spread"] <= 1.25}
+    if peers:
+        best_ratio = max(p["cached_ratio"] for p in peers)
+        best_ttft = min(p["ttft_p90_s"] for p in peers)
+        out.update({"ratio_minus_best_peer": round(wf["cached_ratio"] - best_ratio, 4),
+                    "ratio_ok_peer": wf["cached_ratio"] >= best_ratio + 0.15,
+                    "ttft_p90_vs_best_peer": round(wf["ttft_p90_s"] / best_ttft, 3),
+                    "ttft_ok": wf["ttft_p90_s"] <= 0.6 * best_ttft})
+    return out
+
+
+def chart(results: dict, path: Path) -> None:
+    """One row per workload: cached-token ratio (oracle dashed), TTFT p50/p90, spread."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    loads = [w for w in ("text", "images") if results.get(w)]
+    fig, axes = plt.subplots(len(loads), 3, figsize=(13, 3.6 * len(loads)), squeeze=False)
+    colors = {"rr": "#999999", "sglang": "#d9822b", "vllm": "#4a7ebb", "warmfleet": "#2e9e5b"}
+    for row, w in zip(axes, loads):
+        res = results[w]["routers"]
+        names = list(res)
+        c = [colors.get(n, "#555555") for n in names]
+        row[0].bar(names, [res[n]["cached_ratio"] or 0 for n in names], color=c)
+        row[0].axhline(results[w]["oracle_cached_ratio"], ls="--", color="k", lw=1, label="oracle")
+        row[0].axhline(0.9 * results[w]["oracle_cached_ratio"], ls=":", color="k", lw=1, label="0.9 x oracle")
+        row[0].set_title(f"{w}: cached-token ratio")
+        row[0].legend(fontsize=8)
+        x = range(len(names))
+        row[1].bar([i - 0.2 for i in x], [res[n]["ttft_p50_s"] or 0 for n in names], 0.4, color=c, alpha=0.5,
+                   label="p50")
+        row[1].bar([i + 0.2 for i in x], [res[n]["ttft_p90_s"] or 0 for n in names], 0.4, color=c, label="p90")
+        row[1].set_xticks(list(x), names)
+        row[1].set_title(f"{w}: TTFT (s), p50 light / p90 dark")
+        row[2].bar(names, [res[n]["spread"] or 0 for n in names], color=c)
+        row[2].axhline(1.25, ls="--", color="k", lw=1)
+        row[2].set_title(f"{w}: spread (max/mean requests per replica)")
+    fig.suptitle(f"warmfleet routing bench: {results['replicas']} replicas, rates {results['rates']}/s, "
+                 f"seeds {results['seeds']} (means over runs)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_workload(name: str, model: Path, make_trace, routers: list[str], n: int, gpu_blocks: int,
+                 rates: list[float], seeds: list[int], nreq: int, cwd: str, wf_args: list[str],
+                 extras: bool, results: dict) -> dict:
+    """Every router on fresh replicas per (rate, seed), routers interleaved so they share the machine's load."""
+    traces = {seed: make_trace(seed, nreq) for seed in seeds}
+    oracles = {seed: oracle_hits(model, traces[seed]) for seed in seeds}
+    oracle = statistics.mean(sum(c for c, _ in o) / sum(t for _, t in o) for o in oracles.values())
+    runs: dict = {k: [] for k in routers}
+    for rate in rates:
+        for seed in seeds:
+            for kind in routers:
                 with Fleet(model, n, gpu_blocks, cwd) as fleet:
-                    base, proc = start_router(kind, fleet, cwd)
+                    base, proc = start_router(kind, fleet, cwd, wf_args)
                     try:
                         bases = [base] if base else [u for u, _, _ in fleet.replicas]
-                        progress(f"{kind}: rate {rate}/s seed {seed}")
-                        runs.append(summarize(asyncio.run(drive(bases, workload(seed, nreq), rate, seed))))
-                        if kind == "warmfleet" and rate == rates[0] and seed == seeds[0]:
+                        t0 = time.monotonic()
+                        rec = asyncio.run(drive(bases, traces[seed], rate, seed))
+                        summ = summarize(rec, oracles[seed])
+                        summ.update(rate=rate, seed=seed)
+                        runs[kind].append(summ)
+                        progress(f"{name} {kind}: rate {rate}/s seed {seed} ({time.monotonic() - t0:.0f} s): "
+                                 f"{ {k: v for k, v in summ.items() if k != 'reasons'} }")
+                        if extras and kind == "warmfleet" and rate == rates[0] and seed == seeds[0]:
                             results["warmfleet_latency"] = asyncio.run(
-                                added_latency(base, fleet.replicas[0][0], 50 if args.quick else 200))
+                                added_latency(base, fleet.replicas[0][0], 100 if nreq < 100 else 300))
+                            progress(f"added latency: {results['warmfleet_latency']}")
                             results["warmfleet_churn"] = asyncio.run(
-                                churn(fleet, base, workload(seed + 100, nreq), rate, cwd))
+                                churn(fleet, base, make_trace(seed + 100, nreq), rate, cwd))
+                            progress(f"churn: {results['warmfleet_churn']}")
                     finally:
                         if proc is not None:
                             stop(proc)
-        keys = runs[0].keys()
-        results["routers"][kind] = {k: (round(statistics.mean(r[k] for r in runs if r[k] is not None), 4)
-                                        if any(r[k] is not None for r in runs) else None) for k in keys}
-        progress(f"{kind}: {results['routers'][kind]}")
+    res = {k: mean_of(v) for k, v in runs.items() if v}
+    return {"model": str(model), "gpu_blocks_per_replica": gpu_blocks, "requests": nreq,
+            "oracle_cached_ratio": round(oracle, 4), "routers": res, "runs": runs,
+            "targets": verdict(res, oracle)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="Tiny checkpoints, 2 replicas, one rate, one seed.")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--vl-model", default=None)
+    ap.add_argument("--routers", default="rr,sglang,vllm,warmfleet")
+    ap.add_argument("--replicas", type=int, default=None)
+    ap.add_argument("--requests", type=int, default=None, help="Requests per text run (default 160; quick 60).")
+    ap.add_argument("--image-requests", type=int, default=None, help="Requests per image run (default 60).")
+    ap.add_argument("--image-seeds", default="0", help="Seeds of the image workload (default 0).")
+    ap.add_argument("--rates", default=None, help="Comma-separated arrival rates, requests/s (default 2,6).")
+    ap.add_argument("--seeds", default=None, help="Comma-separated seeds (default 0,1,2).")
+    ap.add_argument("--gpu-blocks", type=int, default=None, help="KV blocks per replica (text workload).")
+    ap.add_argument("--no-images", action="store_true", help="Skip the shared-image workload.")
+    ap.add_argument("--no-text", action="store_true", help="Skip the text workload.")
+    ap.add_argument("--warmfleet-args", default="", help="Extra `warmfleet route` flags, e.g. '--load-weight 16'.")
+    ap.add_argument("--out", default="bench/results", help="Directory for routing.json and routing.png.")
+    args = ap.parse_args()
+    n = args.replicas or (2 if args.quick else 4)
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else ([0] if args.quick else [0, 1, 2])
+    rates = [float(x) for x in args.rates.split(",")] if args.rates else ([4.0] if args.quick else [2.0, 6.0])
+    nreq = args.requests or (60 if args.quick else 120)
+    nimg = args.image_requests or (40 if args.quick else 60)
+    image_seeds = [int(x) for x in args.image_seeds.split(",")]
+    gpu_blocks = args.gpu_blocks or (48 if args.quick else 160)  # the working set does not fit one replica
+    routers = args.routers.split(",")
+    wf_args = args.warmfleet_args.split()
+    cwd = tempfile.mkdtemp(prefix="wf-bench-")
+    results: dict = {"command": " ".join([Path(sys.executable).name] + sys.argv), "replicas": n, "rates": rates,
+                     "seeds": seeds, "image_seeds": image_seeds, "targets_text": TARGETS, "warmfleet_args": wf_args}
+    if not args.no_text:
+        model = model_dir(args.model, args.quick)
+        results["text"] = run_workload("text", model, workload, routers, n, gpu_blocks, rates, seeds, nreq, cwd,
+                                       wf_args, True, results)
+        for kind, v in results["text"]["routers"].items():
+            progress(f"text {kind}: { {k: x for k, x in v.items() if k != 'reasons'} }")
+    if not args.no_images:
+        vl = model_dir(args.vl_model, args.quick, "qwen2_vl")
+        if accepts_images(vl, cwd):
+            # the lower rate only: images are the slow part of a CPU replica
+            results["images"] = run_workload("images", vl, image_workload, routers, n, 40, rates[:1], image_seeds,
+                                             nimg, cwd, wf_args, False, results)
+            for kind, v in results["images"]["routers"].items():
+                progress(f"images {kind}: { {k: x for k, x in v.items() if k != 'reasons'} }")
+        else:
+            results["images"] = None
+            progress("replicas do not accept images yet: image workload skipped")
     shutil.rmtree(cwd, ignore_errors=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "routing.json").write_text(json.dumps(results, indent=1))
+    chart(results, out / "routing.png")
+    progress(f"wrote {out / 'routing.json'} and {out / 'routing.png'}")
+    slim = {k: v for k, v in results.items() if k not in ("text", "images")}
+    for w in ("text", "images"):
+        if results.get(w):
+            slim[w] = {k: v for k, v in results[w].items() if k != "runs"}
     if args.json:
-        print(json.dumps(results))
+        print(json.dumps(slim))
     else:
-        for k, v in results.items():
+        for k, v in slim.items():
             print(f"{k}: {v}")
     return 0
+
+
+def accepts_images(model: Path, cwd: str) -> bool:
+    """One replica, one image request: does this server's API take images?"""
+    with Fleet(model, 1, 40, cwd) as fleet:
+        body = {"model": "bench", "max_tokens": 1, "messages": image_workload(0, 1)[0]}
+        try:
+            return httpx.post(fleet.replicas[0][0] + "/v1/chat/completions", json=body, timeout=120).status_code == 200
+        except httpx.HTTPError:
+            return False
 
 
 if __name__ == "__main__":

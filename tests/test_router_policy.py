@@ -102,3 +102,52 @@ def test_prediction_leaves_last_token_to_compute():
 def test_no_replicas_is_an_error():
     with pytest.raises(ValueError):
         choose([], block_size=B, num_prompt_tokens=10, cold_key=None)
+
+
+def test_warm_slack_keeps_a_long_prefix_one_over_the_cap():
+    cfg = PolicyConfig(epsilon=0.25, load_weight=0, warm_slack=1, warm_min_tokens=64)
+    assert load_cap([1, 0, 0, 0], 0.25) == 1  # the warm replica is one over
+    cands = [Candidate("warm", gpu_blocks=20, load=1), Candidate("b"), Candidate("c"), Candidate("d")]
+    d = choose(cands, block_size=B, num_prompt_tokens=24 * B, cold_key=b"k", cfg=cfg)
+    assert d.order[0] == "warm" and d.reason == PREFIX_HIT
+    # a short advantage is not worth the queue; strict bounded load never keeps it
+    short = [Candidate("warm", gpu_blocks=3, load=1), Candidate("b"), Candidate("c"), Candidate("d")]
+    assert choose(short, block_size=B, num_prompt_tokens=24 * B, cold_key=b"k", cfg=cfg).reason == LOAD_SPILL
+    strict = PolicyConfig(epsilon=0.25, load_weight=0, warm_slack=0)
+    d = choose(cands, block_size=B, num_prompt_tokens=24 * B, cold_key=b"k", cfg=strict)
+    assert d.order[0] != "warm" and d.reason == LOAD_SPILL
+    # two over the cap is beyond a slack of one
+    busy = [Candidate("warm", gpu_blocks=20, load=2), Candidate("b"), Candidate("c"), Candidate("d")]
+    assert choose(busy, block_size=B, num_prompt_tokens=24 * B, cold_key=b"k", cfg=cfg).order[0] != "warm"
+
+
+def test_share_cap_spreads_a_hot_prefix_that_never_queues():
+    """Short requests (load always 0) on a prefix warm on one replica: the share cap alone keeps counts even,
+    and a replica that took a spill holds the prefix afterwards (it is warm there too)."""
+    cfg = PolicyConfig(share_epsilon=0.15)
+    sent = Counter()
+    warm = {"http://r0"}
+    decay = 1 - 1 / 512
+    for i in range(400):
+        cands = [Candidate(r, gpu_blocks=8 if r in warm else 0, sent=sent[r]) for r in REPLICAS]
+        target = choose(cands, block_size=B, num_prompt_tokens=10 * B, cold_key=b"k", cfg=cfg).order[0]
+        for r in REPLICAS:
+            sent[r] *= decay
+        sent[target] += 1
+        warm.add(target)
+    counts = list(sent.values())
+    assert max(counts) / (sum(counts) / len(counts)) <= 1.2
+    assert warm == set(REPLICAS)
+
+
+def test_equal_choices_go_to_the_replica_sent_the_least():
+    cands = [Candidate("a", gpu_blocks=4, sent=9), Candidate("b", gpu_blocks=4, sent=3), Candidate("c", sent=0)]
+    d = choose(cands, block_size=B, num_prompt_tokens=8 * B, cold_key=b"k")
+    assert d.order[0] == "b"
+
+
+def test_prediction_for_a_fallback_after_retry():
+    d = choose([Candidate("a", gpu_blocks=6), Candidate("b", gpu_blocks=2), Candidate("c")],
+               block_size=B, num_prompt_tokens=10 * B, cold_key=b"k")
+    assert d.order[0] == "a" and d.predicted_for("a") == 6 * B
+    assert d.predicted_for("b") == 2 * B and d.predicted_for("c") == 0 and d.predicted_for("gone") == 0

@@ -260,10 +260,15 @@ async def test_refused_connection_marks_replica_down_and_retries(tiny_model_dir)
         await f.served[0].stop()
         dead = f.served[0].url
         answered = set()
-        for i in range(4):
-            r = await f.client.post("/v1/chat/completions", json=chat(f"question {i}"))
+        # distinct cold prefixes place by rendezvous hashing; keep going until one was placed on the dead replica
+        for i in range(32):
+            body = {"model": "tiny", "messages": [{"role": "system", "content": f"Tenant {i}: " + SYSTEM},
+                                                  {"role": "user", "content": "question"}]}
+            r = await f.client.post("/v1/chat/completions", json=body)
             assert r.status_code == 200
             answered.add(r.headers["x-warmfleet-replica"])
+            if not f.fleet.registry.get(dead).healthy:
+                break
         assert answered == {"r1"}
         assert not f.fleet.registry.get(dead).healthy
         assert not f.fleet.index.is_synced(dead)  # purged
@@ -331,7 +336,9 @@ async def test_per_client_concurrency_limit(tiny_model_dir):
 
 
 async def test_bad_messages_and_gap_trigger_snapshot_resync(tiny_model_dir):
-    async with Fleet2(tiny_model_dir) as f:
+    # no periodic health checks: on a loaded host a slow /health would purge the replica, and its
+    # resync would then be counted as "recovered" instead of "gap"
+    async with Fleet2(tiny_model_dir, health_interval_s=60) as f:
         rep, url = f.replicas[0], f.served[0].url
         rep.pub.send_multipart([b"garbage"])
         rep.pub.send_multipart([b"r0", b"\x00" * 8, b"\xc1not msgpack"])

@@ -18,7 +18,7 @@ from .fleet import Fleet
 from .metrics import RouterMetrics
 from .policy import PolicyConfig
 from .prompt import HashConfig, PromptRenderer
-from .proxy import Proxy, ProxyConfig, error_response
+from .proxy import Proxy, ProxyConfig, error_response, upstream_session
 from .registry import ReplicaSpec
 
 Discovery = Callable[[Fleet], Awaitable[None]]  # runs until cancelled, calling fleet.set_members
@@ -54,8 +54,9 @@ def build_app(settings: RouterSettings) -> FastAPI:
                       health_timeout_s=settings.health_timeout_s, model_fingerprint=settings.hash_cfg.model_fingerprint,
                       block_size=settings.hash_cfg.block_size, upstream_headers=upstream)
         state["fleet"] = app.state.fleet = fleet
+        session = upstream_session()
         state["proxy"] = Proxy(fleet, settings.renderer, settings.hash_cfg, metrics, settings.policy, settings.proxy,
-                               upstream)
+                               upstream, session)
         await fleet.set_members(settings.replicas)
         await fleet.start()
         disc = asyncio.create_task(settings.discovery(fleet)) if settings.discovery else None
@@ -67,10 +68,28 @@ def build_app(settings: RouterSettings) -> FastAPI:
                 await asyncio.gather(disc, return_exceptions=True)
             await fleet.stop()
             await http.aclose()
+            await session.close()
 
     app = FastAPI(title="warmfleet router", lifespan=lifespan)
     app.state.metrics = metrics
     app.state.limiter = limiter
+    fast_paths = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+
+    class FastPath:
+        """Pure ASGI for the two hot POST routes: skips FastAPI's routing and per-endpoint machinery."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        async def __call__(self, scope, receive, send):
+            kind = fast_paths.get(scope.get("path", "")) if scope["type"] == "http" else None
+            if kind is None or scope.get("method") != "POST" or "proxy" not in state:
+                return await self.inner(scope, receive, send)
+            request = Request(scope, receive)
+            resp = await generate(request, scope["path"], kind)
+            await resp(scope, receive, send)
+
+    app.add_middleware(FastPath)
 
     def client_headers(request: Request) -> dict:
         """Headers passed upstream: the client's auth only when the router itself checks none."""
@@ -97,25 +116,33 @@ def build_app(settings: RouterSettings) -> FastAPI:
             limiter.release(client)
             raise
         if resp.background is None:  # release when the last byte has gone (streams run after return)
-            resp.background = BackgroundTask(limiter.release, client)
+            async def release() -> None:  # async: a sync background task would hop to a worker thread
+                limiter.release(client)
+
+            resp.background = BackgroundTask(release)
         else:
             limiter.release(client)
         return resp
 
-    async def json_body(request: Request) -> dict | Response:
+    async def json_body(request: Request) -> tuple[dict, bytes] | Response:
+        raw = await request.body()
         try:
-            body = json.loads(await request.body())
+            body = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             return error_response(400, "request body is not valid JSON", "invalid_request_error")
         if not isinstance(body, dict):
             return error_response(400, "request body must be a JSON object", "invalid_request_error")
-        return body
+        return body, raw
 
     async def generate(request: Request, path: str, kind: str) -> Response:
-        body = await json_body(request)
-        if isinstance(body, Response):
-            return body
-        return await admit(request, body, lambda: state["proxy"].forward(path, kind, body, client_headers(request)))
+        parsed = await json_body(request)
+        if isinstance(parsed, Response):
+            return parsed
+        body, raw = parsed
+        # the client's bytes go upstream as they came unless the router rewrote the body (tenant salt)
+        fwd_raw = None if settings.tenants.enabled else raw
+        return await admit(request, body, lambda: state["proxy"].forward(path, kind, body, client_headers(request),
+                                                                         fwd_raw))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:

@@ -152,10 +152,10 @@ class Fleet:
         rep = self.registry.get(rid)
         if rep is None or not rep.spec.events or not rep.kv_tracked:
             return
+        self.metrics.resyncs.labels(rid, cause).inc()  # every trigger counts, also one folded into a running fetch
         if rid in self._resyncs:
             self._resync_again.add(rid)  # a newer trigger: run once more after the current fetch
             return
-        self.metrics.resyncs.labels(rid, cause).inc()
         self._resyncs[rid] = asyncio.create_task(self._resync(rid))
 
     async def _resync(self, rid: str) -> None:

@@ -35,6 +35,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Cached prompt tokens that one in-flight request on a replica outweighs.")
     p.add_argument("--balance-epsilon", type=float, default=0.25,
                    help="Bounded load: no replica above (1 + EPS) x mean load while another can take the request.")
+    p.add_argument("--balance-share-epsilon", type=float, default=0.15,
+                   help="No replica's share of recent requests above (1 + EPS) x the mean + 1 while another can "
+                        "take the request (keeps request counts even).")
+    p.add_argument("--warm-slack", type=int, default=1,
+                   help="Requests above the bounded-load cap a replica may take when it holds much more of the "
+                        "prompt than any replica under the cap (0 = strict bounded load).")
+    p.add_argument("--warm-min-tokens", type=int, default=64,
+                   help="Cached prompt tokens a replica must hold beyond the best replica under the cap to use "
+                        "--warm-slack.")
     p.add_argument("--cold-key-blocks", type=int, default=1,
                    help="Leading blocks whose hash places a prefix no replica holds (consistent hashing).")
     p.add_argument("--max-attempts", type=int, default=3, help="Replicas tried before the first byte.")
@@ -72,6 +81,8 @@ def settings_from_args(args: argparse.Namespace):
         raise ValueError("--block-size must be >= 1")
     if not 0 <= args.cpu_tier_weight <= 1:
         raise ValueError("--cpu-tier-weight must be in [0, 1]")
+    if args.warm_slack < 0 or args.warm_min_tokens < 0 or args.balance_share_epsilon < 0:
+        raise ValueError("--warm-slack and --warm-min-tokens must be >= 0")
     if args.balance_epsilon < 0 or args.cold_key_blocks < 1 or args.max_attempts < 1:
         raise ValueError("--balance-epsilon must be >= 0, --cold-key-blocks and --max-attempts >= 1")
     keys = list(args.api_key)
@@ -88,7 +99,8 @@ def settings_from_args(args: argparse.Namespace):
         replicas=[parse_replica(r, args.kv_events_port) for r in args.replica],
         renderer=PromptRenderer(args.model, hash_algo=args.prefix_hash_algo),
         policy=PolicyConfig(cpu_weight=args.cpu_tier_weight, load_weight=args.load_weight,
-                            epsilon=args.balance_epsilon),
+                            epsilon=args.balance_epsilon, warm_slack=args.warm_slack,
+                            warm_min_tokens=args.warm_min_tokens, share_epsilon=args.balance_share_epsilon),
         proxy=ProxyConfig(max_attempts=args.max_attempts, connect_timeout_s=args.connect_timeout_s,
                           read_timeout_s=args.upstream_timeout_s, cold_key_blocks=args.cold_key_blocks),
         tenants=Tenants.from_flags(keys, args.api_keys_file,
@@ -105,8 +117,10 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import build_app
+    from .transport import CoalescingH11Protocol
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = build_app(settings_from_args(args))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                http=CoalescingH11Protocol)
     return 0

@@ -10,6 +10,19 @@ Bounded load (consistent hashing with bounded loads): with n replicas and total 
 replica may take the request only if load(r) + 1 <= ceil((1 + epsilon) * (L + 1) / n). The
 least-loaded replica always qualifies, so the rule never leaves a request without a target.
 
+Bounded load must not throw away a long warm prefix for a one-request imbalance: when the best
+replica is over a cap (in flight or share, below) but holds at least `warm_min_tokens` more of
+the prompt than the best replica under them, it may still take the request up to `warm_slack`
+requests above each cap.
+Requests that are warm everywhere (a hot system prompt) then do the balancing, at no cost.
+Equal choices go to the replica this router sent the fewest requests, so they even out.
+
+Share cap: the in-flight bound alone cannot keep request counts even when requests are short
+(in flight is mostly 0 or 1) and it is what `warm_slack` loosens, so a replica may also take a
+request only while its recent count (`sent`, decayed by the caller) stays within
+(1 + share_epsilon) x the mean + 1 (+ warm_slack, above). This is what keeps the spread bounded; a hot prefix
+that outgrows one replica's share spills, and its new home then holds it too.
+
 A prefix nobody holds goes by rendezvous hashing of its first blocks' chain hash, so a burst
 of requests sharing a new prefix converges on one replica before any KV event arrives, and
 every router process computes the same answer.
@@ -19,7 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 # decision reasons (metric label values)
@@ -36,6 +49,9 @@ class PolicyConfig:
     encoder_weight: float = 0.5  # an image whose encoder output is warm saves this fraction of its tokens
     load_weight: float = 32.0  # prompt tokens of cached prefix that one request of load outweighs
     epsilon: float = 0.25  # bounded load: no replica above (1 + epsilon) x mean load while another fits
+    warm_slack: int = 1  # requests above the cap a replica may take when it alone holds much of the prompt
+    warm_min_tokens: int = 64  # cached tokens it must hold beyond the best replica under the cap to use the slack
+    share_epsilon: float = 0.15  # no replica's share of recent requests above (1 + this) x the mean, plus one
 
 
 @dataclass(frozen=True)
@@ -47,6 +63,7 @@ class Candidate:
     cpu_blocks: int = 0  # further leading blocks cached only in the swap tier
     warm_image_tokens: int = 0  # placeholder tokens of images outside the prefix whose encoder output is cached
     load: float = 0.0  # requests in flight or queued on the replica
+    sent: float = 0.0  # requests this router sent it recently (decayed count): share cap and last tie-break
 
 
 @dataclass(frozen=True)
@@ -54,11 +71,23 @@ class Decision:
     order: list[str]  # replicas best first: order[0] is the target, the rest are retry fallbacks
     reason: str  # PREFIX_HIT | COLD_HASH | LOAD_SPILL | LEAST_LOAD
     predicted_cached_tokens: int  # tokens the target should serve from its cache
+    hits: dict = field(default_factory=dict)  # replica -> tokens it should serve from cache (for retries)
+
+    def predicted_for(self, replica: str) -> int:
+        """Predicted cached tokens if `replica` serves the request (the target's, or a fallback's after a retry)."""
+        if replica == (self.order[0] if self.order else None):
+            return self.predicted_cached_tokens
+        return self.hits.get(replica, 0)
 
 
 def rendezvous_weight(key: bytes, replica: str) -> int:
     """Highest-random-weight hash of (key, replica); the same on every router process."""
     return int.from_bytes(hashlib.blake2b(key + b"\0" + replica.encode(), digest_size=8).digest(), "big")
+
+
+def share_cap(sent: Sequence[float], epsilon: float) -> float:
+    """Largest recent request count a replica may reach by taking one more request."""
+    return (1.0 + epsilon) * (sum(sent) + 1) / len(sent) + 1.0
 
 
 def load_cap(loads: Sequence[float], epsilon: float) -> float:
@@ -94,18 +123,27 @@ def choose(cands: Sequence[Candidate], *, block_size: int, num_prompt_tokens: in
         cpu = min(c.cpu_blocks * block_size, limit - gpu)
         return gpu + cfg.cpu_weight * cpu + cfg.encoder_weight * c.warm_image_tokens - cfg.load_weight * c.load
 
-    fits = [c for c in cands if c.load + 1 <= cap]
-    over = [c for c in cands if c.load + 1 > cap]
+    scap = share_cap([c.sent for c in cands], cfg.share_epsilon)
+    in_share = [c for c in cands if c.sent + 1 <= scap] or list(cands)
+    fits = [c for c in in_share if c.load + 1 <= cap]
+    over = [c for c in cands if c not in fits]
     warm = any(hit_tokens(c) > 0 or c.warm_image_tokens > 0 for c in cands)
 
     def by_score(cs: list[Candidate]) -> list[Candidate]:
-        return sorted(cs, key=lambda c: (-score(c), c.load, c.replica))
+        return sorted(cs, key=lambda c: (-score(c), c.load, c.sent, c.replica))
 
     if warm:
         ranked = by_score(fits) + by_score(over)
-        target = ranked[0]
         best_anywhere = by_score(list(cands))[0]
-        if score(best_anywhere) > score(target) and best_anywhere in over:
+        kept_warm = False
+        if (best_anywhere in over and best_anywhere.load + 1 <= cap + cfg.warm_slack
+                and best_anywhere.sent + 1 <= scap + cfg.warm_slack):
+            best_fit_hits = max((hit_tokens(c) for c in fits), default=0)
+            if hit_tokens(best_anywhere) - best_fit_hits >= cfg.warm_min_tokens:
+                ranked = [best_anywhere] + [c for c in ranked if c is not best_anywhere]
+                kept_warm = True
+        target = ranked[0]
+        if score(best_anywhere) > score(target) and best_anywhere in over and not kept_warm:
             reason = LOAD_SPILL
         elif hit_tokens(target) > 0 or target.warm_image_tokens > 0:
             reason = PREFIX_HIT
@@ -116,6 +154,7 @@ def choose(cands: Sequence[Candidate], *, block_size: int, num_prompt_tokens: in
         top_any = max(cands, key=lambda c: rendezvous_weight(cold_key, c.replica))
         reason = COLD_HASH if ranked[0] is top_any else LOAD_SPILL
     else:  # shorter than one block: nothing to cache, spread by load
-        ranked = sorted(cands, key=lambda c: (c.load, c.replica))
+        ranked = sorted(cands, key=lambda c: (c.load, c.sent, c.replica))
         reason = LEAST_LOAD
-    return Decision([c.replica for c in ranked], reason, hit_tokens(ranked[0]))
+    return Decision([c.replica for c in ranked], reason, hit_tokens(ranked[0]),
+                    {c.replica: hit_tokens(c) for c in cands})

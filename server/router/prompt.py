@@ -12,10 +12,11 @@ the first placeholder are the same whatever the image expands to), which is exac
 from __future__ import annotations
 
 import importlib
+import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
-from ..hashing import MMPlaceholder, block_hashes
+from ..hashing import MMPlaceholder, block_extra_keys, block_hashes, hash_block, root_hash
 
 IMAGE_PAD_TOKENS = ("<|image_pad|>", "<image>")  # placeholder tokens a template emits per image, by model family
 
@@ -53,6 +54,84 @@ def _as_replica_sees(message: Any) -> Any:
     return out
 
 
+class BoundedMemo:
+    """A dict that forgets its oldest entries beyond `capacity` (FIFO; hot entries come straight back)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.data: dict = {}
+        self.hits = self.misses = 0
+
+    def get(self, key: Any) -> Any:
+        v = self.data.get(key)
+        if v is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        return v
+
+    def put(self, key: Any, value: Any) -> None:
+        if len(self.data) >= self.capacity:
+            del self.data[next(iter(self.data))]
+        self.data[key] = value
+
+
+class SegmentEncoder:
+    """Exact `encode(text, add_special_tokens=False)` that reuses the ids of text between special tokens.
+
+    HF tokenizers cut the input at added special tokens (here: not stripping, not normalized) before
+    normalizing and pre-tokenizing, so the ids of a text are the ids of its pieces between special
+    tokens, concatenated. A chat prompt is such pieces, one or two per message: a conversation's
+    earlier turns and a tenant's system prompt are encoded once, and only the new message is
+    tokenized. `for_tokenizer` returns None when the tokenizer's special tokens do not allow this,
+    and the constructor checks itself against the plain encoder before it is used.
+    """
+
+    def __init__(self, tokenizer: Any, specials: dict[str, int], capacity: int = 50_000):
+        self.tokenizer = tokenizer
+        self.specials = specials
+        self._split = re.compile("(" + "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)) + ")")
+        self.memo = BoundedMemo(capacity)
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any) -> Optional["SegmentEncoder"]:
+        hf = getattr(tokenizer, "_tok", None)
+        try:
+            added = hf.get_added_tokens_decoder()  # type: ignore[union-attr]
+        except AttributeError:
+            return None
+        specials = {}
+        for tid, tok in added.items():
+            if tok.special:
+                if tok.lstrip or tok.rstrip or tok.normalized or tok.single_word:
+                    return None
+                specials[tok.content] = int(tid)
+        if not specials:
+            return None
+        enc = cls(tokenizer, specials)
+        probe = "".join(f"{t}a b\n  {t}{t} ü x" for t in list(specials)[:8]) + " tail"
+        if enc.encode(probe) != tokenizer.encode(probe, add_special_tokens=False):
+            return None
+        enc.memo = BoundedMemo(enc.memo.capacity)
+        return enc
+
+    def encode(self, text: str) -> list[int]:
+        out: list[int] = []
+        for piece in self._split.split(text):
+            if not piece:
+                continue
+            sid = self.specials.get(piece)
+            if sid is not None:
+                out.append(sid)
+                continue
+            ids = self.memo.get(piece)
+            if ids is None:
+                ids = tuple(self.tokenizer.encode(piece, add_special_tokens=False))
+                self.memo.put(piece, ids)
+            out.extend(ids)
+        return out
+
+
 class PromptRenderer:
     """Owns the tokenizer; `chat(body)` / `completion(body)` raise ValueError for what they cannot render.
 
@@ -71,6 +150,12 @@ class PromptRenderer:
         self._mm_render = _mm_render()
         self._processor_cfg: Any = None
         self._image_pad_ids = {i for i in (tokenizer.token_to_id(t) for t in IMAGE_PAD_TOKENS) if i is not None}
+        self.segments = SegmentEncoder.for_tokenizer(tokenizer)
+
+    def _encode_chat(self, text: str) -> list[int]:
+        if self.segments is not None:
+            return self.segments.encode(text)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def chat(self, body: dict) -> Prompt:
         messages = body.get("messages")
@@ -81,7 +166,7 @@ class PromptRenderer:
         if _has_images(messages):
             return self._chat_with_images(messages, add_gen)
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen)
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self._encode_chat(text)
         return Prompt(ids, [], len(ids))
 
     def _chat_with_images(self, messages: list, add_gen: bool) -> Prompt:
@@ -120,7 +205,47 @@ class HashConfig:
     algo: str = "blake3"  # --prefix-hash-algo of the replicas
 
 
-def prompt_block_hashes(prompt: Prompt, cache_salt: Optional[str], cfg: HashConfig) -> list[bytes]:
-    """Contract-1 chain over the prompt's full blocks."""
+def prompt_block_hashes(prompt: Prompt, cache_salt: Optional[str], cfg: HashConfig,
+                        memo: Optional["HashMemo"] = None) -> list[bytes]:
+    """Contract-1 chain over the prompt's full blocks (memoised per block when `memo` is given)."""
+    if memo is not None:
+        return memo.block_hashes(prompt.token_ids, prompt.mm_items, cfg, cache_salt)
     return block_hashes(prompt.token_ids, prompt.mm_items, cfg.block_size, cfg.model_fingerprint,
                         cache_salt=cache_salt, algo=cfg.algo)
+
+
+class HashMemo:
+    """hashing.block_hashes with each block's hash remembered by (parent hash, tokens, image keys).
+
+    A conversation's next turn, or another request on a known system prompt, re-hashes only its
+    new blocks. The key holds the parent hash, so the chain (model, salt, everything before) is
+    part of it and the result is the very hash `hashing.hash_block` returns.
+    """
+
+    def __init__(self, capacity: int = 200_000):
+        self.memo = BoundedMemo(capacity)
+        self._roots: dict = {}
+
+    def block_hashes(self, token_ids: Sequence[int], mm_items: Sequence[MMPlaceholder], cfg: HashConfig,
+                     cache_salt: Optional[str]) -> list[bytes]:
+        root_key = (cfg.model_fingerprint, cache_salt or "", cfg.algo)
+        prev = self._roots.get(root_key)
+        if prev is None:
+            if len(self._roots) > 10_000:
+                self._roots.clear()
+            prev = self._roots[root_key] = root_hash(cfg.model_fingerprint, cache_salt, cfg.algo)
+        items = sorted(mm_items, key=lambda m: m.offset)
+        bs = cfg.block_size
+        out: list[bytes] = []
+        for i in range(len(token_ids) // bs):
+            s, e = i * bs, (i + 1) * bs
+            block = tuple(token_ids[s:e])
+            extra = tuple(block_extra_keys(s, e, items)) if items else ()
+            key = (prev, block, extra)
+            h = self.memo.get(key)
+            if h is None:
+                h = hash_block(prev, block, extra, cfg.algo)
+                self.memo.put(key, h)
+            out.append(h)
+            prev = h
+        return out

@@ -12,26 +12,32 @@ the client sees a byte: any failure before then is retried too.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
+import aiohttp
 import httpx
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from .fleet import Fleet
 from .metrics import RouterMetrics
 from .policy import RETRY, Candidate, Decision, PolicyConfig, choose
-from .prompt import HashConfig, Prompt, PromptRenderer, prompt_block_hashes
+from .prompt import HashConfig, HashMemo, Prompt, PromptRenderer, prompt_block_hashes
 from .registry import Replica
 
 log = logging.getLogger(__name__)
 
 RETRYABLE_STATUS = {502, 503, 504}
+SHARE_WINDOW = 512  # requests over which the policy's share cap evens out request counts
+SHARE_DECAY = 1.0 - 1.0 / SHARE_WINDOW
 CONNECT_FAILURES = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
-                    httpx.WriteError, httpx.PoolTimeout)
+                    httpx.WriteError, httpx.PoolTimeout)  # forward_plain (httpx)
+# forwarding (aiohttp): a connect timeout is a dead replica; any other timeout is the replica being slow
+UPSTREAM_FAILURES = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, aiohttp.ClientResponseError)
 PASSTHROUGH_HEADERS = ("content-type", "x-warmfleet-replica", "x-request-id")
 
 
@@ -65,14 +71,24 @@ class ProxyConfig:
     cold_key_blocks: int = 1  # leading blocks whose chain hash places a prefix nobody holds
 
 
+def upstream_session() -> aiohttp.ClientSession:
+    """Pooled keep-alive connections for forwarding (aiohttp writes headers and a small body in one send)."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=None, keepalive_timeout=60),
+                                 auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"))
+
+
 class Proxy:
     def __init__(self, fleet: Fleet, renderer: Optional[PromptRenderer], hash_cfg: HashConfig,
                  metrics: RouterMetrics, policy: PolicyConfig = PolicyConfig(), cfg: ProxyConfig = ProxyConfig(),
-                 upstream_headers: Optional[dict] = None):
+                 upstream_headers: Optional[dict] = None, session: Optional[aiohttp.ClientSession] = None):
         self.fleet, self.renderer, self.hash_cfg = fleet, renderer, hash_cfg
         self.metrics, self.policy, self.cfg = metrics, policy, cfg
         self.upstream_headers = upstream_headers or {}
         self.timeout = httpx.Timeout(cfg.read_timeout_s, connect=cfg.connect_timeout_s)
+        self.hash_memo = HashMemo()
+        self.session = session  # created lazily inside the running loop when not given
+        self.aio_timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s,
+                                                 sock_read=cfg.read_timeout_s)
 
     # --- decision ---------------------------------------------------------------------------
     def render(self, kind: str, body: dict) -> Optional[Prompt]:
@@ -88,7 +104,7 @@ class Proxy:
         t0 = time.perf_counter()
         prompt = self.render(kind, body)
         bs = self.hash_cfg.block_size
-        hashes = prompt_block_hashes(prompt, body.get("cache_salt"), self.hash_cfg) if prompt else []
+        hashes = prompt_block_hashes(prompt, body.get("cache_salt"), self.hash_cfg, self.hash_memo) if prompt else []
         matches = self.fleet.index.match(hashes, [r.id for r in replicas])
         cands = []
         for r in replicas:
@@ -98,7 +114,7 @@ class Proxy:
                 hits = self.fleet.index.encoder_hits(r.id, [i.mm_hash for i in prompt.mm_items])
                 warm = sum(i.length for i in prompt.mm_items if i.mm_hash in hits and i.offset >= m.blocks * bs)
             cands.append(Candidate(r.id, m.gpu_blocks, m.cpu_blocks, warm,
-                                   load=max(r.in_flight, self.fleet.engine_load(r.id))))
+                                   load=max(r.in_flight, self.fleet.engine_load(r.id)), sent=r.sent))
         cold_key = hashes[min(len(hashes), self.cfg.cold_key_blocks) - 1] if hashes else None
         num_tokens = prompt.num_tokens if prompt else 0
         decision = choose(cands, block_size=bs, num_prompt_tokens=num_tokens, cold_key=cold_key, cfg=self.policy)
@@ -108,12 +124,15 @@ class Proxy:
         return decision
 
     # --- forwarding -------------------------------------------------------------------------
-    async def forward(self, path: str, kind: str, body: dict, client_headers: dict) -> Response:
+    async def forward(self, path: str, kind: str, body: dict, client_headers: dict,
+                      raw: Optional[bytes] = None) -> Response:
+        """Route and relay; `raw` is the client's body when `body` is still exactly it (no re-serialising)."""
         replicas = self.fleet.routable()
         if not replicas:
             return self._count(error_response(503, "no healthy replica", "service_unavailable"))
         decision = self.decide(kind, body, replicas)
-        raw = json.dumps(body).encode()
+        if raw is None:
+            raw = json.dumps(body).encode()
         stream = bool(body.get("stream"))
         headers = {"content-type": "application/json", **client_headers, **self.upstream_headers}
         last_error = "no replica accepted the request"
@@ -130,26 +149,34 @@ class Proxy:
             tried += 1
             self._enter(rep)
             released = False
+            resp: Optional[aiohttp.ClientResponse] = None
             try:
                 resp = await self._send(rep, path, raw, headers)
-                if resp.status_code in RETRYABLE_STATUS:
-                    last_error = f"{rid} answered {resp.status_code}"
-                    await resp.aclose()
+                if resp.status in RETRYABLE_STATUS:
+                    last_error = f"{rid} answered {resp.status}"
+                    resp.release()
                     continue
-                if stream and resp.status_code == 200:
-                    chunks = resp.aiter_raw()
+                if stream and resp.status == 200:
+                    chunks = resp.content.iter_any()
                     first = await anext(chunks, b"")
                     released = True  # from here the relay owns the in-flight count
-                    return self._stream(rep, resp, chunks, first, decision)
-                content = await resp.aread()
-                await resp.aclose()
-                self._observe_usage(decision, content)
-                return self._count(Response(content, resp.status_code, self._reply_headers(resp, rep, decision)))
-            except CONNECT_FAILURES as exc:
-                last_error = f"{rid}: {type(exc).__name__}"
+                    return self._stream(rep, resp, chunks, first, decision, retried=tried > 1)
+                content = await resp.read()
+                resp.release()
+                self._observe_usage(decision, content, rid)
+                return self._count(Response(content, resp.status, self._reply_headers(resp, rep, decision, tried > 1)))
+            except aiohttp.ConnectionTimeoutError:
+                last_error = f"{rid}: ConnectTimeout"
                 self.fleet.report_failure(rid, last_error)
-            except httpx.TimeoutException:
+            except asyncio.TimeoutError:
+                if resp is not None:
+                    resp.close()
                 return self._count(error_response(504, f"replica {rid} timed out", "upstream_timeout"))
+            except UPSTREAM_FAILURES as exc:
+                last_error = f"{rid}: {type(exc).__name__}"
+                if resp is not None:
+                    resp.close()
+                self.fleet.report_failure(rid, last_error)
             finally:
                 if not released:
                     self._leave(rep)
@@ -177,13 +204,14 @@ class Proxy:
             return Response(resp.content, resp.status_code, self._reply_headers(resp, rep, None))
         return error_response(503 if last_error == "no healthy replica" else 502, last_error, "upstream_error")
 
-    async def _send(self, rep: Replica, path: str, raw: bytes, headers: dict) -> httpx.Response:
-        req = self.fleet.http.build_request("POST", rep.spec.url + path, content=raw, headers=headers,
-                                            timeout=self.timeout)
-        return await self.fleet.http.send(req, stream=True)
+    async def _send(self, rep: Replica, path: str, raw: bytes, headers: dict) -> aiohttp.ClientResponse:
+        if self.session is None or self.session.closed:
+            self.session = upstream_session()
+        return await self.session.post(rep.spec.url + path, data=raw, headers=headers, timeout=self.aio_timeout,
+                                       allow_redirects=False)
 
-    def _stream(self, rep: Replica, resp: httpx.Response, chunks: AsyncIterator[bytes], first: bytes,
-                decision: Decision) -> StreamingResponse:
+    def _stream(self, rep: Replica, resp: aiohttp.ClientResponse, chunks: AsyncIterator[bytes], first: bytes,
+                decision: Decision, retried: bool = False) -> StreamingResponse:
         async def relay() -> AsyncIterator[bytes]:
             buf = first
             try:
@@ -192,7 +220,7 @@ class Proxy:
                     if cut:
                         out, buf = buf[:cut], buf[cut:]
                         if b'"cached_tokens"' in out:
-                            self._observe_sse_usage(decision, out)
+                            self._observe_sse_usage(decision, out, rep.id)
                         yield out
                     chunk = await anext(chunks, None)
                     if chunk is None:
@@ -200,26 +228,30 @@ class Proxy:
                     buf += chunk
                 if buf:
                     yield buf
-            except (httpx.HTTPError, OSError) as exc:
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 self.metrics.stream_breaks.inc()
                 log.warning("stream from %s broke: %s", rep.id, type(exc).__name__)
                 yield (b"\n\n" if buf else b"") + sse_error(f"replica {rep.id} failed mid-stream ({type(exc).__name__})")
             finally:
-                await resp.aclose()
+                resp.close() if not resp.content.at_eof() else resp.release()
                 self._leave(rep)
 
-        return self._count(StreamingResponse(relay(), resp.status_code, self._reply_headers(resp, rep, decision)))
+        return self._count(StreamingResponse(relay(), resp.status, self._reply_headers(resp, rep, decision, retried)))
 
     # --- bookkeeping ------------------------------------------------------------------------
-    def _reply_headers(self, resp: httpx.Response, rep: Replica, decision: Optional[Decision]) -> dict:
+    def _reply_headers(self, resp, rep: Replica, decision: Optional[Decision], retried: bool = False) -> dict:
         out = {k: resp.headers[k] for k in PASSTHROUGH_HEADERS if k in resp.headers}
         out.setdefault("x-warmfleet-replica", rep.id)
         if decision is not None:
-            out["x-warmfleet-route"] = f"{decision.reason}; predicted_cached_tokens={decision.predicted_cached_tokens}"
+            reason = RETRY if retried else decision.reason
+            out["x-warmfleet-route"] = f"{reason}; predicted_cached_tokens={decision.predicted_for(rep.id)}"
         return out
 
     def _enter(self, rep: Replica) -> None:
         rep.in_flight += 1
+        for r in self.fleet.registry.replicas.values():  # recent share: counts decay over ~SHARE_WINDOW requests
+            r.sent *= SHARE_DECAY
+        rep.sent += 1
         self.metrics.replica_in_flight.labels(rep.id).set(rep.in_flight)
 
     def _leave(self, rep: Replica) -> None:
@@ -230,25 +262,27 @@ class Proxy:
         self.metrics.requests.labels(f"{resp.status_code // 100}xx").inc()
         return resp
 
-    def _observe_usage(self, decision: Decision, content: bytes) -> None:
+    def _observe_usage(self, decision: Decision, content: bytes, rid: str) -> None:
         try:
             actual = cached_tokens_of(json.loads(content))
         except (ValueError, UnicodeDecodeError):
             return
-        self._record_actual(decision, actual)
+        self._record_actual(decision, rid, actual)
 
-    def _observe_sse_usage(self, decision: Decision, events: bytes) -> None:
+    def _observe_sse_usage(self, decision: Decision, events: bytes, rid: str) -> None:
         for line in events.splitlines():
             if line.startswith(b"data: {") and b'"cached_tokens"' in line:
                 try:
-                    self._record_actual(decision, cached_tokens_of(json.loads(line[6:])))
+                    self._record_actual(decision, rid, cached_tokens_of(json.loads(line[6:])))
                 except (ValueError, UnicodeDecodeError):
                     pass
                 return
 
-    def _record_actual(self, decision: Decision, actual: Optional[int]) -> None:
+    def _record_actual(self, decision: Decision, rid: str, actual: Optional[int]) -> None:
+        """Actual vs predicted for the replica that answered (after a retry: that replica's own prediction)."""
         if actual is None:
             return
+        predicted = decision.predicted_for(rid)
         self.metrics.actual_cached_tokens.inc(actual)
-        self.metrics.predicted_cached_tokens.inc(decision.predicted_cached_tokens)
-        self.metrics.prediction_error.observe(actual - decision.predicted_cached_tokens)
+        self.metrics.predicted_cached_tokens.inc(predicted)
+        self.metrics.prediction_error.observe(actual - predicted)
