@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import ssl
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,36 +63,12 @@ class Kube:
     @classmethod
     def from_connection(cls, info: Any) -> "Kube":
         """Build from a kopf ConnectionInfo (server, CA, token or client certificate)."""
-        tmp: list[str] = []
-
-        def as_file(data: str | bytes) -> str:
-            fd, path = tempfile.mkstemp(prefix="warmfleet-")
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data if isinstance(data, bytes) else data.encode())
-            tmp.append(path)
-            return path
-
-        verify: Any = True
-        if info.insecure:
-            verify = False
-        elif info.ca_path or info.ca_data:
-            ctx = ssl.create_default_context(cafile=os.fsdecode(info.ca_path) if info.ca_path else None,
-                                             cadata=_text(info.ca_data) if info.ca_data else None)
-            verify = ctx
-        cert_path = info.certificate_path or (as_file(info.certificate_data) if info.certificate_data else None)
-        key_path = info.private_key_path or (as_file(info.private_key_data) if info.private_key_data else None)
-        if cert_path and isinstance(verify, ssl.SSLContext):
-            verify.load_cert_chain(os.fsdecode(cert_path), os.fsdecode(key_path) if key_path else None)
-        elif cert_path:
-            ctx = ssl.create_default_context() if verify is True else ssl._create_unverified_context()
-            ctx.load_cert_chain(os.fsdecode(cert_path), os.fsdecode(key_path) if key_path else None)
-            verify = ctx
-        headers = {}
-        if info.token:
-            headers["Authorization"] = f"{info.scheme or 'Bearer'} {info.token}"
-        auth = httpx.BasicAuth(info.username, info.password) if info.username and info.password else None
-        client = httpx.AsyncClient(base_url=info.server, verify=verify, headers=headers, auth=auth, timeout=30.0)
-        return cls(client=client, _tempfiles=tmp)
+        # kopf builds the TLS context: kubeconfig `*-data` fields are base64 (not PEM), and the
+        # in-cluster login gives a CA path; both, plus client certificates and `insecure`, are handled there.
+        verify: Any = info.as_ssl_context()
+        headers = info.as_http_headers()
+        client = httpx.AsyncClient(base_url=info.server, verify=verify, headers=headers, timeout=30.0)
+        return cls(client=client)
 
     async def close(self) -> None:
         """Close the connection pool and remove temporary credential files."""
@@ -160,6 +134,3 @@ class Kube:
             headers={"Content-Type": "application/merge-patch+json"},
         )
 
-
-def _text(data: str | bytes) -> str:
-    return data.decode() if isinstance(data, bytes) else data
