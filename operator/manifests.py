@@ -150,11 +150,12 @@ def _model_volume(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
     return [vol], [mount]
 
 
-def _api_key_env(spec: InferenceServiceSpec) -> list[dict]:
+def _api_key_env(spec: InferenceServiceSpec, *names: str) -> list[dict]:
     ref = spec.router.api_key_secret
     if ref is None:
         return []
-    return [{"name": "WARMFLEET_API_KEY", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
+    return [{"name": n, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+            for n in names or ("WARMFLEET_API_KEY",)]
 
 
 def _pod_security() -> dict[str, Any]:
@@ -317,7 +318,10 @@ def router_deployment(owner: Owner, spec: InferenceServiceSpec, image: str) -> d
                         "imagePullPolicy": spec.server.image_pull_policy,
                         "command": [ROUTER_COMMAND[0]],
                         "args": router_args(owner, spec),
-                        "env": [{"name": "HOME", "value": "/tmp"}, *_api_key_env(spec)],
+                        # The router checks clients' keys (WARMFLEET_API_KEY) and, since it then does not
+                        # forward theirs, authenticates to the replicas itself (WARMFLEET_REPLICA_API_KEY).
+                        "env": [{"name": "HOME", "value": "/tmp"},
+                                *_api_key_env(spec, "WARMFLEET_API_KEY", "WARMFLEET_REPLICA_API_KEY")],
                         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
                         "resources": ROUTER_RESOURCES,
                         "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5},
