@@ -20,12 +20,15 @@ import os
 import shutil
 import subprocess
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
+
+import httpx
 
 import pytest
 
-from e2e_support import Cluster, wait_for
+from e2e_support import Cluster, LocalProcess, free_port, wait_for, warmfleet_command
 
 E2E_DIR = Path(__file__).resolve().parent
 REPO_ROOT = E2E_DIR.parent
@@ -112,3 +115,182 @@ def namespace(e2e_cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[
         yield ns
     finally:
         e2e_cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+
+# ---- the chart, the operator and the example service (shared by test_operator and test_dataplane) ----
+
+RELEASE = "warmfleet"
+RELEASE_NS = "warmfleet-system"
+CHART = REPO_ROOT / "charts" / "warmfleet"
+EXAMPLE = REPO_ROOT / "examples" / "inferenceservice.yaml"
+CRD_NAME = "inferenceservices.serving.warmfleet.io"
+SERVING_LABEL = "warmfleet.io/serving"  # the example's spec.nodeSelector
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "destructive: deletes the shared example service or the chart; runs last")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that delete the shared service / uninstall the chart run after every other e2e test
+    (stable: file order is kept otherwise)."""
+    items.sort(key=lambda it: 1 if it.get_closest_marker("destructive") else 0)
+
+
+@dataclass
+class Release:
+    """The chart installed with helm: its name, namespace and operator ServiceAccount."""
+
+    name: str
+    namespace: str
+    service_account: str
+    installed: bool = True
+    install_output: str = ""
+    install_seconds: float = 0.0
+
+
+@pytest.fixture(scope="session")
+def release(e2e_cluster: Cluster) -> Iterator[Release]:
+    """`helm install` of charts/warmfleet; the chart's own operator Deployment is scaled to 0 so that
+    only the local operator (under the chart's ServiceAccount) acts."""
+    import time
+
+    c = e2e_cluster
+    if c.helm_path is None:
+        pytest.fail("helm is not available: the e2e toolchain must provide it", pytrace=False)
+    t0 = time.monotonic()
+    out = c.helm("install", RELEASE, str(CHART), "--namespace", RELEASE_NS, "--create-namespace",
+                 "--wait", "--timeout", "120s").stdout
+    rel = Release(RELEASE, RELEASE_NS, RELEASE, install_output=out, install_seconds=time.monotonic() - t0)
+    try:
+        yield rel
+    finally:
+        if rel.installed:
+            c.helm("uninstall", RELEASE, "--namespace", RELEASE_NS, "--wait", check=False)
+        # leave a reused cluster as we found it: the CRD is kept by helm on purpose
+        c.kubectl("delete", "crd", CRD_NAME, "--ignore-not-found", "--wait=false", check=False)
+        c.kubectl("delete", "namespace", RELEASE_NS, "--ignore-not-found", "--wait=false", check=False)
+
+
+def scale_chart_operator_to_zero(c: Cluster, rel: Release) -> None:
+    c.kubectl("-n", rel.namespace, "scale", "deployment", f"{rel.name}-operator", "--replicas=0")
+    wait_for(lambda: not c.kubectl_json("-n", rel.namespace, "get", "pods", "-l",
+                                        "app.kubernetes.io/name=warmfleet")["items"],
+             60, "the chart's operator pod to go (scaled to 0)")
+
+
+@dataclass
+class LocalOperator:
+    """`warmfleet operator run` as a local process authenticated only by the chart's ServiceAccount token."""
+
+    cluster: Cluster
+    kubeconfig: Path
+    workdir: Path
+    proc: LocalProcess | None = None
+    health_port: int = 0
+    generation: int = 0
+    logs: list[Path] = field(default_factory=list)
+
+    def start(self) -> None:
+        assert self.proc is None or not self.proc.alive()
+        self.generation += 1
+        self.health_port = free_port()
+        env = dict(os.environ)
+        env.pop("KUBERNETES_SERVICE_HOST", None)  # never the in-cluster login
+        env["KUBECONFIG"] = str(self.kubeconfig)
+        log = self.workdir / f"operator-{self.generation}.log"
+        self.logs.append(log)
+        self.proc = LocalProcess(
+            f"operator #{self.generation}",
+            [*warmfleet_command(), "operator", "run", f"--liveness=http://127.0.0.1:{self.health_port}/healthz"],
+            env=env, cwd=self.workdir, log_path=log)
+
+        def healthy() -> bool:
+            self.proc.check_alive()
+            try:
+                return httpx.get(f"http://127.0.0.1:{self.health_port}/healthz", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(healthy, 90, f"operator #{self.generation} liveness endpoint")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+
+    def log(self) -> str:
+        return self.proc.log(200) if self.proc else ""
+
+    def count(self, text: str) -> int:
+        return self.proc.log_path.read_text(errors="replace").count(text) if self.proc else 0
+
+
+@pytest.fixture(scope="session")
+def local_operator(e2e_cluster: Cluster, release: Release, tmp_path_factory) -> Iterator[LocalOperator]:
+    scale_chart_operator_to_zero(e2e_cluster, release)
+    workdir = tmp_path_factory.mktemp("operator")  # cwd outside the repo (operator/ shadows the stdlib)
+    kubeconfig = e2e_cluster.token_kubeconfig(release.namespace, release.service_account,
+                                              workdir / "operator.kubeconfig")
+    op = LocalOperator(e2e_cluster, kubeconfig, workdir)
+    op.start()
+    try:
+        yield op
+    finally:
+        op.stop()
+        for log in op.logs:  # surfaced by pytest on failure (-rA shows it for every test)
+            print(f"==== {log.name}\n{log.read_text(errors='replace')[-20000:]}")
+
+
+def is_ready(obj: dict[str, Any]) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (obj.get("status") or {}).get("conditions", []))
+
+
+@dataclass
+class Example:
+    """examples/inferenceservice.yaml applied with kubectl, plus what it expects to exist."""
+
+    name: str
+    namespace: str
+    api_key: str
+
+
+def model_store(namespace: str) -> list[dict[str, Any]]:
+    """The `model-store` PVC the example mounts, bound to a static PV (no provisioner under kwok)."""
+    return [
+        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"e2e-model-store-{namespace}"},
+         "spec": {"capacity": {"storage": "100Gi"}, "accessModes": ["ReadOnlyMany"], "storageClassName": "",
+                  "hostPath": {"path": "/models"}, "persistentVolumeReclaimPolicy": "Retain",
+                  "claimRef": {"namespace": namespace, "name": "model-store"}}},
+        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "model-store", "namespace": namespace},
+         "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": f"e2e-model-store-{namespace}",
+                  "resources": {"requests": {"storage": "100Gi"}}}},
+    ]
+
+
+@pytest.fixture(scope="session")
+def example(e2e_cluster: Cluster, local_operator: LocalOperator) -> Iterator[Example]:
+    """The example service, Ready: its node selector label on the GPU nodes, its model PVC and API-key Secret."""
+    import yaml
+
+    c = e2e_cluster
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    name, ns = doc["metadata"]["name"], doc["metadata"].get("namespace", "default")
+    secret = doc["spec"]["router"]["apiKeySecret"]["name"]
+    assert doc["spec"]["nodeSelector"] == {SERVING_LABEL: "true"}, "the e2e setup labels nodes for this selector"
+    c.kubectl("label", "nodes", "-l", "nvidia.com/gpu.present=true", f"{SERVING_LABEL}=true", "--overwrite")
+    c.apply(model_store(ns))
+    api_key = f"sk-e2e-{uuid.uuid4().hex[:12]}"
+    c.kubectl("-n", ns, "create", "secret", "generic", secret, f"--from-literal=api-key={api_key}")
+    try:
+        c.kubectl("apply", "-f", str(EXAMPLE))
+        wait_for(lambda: is_ready(c.kubectl_json("-n", ns, "get", "inferenceservice", name)), 120,
+                 f"InferenceService {name} Ready")
+        yield Example(name, ns, api_key)
+    finally:
+        c.kubectl("-n", ns, "delete", "inferenceservice", name, "--ignore-not-found", "--wait=false", check=False)
+        c.kubectl("-n", ns, "delete", "secret", secret, "--ignore-not-found", check=False)
+        c.kubectl("-n", ns, "delete", "pvc", "model-store", "--ignore-not-found", "--wait=false", check=False)
+        c.kubectl("delete", "pv", f"e2e-model-store-{ns}", "--ignore-not-found", "--wait=false", check=False)
+        c.kubectl("label", "nodes", "-l", "nvidia.com/gpu.present=true", f"{SERVING_LABEL}-", check=False)

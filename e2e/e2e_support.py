@@ -20,6 +20,10 @@ class WaitTimeout(AssertionError):
     pass
 
 
+class GiveUp(AssertionError):
+    """Raised inside a ``wait_for`` condition when waiting longer cannot help (a process died)."""
+
+
 def wait_for(
     fn: Callable[[], T | None],
     timeout: float,
@@ -127,3 +131,103 @@ class Cluster:
             raise AssertionError("helm is not available (no WARMFLEET_E2E_BIN/helm, none on PATH)")
         return self.run([str(self.helm_path), "--kubeconfig", str(self.kubeconfig), *args],
                         check=check, timeout=timeout)
+
+
+# ---- local processes (the operator, and the data plane from the operator's pod specs) ----
+
+def free_port() -> int:
+    """A free TCP port on loopback (the caller binds it soon after)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def warmfleet_command() -> list[str]:
+    """How to run the `warmfleet` console script of this interpreter's environment."""
+    import sys
+
+    script = Path(sys.executable).parent / "warmfleet"
+    if script.is_file():
+        return [str(script)]
+    # -P: never put a cwd on sys.path (the repo's operator/ shadows the standard library)
+    return [sys.executable, "-P", "-m", "warmfleet.cli"]
+
+
+class LocalProcess:
+    """A subprocess whose combined output goes to a log file; stopped with SIGTERM, then SIGKILL."""
+
+    def __init__(self, name: str, argv: list[str], *, env: dict[str, str], cwd: Path, log_path: Path) -> None:
+        self.name, self.argv, self.log_path = name, argv, log_path
+        self._log = open(log_path, "ab")
+        self.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log(self, tail: int = 60) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-tail:])
+
+    def check_alive(self) -> None:
+        if not self.alive():
+            raise GiveUp(f"{self.name} exited with {self.proc.returncode}:\n{self.log()}")
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=timeout)
+        self._log.close()
+        return self.proc.returncode
+
+
+def expand_k8s_vars(value: str, env: dict[str, str]) -> str:
+    """Kubelet's `$(VAR)` expansion of command and args: `$$` escapes, unknown names stay as they are."""
+    import re
+
+    def sub(m: "re.Match[str]") -> str:
+        if m.group(0) == "$$":
+            return "$"
+        return env.get(m.group(1), m.group(0))
+
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)", sub, value)
+
+
+def container_env(cluster: Cluster, namespace: str, container: dict[str, Any],
+                  pod: dict[str, Any]) -> dict[str, str]:
+    """The environment the kubelet would give `container` in `pod`: plain values, fieldRefs of the
+    pod's metadata and secretKeyRefs read from the cluster (what a real pod would see)."""
+    import base64
+
+    out: dict[str, str] = {}
+    for item in container.get("env") or []:
+        name = item["name"]
+        if "value" in item:
+            out[name] = expand_k8s_vars(item["value"], out)
+            continue
+        src = item.get("valueFrom") or {}
+        if "fieldRef" in src:
+            path = src["fieldRef"]["fieldPath"]
+            meta = pod["metadata"]
+            fields = {"metadata.name": meta["name"], "metadata.namespace": meta.get("namespace", namespace),
+                      "metadata.uid": meta.get("uid", ""), "spec.nodeName": pod.get("spec", {}).get("nodeName", ""),
+                      "status.podIP": pod.get("status", {}).get("podIP", "")}
+            if path not in fields:
+                raise AssertionError(f"fieldRef {path} of env {name} is not emulated")
+            out[name] = fields[path]
+        elif "secretKeyRef" in src:
+            ref = src["secretKeyRef"]
+            secret = cluster.kubectl_json("-n", namespace, "get", "secret", ref["name"])
+            out[name] = base64.b64decode(secret["data"][ref["key"]]).decode()
+        else:
+            raise AssertionError(f"env {name}: valueFrom {sorted(src)} is not emulated")
+    return out
