@@ -1,0 +1,496 @@
+"""The chart and the operator against a real control plane (issue 6, steps 1-6).
+
+The session fixtures (conftest.py) `helm install` charts/warmfleet, scale the chart's own operator
+Deployment to 0 and run `warmfleet operator run` locally with nothing but the chart's
+ServiceAccount token, then `kubectl apply -f examples/inferenceservice.yaml`. Tests marked
+`destructive` (delete, uninstall) run after every other e2e test.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import yaml
+
+from conftest import (CHART, CRD_NAME, EXAMPLE, SERVING_LABEL, Example, LocalOperator, Release, is_ready)
+from e2e_support import Cluster, wait_for
+from warmfleet.operator.kube import is_subset
+
+REPO = Path(__file__).resolve().parent.parent
+SERVICE_LABEL = "serving.warmfleet.io/service"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+SIZING_HASH = "serving.warmfleet.io/sizing-hash"
+CHILD_KINDS = ["configmap", "serviceaccount", "role.rbac.authorization.k8s.io",
+               "rolebinding.rbac.authorization.k8s.io", "service", "deployment.apps",
+               "poddisruptionbudget.policy"]
+UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9}
+
+
+def quantity(q: str) -> int:
+    m = re.fullmatch(r"(\d+)([A-Za-z]*)", q)
+    assert m, q
+    return int(m.group(1)) * UNITS.get(m.group(2), 1)
+
+
+def docs(text: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def wfis(c: Cluster, ex: Example) -> dict[str, Any]:
+    return c.kubectl_json("-n", ex.namespace, "get", "inferenceservice", ex.name)
+
+
+def deployments(c: Cluster, ex: Example) -> dict[str, dict[str, Any]]:
+    items = c.kubectl_json("-n", ex.namespace, "get", "deployments", "-l", f"{SERVICE_LABEL}={ex.name}")["items"]
+    return {d["metadata"]["name"]: d for d in items}
+
+
+def replica_sets(c: Cluster, ex: Example) -> dict[str, set[str]]:
+    """Deployment name -> names of the ReplicaSets it owns (one per pod template ever rolled out)."""
+    out: dict[str, set[str]] = {}
+    for rs in c.kubectl_json("-n", ex.namespace, "get", "replicasets", "-l", f"{SERVICE_LABEL}={ex.name}")["items"]:
+        owner = next(r["name"] for r in rs["metadata"]["ownerReferences"] if r["kind"] == "Deployment")
+        out.setdefault(owner, set()).add(rs["metadata"]["name"])
+    return out
+
+
+def settled(c: Cluster, ex: Example) -> dict[str, Any] | None:
+    """The service when it is Ready for its current generation and every Deployment finished rolling out."""
+    svc = wfis(c, ex)
+    st = svc.get("status") or {}
+    if not is_ready(svc) or st.get("observedGeneration") != svc["metadata"]["generation"]:
+        return None
+    for d in deployments(c, ex).values():
+        ds, want = d.get("status") or {}, d["spec"]["replicas"]
+        if ds.get("observedGeneration") != d["metadata"]["generation"]:
+            return None
+        if not (ds.get("replicas", 0) == ds.get("updatedReplicas", 0) == ds.get("readyReplicas", 0) == want):
+            return None
+    return svc
+
+
+def wait_settled(c: Cluster, ex: Example, what: str = "the service to settle") -> dict[str, Any]:
+    return wait_for(lambda: settled(c, ex), 120, what)
+
+
+def rollout_state(c: Cluster, ex: Example) -> dict[str, tuple[str, str, frozenset[str]]]:
+    """Per Deployment: sizing hash, the template's args digest and its ReplicaSets."""
+    rs = replica_sets(c, ex)
+    out = {}
+    for name, d in deployments(c, ex).items():
+        tpl = d["spec"]["template"]
+        out[name] = ((tpl["metadata"].get("annotations") or {}).get(SIZING_HASH, ""),
+                     repr(tpl["spec"]["containers"][0]["args"]), frozenset(rs.get(name, ())))
+    return out
+
+
+def kwok_node(name: str, labels: dict[str, str], *, gpus: int, memory: str, cpu: str) -> dict[str, Any]:
+    """A fake node kwok manages (same shape as e2e/cluster.sh's nodes)."""
+    alloc = {"cpu": cpu, "memory": memory, "ephemeral-storage": "7Ti", "pods": "110", "nvidia.com/gpu": str(gpus)}
+    return {
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": name, "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
+                     "labels": {"kubernetes.io/arch": "amd64", "kubernetes.io/os": "linux", "kubernetes.io/hostname": name,
+                                "type": "kwok", "topology.kubernetes.io/zone": "e2e-zone-a", "nvidia.com/gpu.present": "true",
+                                **labels}},
+        "status": {"addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": name}],
+                   "capacity": dict(alloc), "allocatable": dict(alloc)},
+    }
+
+
+# ---- 1. helm install, CRD Established, lint/template agree with what got installed ----
+
+def test_helm_install_establishes_crd_and_matches_template(e2e_cluster: Cluster, release: Release,
+                                                           tmp_path: Path) -> None:
+    c = e2e_cluster
+    lint = c.helm("lint", "--strict", str(CHART))
+    assert "0 chart(s) failed" in lint.stdout, lint.stdout
+    assert "kubectl apply -f examples/inferenceservice.yaml" in release.install_output  # NOTES.txt
+    crd = c.kubectl_json("get", "crd", CRD_NAME)
+    conds = {x["type"]: x["status"] for x in crd["status"]["conditions"]}
+    assert conds.get("Established") == "True" and conds.get("NamesAccepted") == "True", conds
+    assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert crd["status"]["acceptedNames"]["shortNames"] == ["wfis"]
+
+    rendered = docs(c.helm("template", release.name, str(CHART), "--namespace", release.namespace).stdout)
+    installed = docs(c.helm("get", "manifest", release.name, "--namespace", release.namespace).stdout)
+    assert rendered == installed, "helm template and the installed release manifest differ"
+    kinds = sorted(f"{d['kind']}/{d['metadata']['name']}" for d in rendered)
+    assert kinds == sorted([
+        f"ClusterRole/{release.name}-app", f"ClusterRole/{release.name}-kopf",
+        f"ClusterRoleBinding/{release.name}-app", f"ClusterRoleBinding/{release.name}-kopf",
+        f"CustomResourceDefinition/{CRD_NAME}", f"Deployment/{release.name}-operator",
+        f"ServiceAccount/{release.name}"]), kinds
+    for want in rendered:  # every rendered field is live (the API server may only add defaults)
+        ns = ["-n", release.namespace] if want["kind"] in ("Deployment", "ServiceAccount") else []
+        live = c.kubectl_json(*ns, "get", f"{want['kind']}.{want['apiVersion'].split('/')[0]}"
+                              if "/" in want["apiVersion"] else want["kind"], want["metadata"]["name"])
+        if want["kind"] == "Deployment":  # scaled to 0 by the fixture so only the local operator acts
+            assert want["spec"]["replicas"] == 1
+            want = copy.deepcopy(want)
+            want["spec"].pop("replicas")
+        assert is_subset(want, live), f"{want['kind']}/{want['metadata']['name']} differs from helm template"
+
+    # The chart's CRD template is the committed crds/ file (both generated from operator/spec.py).
+    committed = yaml.safe_load((REPO / "crds" / f"{CRD_NAME}.yaml").read_text())
+    chart_crd = next(d for d in rendered if d["kind"] == "CustomResourceDefinition")
+    assert chart_crd["spec"] == committed["spec"]
+    assert is_subset(committed["spec"], crd["spec"])
+
+
+# ---- 2. the operator runs under the chart's ServiceAccount ----
+
+def test_operator_runs_under_the_charts_service_account(e2e_cluster: Cluster, release: Release,
+                                                         local_operator: LocalOperator, example: Example) -> None:
+    c = e2e_cluster
+    sa = c.as_kubeconfig(local_operator.kubeconfig)
+    who = sa.kubectl_json("auth", "whoami")["status"]["userInfo"]["username"]
+    assert who == f"system:serviceaccount:{release.namespace}:{release.service_account}"
+    assert "client-certificate" not in local_operator.kubeconfig.read_text()
+    dep = c.kubectl_json("-n", release.namespace, "get", "deployment", f"{release.name}-operator")
+    assert dep["spec"]["replicas"] == 0 and not (dep.get("status") or {}).get("replicas")
+
+    def can(verb: str, resource: str, ns: str | None = None) -> bool:
+        args = ["auth", "can-i", verb, resource] + (["-n", ns] if ns else ["--all-namespaces"])
+        return sa.kubectl(*args, check=False).stdout.strip() == "yes"
+
+    for verb, res in [("watch", "nodes"), ("patch", "inferenceservices.serving.warmfleet.io/status"),
+                      ("create", "deployments.apps"), ("delete", "deployments.apps"), ("create", "events"),
+                      ("create", "poddisruptionbudgets.policy"), ("create", "roles.rbac.authorization.k8s.io"),
+                      ("watch", "endpointslices.discovery.k8s.io")]:
+        assert can(verb, res), f"the chart's RBAC lacks {verb} {res}"
+    for verb, res in [("get", "secrets"), ("delete", "configmaps"), ("delete", "inferenceservices.serving.warmfleet.io"),
+                      ("create", "clusterroles.rbac.authorization.k8s.io"), ("create", "pods"), ("patch", "nodes")]:
+        assert not can(verb, res), f"the chart's RBAC grants more than needed: {verb} {res}"
+    log = local_operator.log()
+    assert " 403 " not in log and "Forbidden" not in log, log
+
+
+# ---- 3. kubectl apply -f examples/...: children, Ready, printer columns, pools, memory ----
+
+def test_example_children_status_columns_and_pools(e2e_cluster: Cluster, example: Example) -> None:
+    c = e2e_cluster
+    svc = wait_settled(c, example)
+    uid, st, spec = svc["metadata"]["uid"], svc["status"], svc["spec"]
+    # defaults from the CRD schema were applied by the API server
+    assert spec["cache"]["blockSize"] == 64 and spec["router"]["loadBound"] == 1.25
+
+    children = c.kubectl_json("-n", example.namespace, "get", ",".join(CHILD_KINDS), "-l",
+                              f"{SERVICE_LABEL}={example.name}")["items"]
+    names = sorted(f"{o['kind']}/{o['metadata']['name']}" for o in children)
+    server_deps = sorted(o["metadata"]["name"] for o in children
+                         if o["kind"] == "Deployment" and o["metadata"]["labels"][COMPONENT_LABEL] == "server")
+    n = example.name
+    assert names == sorted([f"ConfigMap/{n}-config", f"ServiceAccount/{n}-router", f"Role/{n}-router",
+                            f"RoleBinding/{n}-router", f"Service/{n}-replicas", f"Service/{n}",
+                            f"PodDisruptionBudget/{n}-server", f"Deployment/{n}-router",
+                            *(f"Deployment/{d}" for d in server_deps)]), names
+    assert len(server_deps) == 2
+    for o in children:
+        refs = o["metadata"].get("ownerReferences") or []
+        assert [(r["kind"], r["name"], r["uid"], r.get("controller")) for r in refs] == \
+            [("InferenceService", n, uid, True)], (o["kind"], o["metadata"]["name"], refs)
+    headless = next(o for o in children if o["kind"] == "Service" and o["metadata"]["name"] == f"{n}-replicas")
+    assert headless["spec"]["clusterIP"] == "None"
+
+    # Ready once kwok marked the pods ready; observedGeneration and counts
+    assert st["ready"] == "True" and st["observedGeneration"] == svc["metadata"]["generation"]
+    assert st["readyReplicas"] == st["desiredReplicas"] == spec["replicas"] == 12
+    conds = {x["type"]: (x["status"], x["reason"]) for x in st["conditions"]}
+    assert conds == {"Ready": ("True", "AllReplicasReady"), "Progressing": ("False", "Stable"),
+                     "Degraded": ("False", "AsExpected"), "InvalidSpec": ("False", "SpecValid")}, conds
+
+    # printer columns
+    table = c.kubectl("-n", example.namespace, "get", "wfis", n).stdout.splitlines()
+    assert table[0].split() == ["NAME", "READY", "REPLICAS", "DESIRED", "MODEL", "ENDPOINT", "AGE"], table
+    assert table[1].split()[:6] == [n, "True", "12", "12", "qwen2-vl-7b", f"http://{n}.{example.namespace}.svc:8000/v1"]
+    assert n in c.kubectl("-n", example.namespace, "get", "warmfleet", "-o", "name").stdout  # category
+
+    # both pools, sized differently, on the nodes of their shape
+    nodes = {x["metadata"]["name"]: x for x in c.kubectl_json("get", "nodes", "-l", f"{SERVING_LABEL}=true")["items"]}
+    pools = {p["shape"]["gpuProduct"]: p for p in st["pools"]}
+    assert sorted(pools) == ["NVIDIA-H200", "NVIDIA-L4"], sorted(pools)
+    for product, p in pools.items():
+        want_nodes = sorted(k for k, v in nodes.items() if v["metadata"]["labels"]["nvidia.com/gpu.product"] == product)
+        assert sorted(p["nodes"]) == want_nodes and p["fits"] and p["replicas"] == 6 == p["readyReplicas"]
+    h, l4 = pools["NVIDIA-H200"]["sizes"], pools["NVIDIA-L4"]["sizes"]
+    for key in ("swapSpaceGib", "encoderCacheTokens", "memoryBytes"):
+        assert h[key] > l4[key], (key, h[key], l4[key])
+    assert h["swapSpaceGib"] <= spec["cache"]["swapSpace"]["max"]
+
+    # pod memory requests = the pool's size, and they fit the nodes they were scheduled on
+    pods = c.kubectl_json("-n", example.namespace, "get", "pods", "-l",
+                          f"{SERVICE_LABEL}={n},{COMPONENT_LABEL}=server")["items"]
+    assert len(pods) == 12
+    per_node: dict[str, int] = {}
+    for pod in pods:
+        node = nodes[pod["spec"]["nodeName"]]
+        product = node["metadata"]["labels"]["nvidia.com/gpu.product"]
+        res = pod["spec"]["containers"][0]["resources"]
+        mem = quantity(res["requests"]["memory"])
+        assert mem == quantity(res["limits"]["memory"]) == pools[product]["sizes"]["memoryBytes"]
+        args = pod["spec"]["containers"][0]["args"]
+        assert float(args[args.index("--swap-space") + 1]) == pools[product]["sizes"]["swapSpaceGib"]
+        assert int(args[args.index("--max-encoder-cache") + 1]) == pools[product]["sizes"]["encoderCacheTokens"]
+        per_node[node["metadata"]["name"]] = per_node.get(node["metadata"]["name"], 0) + mem
+    all_pods = c.kubectl_json("get", "pods", "--all-namespaces")["items"]
+    for node_name in per_node:
+        used = sum(quantity(ct["resources"].get("requests", {}).get("memory", "0"))
+                   for p in all_pods if p["spec"].get("nodeName") == node_name for ct in p["spec"]["containers"])
+        assert used <= quantity(nodes[node_name]["status"]["allocatable"]["memory"]), (node_name, used)
+
+
+# ---- 4. bad objects are refused with a readable message ----
+
+BASE = {"apiVersion": "serving.warmfleet.io/v1alpha1", "kind": "InferenceService",
+        "metadata": {"name": "bad"}, "spec": {"model": {"path": "/models/m"}}}
+
+
+def _with(**spec: Any) -> dict[str, Any]:
+    obj = copy.deepcopy(BASE)
+    obj["spec"].update(spec)
+    return obj
+
+
+# (id, object, expected message fragments); CEL rules are named by their message
+CREATE_CASES = [
+    ("cel-fixed-needs-size-gib", _with(cache={"swapSpace": {"mode": "Fixed"}}),
+     ["spec.cache.swapSpace", "size is required when mode is Fixed"]),
+    ("cel-fixed-needs-size-tokens", _with(cache={"encoderCache": {"mode": "Fixed"}}),
+     ["spec.cache.encoderCache", "size is required when mode is Fixed"]),
+    ("cel-min-le-max-gib", _with(cache={"processorCache": {"min": 8, "max": 2}}),
+     ["spec.cache.processorCache", "min must be <= max"]),
+    ("cel-min-le-max-tokens", _with(cache={"encoderCache": {"min": 9000, "max": 10}}),
+     ["spec.cache.encoderCache", "min must be <= max"]),
+    ("cel-autoscaling-bounds", _with(autoscaling={"minReplicas": 5, "maxReplicas": 2}),
+     ["spec.autoscaling", "minReplicas must be <= maxReplicas"]),
+    ("cel-replicas-xor-autoscaling", _with(replicas=2, autoscaling={"maxReplicas": 4}),
+     ["replicas and autoscaling are mutually exclusive"]),
+    ("cel-unique-pool-names", _with(pools=[{"name": "a"}, {"name": "a"}]),
+     ["spec.pools[1]: Duplicate value", "pool names must be unique"]),
+    ("schema-enum", _with(cache={"blockSize": 48}),
+     ["spec.cache.blockSize: Unsupported value: 48", '"16", "32", "64", "128", "256"']),
+    ("schema-minimum", _with(server={"gpusPerReplica": 0}),
+     ["spec.server.gpusPerReplica", "greater than or equal to 1"]),
+    ("schema-maximum", _with(cache={"encoderFraction": 0.9}),
+     ["spec.cache.encoderFraction", "less than or equal to 0.5"]),
+    ("schema-pattern-and-required", {**BASE, "spec": {"model": {"pvc": "Not_A_Name"}}},
+     ["spec.model.pvc", "should match", "spec.model.path: Required value"]),
+    ("schema-type", _with(replicas="three"),
+     ["spec.replicas", "must be of type integer"]),
+    ("schema-unknown-field", _with(cache={"swapSpaceGib": 4}),
+     ['unknown field "spec.cache.swapSpaceGib"']),
+]
+
+
+@pytest.mark.parametrize("case", CREATE_CASES, ids=[x[0] for x in CREATE_CASES])
+def test_bad_objects_are_refused_with_a_readable_message(e2e_cluster: Cluster, release: Release,
+                                                         namespace: str, case) -> None:
+    _, obj, fragments = case
+    obj = copy.deepcopy(obj)
+    obj["metadata"]["namespace"] = namespace
+    r = e2e_cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(obj), check=False)
+    assert r.returncode != 0, f"the API server accepted {obj['spec']}"
+    for frag in fragments:
+        assert frag in r.stderr, f"{frag!r} not in: {r.stderr}"
+    assert e2e_cluster.kubectl("-n", namespace, "get", "wfis", "bad", check=False).returncode != 0
+
+
+def test_served_name_is_immutable(e2e_cluster: Cluster, example: Example) -> None:
+    c = e2e_cluster
+    for patch in (['--type', 'merge', '-p', '{"spec":{"model":{"servedName":"renamed"}}}'],
+                  ['--type', 'json', '-p', '[{"op":"remove","path":"/spec/model/servedName"}]']):
+        r = c.kubectl("-n", example.namespace, "patch", "wfis", example.name, *patch, check=False)
+        assert r.returncode != 0 and "spec.model: Invalid value" in r.stderr \
+            and "model.servedName is immutable" in r.stderr, r.stderr
+    assert wfis(c, example)["spec"]["model"]["servedName"] == "qwen2-vl-7b"
+
+
+def test_every_cel_rule_has_a_refusal_case(e2e_cluster: Cluster, release: Release) -> None:
+    """A new x-kubernetes-validations rule must come with a case above."""
+    schema = e2e_cluster.kubectl_json("get", "crd", CRD_NAME)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    messages: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for rule in node.get("x-kubernetes-validations", []):
+                messages.add(rule["message"])
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(schema)
+    covered = {frag for _, _, frags in CREATE_CASES for frag in frags} | {"model.servedName is immutable"}
+    assert messages and messages <= covered, sorted(messages - covered)
+
+
+# ---- 5. node changes, spec change, operator restart ----
+
+@pytest.fixture
+def extra_nodes(e2e_cluster: Cluster, example: Example) -> Iterator[list[str]]:
+    made: list[str] = []
+    yield made
+    if made:
+        e2e_cluster.kubectl("delete", "node", *made, "--ignore-not-found")
+        wait_for(lambda: len(wfis(e2e_cluster, example)["status"]["pools"]) == 2, 60,
+                 "the pools to shrink back to H200 + L4")
+        wait_settled(e2e_cluster, example, "the service to settle after removing the extra nodes")
+
+
+def test_node_changes_new_shape_makes_a_pool_relabel_into_existing_shape_restarts_nothing(
+        e2e_cluster: Cluster, example: Example, extra_nodes: list[str]) -> None:
+    c = e2e_cluster
+    wait_settled(c, example)
+    before = rollout_state(c, example)
+
+    # A node with a new shape (8xA100-80GB, 1 TiB) joins: a third pool and Deployment appear;
+    # the existing pools keep their pod templates (replica counts may move between pools).
+    a100 = kwok_node("gpu-a100-e2e", {SERVING_LABEL: "true", "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB",
+                                      "nvidia.com/gpu.memory": "81920", "nvidia.com/gpu.count": "8"},
+                     gpus=8, memory="1Ti", cpu="128")
+    extra_nodes.append("gpu-a100-e2e")
+    c.apply(a100)
+    wait_for(lambda: len(wfis(c, example)["status"]["pools"]) == 3, 60, "a third pool for the A100 node")
+    svc = wait_settled(c, example, "the service to settle with three pools")
+    pools = {p["shape"]["gpuProduct"]: p for p in svc["status"]["pools"]}
+    assert pools["NVIDIA-A100-SXM4-80GB"]["nodes"] == ["gpu-a100-e2e"] and pools["NVIDIA-A100-SXM4-80GB"]["replicas"] > 0
+    after_add = rollout_state(c, example)
+    assert set(after_add) - set(before) == {next(n for n in after_add if "a100" in n)}
+    for name, state in before.items():
+        assert after_add[name] == state, f"{name} rolled although its pool did not change"
+
+    # An unselected H200-shaped node is relabelled into the selector: it joins the existing
+    # H200 pool; no Deployment appears or goes, no pod template changes, nothing rolls.
+    spare = kwok_node("gpu-h200-spare", {"nvidia.com/gpu.product": "NVIDIA-H200", "nvidia.com/gpu.memory": "143771",
+                                         "nvidia.com/gpu.count": "8"}, gpus=8, memory="2Ti", cpu="192")
+    extra_nodes.append("gpu-h200-spare")
+    c.apply(spare)
+    wait_for(lambda: is_ready(c.kubectl_json("get", "node", "gpu-h200-spare")), 60, "the spare node Ready")
+    assert wfis(c, example)["status"]["pools"] == svc["status"]["pools"]  # not selected: not a member
+    c.kubectl("label", "node", "gpu-h200-spare", f"{SERVING_LABEL}=true")
+    wait_for(lambda: "gpu-h200-spare" in next(p for p in wfis(c, example)["status"]["pools"]
+                                              if p["shape"]["gpuProduct"] == "NVIDIA-H200")["nodes"],
+             60, "the relabelled node in the H200 pool")
+    svc2 = wait_settled(c, example, "the service to settle after the relabel")
+    assert len(svc2["status"]["pools"]) == 3
+    for old, new in zip(svc["status"]["pools"], svc2["status"]["pools"]):
+        assert (old["name"], old["sizes"]) == (new["name"], new["sizes"])
+    assert rollout_state(c, example) == after_add, "a relabel into an existing shape rolled something"
+
+
+def test_spec_change_rolls_each_deployment_exactly_once(e2e_cluster: Cluster, example: Example) -> None:
+    c = e2e_cluster
+    svc = wait_settled(c, example)
+    deps_before = deployments(c, example)
+    rs_before = replica_sets(c, example)
+    block = 32 if svc["spec"]["cache"]["blockSize"] != 32 else 128
+    c.kubectl("-n", example.namespace, "patch", "wfis", example.name, "--type", "merge",
+              "-p", f'{{"spec":{{"cache":{{"blockSize":{block}}}}}}}')
+    gen = svc["metadata"]["generation"] + 1
+    wait_for(lambda: wfis(c, example)["status"]["observedGeneration"] == gen, 60, "the operator to see the change")
+    wait_for(lambda: settled(c, example) and all(
+        f"{block}" in d["spec"]["template"]["spec"]["containers"][0]["args"] for d in deployments(c, example).values()),
+        120, "every Deployment rolled out with the new block size")
+    deps_after, rs_after = deployments(c, example), replica_sets(c, example)
+    assert set(deps_after) == set(deps_before)
+    for name, before in deps_before.items():
+        after = deps_after[name]
+        assert after["metadata"]["generation"] == before["metadata"]["generation"] + 1, \
+            f"{name}: generation {before['metadata']['generation']} -> {after['metadata']['generation']}"
+        new_rs = rs_after[name] - rs_before[name]
+        assert len(new_rs) == 1 and rs_before[name] <= rs_after[name], (name, rs_before[name], rs_after[name])
+        (rs_name,) = new_rs
+        hash_ = c.kubectl_json("-n", example.namespace, "get", "rs", rs_name)["metadata"]["labels"]["pod-template-hash"]
+        sel = ",".join(f"{k}={v}" for k, v in after["spec"]["selector"]["matchLabels"].items())
+        pods = c.kubectl_json("-n", example.namespace, "get", "pods", "-l", sel)["items"]
+        live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+        assert live and {p["metadata"]["labels"]["pod-template-hash"] for p in live} == {hash_}
+        args = after["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[args.index("--block-size") + 1] == str(block)
+    assert wfis(c, example)["status"]["observedGeneration"] == gen
+
+
+def test_operator_restart_changes_nothing(e2e_cluster: Cluster, example: Example,
+                                          local_operator: LocalOperator) -> None:
+    c = e2e_cluster
+    wait_settled(c, example)
+
+    def snapshot() -> dict[str, Any]:
+        objs = c.kubectl_json("-n", example.namespace, "get", ",".join(CHILD_KINDS), "-l",
+                              f"{SERVICE_LABEL}={example.name}")["items"]
+        out: dict[str, Any] = {}
+        for o in objs:
+            key = f"{o['kind']}/{o['metadata']['name']}"
+            # status-bearing kinds change resourceVersion on status updates: compare what the operator writes
+            if o["kind"] in ("Deployment", "PodDisruptionBudget"):
+                out[key] = (o["metadata"]["uid"], o["metadata"]["generation"], repr(o["spec"]))
+            else:
+                out[key] = (o["metadata"]["uid"], o["metadata"]["resourceVersion"])
+        svc = wfis(c, example)
+        out["status"] = svc["status"]
+        out["replicasets"] = replica_sets(c, example)
+        return out
+
+    before = snapshot()
+    local_operator.stop()
+    local_operator.start()
+    marker = "Handler 'make_registry.<locals>.reconcile_service' succeeded"
+    wait_for(lambda: local_operator.count(marker) >= 1, 60, "the restarted operator's resume pass")
+    assert snapshot() == before
+    assert "reconciled:" not in local_operator.log(), local_operator.log()  # no child written, no status written
+
+
+# ---- 6. deletion garbage-collects; helm uninstall keeps the CRD and user objects ----
+
+@pytest.mark.destructive
+def test_deleting_the_service_garbage_collects_every_child(e2e_cluster: Cluster, example: Example) -> None:
+    c = e2e_cluster
+    children = c.kubectl_json("-n", example.namespace, "get", ",".join(CHILD_KINDS + ["replicaset", "pod"]),
+                              "-l", f"{SERVICE_LABEL}={example.name}")["items"]
+    assert len(children) > 20
+    c.kubectl("-n", example.namespace, "delete", "wfis", example.name, "--wait=true", "--timeout=60s")
+
+    def gone() -> bool:
+        left = c.kubectl_json("-n", example.namespace, "get", ",".join(CHILD_KINDS + ["replicaset", "pod"]),
+                              "-l", f"{SERVICE_LABEL}={example.name}")["items"]
+        return not left
+
+    wait_for(gone, 120, "the garbage collector to delete every child")
+    for o in children:
+        r = c.kubectl("-n", example.namespace, "get", f"{o['kind']}/{o['metadata']['name']}", check=False)
+        assert r.returncode != 0 and "NotFound" in r.stderr, (o["kind"], o["metadata"]["name"])
+
+
+@pytest.mark.destructive
+def test_helm_uninstall_keeps_the_crd_and_user_objects(e2e_cluster: Cluster, release: Release,
+                                                       local_operator: LocalOperator, namespace: str) -> None:
+    c = e2e_cluster
+    keeper = {"apiVersion": "serving.warmfleet.io/v1alpha1", "kind": "InferenceService",
+              "metadata": {"name": "keeper", "namespace": namespace},
+              "spec": {"model": {"path": "/models/m"}, "replicas": 0}}
+    c.apply(keeper)
+    wait_for(lambda: (c.kubectl_json("-n", namespace, "get", "wfis", "keeper").get("status") or {}).get("ready") == "True",
+             60, "the operator to reconcile the user's service")
+    local_operator.stop()  # its token dies with the ServiceAccount
+    out = c.helm("uninstall", release.name, "--namespace", release.namespace, "--wait").stdout
+    release.installed = False
+    assert "kept due to the resource policy" in out and CRD_NAME in out, out
+    assert c.kubectl("get", "crd", CRD_NAME, check=False).returncode == 0
+    kept = c.kubectl_json("-n", namespace, "get", "wfis", "keeper")
+    assert kept["spec"]["model"]["path"] == "/models/m"
+    for args in (["-n", release.namespace, "get", "deployment", f"{release.name}-operator"],
+                 ["-n", release.namespace, "get", "serviceaccount", release.service_account],
+                 ["get", "clusterrole", f"{release.name}-kopf"], ["get", "clusterrole", f"{release.name}-app"],
+                 ["get", "clusterrolebinding", f"{release.name}-app"]):
+        r = c.kubectl(*args, check=False)
+        assert r.returncode != 0 and "NotFound" in r.stderr, args
+    assert release.name not in c.helm("list", "--all-namespaces", "-q").stdout.split()
+    # the values.yaml comment documents exactly this
+    assert "helm uninstall` leaves users' InferenceServices alone" in (CHART / "values.yaml").read_text()
+    assert EXAMPLE.is_file()
