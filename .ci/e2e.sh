@@ -29,20 +29,31 @@ cat "$BIN/VERSIONS" 2>/dev/null || true
 export WARMFLEET_E2E_BIN="$BIN"
 
 echo "== e2e: python dependencies"
+# The suite runs the operator, replicas and router from this interpreter's environment: it needs
+# warmfleet installed with its extras (the project venv of `make test` has them).
 if [[ "${WARMFLEET_E2E_INSTALL:-1}" != 0 ]]; then
   "$PY" -P -c 'import pytest' 2>/dev/null || "$PY" -m pip install -q 'pytest>=8'
 fi
-"$PY" -P -c 'import pytest' || fail "pytest is not importable by $PY"
+missing="$("$PY" -P -c '
+import importlib.util as u
+mods = ["pytest", "warmfleet.cli", "warmfleet.operator.kube", "kopf", "httpx", "openai", "yaml", "PIL", "numpy", "paddle"]
+print(" ".join(m for m in mods if u.find_spec(m.split(".")[0]) is None or (u.find_spec(m) is None)))
+')" || fail "$PY cannot inspect its packages"
+[[ -z "$missing" ]] || fail "$PY lacks: $missing. The e2e suite needs warmfleet with its extras:
+  run 'make test' (creates .venv) and PYTHON=.venv/bin/python .ci/e2e.sh, or pip install -e '.[all]'."
+[[ -x "$(dirname "$PY")/warmfleet" ]] || "$PY" -P -c 'import warmfleet.cli' \
+  || fail "the warmfleet command is not installed for $PY"
 
-echo "== e2e: pytest e2e"
+echo "== e2e: pytest e2e (cluster up, chart, operator, data plane, cluster down)"
+t1=$(date +%s)
 # -P: do not put the repo root on sys.path (operator/ would shadow the standard library).
 set +e
 # shellcheck disable=SC2086
-"$PY" -P -m pytest e2e -v -p no:cacheprovider ${WARMFLEET_E2E_PYTEST_ARGS:-}
+"$PY" -P -m pytest e2e -v -p no:cacheprovider --durations=12 ${WARMFLEET_E2E_PYTEST_ARGS:-}
 rc=$?
 set -e
 case $rc in
-  0) echo "e2e: passed" ;;
+  0) echo "e2e: passed in $(( $(date +%s) - t1 ))s (toolchain check $(( t1 - t0 ))s)" ;;
   5) fail "pytest collected no e2e tests" ;;
   *) fail "pytest e2e failed (exit $rc)" ;;
 esac
