@@ -16,6 +16,7 @@ Helpers: ``Cluster.kubectl(...)``, ``Cluster.kubectl_json(...)``, ``Cluster.helm
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -159,6 +160,12 @@ def release(e2e_cluster: Cluster) -> Iterator[Release]:
     c = e2e_cluster
     if c.helm_path is None:
         pytest.fail("helm is not available: the e2e toolchain must provide it", pytrace=False)
+    # A reused cluster may hold a release of a session that died, or still be deleting what one left.
+    if c.helm("status", RELEASE, "--namespace", RELEASE_NS, check=False).returncode == 0:
+        c.helm("uninstall", RELEASE, "--namespace", RELEASE_NS, "--wait")
+    # A reused cluster may still be deleting what a previous session left (namespace, CRD).
+    wait_for(lambda: not terminating(c, "namespace", RELEASE_NS) and not terminating(c, "crd", CRD_NAME),
+             120, f"namespace {RELEASE_NS} and CRD {CRD_NAME} of an earlier run to finish deleting")
     t0 = time.monotonic()
     out = c.helm("install", RELEASE, str(CHART), "--namespace", RELEASE_NS, "--create-namespace",
                  "--wait", "--timeout", "120s").stdout
@@ -171,6 +178,12 @@ def release(e2e_cluster: Cluster) -> Iterator[Release]:
         # leave a reused cluster as we found it: the CRD is kept by helm on purpose
         c.kubectl("delete", "crd", CRD_NAME, "--ignore-not-found", "--wait=false", check=False)
         c.kubectl("delete", "namespace", RELEASE_NS, "--ignore-not-found", "--wait=false", check=False)
+
+
+def terminating(c: Cluster, *what: str) -> bool:
+    """Whether the object exists and is being deleted."""
+    r = c.kubectl("get", *what, "-o", "json", check=False)
+    return r.returncode == 0 and bool(json.loads(r.stdout)["metadata"].get("deletionTimestamp"))
 
 
 def scale_chart_operator_to_zero(c: Cluster, rel: Release) -> None:
@@ -280,8 +293,13 @@ def example(e2e_cluster: Cluster, local_operator: LocalOperator) -> Iterator[Exa
     secret = doc["spec"]["router"]["apiKeySecret"]["name"]
     assert doc["spec"]["nodeSelector"] == {SERVING_LABEL: "true"}, "the e2e setup labels nodes for this selector"
     c.kubectl("label", "nodes", "-l", "nvidia.com/gpu.present=true", f"{SERVING_LABEL}=true", "--overwrite")
+    wait_for(lambda: not terminating(c, "-n", ns, "pvc", "model-store")
+             and not terminating(c, "pv", f"e2e-model-store-{ns}")
+             and not terminating(c, "-n", ns, "inferenceservice", name),
+             120, "the example's objects of an earlier run to finish deleting")
     c.apply(model_store(ns))
     api_key = f"sk-e2e-{uuid.uuid4().hex[:12]}"
+    c.kubectl("-n", ns, "delete", "secret", secret, "--ignore-not-found")
     c.kubectl("-n", ns, "create", "secret", "generic", secret, f"--from-literal=api-key={api_key}")
     try:
         c.kubectl("apply", "-f", str(EXAMPLE))
