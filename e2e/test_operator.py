@@ -77,7 +77,7 @@ def settled(c: Cluster, ex: Example) -> dict[str, Any] | None:
 
 
 def wait_settled(c: Cluster, ex: Example, what: str = "the service to settle") -> dict[str, Any]:
-    return wait_for(lambda: settled(c, ex), 120, what)
+    return wait_for(lambda: settled(c, ex), 180, what)
 
 
 def rollout_state(c: Cluster, ex: Example) -> dict[str, tuple[str, str, frozenset[str]]]:
@@ -400,7 +400,9 @@ def test_spec_change_rolls_each_deployment_exactly_once(e2e_cluster: Cluster, ex
     wait_for(lambda: wfis(c, example)["status"]["observedGeneration"] == gen, 60, "the operator to see the change")
     wait_for(lambda: settled(c, example) and all(
         f"{block}" in d["spec"]["template"]["spec"]["containers"][0]["args"] for d in deployments(c, example).values()),
-        120, "every Deployment rolled out with the new block size")
+        # a rolling update steps one pod at a time (maxUnavailable 1, no surge); kwok honours each old
+        # pod's termination grace, so this takes from seconds to about a minute
+        240, "every Deployment rolled out with the new block size")
     deps_after, rs_after = deployments(c, example), replica_sets(c, example)
     assert set(deps_after) == set(deps_before)
     for name, before in deps_before.items():
