@@ -364,7 +364,7 @@ PEERS = ("rr", "sglang", "vllm")
 
 
 def mean_of(runs: list[dict]) -> dict:
-    keys = [k for k in runs[0] if k != "reasons"]
+    keys = [k for k in runs[0] if k not in ("reasons", "rate", "seed")]
     out = {k: (round(statistics.mean(r[k] for r in runs if r[k] is not None), 4)
                if any(r[k] is not None for r in runs) else None) for k in keys}
     if any("reasons" in r for r in runs):
