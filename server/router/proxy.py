@@ -38,6 +38,7 @@ CONNECT_FAILURES = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtoc
                     httpx.WriteError, httpx.PoolTimeout)  # forward_plain (httpx)
 # forwarding (aiohttp): a connect timeout is a dead replica; any other timeout is the replica being slow
 UPSTREAM_FAILURES = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, aiohttp.ClientResponseError)
+CONNECT_TIMEOUT = getattr(aiohttp, "ConnectionTimeoutError", ())  # aiohttp >= 3.10; older: a plain timeout (504)
 PASSTHROUGH_HEADERS = ("content-type", "x-warmfleet-replica", "x-request-id")
 
 
@@ -165,7 +166,7 @@ class Proxy:
                 resp.release()
                 self._observe_usage(decision, content, rid)
                 return self._count(Response(content, resp.status, self._reply_headers(resp, rep, decision, tried > 1)))
-            except aiohttp.ConnectionTimeoutError:
+            except CONNECT_TIMEOUT:
                 last_error = f"{rid}: ConnectTimeout"
                 self.fleet.report_failure(rid, last_error)
             except asyncio.TimeoutError:
