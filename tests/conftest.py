@@ -16,6 +16,14 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_vl_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen2-VL checkpoint (vision tower, M-RoPE decoder, preprocessor config); treat as read-only."""
+    from warmfleet.server.multimodal.tiny_vl import make_tiny_vl_model
+
+    return make_tiny_vl_model(tmp_path_factory.mktemp("tiny-qwen2-vl"), arch="qwen2_vl", size="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     """A tiny Llama checkpoint (no q/k/v bias, llama3 RoPE scaling), same tokenizer; treat as read-only."""
     from warmfleet.server.models.tiny import make_tiny_model

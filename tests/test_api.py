@@ -607,29 +607,22 @@ async def test_openai_client_chat_streaming_and_completions(app):
 
 # ---- images (Qwen2-VL-like FakeEngine) ----------------------------------------------------------
 @pytest.fixture(scope="module")
-def vl_dir(tmp_path_factory):
-    from warmfleet.server.multimodal.tiny_vl import make_tiny_vl_model
-
-    return make_tiny_vl_model(tmp_path_factory.mktemp("tiny-vl-api"), arch="qwen2_vl", size="tiny", seed=0)
-
-
-@pytest.fixture(scope="module")
-def vl_tok(vl_dir) -> Tokenizer:
-    return Tokenizer(vl_dir)
+def vl_tok(tiny_vl_dir) -> Tokenizer:
+    return Tokenizer(tiny_vl_dir)
 
 
 @pytest.fixture
-def vl_engine(vl_tok, vl_dir) -> FakeEngine:
-    return FakeEngine(vl_tok, vl_dir, reply=REPLY, multimodal=True, max_model_len=2048)
+def vl_engine(vl_tok, tiny_vl_dir) -> FakeEngine:
+    return FakeEngine(vl_tok, tiny_vl_dir, reply=REPLY, multimodal=True, max_model_len=2048)
 
 
-def vl_app_for(vl_engine, vl_tok, vl_dir, **server):
-    return build_app(vl_engine, vl_tok, make_cfg(vl_dir, **server))
+def vl_app_for(vl_engine, vl_tok, tiny_vl_dir, **server):
+    return build_app(vl_engine, vl_tok, make_cfg(tiny_vl_dir, **server))
 
 
 @pytest.fixture
-async def vl_client(vl_engine, vl_tok, vl_dir):
-    app = vl_app_for(vl_engine, vl_tok, vl_dir)
+async def vl_client(vl_engine, vl_tok, tiny_vl_dir):
+    app = vl_app_for(vl_engine, vl_tok, tiny_vl_dir)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as c:
         c.app = app
         yield c
@@ -767,12 +760,12 @@ async def test_image_to_a_text_only_model_is_400(client, engine):
     assert engine.requests == []
 
 
-async def test_file_urls_only_under_the_allowed_directory(vl_engine, vl_tok, vl_dir, tmp_path):
+async def test_file_urls_only_under_the_allowed_directory(vl_engine, vl_tok, tiny_vl_dir, tmp_path):
     media = tmp_path / "media"
     media.mkdir()
     (media / "cat.png").write_bytes(image_bytes())
     (tmp_path / "secret.png").write_bytes(image_bytes())
-    app = vl_app_for(vl_engine, vl_tok, vl_dir, allowed_local_media_path=str(media))
+    app = vl_app_for(vl_engine, vl_tok, tiny_vl_dir, allowed_local_media_path=str(media))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as c:
         ok = await c.post(CHAT, json=image_chat(image_part((media / "cat.png").as_uri())))
         assert ok.status_code == 200, ok.text
@@ -817,11 +810,11 @@ def processor_cache(tmp_path):
     proc.stop()
 
 
-async def test_processor_cache_hits_uuid_reuse_metrics_and_fallback(vl_engine, vl_tok, vl_dir, processor_cache):
+async def test_processor_cache_hits_uuid_reuse_metrics_and_fallback(vl_engine, vl_tok, tiny_vl_dir, processor_cache):
     import os
     import signal
 
-    app = vl_app_for(vl_engine, vl_tok, vl_dir)
+    app = vl_app_for(vl_engine, vl_tok, tiny_vl_dir)
     state = app.state.wf
     state.connect_processor_cache(processor_cache.address, timeout_s=10.0)  # exact counts even on a busy machine
     state.processor_cache_process = processor_cache

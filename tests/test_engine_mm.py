@@ -8,14 +8,8 @@ import pytest
 from PIL import Image
 
 from warmfleet import LLM, SamplingParams
-from warmfleet.server.multimodal.tiny_vl import make_tiny_vl_model
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def vl_dir(tmp_path_factory):
-    return make_tiny_vl_model(tmp_path_factory.mktemp("vl") / "tiny-vl", arch="qwen2_vl", size="tiny", seed=0)
 
 
 def image_uri(seed, size=(112, 168)):  # 8x12 patches -> 24 image tokens
@@ -36,8 +30,8 @@ def conv(text_before, uri, question):
 LONG = "Describe the picture below in great detail, paying attention to colour and shape. " * 2
 
 
-def test_image_aware_prefix_hits(vl_dir):
-    llm = LLM(str(vl_dir), block_size=16, num_gpu_blocks=256)
+def test_image_aware_prefix_hits(tiny_vl_dir):
+    llm = LLM(str(tiny_vl_dir), block_size=16, num_gpu_blocks=256)
     a = llm.chat(conv(LONG, image_uri(1), "What is it?"), GREEDY)[0]
     assert a.num_cached_tokens == 0
     prep = llm._image_preparer().prepare(conv(LONG, image_uri(1), "What is it?"))
@@ -52,27 +46,27 @@ def test_image_aware_prefix_hits(vl_dir):
     assert st.encoder_cache_hits >= 1 and st.encoder_cache_misses >= 2
 
 
-def test_outputs_identical_with_and_without_caches(vl_dir):
+def test_outputs_identical_with_and_without_caches(tiny_vl_dir):
     # block size 8 puts block boundaries inside the image: a later hit starts mid-image and must
     # splice exactly the image rows it still needs
     msgs = conv(LONG, image_uri(3), "What is it?")
-    cold = LLM(str(vl_dir), block_size=8, num_gpu_blocks=256, enable_prefix_caching=False, max_encoder_cache=0)
+    cold = LLM(str(tiny_vl_dir), block_size=8, num_gpu_blocks=256, enable_prefix_caching=False, max_encoder_cache=0)
     ref = cold.chat(msgs, GREEDY)[0].outputs[0].token_ids
-    warm = LLM(str(vl_dir), block_size=8, num_gpu_blocks=256)
+    warm = LLM(str(tiny_vl_dir), block_size=8, num_gpu_blocks=256)
     warm.chat(msgs, GREEDY)
     again = warm.chat(msgs, GREEDY)[0]
     assert again.outputs[0].token_ids == ref and again.num_cached_tokens > 0
     # encoder cache alone (no prefix cache): the encoder is skipped, output unchanged
-    enc = LLM(str(vl_dir), block_size=8, num_gpu_blocks=256, enable_prefix_caching=False)
+    enc = LLM(str(tiny_vl_dir), block_size=8, num_gpu_blocks=256, enable_prefix_caching=False)
     enc.chat(msgs, GREEDY)
     out = enc.chat(msgs, GREEDY)[0]
     assert out.outputs[0].token_ids == ref and enc.stats().encoder_cache_hits >= 1
 
 
-def test_chunks_never_end_inside_an_image(vl_dir):
+def test_chunks_never_end_inside_an_image(tiny_vl_dir):
     msgs = conv(LONG, image_uri(4, size=(224, 224)), "What is it?")  # 64 image tokens > the 20-token budget
-    ref = LLM(str(vl_dir), block_size=8, num_gpu_blocks=256).chat(msgs, GREEDY)[0].outputs[0].token_ids
-    llm = LLM(str(vl_dir), block_size=8, num_gpu_blocks=256, max_num_batched_tokens=20)
+    ref = LLM(str(tiny_vl_dir), block_size=8, num_gpu_blocks=256).chat(msgs, GREEDY)[0].outputs[0].token_ids
+    llm = LLM(str(tiny_vl_dir), block_size=8, num_gpu_blocks=256, max_num_batched_tokens=20)
     prep = llm._image_preparer().prepare(msgs)
     (ph,) = prep.prompt.mm_placeholders
     ends = []
@@ -98,10 +92,10 @@ def test_text_model_refuses_images(tiny_model_dir):
         llm.engine.add_request(GenerateRequest("x", [1, 2, 3], GREEDY, None, [MMPlaceholder("h", 1, 1)], [None]))
 
 
-def test_uuids_are_scoped_by_tenant(vl_dir):
+def test_uuids_are_scoped_by_tenant(tiny_vl_dir):
     from warmfleet.server.multimodal.prompt import UnknownMediaError
 
-    llm = LLM(str(vl_dir), block_size=16, num_gpu_blocks=256)
+    llm = LLM(str(tiny_vl_dir), block_size=16, num_gpu_blocks=256)
     part = {"type": "image_url", "image_url": {"url": image_uri(5)}, "uuid": "cat-photo"}
     llm.chat([{"role": "user", "content": [part, {"type": "text", "text": "hi"}]}], GREEDY, cache_salt="tenant-a")
     only_uuid = [{"role": "user", "content": [{"type": "image_url", "image_url": {}, "uuid": "cat-photo"},

@@ -116,10 +116,13 @@ def settings_from_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from ..logging_setup import setup_logging
     from .app import build_app
     from .transport import CoalescingH11Protocol
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level)
+    if args.log_level != "debug":  # one line per health check per replica every 0.2 s is noise
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     app = build_app(settings_from_args(args))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 http=CoalescingH11Protocol)

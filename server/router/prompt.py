@@ -164,19 +164,20 @@ class PromptRenderer:
         messages = [_as_replica_sees(m) for m in messages]
         add_gen = bool(body.get("add_generation_prompt", True))
         if _has_images(messages):
-            return self._chat_with_images(messages, add_gen)
+            return self._chat_with_images(messages, add_gen, body.get("cache_salt"))
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen)
         ids = self._encode_chat(text)
         return Prompt(ids, [], len(ids))
 
-    def _chat_with_images(self, messages: list, add_gen: bool) -> Prompt:
+    def _chat_with_images(self, messages: list, add_gen: bool, cache_salt: Optional[str] = None) -> Prompt:
         if self._mm_render is not None and self._image_pad_ids:
             if self._processor_cfg is None:
                 from ..multimodal.processor import ImageProcessorConfig
 
                 self._processor_cfg = ImageProcessorConfig.from_model_dir(self.tokenizer.model_dir)
             ids, items = self._mm_render(self.tokenizer, messages, processor_cfg=self._processor_cfg,
-                                         hash_algo=self.hash_algo, add_generation_prompt=add_gen)
+                                         hash_algo=self.hash_algo, cache_salt=cache_salt,
+                                         add_generation_prompt=add_gen)
             return Prompt(list(ids), list(items), len(ids))
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen)
         ids = self.tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,50 @@
+"""Contract 1 for images: the router renders and hashes an image prompt exactly as a replica's frontend does."""
+
+import base64
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from warmfleet.server.hashing import block_hashes, model_fingerprint
+from warmfleet.server.multimodal.inputs import ImageInputPreparer
+from warmfleet.server.multimodal.media import MediaConfig, MediaLoader
+from warmfleet.server.multimodal.processor import ImageProcessor
+from warmfleet.server.router.prompt import PromptRenderer
+from warmfleet.server.tokenizer import Tokenizer
+
+
+def uri(seed):
+    img = Image.fromarray(np.random.default_rng(seed).integers(0, 255, (168, 112, 3), dtype=np.uint8))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def messages(seed, uuid=None):
+    part = {"type": "image_url", "image_url": {"url": uri(seed)}}
+    if uuid:
+        part["uuid"] = uuid
+    return [{"role": "system", "content": "You describe pictures."},
+            {"role": "user", "content": [{"type": "text", "text": "Look:"}, part, {"type": "text", "text": "What?"}]}]
+
+
+@pytest.mark.parametrize("uuid, salt", [(None, None), (None, "tenant-a"), ("photo-1", None), ("photo-1", "tenant-a")])
+def test_router_and_frontend_agree_on_ids_placeholders_and_block_hashes(tiny_vl_dir, uuid, salt):
+    frontend = ImageInputPreparer(Tokenizer(tiny_vl_dir), ImageProcessor.from_model_dir(tiny_vl_dir),
+                                  MediaLoader(MediaConfig()))
+    replica = frontend.prepare(messages(7, uuid), cache_salt=salt, add_generation_prompt=True)
+    routed = PromptRenderer(str(tiny_vl_dir)).chat({"messages": messages(7, uuid), "cache_salt": salt})
+    assert routed.token_ids == replica.prompt.prompt_token_ids
+    assert routed.mm_items == replica.prompt.mm_placeholders and len(routed.mm_items) == 1
+    fp = model_fingerprint(tiny_vl_dir)
+    assert (block_hashes(routed.token_ids, routed.mm_items, 16, fp, salt)
+            == block_hashes(replica.prompt.prompt_token_ids, replica.prompt.mm_placeholders, 16, fp, salt))
+
+
+def test_uuid_identity_differs_per_tenant(tiny_vl_dir):
+    r = PromptRenderer(str(tiny_vl_dir))
+    a = r.chat({"messages": messages(7, "photo-1"), "cache_salt": "tenant-a"}).mm_items[0].mm_hash
+    b = r.chat({"messages": messages(7, "photo-1"), "cache_salt": "tenant-b"}).mm_items[0].mm_hash
+    assert a != b
