@@ -19,6 +19,15 @@ DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 Mode = Literal["Auto", "Fixed"]
 
 
+# Shared by every Auto/Fixed size: CEL for the API server, the same check in Python for `render`.
+SIZE_RULES: list[Rule] = [
+    ("self.mode != 'Fixed' || has(self.size)", "size is required when mode is Fixed",
+     lambda s: s.mode != "Fixed" or s.size is not None),
+    ("!has(self.min) || !has(self.max) || self.min <= self.max", "min must be <= max",
+     lambda s: s.min is None or s.max is None or s.min <= s.max),
+]
+
+
 @dataclass(kw_only=True)
 class GiBSize:
     """A cache size in GiB: Auto derives it per node pool, Fixed takes `size`; min/max clamp Auto."""
@@ -28,12 +37,7 @@ class GiBSize:
     min: Optional[float] = prop(None, doc="Lower bound in GiB for the Auto size.", minimum=0)
     max: Optional[float] = prop(None, doc="Upper bound in GiB for the Auto size.", minimum=0)
 
-    RULES: ClassVar[list[Rule]] = [
-        ("self.mode != 'Fixed' || has(self.size)", "size is required when mode is Fixed",
-         lambda s: s.mode != "Fixed" or s.size is not None),
-        ("!has(self.min) || !has(self.max) || self.min <= self.max", "min must be <= max",
-         lambda s: s.min is None or s.max is None or s.min <= s.max),
-    ]
+    RULES: ClassVar[list[Rule]] = SIZE_RULES
 
 
 @dataclass(kw_only=True)
@@ -45,12 +49,7 @@ class TokenSize:
     min: Optional[int] = prop(None, doc="Lower bound in tokens for the Auto size.", minimum=0)
     max: Optional[int] = prop(None, doc="Upper bound in tokens for the Auto size.", minimum=0)
 
-    RULES: ClassVar[list[Rule]] = [
-        ("self.mode != 'Fixed' || has(self.size)", "size is required when mode is Fixed",
-         lambda s: s.mode != "Fixed" or s.size is not None),
-        ("!has(self.min) || !has(self.max) || self.min <= self.max", "min must be <= max",
-         lambda s: s.min is None or s.max is None or s.min <= s.max),
-    ]
+    RULES: ClassVar[list[Rule]] = SIZE_RULES
 
 
 @dataclass(kw_only=True)
