@@ -229,6 +229,13 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
+def stream_error(state: ServerState, exc: EngineError) -> str:
+    """The SSE event that ends a stream the engine failed (the client sees why, never a silent cut)."""
+    state.metrics.error(500)
+    err = engine_failure(exc)
+    return sse(error_body(err.status, err.message, code=err.code))
+
+
 def engine_failure(exc: EngineError) -> APIError:
     return APIError(500, f"the engine failed this request: {exc}", code="engine_error")
 
@@ -415,9 +422,7 @@ async def _chat_stream(state: ServerState, choices: list[Choice], meta: dict, to
         if include_usage:
             yield sse({**base, "choices": [], "usage": usage(choices, state)})
     except EngineError as exc:
-        state.metrics.error(500)
-        err = engine_failure(exc)
-        yield sse(error_body(err.status, err.message, code=err.code))
+        yield stream_error(state, exc)
     yield SSE_DONE
 
 
@@ -525,7 +530,5 @@ async def _completion_stream(state: ServerState, choices: list[Choice], meta: di
         if include_usage:
             yield sse({**base, "choices": [], "usage": usage(choices, state)})
     except EngineError as exc:
-        state.metrics.error(500)
-        err = engine_failure(exc)
-        yield sse(error_body(err.status, err.message, code=err.code))
+        yield stream_error(state, exc)
     yield SSE_DONE
