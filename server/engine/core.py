@@ -14,9 +14,9 @@ import paddle
 
 from ..config import EngineConfig
 from ..events import EventPublisher, Load, Snapshot
-from .attention import CpuPagedAttention
 from ..multimodal.mrope import mrope_positions
 from ..multimodal.wire import from_msgpack
+from .attention import CpuPagedAttention
 from .block_pool import BlockPool
 from .encoder_cache import EncoderCache
 from .kv_cache_manager import KVCacheManager

@@ -13,9 +13,8 @@ from typing import Any, Optional
 import numpy as np
 import paddle
 
-from ..multimodal.mrope import positions_for_span
-
 from ..config import GiB, CacheConfig
+from ..multimodal.mrope import positions_for_span
 from .attention import AttentionBackend, AttentionMetadata, LayerCache, dense_transposes
 from .block_pool import SwapPlan
 from .encoder_cache import EncoderCache, image_slices
