@@ -277,7 +277,7 @@ def test_bfloat16_weights_load_and_run(ckpt):
     save_paddle({k: paddle.to_tensor(v).astype("bfloat16") for k, v in weights.items()}, str(ckpt / "model.safetensors"))
     model, _ = load_model(ckpt, CpuPagedAttention(), "float32")
     ref = {k: v.astype(np.float32) for k, v in weights.items()}
-    got = model.model.layers[0].self_attn.q_proj.weight.numpy()
+    got = model.model.layers[0].self_attn.q_proj.weight.numpy().T  # kept as [in, out]
     np.testing.assert_allclose(got, ref["model.layers.0.self_attn.q_proj.weight"], rtol=1e-2, atol=1e-3)
 
 

@@ -73,6 +73,7 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
 def load_weights(model: Any, files: list[Path], progress: Callable[[str], None] = logger.info) -> None:
     """Copy every checkpoint tensor into its parameter; raise on missing, unexpected or misshapen tensors."""
     from safetensors import safe_open
+    import paddle
 
     params = model.checkpoint_parameters()
     loaded: set[str] = set()
@@ -90,9 +91,13 @@ def load_weights(model: Any, files: list[Path], progress: Callable[[str], None] 
                         unexpected.append(name)
                     continue
                 tensor = f.get_tensor(name)
-                if list(tensor.shape) != list(param.shape):
+                transposed = getattr(param, "checkpoint_transposed", False)  # kept as [in, out] for speed
+                expected = list(param.shape)[::-1] if transposed else list(param.shape)
+                if list(tensor.shape) != expected:
                     raise ValueError(f"{path.name}: {name} has shape {list(tensor.shape)}, "
-                                     f"the model expects {list(param.shape)}; does config.json match the weights?")
+                                     f"the model expects {expected}; does config.json match the weights?")
+                if transposed:
+                    tensor = paddle.transpose(tensor, [1, 0]).contiguous()
                 if tensor.dtype != param.dtype:
                     tensor = tensor.astype(param.dtype)
                 param.set_value(tensor)
