@@ -98,6 +98,9 @@ class ServerConfig:
         default_factory=list,
         metadata=_opt("--allowed-media-host", "Host or CIDR that image URLs may reach even if private (repeatable).", action="append"),
     )
+    max_request_bytes: int = field(
+        default=64 << 20, metadata=_opt("--max-request-bytes", "Largest HTTP request body, in bytes (413 above it).")
+    )
     media_fetch_timeout_s: float = field(
         default=10.0, metadata=_opt("--media-fetch-timeout-s", "Timeout for downloading one image, in seconds.")
     )

@@ -847,3 +847,18 @@ async def test_processor_cache_hits_uuid_reuse_metrics_and_fallback(vl_engine, v
         text = (await c.get("/metrics")).text  # answers even if the cache is still restarting
         assert metric_value(text, "warmfleet:processor_cache_restarts_total") in (0, 1)
     state.close()
+
+
+async def test_oversized_body_is_413_without_reaching_the_engine(engine, tok, tiny_model_dir):
+    app = build_app(engine, tok, make_cfg(tiny_model_dir, max_request_bytes=2000))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as c:
+        big = chat_body(messages=[{"role": "user", "content": "x" * 5000}])
+        assert_error(await c.post("/v1/chat/completions", json=big), 413, "request_too_large")
+
+        async def chunks():  # no content-length: the cap applies while streaming the body in
+            for _ in range(10):
+                yield b" " * 500
+        r = await c.post("/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"})
+        assert_error(r, 413, "request_too_large")
+        assert (await c.post("/v1/chat/completions", json=chat_body())).status_code == 200
+    assert len(engine.requests) == 1

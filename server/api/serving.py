@@ -41,9 +41,24 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for "client went away"; logged, ne
 
 
 # ---- request parsing ----------------------------------------------------------------------------
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, refused with 413 as soon as it exceeds `limit` bytes (never buffered past it)."""
+    too_big = APIError(413, f"request body exceeds {limit} bytes (--max-request-bytes)", code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def parse_body(request: Request, model: type[M], state: ServerState) -> M:
-    """The JSON body validated as `model`; malformed JSON and invalid fields are 400s."""
-    raw = await request.body()
+    """The JSON body validated as `model`; malformed JSON and invalid fields are 400s, oversize 413."""
+    raw = await read_body(request, state.cfg.server.max_request_bytes)
     if not raw.strip():
         raise bad_request("request body is empty; expected a JSON object", code="invalid_json")
     try:
