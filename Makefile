@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-fast e2e bench lint clean
+.PHONY: demo test unit e2e bench clean
 
 $(BIN)/warmfleet: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,13 +15,17 @@ $(BIN)/warmfleet: pyproject.toml
 demo: $(BIN)/warmfleet
 	$(BIN)/warmfleet demo
 
-## test: set up, then run every unit and integration test
-test: $(BIN)/warmfleet
+## test: set up, then run every test: unit + integration, then e2e against a local Kubernetes
+test: unit e2e
+
+## unit: unit and integration tests (real servers on loopback, kopf against kmock); ~2 min
+unit: $(BIN)/warmfleet
 	$(BIN)/pytest -q
 
-## e2e: the chart and operator against a local kwok cluster (builds Kubernetes from Go modules once)
+## e2e: the chart, operator and data plane against a kwok cluster; the first run builds
+## Kubernetes from Go modules (~25 min on 2 cores, cached in ~/.cache/warmfleet-e2e)
 e2e: $(BIN)/warmfleet
-	./.ci/e2e.sh
+	PYTHON=$(abspath $(BIN))/python ./.ci/e2e.sh
 
 ## bench: the prefix-cache benchmark, quick mode
 bench: $(BIN)/warmfleet
