@@ -1,6 +1,7 @@
 """Routing benchmark: the same seeded workload through round-robin, SGLang's and vllm-router's cache_aware, and warmfleet.
 
     python bench/routing.py [--quick] [--json] [--routers rr,sglang,vllm,warmfleet] [--model DIR]
+                            [--variant NAME=FLAGS (router warmfleet:NAME)]
                             [--requests N] [--rates 2,6] [--seeds 0,1,2] [--no-images] [--out DIR]
 
 Starts N real `warmfleet serve` replicas on loopback (KV pools small enough that the working
@@ -216,7 +217,7 @@ def start_router(kind: str, fleet: Fleet, cwd: str, extra: list[str] = ()) -> tu
         return "", None
     port = free_port()
     urls = [u for u, _, _ in fleet.replicas]
-    if kind == "warmfleet":
+    if kind.startswith("warmfleet"):  # "warmfleet" or a variant "warmfleet:NAME" (--variant NAME=FLAGS)
         args = EXE + ["route", "--model", str(fleet.model), "--port", str(port), "--block-size", str(BLOCK),
                       "--log-level", "warning", *extra]
         for u, e, _ in fleet.replicas:
@@ -434,17 +435,18 @@ def chart(results: dict, path: Path) -> None:
 
 def run_workload(name: str, model: Path, make_trace, routers: list[str], n: int, gpu_blocks: int,
                  rates: list[float], seeds: list[int], nreq: int, cwd: str, wf_args: list[str],
-                 extras: bool, results: dict) -> dict:
+                 extras: bool, results: dict, variants: dict | None = None) -> dict:
     """Every router on fresh replicas per (rate, seed), routers interleaved so they share the machine's load."""
     traces = {seed: make_trace(seed, nreq) for seed in seeds}
     oracles = {seed: oracle_hits(model, traces[seed]) for seed in seeds}
     oracle = statistics.mean(sum(c for c, _ in o) / sum(t for _, t in o) for o in oracles.values())
     runs: dict = {k: [] for k in routers}
+    variants = variants or {}
     for rate in rates:
         for seed in seeds:
             for kind in routers:
                 with Fleet(model, n, gpu_blocks, cwd) as fleet:
-                    base, proc = start_router(kind, fleet, cwd, wf_args)
+                    base, proc = start_router(kind, fleet, cwd, wf_args + variants.get(kind, []))
                     try:
                         bases = [base] if base else [u for u, _, _ in fleet.replicas]
                         t0 = time.monotonic()
@@ -487,6 +489,10 @@ def main() -> int:
     ap.add_argument("--no-images", action="store_true", help="Skip the shared-image workload.")
     ap.add_argument("--no-text", action="store_true", help="Skip the text workload.")
     ap.add_argument("--warmfleet-args", default="", help="Extra `warmfleet route` flags, e.g. '--load-weight 16'.")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                    help="A warmfleet variant run as router 'warmfleet:NAME' with these extra flags (after "
+                         "--warmfleet-args), e.g. --routers warmfleet,warmfleet:old --variant "
+                         "'old=--share-slack-tokens 0': before and after, interleaved on the same seeds.")
     ap.add_argument("--out", default="bench/results", help="Directory for routing.json and routing.png.")
     args = ap.parse_args()
     n = args.replicas or (2 if args.quick else 4)
@@ -498,13 +504,15 @@ def main() -> int:
     gpu_blocks = args.gpu_blocks or (48 if args.quick else 160)  # the working set does not fit one replica
     routers = args.routers.split(",")
     wf_args = args.warmfleet_args.split()
+    variants = {"warmfleet:" + v.split("=", 1)[0]: v.split("=", 1)[1].split() for v in args.variant}
     cwd = tempfile.mkdtemp(prefix="wf-bench-")
     results: dict = {"command": " ".join([Path(sys.executable).name] + sys.argv), "replicas": n, "rates": rates,
-                     "seeds": seeds, "image_seeds": image_seeds, "targets_text": TARGETS, "warmfleet_args": wf_args}
+                     "seeds": seeds, "image_seeds": image_seeds, "targets_text": TARGETS, "warmfleet_args": wf_args,
+                     "variants": variants}
     if not args.no_text:
         model = model_dir(args.model, args.quick)
         results["text"] = run_workload("text", model, workload, routers, n, gpu_blocks, rates, seeds, nreq, cwd,
-                                       wf_args, True, results)
+                                       wf_args, True, results, variants)
         for kind, v in results["text"]["routers"].items():
             progress(f"text {kind}: { {k: x for k, x in v.items() if k != 'reasons'} }")
     if not args.no_images:
@@ -512,7 +520,7 @@ def main() -> int:
         if accepts_images(vl, cwd):
             # the lower rate only: images are the slow part of a CPU replica
             results["images"] = run_workload("images", vl, image_workload, routers, n, 40, rates[:1], image_seeds,
-                                             nimg, cwd, wf_args, False, results)
+                                             nimg, cwd, wf_args, False, results, variants)
             for kind, v in results["images"]["routers"].items():
                 progress(f"images {kind}: { {k: x for k, x in v.items() if k != 'reasons'} }")
         else:

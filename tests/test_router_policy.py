@@ -6,6 +6,7 @@ import pytest
 
 from warmfleet.server.router.policy import (
     COLD_HASH, LEAST_LOAD, LOAD_SPILL, PREFIX_HIT, Candidate, PolicyConfig, cacheable_tokens, choose, load_cap,
+    share_cap,
 )
 
 B = 16
@@ -120,6 +121,51 @@ def test_warm_slack_keeps_a_long_prefix_one_over_the_cap():
     busy = [Candidate("warm", gpu_blocks=20, load=2), Candidate("b"), Candidate("c"), Candidate("d")]
     assert choose(busy, block_size=B, num_prompt_tokens=24 * B, cold_key=b"k", cfg=cfg).order[0] != "warm"
 
+
+
+def test_share_slack_grows_with_the_warm_tokens_at_stake():
+    """A long warm prefix (a conversation's history) may take one more request of share slack per
+    `share_slack_tokens` it holds beyond the best replica under the caps, up to `max_share_slack`."""
+    cfg = PolicyConfig(load_weight=0, warm_slack=1, warm_min_tokens=64, share_slack_tokens=128, max_share_slack=1)
+    assert share_cap([8, 4, 4, 4], 0.15) == pytest.approx(7.0375)  # 9 requests is two over the cap
+
+    def cands(blocks, sent0, load0=0):
+        return [Candidate("warm", gpu_blocks=blocks, sent=sent0, load=load0)] + \
+            [Candidate(r, gpu_blocks=1, sent=4) for r in "bcd"]
+
+    d = choose(cands(21, 8), block_size=B, num_prompt_tokens=24 * B, cold_key=b"k", cfg=cfg)
+    assert d.order[0] == "warm" and d.reason == PREFIX_HIT  # 320 tokens at stake: slack 2
+    # 80 tokens at stake: only warm_slack (1), so it spills to a replica holding the system prompt
+    d = choose(cands(6, 8), block_size=B, num_prompt_tokens=24 * B, cold_key=b"k", cfg=cfg)
+    assert d.order[0] != "warm" and d.reason == LOAD_SPILL and d.predicted_cached_tokens == B
+    # off, and capped
+    off = PolicyConfig(load_weight=0, warm_slack=1, share_slack_tokens=0)
+    assert choose(cands(21, 8), block_size=B, num_prompt_tokens=24 * B, cold_key=b"k", cfg=off).reason == LOAD_SPILL
+    assert choose(cands(21, 9), block_size=B, num_prompt_tokens=24 * B, cold_key=b"k", cfg=cfg).reason == LOAD_SPILL
+    two = PolicyConfig(load_weight=0, warm_slack=1, share_slack_tokens=128, max_share_slack=2)
+    assert choose(cands(21, 9), block_size=B, num_prompt_tokens=24 * B, cold_key=b"k", cfg=two).order[0] == "warm"
+    # the in-flight bound keeps its own slack: two over the load cap still spills
+    others = [Candidate(r, gpu_blocks=1, sent=4) for r in "bcd"]
+    busy = [Candidate("warm", gpu_blocks=21, sent=4, load=2)] + others
+    assert choose(busy, block_size=B, num_prompt_tokens=24 * B, cold_key=b"k", cfg=cfg).order[0] != "warm"
+
+
+def test_share_slack_keeps_the_spread_bounded():
+    """Conversations pinned to one replica by their history plus a hot prefix warm everywhere: the extra
+    slack keeps histories home, the hot requests even the counts out, spread stays within 1.25."""
+    cfg = PolicyConfig()
+    sent = Counter()
+    decay = 1 - 1 / 512
+    for i in range(600):
+        pinned = i % 3 == 0  # a third of the traffic: long histories that live on r0 only
+        cands = [Candidate(r, gpu_blocks=(30 if r == REPLICAS[0] else 2) if pinned else 10, sent=sent[r])
+                 for r in REPLICAS]
+        target = choose(cands, block_size=B, num_prompt_tokens=32 * B, cold_key=b"k", cfg=cfg).order[0]
+        for r in REPLICAS:
+            sent[r] *= decay
+        sent[target] += 1
+    counts = list(sent.values())
+    assert max(counts) / (sum(counts) / len(counts)) <= 1.25
 
 def test_share_cap_spreads_a_hot_prefix_that_never_queues():
     """Short requests (load always 0) on a prefix warm on one replica: the share cap alone keeps counts even,

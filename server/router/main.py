@@ -44,6 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warm-min-tokens", type=int, default=64,
                    help="Cached prompt tokens a replica must hold beyond the best replica under the cap to use "
                         "--warm-slack.")
+    p.add_argument("--share-slack-tokens", type=int, default=128,
+                   help="Beyond --warm-slack, one more request of share-cap slack per this many tokens the best "
+                        "replica holds over the best one under the caps (0: off).")
+    p.add_argument("--max-share-slack", type=int, default=1, help="Cap on that extra share-cap slack.")
     p.add_argument("--cold-key-blocks", type=int, default=1,
                    help="Leading blocks whose hash places a prefix no replica holds (consistent hashing).")
     p.add_argument("--max-attempts", type=int, default=3, help="Replicas tried before the first byte.")
@@ -81,8 +85,9 @@ def settings_from_args(args: argparse.Namespace):
         raise ValueError("--block-size must be >= 1")
     if not 0 <= args.cpu_tier_weight <= 1:
         raise ValueError("--cpu-tier-weight must be in [0, 1]")
-    if args.warm_slack < 0 or args.warm_min_tokens < 0 or args.balance_share_epsilon < 0:
-        raise ValueError("--warm-slack and --warm-min-tokens must be >= 0")
+    if (args.warm_slack < 0 or args.warm_min_tokens < 0 or args.balance_share_epsilon < 0
+            or args.share_slack_tokens < 0 or args.max_share_slack < 0):
+        raise ValueError("--warm-slack, --warm-min-tokens, --share-slack-tokens and --max-share-slack must be >= 0")
     if args.balance_epsilon < 0 or args.cold_key_blocks < 1 or args.max_attempts < 1:
         raise ValueError("--balance-epsilon must be >= 0, --cold-key-blocks and --max-attempts >= 1")
     keys = list(args.api_key)
@@ -100,7 +105,8 @@ def settings_from_args(args: argparse.Namespace):
         renderer=PromptRenderer(args.model, hash_algo=args.prefix_hash_algo),
         policy=PolicyConfig(cpu_weight=args.cpu_tier_weight, load_weight=args.load_weight,
                             epsilon=args.balance_epsilon, warm_slack=args.warm_slack,
-                            warm_min_tokens=args.warm_min_tokens, share_epsilon=args.balance_share_epsilon),
+                            warm_min_tokens=args.warm_min_tokens, share_epsilon=args.balance_share_epsilon,
+                            share_slack_tokens=args.share_slack_tokens, max_share_slack=args.max_share_slack),
         proxy=ProxyConfig(max_attempts=args.max_attempts, connect_timeout_s=args.connect_timeout_s,
                           read_timeout_s=args.upstream_timeout_s, cold_key_blocks=args.cold_key_blocks),
         tenants=Tenants.from_flags(keys, args.api_keys_file,

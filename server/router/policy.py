@@ -14,6 +14,9 @@ Bounded load must not throw away a long warm prefix for a one-request imbalance:
 replica is over a cap (in flight or share, below) but holds at least `warm_min_tokens` more of
 the prompt than the best replica under them, it may still take the request up to `warm_slack`
 requests above each cap.
+The share cap's slack grows with what is at stake: one more request per `share_slack_tokens` of
+that advantage, at most `max_share_slack` more (the in-flight bound keeps `warm_slack`), so a
+conversation's long history stays home instead of being thrown away for a one-request imbalance.
 Requests that are warm everywhere (a hot system prompt) then do the balancing, at no cost.
 Equal choices go to the replica this router sent the fewest requests, so they even out.
 
@@ -52,6 +55,8 @@ class PolicyConfig:
     warm_slack: int = 1  # requests above the cap a replica may take when it alone holds much of the prompt
     warm_min_tokens: int = 64  # cached tokens it must hold beyond the best replica under the cap to use the slack
     share_epsilon: float = 0.15  # no replica's share of recent requests above (1 + this) x the mean, plus one
+    share_slack_tokens: int = 128  # 0: off; else one more request of share slack per this many warm tokens at stake
+    max_share_slack: int = 1  # cap on that extra share slack
 
 
 @dataclass(frozen=True)
@@ -136,10 +141,14 @@ def choose(cands: Sequence[Candidate], *, block_size: int, num_prompt_tokens: in
         ranked = by_score(fits) + by_score(over)
         best_anywhere = by_score(list(cands))[0]
         kept_warm = False
+        best_fit_hits = max((hit_tokens(c) for c in fits), default=0)
+        advantage = hit_tokens(best_anywhere) - best_fit_hits
+        share_slack = cfg.warm_slack
+        if cfg.share_slack_tokens > 0 and advantage > 0:
+            share_slack += min(cfg.max_share_slack, advantage // cfg.share_slack_tokens)
         if (best_anywhere in over and best_anywhere.load + 1 <= cap + cfg.warm_slack
-                and best_anywhere.sent + 1 <= scap + cfg.warm_slack):
-            best_fit_hits = max((hit_tokens(c) for c in fits), default=0)
-            if hit_tokens(best_anywhere) - best_fit_hits >= cfg.warm_min_tokens:
+                and best_anywhere.sent + 1 <= scap + share_slack):
+            if advantage >= cfg.warm_min_tokens:
                 ranked = [best_anywhere] + [c for c in ranked if c is not best_anywhere]
                 kept_warm = True
         target = ranked[0]
