@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import io
 import json
 from typing import Any
 
 import httpx
-import numpy as np
 import pytest
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
@@ -19,6 +17,7 @@ from warmfleet.server.multimodal import wire
 from warmfleet.server.api.app import REPLICA_HEADER, attach_engine, build_app
 from warmfleet.server.config import EngineConfig
 from warmfleet.server.tokenizer import Tokenizer
+from images import data_uri, image_bytes, image_part
 
 REPLY = "Hello there, how are you?"
 CHAT = "/v1/chat/completions"
@@ -604,7 +603,6 @@ async def test_openai_client_chat_streaming_and_completions(app):
         await http.aclose()
 
 
-
 # ---- images (Qwen2-VL-like FakeEngine) ----------------------------------------------------------
 @pytest.fixture(scope="module")
 def vl_tok(tiny_vl_dir) -> Tokenizer:
@@ -628,29 +626,8 @@ async def vl_client(vl_engine, vl_tok, tiny_vl_dir):
         yield c
 
 
-def image_bytes(w=64, h=48, seed=0, fmt="PNG", mode="RGB") -> bytes:
-    rng = np.random.default_rng(seed)
-    shape = (h, w, 3) if mode == "RGB" else (h, w)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8)).save(buf, fmt)
-    return buf.getvalue()
-
-
-def data_uri(data: bytes, mime="image/png") -> str:
-    return f"data:{mime};base64," + base64.b64encode(data).decode()
-
-
 def image_chat(*parts: dict, text: str = "What is in the picture?", **kw) -> dict:
     return chat_body(messages=[{"role": "user", "content": [*parts, {"type": "text", "text": text}]}], **kw)
-
-
-def image_part(url: str | None = None, uuid: str | None = None) -> dict:
-    part: dict = {"type": "image_url"}
-    if url is not None:
-        part["image_url"] = {"url": url}
-    if uuid is not None:
-        part["uuid"] = uuid
-    return part
 
 
 def metric_value(text: str, name: str, **labels: str) -> float | None:

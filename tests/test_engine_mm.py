@@ -1,23 +1,12 @@
 """Images through the engine: image-aware prefix hits, encoder cache, mid-image prefix hits, chunking."""
 
-import base64
-import io
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from warmfleet import LLM, SamplingParams
+from images import data_uri, image_bytes
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-
-
-def image_uri(seed, size=(112, 168)):  # 8x12 patches -> 24 image tokens
-    rng = np.random.default_rng(seed)
-    img = Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8))
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 def conv(text_before, uri, question):
@@ -32,15 +21,15 @@ LONG = "Describe the picture below in great detail, paying attention to colour a
 
 def test_image_aware_prefix_hits(tiny_vl_dir):
     llm = LLM(str(tiny_vl_dir), block_size=16, num_gpu_blocks=256)
-    a = llm.chat(conv(LONG, image_uri(1), "What is it?"), GREEDY)[0]
+    a = llm.chat(conv(LONG, data_uri(image_bytes(112, 168, seed=1)), "What is it?"), GREEDY)[0]
     assert a.num_cached_tokens == 0
-    prep = llm._image_preparer().prepare(conv(LONG, image_uri(1), "What is it?"))
+    prep = llm._image_preparer().prepare(conv(LONG, data_uri(image_bytes(112, 168, seed=1)), "What is it?"))
     (ph,) = prep.prompt.mm_placeholders
     # same text, same image, other question: hits through the image
-    b = llm.chat(conv(LONG, image_uri(1), "And the colours?"), GREEDY)[0]
+    b = llm.chat(conv(LONG, data_uri(image_bytes(112, 168, seed=1)), "And the colours?"), GREEDY)[0]
     assert b.num_cached_tokens >= ph.offset + ph.length - 16
     # same text, different image: hits only the blocks that end before the image starts
-    c = llm.chat(conv(LONG, image_uri(2), "What is it?"), GREEDY)[0]
+    c = llm.chat(conv(LONG, data_uri(image_bytes(112, 168, seed=2)), "What is it?"), GREEDY)[0]
     assert c.num_cached_tokens == (ph.offset // 16) * 16
     st = llm.stats()
     assert st.encoder_cache_hits >= 1 and st.encoder_cache_misses >= 2
@@ -49,7 +38,7 @@ def test_image_aware_prefix_hits(tiny_vl_dir):
 def test_outputs_identical_with_and_without_caches(tiny_vl_dir):
     # block size 8 puts block boundaries inside the image: a later hit starts mid-image and must
     # splice exactly the image rows it still needs
-    msgs = conv(LONG, image_uri(3), "What is it?")
+    msgs = conv(LONG, data_uri(image_bytes(112, 168, seed=3)), "What is it?")
     cold = LLM(str(tiny_vl_dir), block_size=8, num_gpu_blocks=256, enable_prefix_caching=False, max_encoder_cache=0)
     ref = cold.chat(msgs, GREEDY)[0].outputs[0].token_ids
     warm = LLM(str(tiny_vl_dir), block_size=8, num_gpu_blocks=256)
@@ -64,7 +53,7 @@ def test_outputs_identical_with_and_without_caches(tiny_vl_dir):
 
 
 def test_chunks_never_end_inside_an_image(tiny_vl_dir):
-    msgs = conv(LONG, image_uri(4, size=(224, 224)), "What is it?")  # 64 image tokens > the 20-token budget
+    msgs = conv(LONG, data_uri(image_bytes(224, 224, seed=4)), "What is it?")  # 64 image tokens > the 20-token budget
     ref = LLM(str(tiny_vl_dir), block_size=8, num_gpu_blocks=256).chat(msgs, GREEDY)[0].outputs[0].token_ids
     llm = LLM(str(tiny_vl_dir), block_size=8, num_gpu_blocks=256, max_num_batched_tokens=20)
     prep = llm._image_preparer().prepare(msgs)
@@ -96,7 +85,7 @@ def test_uuids_are_scoped_by_tenant(tiny_vl_dir):
     from warmfleet.server.multimodal.prompt import UnknownMediaError
 
     llm = LLM(str(tiny_vl_dir), block_size=16, num_gpu_blocks=256)
-    part = {"type": "image_url", "image_url": {"url": image_uri(5)}, "uuid": "cat-photo"}
+    part = {"type": "image_url", "image_url": {"url": data_uri(image_bytes(112, 168, seed=5))}, "uuid": "cat-photo"}
     llm.chat([{"role": "user", "content": [part, {"type": "text", "text": "hi"}]}], GREEDY, cache_salt="tenant-a")
     only_uuid = [{"role": "user", "content": [{"type": "image_url", "image_url": {}, "uuid": "cat-photo"},
                                               {"type": "text", "text": "hi"}]}]

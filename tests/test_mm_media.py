@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import base64
 import ipaddress
 import io
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import numpy as np
 import pytest
 from PIL import Image
 
+from images import data_uri, image_bytes
 from warmfleet.server.multimodal.media import (
     Fetcher,
     HostPolicy,
@@ -22,17 +21,6 @@ from warmfleet.server.multimodal.media import (
     image_size,
     is_blocked_address,
 )
-
-
-def png_bytes(w=32, h=24, seed=0) -> bytes:
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
-    return buf.getvalue()
-
-
-def data_uri(b: bytes, mime="image/png") -> str:
-    return f"data:{mime};base64," + base64.b64encode(b).decode()
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -65,7 +53,7 @@ def http_server():
 
 
 def test_data_uri_roundtrip_keeps_raw_bytes():
-    raw = png_bytes()
+    raw = image_bytes(32, 24)
     img = MediaLoader(MediaConfig()).load(data_uri(raw), "messages[0].content[1]")
     assert img.data == raw and img.source == "data" and img.image.size == (32, 24)
 
@@ -87,7 +75,7 @@ def test_not_an_image_and_truncated_image():
     loader = MediaLoader(MediaConfig())
     with pytest.raises(MediaError, match="not a supported image"):
         loader.load(data_uri(b"hello world, not a picture"), "p")
-    raw = png_bytes(64, 64)
+    raw = image_bytes(64, 64)
     with pytest.raises(MediaError, match="truncated or corrupt"):
         loader.load(data_uri(raw[: len(raw) // 2]), "p")
 
@@ -104,7 +92,7 @@ def test_decompression_bomb_refused_before_decoding():
 
 def test_byte_cap_on_data_uri():
     with pytest.raises(MediaError, match="larger than 100 bytes"):
-        MediaLoader(MediaConfig(max_bytes=100)).load(data_uri(png_bytes()), "p")
+        MediaLoader(MediaConfig(max_bytes=100)).load(data_uri(image_bytes(32, 24)), "p")
 
 
 @pytest.mark.parametrize("addr,blocked", [
@@ -126,7 +114,7 @@ def test_host_policy_allow_list_by_name_and_cidr():
 
 def test_download_from_allow_listed_loopback(http_server):
     srv, routes = http_server
-    raw = png_bytes()
+    raw = image_bytes(32, 24)
     routes["/a.png"] = (200, {"Content-Type": "image/png"}, raw)
     port = srv.server_address[1]
     loader = MediaLoader(MediaConfig(allowed_hosts=["127.0.0.1/32"]))
@@ -136,7 +124,7 @@ def test_download_from_allow_listed_loopback(http_server):
 
 def test_loopback_refused_without_allow_list(http_server):
     srv, routes = http_server
-    routes["/a.png"] = (200, {}, png_bytes())
+    routes["/a.png"] = (200, {}, image_bytes(32, 24))
     with pytest.raises(MediaError, match="non-public address"):
         MediaLoader(MediaConfig()).load(f"http://127.0.0.1:{srv.server_address[1]}/a.png", "p")
     assert srv.seen_hosts == []  # never connected
@@ -153,7 +141,7 @@ def test_redirect_to_private_address_refused(http_server):
     port = srv.server_address[1]
     # "public.test" is allow-listed by name and resolves to loopback; its redirect target is not.
     routes["/r"] = (302, {"Location": f"http://127.0.0.1:{port}/a.png"}, b"")
-    routes["/a.png"] = (200, {}, png_bytes())
+    routes["/a.png"] = (200, {}, image_bytes(32, 24))
     cfg = MediaConfig(allowed_hosts=["public.test"])
     fetcher = Fetcher(cfg, resolver=lambda h, p: ["127.0.0.1"])
     with pytest.raises(MediaError, match="non-public address"):
@@ -164,7 +152,7 @@ def test_redirect_to_private_address_refused(http_server):
 def test_redirect_followed_when_target_allowed(http_server):
     srv, routes = http_server
     port = srv.server_address[1]
-    raw = png_bytes(seed=3)
+    raw = image_bytes(32, 24, seed=3)
     routes["/r"] = (301, {"Location": "/a.png"}, b"")
     routes["/a.png"] = (200, {}, raw)
     cfg = MediaConfig(allowed_hosts=["127.0.0.1"])
@@ -207,7 +195,7 @@ def test_download_timeout():
 def test_file_urls_only_under_allowed_dir(tmp_path):
     inside = tmp_path / "media"
     inside.mkdir()
-    raw = png_bytes()
+    raw = image_bytes(32, 24)
     (inside / "a.png").write_bytes(raw)
     (tmp_path / "secret.png").write_bytes(raw)
     (inside / "link.png").symlink_to(tmp_path / "secret.png")

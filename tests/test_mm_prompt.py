@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import base64
-import io
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from warmfleet.server.hashing import block_hashes, mm_hash
 from warmfleet.server.multimodal.media import MediaError
@@ -22,6 +19,7 @@ from warmfleet.server.multimodal.prompt import (
 )
 from warmfleet.server.multimodal.tiny_vl import make_tiny_vl_model
 from warmfleet.server.tokenizer import Tokenizer
+from images import data_uri, image_bytes
 
 
 @pytest.fixture(scope="module")
@@ -34,22 +32,12 @@ def cfg(tok):
     return ImageProcessorConfig.from_model_dir(tok.model_dir)
 
 
-def png(w, h, seed=0) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
-    return buf.getvalue()
-
-
-def uri(b: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(b).decode()
-
-
 def msgs(*parts):
     return [{"role": "user", "content": list(parts)}]
 
 
 def img_part(b: bytes, **extra):
-    return {"type": "image_url", "image_url": {"url": uri(b)}, **extra}
+    return {"type": "image_url", "image_url": {"url": data_uri(b)}, **extra}
 
 
 def infos_for(tok, cfg, messages):
@@ -57,7 +45,7 @@ def infos_for(tok, cfg, messages):
 
 
 def test_single_image_expansion(tok, cfg):
-    m = msgs(img_part(png(100, 60)), {"type": "text", "text": "what is this?"})
+    m = msgs(img_part(image_bytes(100, 60)), {"type": "text", "text": "what is this?"})
     res = expand(tok, m, infos_for(tok, cfg, m), cfg.merge_size, add_generation_prompt=True)
     (ph,) = res.mm_placeholders
     n = cfg.num_image_tokens(100, 60)
@@ -68,13 +56,13 @@ def test_single_image_expansion(tok, cfg):
     assert ids[ph.offset - 1] == tok.token_to_id("<|vision_start|>")
     assert ids[ph.offset + n] == tok.token_to_id("<|vision_end|>")
     assert ids.count(pad) == n
-    assert ph.mm_hash == mm_hash(png(100, 60), params=cfg.hash_params())
+    assert ph.mm_hash == mm_hash(image_bytes(100, 60), params=cfg.hash_params())
 
 
 def test_two_images_in_order_with_distinct_sizes(tok, cfg):
-    m = [{"role": "user", "content": [img_part(png(56, 56)), {"type": "text", "text": "and"}]},
+    m = [{"role": "user", "content": [img_part(image_bytes(56, 56)), {"type": "text", "text": "and"}]},
          {"role": "assistant", "content": "ok"},
-         {"role": "user", "content": [img_part(png(300, 120, 1))]}]
+         {"role": "user", "content": [img_part(image_bytes(300, 120, 1))]}]
     res = expand(tok, m, infos_for(tok, cfg, m), cfg.merge_size)
     a, b = res.mm_placeholders
     assert (a.length, b.length) == (cfg.num_image_tokens(56, 56), cfg.num_image_tokens(300, 120))
@@ -82,14 +70,14 @@ def test_two_images_in_order_with_distinct_sizes(tok, cfg):
 
 
 def test_router_render_equals_frontend_expand(tok, cfg):
-    m = msgs({"type": "text", "text": "compare"}, img_part(png(90, 70)), img_part(png(70, 90, 2)))
+    m = msgs({"type": "text", "text": "compare"}, img_part(image_bytes(90, 70)), img_part(image_bytes(70, 90, 2)))
     front = expand(tok, m, infos_for(tok, cfg, m), cfg.merge_size, add_generation_prompt=True)
     ids, items = render(tok, m, add_generation_prompt=True)
     assert ids == front.prompt_token_ids and items == front.mm_placeholders
 
 
 def test_router_cuts_before_unresolvable_image(tok, cfg):
-    m = msgs(img_part(png(90, 70)), {"type": "text", "text": "then"},
+    m = msgs(img_part(image_bytes(90, 70)), {"type": "text", "text": "then"},
              {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}, {"type": "text", "text": "x"})
     ids, items = render(tok, m)
     assert len(items) == 1
@@ -99,7 +87,7 @@ def test_router_cuts_before_unresolvable_image(tok, cfg):
 
 
 def test_uuid_parts(tok, cfg):
-    raw = png(80, 80)
+    raw = image_bytes(80, 80)
     with_uuid = msgs(img_part(raw, uuid="cat-1"), {"type": "text", "text": "hi"})
     ids, items = render(tok, with_uuid)
     assert items[0].mm_hash == mm_hash(uuid="cat-1") == "uuid:cat-1"
@@ -114,7 +102,7 @@ def test_uuid_parts(tok, cfg):
 
 
 def test_text_smuggling_image_pad_is_rejected(tok, cfg):
-    m = msgs(img_part(png(60, 60)), {"type": "text", "text": f"sneaky {IMAGE_PAD}"})
+    m = msgs(img_part(image_bytes(60, 60)), {"type": "text", "text": f"sneaky {IMAGE_PAD}"})
     with pytest.raises(ValueError, match="2 image placeholders but the request carries 1"):
         expand(tok, m, infos_for(tok, cfg, m), cfg.merge_size)
 
@@ -129,7 +117,7 @@ def test_bad_parts_name_themselves(tok):
 
 
 def test_pydantic_style_none_fields_are_not_images(tok, cfg):
-    m = msgs({"type": "text", "text": "hello", "image_url": None, "uuid": None}, img_part(png(60, 60)))
+    m = msgs({"type": "text", "text": "hello", "image_url": None, "uuid": None}, img_part(image_bytes(60, 60)))
     assert len(image_parts(m)) == 1
     res = expand(tok, m, infos_for(tok, cfg, m), cfg.merge_size)
     assert len(res.mm_placeholders) == 1
@@ -142,9 +130,9 @@ def _hashes(tok, cfg, m, bs=16):
 
 def test_block_hashes_diverge_exactly_where_the_image_starts(tok, cfg):
     text = {"type": "text", "text": "a fairly long shared question prefix " * 4}
-    r1, h1 = _hashes(tok, cfg, msgs(text, img_part(png(300, 200, 1)), {"type": "text", "text": "tail " * 30}))
-    r2, h2 = _hashes(tok, cfg, msgs(text, img_part(png(300, 200, 2)), {"type": "text", "text": "tail " * 30}))
-    r3, h3 = _hashes(tok, cfg, msgs(text, img_part(png(300, 200, 1)), {"type": "text", "text": "tail " * 30}))
+    r1, h1 = _hashes(tok, cfg, msgs(text, img_part(image_bytes(300, 200, 1)), {"type": "text", "text": "tail " * 30}))
+    r2, h2 = _hashes(tok, cfg, msgs(text, img_part(image_bytes(300, 200, 2)), {"type": "text", "text": "tail " * 30}))
+    r3, h3 = _hashes(tok, cfg, msgs(text, img_part(image_bytes(300, 200, 1)), {"type": "text", "text": "tail " * 30}))
     assert r1.prompt_token_ids == r2.prompt_token_ids  # same sizes → same ids; only the image identity differs
     first_img_block = r1.mm_placeholders[0].offset // 16
     common = next(i for i, (a, b) in enumerate(zip(h1, h2)) if a != b)

@@ -7,10 +7,8 @@ image-aware prefix caching as seen in `cached_tokens`, the encoder and processor
 
 from __future__ import annotations
 
-import base64
 import functools
 import http.server
-import io
 import os
 import signal
 import subprocess
@@ -21,36 +19,16 @@ from pathlib import Path
 from typing import Iterator
 
 import httpx
-import numpy as np
 import openai
 import pytest
-from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from test_server_e2e import START_TIMEOUT_S, Replica
+from images import data_uri, image_bytes, image_part
 
 pytestmark = pytest.mark.slow
 
 BLOCK = 16
-
-
-def png(w: int, h: int, seed: int) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
-    return buf.getvalue()
-
-
-def data_uri(data: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(data).decode()
-
-
-def image_part(url: str | None = None, uuid: str | None = None) -> dict:
-    part: dict = {"type": "image_url"}
-    if url is not None:
-        part["image_url"] = {"url": url}
-    if uuid is not None:
-        part["uuid"] = uuid
-    return part
 
 
 def messages(part: dict, question: str = "What is shown here?", system: str = "You describe pictures.") -> list[dict]:
@@ -83,7 +61,7 @@ def vl_dir(tmp_path_factory) -> Path:
 def image_server(tmp_path_factory) -> Iterator[str]:
     """A plain http.server on loopback serving a few PNGs."""
     root = tmp_path_factory.mktemp("images")
-    (root / "cat.png").write_bytes(png(96, 80, seed=11))
+    (root / "cat.png").write_bytes(image_bytes(96, 80, seed=11))
     handler = functools.partial(_QuietHandler, directory=str(root))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -123,7 +101,7 @@ def chat(client: openai.OpenAI, msgs: list[dict], **kw):
 
 
 def test_data_uri_image(client):
-    r = chat(client, messages(image_part(data_uri(png(64, 48, seed=1)))))
+    r = chat(client, messages(image_part(data_uri(image_bytes(64, 48, seed=1)))))
     assert r.choices[0].finish_reason in ("stop", "length")
     assert image_tokens(r.usage) == 4  # 64x48 → 56x56 → 2x2 merged tokens
     assert r.usage.prompt_tokens > 4
@@ -141,7 +119,7 @@ def test_url_image_from_an_allow_listed_loopback_server(client, image_server):
 
 
 def test_uuid_only_reuse(client):
-    uri = data_uri(png(120, 90, seed=2))
+    uri = data_uri(image_bytes(120, 90, seed=2))
     first = chat(client, messages(image_part(uri, uuid="live-cat")))
     again = chat(client, messages(image_part(uuid="live-cat")))
     assert again.usage.prompt_tokens == first.usage.prompt_tokens
@@ -153,7 +131,7 @@ def test_uuid_only_reuse(client):
 
 
 def test_streaming_with_an_image(client):
-    stream = chat(client, messages(image_part(data_uri(png(64, 64, seed=3)))), stream=True,
+    stream = chat(client, messages(image_part(data_uri(image_bytes(64, 64, seed=3)))), stream=True,
                   stream_options={"include_usage": True})
     finish, usage = None, None
     for chunk in stream:
@@ -174,7 +152,7 @@ def test_bad_image_is_a_400_naming_the_part(client):
 def test_cached_tokens_follow_the_image(client, vl_replica):
     system = "You look at pictures very carefully and answer in one word. " * 3
     question = "Which colour covers most of this picture, and what else do you notice?"
-    x, y = data_uri(png(224, 224, seed=20)), data_uri(png(224, 224, seed=21))
+    x, y = data_uri(image_bytes(224, 224, seed=20)), data_uri(image_bytes(224, 224, seed=21))
     tokens = httpx.post(vl_replica.url + "/tokenize", json={"messages": messages(image_part(x), question, system)},
                         timeout=60).json()["tokens"]
     pad = max(set(tokens), key=tokens.count)  # the image pads are the most frequent token
@@ -199,7 +177,7 @@ def test_cached_tokens_follow_the_image(client, vl_replica):
 
 
 def test_metrics_cover_images_and_both_caches(client, vl_replica):
-    uri = data_uri(png(64, 48, seed=30))
+    uri = data_uri(image_bytes(64, 48, seed=30))
     chat(client, messages(image_part(uri)))
     chat(client, messages(image_part(uri), "Again?"))
     text = httpx.get(vl_replica.url + "/metrics").text
@@ -218,7 +196,7 @@ def test_processor_cache_death_keeps_serving_and_shutdown_stops_it(client, vl_re
     """Runs last: kills the pod's processor cache, then stops the server."""
     pid = vl_replica.cache_record["pid"]
     os.kill(pid, signal.SIGKILL)
-    r = chat(client, messages(image_part(data_uri(png(64, 48, seed=40)))))  # preprocessed by the frontend itself
+    r = chat(client, messages(image_part(data_uri(image_bytes(64, 48, seed=40)))))  # preprocessed by the frontend itself
     assert image_tokens(r.usage) == 4
     vl_replica.wait_for_log("processor cache process exited", 60, prefix=True)
     deadline = time.monotonic() + 60
@@ -229,7 +207,7 @@ def test_processor_cache_death_keeps_serving_and_shutdown_stops_it(client, vl_re
         assert time.monotonic() < deadline, "processor cache was not restarted"
         time.sleep(0.2)
     assert metric(text, "warmfleet:processor_cache_restarts_total") == 1
-    uri = data_uri(png(64, 48, seed=41))
+    uri = data_uri(image_bytes(64, 48, seed=41))
     chat(client, messages(image_part(uri)))
     chat(client, messages(image_part(uri)))
     text = httpx.get(vl_replica.url + "/metrics").text

@@ -7,7 +7,6 @@ import io
 from contextlib import redirect_stdout
 from pathlib import Path
 
-import pytest
 import yaml
 
 from operator_fixtures.shapes import GiB, TiB, a100, h200, l4, node, service

@@ -1,11 +1,7 @@
 """Contract 1 for images: the router renders and hashes an image prompt exactly as a replica's frontend does."""
 
-import base64
-import io
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from warmfleet.server.hashing import block_hashes, model_fingerprint
 from warmfleet.server.multimodal.inputs import ImageInputPreparer
@@ -13,17 +9,11 @@ from warmfleet.server.multimodal.media import MediaConfig, MediaLoader
 from warmfleet.server.multimodal.processor import ImageProcessor
 from warmfleet.server.router.prompt import PromptRenderer
 from warmfleet.server.tokenizer import Tokenizer
-
-
-def uri(seed):
-    img = Image.fromarray(np.random.default_rng(seed).integers(0, 255, (168, 112, 3), dtype=np.uint8))
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+from images import data_uri, image_bytes
 
 
 def messages(seed, uuid=None):
-    part = {"type": "image_url", "image_url": {"url": uri(seed)}}
+    part = {"type": "image_url", "image_url": {"url": data_uri(image_bytes(112, 168, seed=seed))}}
     if uuid:
         part["uuid"] = uuid
     return [{"role": "system", "content": "You describe pictures."},
