@@ -27,6 +27,7 @@ class _Handler(BaseHTTPRequestHandler):
     routes: dict = {}
 
     def do_GET(self):  # noqa: N802
+        self.server.seen_hosts.append(self.headers.get("Host"))  # before replying: the client may check at once
         status, headers, body = self.routes.get(self.path, (404, {}, b"no"))
         self.send_response(status)
         for k, v in headers.items():
@@ -34,7 +35,6 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
-        self.server.seen_hosts.append(self.headers.get("Host"))
 
     def log_message(self, *a):
         pass
