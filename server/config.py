@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 GiB = 1 << 30
+DEFAULT_MAX_REQUEST_BYTES = 64 << 20  # also the router's default
 
 HASH_ALGOS = ("blake3", "sha256", "xxhash")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -99,7 +100,7 @@ class ServerConfig:
         metadata=_opt("--allowed-media-host", "Host or CIDR that image URLs may reach even if private (repeatable).", action="append"),
     )
     max_request_bytes: int = field(
-        default=64 << 20, metadata=_opt("--max-request-bytes", "Largest HTTP request body, in bytes (413 above it).")
+        default=DEFAULT_MAX_REQUEST_BYTES, metadata=_opt("--max-request-bytes", "Largest HTTP request body, in bytes (413 above it).")
     )
     media_fetch_timeout_s: float = field(
         default=10.0, metadata=_opt("--media-fetch-timeout-s", "Timeout for downloading one image, in seconds.")

@@ -353,3 +353,14 @@ async def test_bad_messages_and_gap_trigger_snapshot_resync(tiny_model_dir):
         # and the feed goes on in order after the resync
         rep.publish([BlockStored([b"\x04" * 32], None, [], BLOCK)])
         await until(lambda: b"\x04" * 32 in f.fleet.index.state(url).gpu, "in-order event after resync")
+
+
+async def test_oversized_body_is_413_before_routing():
+    from warmfleet.server.router.app import RouterSettings, build_app
+    from warmfleet.server.router.prompt import HashConfig
+
+    app = build_app(RouterSettings(hash_cfg=HashConfig(16, "fp"), max_request_bytes=1000))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://router") as c:
+        for path in ("/v1/chat/completions", "/v1/completions", "/tokenize"):
+            r = await c.post(path, content=b"{" + b" " * 2000 + b"}", headers={"content-type": "application/json"})
+            assert r.status_code == 413 and "1000 bytes" in r.json()["error"]["message"], (path, r.text)

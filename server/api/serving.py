@@ -28,6 +28,7 @@ from ..engine.sampling_params import SamplingParams
 from ..hashing import MMPlaceholder
 from ..outputs import EngineError, OutputStream, chat_logprobs, completion_logprobs
 from ..tokenizer import ChatTemplateError, IncrementalDetokenizer
+from ..bodies import BodyTooLarge, read_capped
 from .errors import APIError, bad_request, error_body, validation_error
 from .generation import Choice, stream_choices
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -41,24 +42,12 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for "client went away"; logged, ne
 
 
 # ---- request parsing ----------------------------------------------------------------------------
-async def read_body(request: Request, limit: int) -> bytes:
-    """The raw body, refused with 413 as soon as it exceeds `limit` bytes (never buffered past it)."""
-    too_big = APIError(413, f"request body exceeds {limit} bytes (--max-request-bytes)", code="request_too_large")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_big
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_big
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 async def parse_body(request: Request, model: type[M], state: ServerState) -> M:
     """The JSON body validated as `model`; malformed JSON and invalid fields are 400s, oversize 413."""
-    raw = await read_body(request, state.cfg.server.max_request_bytes)
+    try:
+        raw = await read_capped(request, state.cfg.server.max_request_bytes)
+    except BodyTooLarge as exc:
+        raise APIError(413, str(exc), code="request_too_large") from None
     if not raw.strip():
         raise bad_request("request body is empty; expected a JSON object", code="invalid_json")
     try:

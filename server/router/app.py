@@ -13,6 +13,8 @@ from fastapi import FastAPI, Request
 from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response
 
+from ..bodies import BodyTooLarge, read_capped
+from ..config import DEFAULT_MAX_REQUEST_BYTES
 from .auth import ConcurrencyLimiter, Tenants
 from .fleet import Fleet
 from .metrics import RouterMetrics
@@ -39,6 +41,7 @@ class RouterSettings:
     health_interval_s: float = 0.2
     health_timeout_s: float = 0.5
     discovery: Optional[Discovery] = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # bodies above it get a 413, never buffered past it
 
 
 def build_app(settings: RouterSettings) -> FastAPI:
@@ -125,7 +128,10 @@ def build_app(settings: RouterSettings) -> FastAPI:
         return resp
 
     async def json_body(request: Request) -> tuple[dict, bytes] | Response:
-        raw = await request.body()
+        try:
+            raw = await read_capped(request, settings.max_request_bytes)
+        except BodyTooLarge as exc:
+            return error_response(413, str(exc), "invalid_request_error")
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
@@ -158,7 +164,10 @@ def build_app(settings: RouterSettings) -> FastAPI:
                                                                                client_headers(request)))
 
     async def plain_post(request: Request, path: str) -> Response:
-        raw = await request.body()
+        try:
+            raw = await read_capped(request, settings.max_request_bytes)
+        except BodyTooLarge as exc:
+            return error_response(413, str(exc), "invalid_request_error")
         return await admit(request, None, lambda: state["proxy"].forward_plain("POST", path, raw,
                                                                                client_headers(request)))
 

@@ -6,7 +6,7 @@ import argparse
 import logging
 import os
 
-from ..config import CacheConfig, flag_of
+from ..config import CacheConfig, ServerConfig, flag_of
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,6 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Longest silence from a replica while answering, seconds.")
     p.add_argument("--health-interval-s", type=float, default=0.2, help="Active health-check period, seconds.")
     p.add_argument("--health-timeout-s", type=float, default=0.5, help="Health-check timeout, seconds.")
+    p.add_argument(flag_of(ServerConfig, "max_request_bytes"), type=int, default=ServerConfig().max_request_bytes,
+                   help="Largest request body in bytes; larger ones get a 413 and are never buffered.")
     p.add_argument("--max-concurrent-per-client", type=int, default=0,
                    help="Open requests per API key (or client address without keys); 0 = unlimited.")
     p.add_argument("--api-key", action="append", default=[],
@@ -112,6 +114,7 @@ def settings_from_args(args: argparse.Namespace):
         tenants=Tenants.from_flags(keys, args.api_keys_file,
                                    args.salt_secret or os.environ.get("WARMFLEET_SALT_SECRET")),
         max_concurrent_per_client=args.max_concurrent_per_client,
+        max_request_bytes=args.max_request_bytes,
         replica_api_key=args.replica_api_key or os.environ.get("WARMFLEET_REPLICA_API_KEY"),
         health_interval_s=args.health_interval_s,
         health_timeout_s=args.health_timeout_s,
