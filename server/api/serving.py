@@ -387,13 +387,19 @@ def _render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bo
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-async def _chat_full(state: ServerState, choices: list[Choice], meta: dict, top: Optional[int]) -> Response:
+async def run_to_completion(state: ServerState, choices: list[Choice]) -> dict[int, list]:
+    """Drive every choice to its end (non-streaming); returns each choice's logprob entries."""
     logprobs: dict[int, list] = {c.index: [] for c in choices}
     try:
         async for choice, delta in stream_choices(state.require_engine(), choices, state.metrics):
             logprobs[choice.index].extend(delta.logprobs)
     except EngineError as exc:
         raise engine_failure(exc) from None
+    return logprobs
+
+
+async def _chat_full(state: ServerState, choices: list[Choice], meta: dict, top: Optional[int]) -> Response:
+    logprobs = await run_to_completion(state, choices)
     out = [
         {
             "index": c.index,
@@ -492,12 +498,7 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
 
 async def _completion_full(state: ServerState, choices: list[Choice], meta: dict, num_logprobs: Optional[int],
                            echo: Optional[list[str]]) -> Response:
-    logprobs: dict[int, list] = {c.index: [] for c in choices}
-    try:
-        async for choice, delta in stream_choices(state.require_engine(), choices, state.metrics):
-            logprobs[choice.index].extend(delta.logprobs)
-    except EngineError as exc:
-        raise engine_failure(exc) from None
+    logprobs = await run_to_completion(state, choices)
     out = []
     for c in choices:
         prefix = echo[c.prompt_index] if echo else ""
