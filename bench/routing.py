@@ -253,8 +253,8 @@ async def one(client: httpx.AsyncClient, base: str, i: int, msgs: list[dict], re
                 ev = json.loads(line[6:])
                 if "error" in ev:
                     err = "stream error"
-                if ttft is None and ev.get("choices"):
-                    ttft = time.perf_counter() - t0
+                if ttft is None and any(c["delta"].get("content") or c.get("finish_reason") for c in ev.get("choices") or ()):
+                    ttft = time.perf_counter() - t0  # the first token, not a role-only chunk
                 if ev.get("usage"):
                     prompt = ev["usage"]["prompt_tokens"]
                     cached = (ev["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)

@@ -283,6 +283,15 @@ async def test_engine_error_mid_stream_is_an_error_event_then_done(client, engin
     assert "boom" in events[-2]["error"]["message"] and events[-2]["error"]["code"] == "engine_error"
 
 
+async def test_stream_sends_nothing_before_the_engine_answers(client, engine):
+    """The role chunk rides with the first engine output: an engine that fails first leaves only the error."""
+    engine.raises = RuntimeError("engine process died")
+    r = await client.post(CHAT, json=chat_body(stream=True))
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]" and len(events) == 2
+    assert "engine process died" in events[0]["error"]["message"]
+
+
 async def test_engine_error_non_streaming_is_json(client, engine):
     engine.error = "engine step failed: boom"
     err = assert_error(await client.post(CHAT, json=chat_body()), 500, code="engine_error")

@@ -421,10 +421,15 @@ async def _chat_stream(state: ServerState, choices: list[Choice], meta: dict, to
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return sse({**base, "choices": [choice], **extra})
 
+    # Each choice's role chunk goes out with its first engine output, as vLLM does: the first byte
+    # of a stream then means prefill is done, so a router can still retry a replica that dies in
+    # prefill, and nothing reaches the client before the engine has accepted the request.
+    unannounced = {c.index for c in choices}
     try:
-        for c in choices:
-            yield chunk(c.index, {"role": "assistant", "content": ""})
         async for choice, delta in stream_choices(state.require_engine(), choices, state.metrics):
+            if choice.index in unannounced:
+                unannounced.discard(choice.index)
+                yield chunk(choice.index, {"role": "assistant", "content": ""})
             if not (delta.text or delta.logprobs or delta.finish_reason):
                 continue
             lp = chat_logprobs(delta.logprobs, state.tokenizer, top) if top is not None and delta.logprobs else None
