@@ -39,6 +39,23 @@ def test_load_outweighs_a_short_hit():
     assert d.order[0] == "idle" and d.reason == LEAST_LOAD
 
 
+def test_queued_prefill_outweighs_a_short_warm_prefix_not_a_long_one():
+    cfg = PolicyConfig(epsilon=10, share_epsilon=10)  # only the score decides
+    # "busy" is computing a 300-token cold prompt for this router: a 4-block hit is not worth the wait...
+    d = choose([Candidate("busy", gpu_blocks=4, load=1, queued_tokens=300), Candidate("idle")],
+               block_size=B, num_prompt_tokens=40 * B, cold_key=b"k", cfg=cfg)
+    assert d.order[0] == "idle" and d.uncached_for("idle") == 40 * B
+    # ...a 30-block conversation history is
+    d = choose([Candidate("busy", gpu_blocks=30, load=1, queued_tokens=300), Candidate("idle")],
+               block_size=B, num_prompt_tokens=40 * B, cold_key=b"k", cfg=cfg)
+    assert d.order[0] == "busy" and d.uncached_for("busy") == 10 * B
+    # with the term off, only the request count weighs
+    d = choose([Candidate("busy", gpu_blocks=4, load=1, queued_tokens=300), Candidate("idle")],
+               block_size=B, num_prompt_tokens=40 * B, cold_key=b"k", cfg=PolicyConfig(epsilon=10, share_epsilon=10,
+                                                                                      queue_weight=0))
+    assert d.order[0] == "busy"
+
+
 def test_bounded_load_spills_a_hot_prefix():
     cfg = PolicyConfig(epsilon=0.25, load_weight=0)
     cands = [Candidate("hot", gpu_blocks=8, load=4), Candidate("b", load=0), Candidate("c", load=1)]

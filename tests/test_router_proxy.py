@@ -76,7 +76,8 @@ class FakeReplica:
     """Replica double: tokenizes like a replica, keeps a block set, publishes real KV events (events.encode).
 
     Failure modes per request: "503", "reset" (headers, then the connection drops before any byte),
-    "break" (two SSE events, then the connection drops), "hold" (waits for `release`).
+    "break" (two SSE events, then the connection drops), "hold" (waits for `release`), "prefill" (waits
+    for `release` before its first byte, as a replica computing the prompt).
     """
 
     def __init__(self, name: str, tokenizer: Tokenizer, fingerprint: str, failures: FakeSharedFailures):
@@ -149,6 +150,8 @@ class FakeReplica:
                                     headers=headers)
 
             async def events():
+                if mode == "prefill":
+                    await self.release.wait()
                 for word in ("hello", "world"):
                     yield f"data: {json.dumps({'choices': [{'index': 0, 'text': word}]})}\n\n".encode()
                 if mode == "break":
@@ -253,6 +256,24 @@ async def test_retry_on_next_replica_before_first_byte(tiny_model_dir, mode, str
         assert failed.received and f.metric("warmfleet_router_retries_total") == 1
         if stream:
             assert r.text.startswith("data: ") and r.text.endswith("data: [DONE]\n\n")
+
+
+async def test_prompt_counts_as_queued_work_until_its_first_token(tiny_model_dir):
+    async with Fleet2(tiny_model_dir, failures=FakeSharedFailures(1, "prefill")) as f:
+        task = asyncio.create_task(f.client.post("/v1/chat/completions", json=chat("a cold prompt", stream=True)))
+        reps = f.fleet.registry.replicas
+        await until(lambda: any(r.received for r in f.replicas), "the request reaching a replica")
+        held = next(r for r in f.replicas if r.received)
+        rep = reps[f.url_of(held.name)]
+        num_tokens = len(held._prompt_ids(held.received[0]))
+        assert rep.in_flight == 1 and rep.queued_tokens == num_tokens  # nothing cached anywhere yet
+        assert f.metric("warmfleet_router_replica_queued_tokens", replica=rep.id) == num_tokens
+        held.release.set()
+        r = await task
+        assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+        assert rep.queued_tokens == 0 and rep.in_flight == 0
+        assert f.metric("warmfleet_router_replica_queued_tokens", replica=rep.id) == 0
+        assert all(x.queued_tokens == 0 for x in reps.values())
 
 
 async def test_refused_connection_marks_replica_down_and_retries(tiny_model_dir):

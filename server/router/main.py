@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Worth of a swap-tier block relative to a GPU block in scoring (0..1).")
     p.add_argument("--load-weight", type=float, default=32.0,
                    help="Cached prompt tokens that one in-flight request on a replica outweighs.")
+    p.add_argument("--queue-weight", type=float, default=1.0,
+                   help="Cost, in cached tokens, of one uncached prompt token this router has queued on a replica "
+                        "(requests awaiting their first token); 0 = count requests only.")
     p.add_argument("--balance-epsilon", type=float, default=0.25,
                    help="Bounded load: no replica above (1 + EPS) x mean load while another can take the request.")
     p.add_argument("--balance-share-epsilon", type=float, default=0.15,
@@ -90,6 +93,8 @@ def settings_from_args(args: argparse.Namespace):
     if (args.warm_slack < 0 or args.warm_min_tokens < 0 or args.balance_share_epsilon < 0
             or args.share_slack_tokens < 0 or args.max_share_slack < 0):
         raise ValueError("--warm-slack, --warm-min-tokens, --share-slack-tokens and --max-share-slack must be >= 0")
+    if args.queue_weight < 0 or args.load_weight < 0:
+        raise ValueError("--queue-weight and --load-weight must be >= 0")
     if args.balance_epsilon < 0 or args.cold_key_blocks < 1 or args.max_attempts < 1:
         raise ValueError("--balance-epsilon must be >= 0, --cold-key-blocks and --max-attempts >= 1")
     keys = list(args.api_key)
@@ -105,7 +110,7 @@ def settings_from_args(args: argparse.Namespace):
         hash_cfg=HashConfig(args.block_size, model_fingerprint(args.model), args.prefix_hash_algo),
         replicas=[parse_replica(r, args.kv_events_port) for r in args.replica],
         renderer=PromptRenderer(args.model, hash_algo=args.prefix_hash_algo),
-        policy=PolicyConfig(cpu_weight=args.cpu_tier_weight, load_weight=args.load_weight,
+        policy=PolicyConfig(cpu_weight=args.cpu_tier_weight, load_weight=args.load_weight, queue_weight=args.queue_weight,
                             epsilon=args.balance_epsilon, warm_slack=args.warm_slack,
                             warm_min_tokens=args.warm_min_tokens, share_epsilon=args.balance_share_epsilon,
                             share_slack_tokens=args.share_slack_tokens, max_share_slack=args.max_share_slack),

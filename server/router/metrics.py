@@ -28,6 +28,8 @@ class RouterMetrics:
             buckets=(-4096, -1024, -256, -64, -1, 0, 64, 256, 1024, 4096), registry=r)
         self.replica_in_flight = Gauge(p + "replica_in_flight", "Requests this router has open per replica.",
                                        ["replica"], registry=r)
+        self.replica_queued_tokens = Gauge(p + "replica_queued_tokens", "Uncached prompt tokens this router sent "
+                                           "per replica that await their first token.", ["replica"], registry=r)
         self.replica_engine_queue = Gauge(p + "replica_engine_requests", "Running + waiting requests the replica "
                                           "last reported in its KV events.", ["replica"], registry=r)
         self.replica_healthy = Gauge(p + "replica_healthy", "1 if the replica is routable.", ["replica"], registry=r)

@@ -4,7 +4,14 @@ For each replica r the score, in prompt tokens saved, is
 
     score(r) = block_size * (gpu_blocks(r) + cpu_weight * cpu_blocks(r))
              + encoder_weight * warm_image_tokens(r)
+             - queue_weight * queued_tokens(r)
              - load_weight * load(r)
+
+`queued_tokens` is the prompt work this router sent the replica that it has not finished: the
+uncached prompt tokens of requests still waiting for their first token. The new request waits
+behind that prefill, so a token of it costs about as much as a token the request must compute
+itself; a replica busy with a cold prompt then loses a short warm prefix to an idle one, but
+keeps a long one.
 
 Bounded load (consistent hashing with bounded loads): with n replicas and total load L, a
 replica may take the request only if load(r) + 1 <= ceil((1 + epsilon) * (L + 1) / n). The
@@ -51,6 +58,7 @@ class PolicyConfig:
     cpu_weight: float = 0.5  # a swap-tier block is worth this fraction of a GPU block (it must be copied back)
     encoder_weight: float = 0.5  # an image whose encoder output is warm saves this fraction of its tokens
     load_weight: float = 32.0  # prompt tokens of cached prefix that one request of load outweighs
+    queue_weight: float = 1.0  # cost of one uncached prompt token queued ahead on the replica, in tokens saved
     epsilon: float = 0.25  # bounded load: no replica above (1 + epsilon) x mean load while another fits
     warm_slack: int = 1  # requests above the cap a replica may take when it alone holds much of the prompt
     warm_min_tokens: int = 64  # cached tokens it must hold beyond the best replica under the cap to use the slack
@@ -68,6 +76,7 @@ class Candidate:
     cpu_blocks: int = 0  # further leading blocks cached only in the swap tier
     warm_image_tokens: int = 0  # placeholder tokens of images outside the prefix whose encoder output is cached
     load: float = 0.0  # requests in flight or queued on the replica
+    queued_tokens: int = 0  # uncached prompt tokens this router sent it that still await their first token
     sent: float = 0.0  # requests this router sent it recently (decayed count): share cap and last tie-break
 
 
@@ -77,6 +86,11 @@ class Decision:
     reason: str  # PREFIX_HIT | COLD_HASH | LOAD_SPILL | LEAST_LOAD
     predicted_cached_tokens: int  # tokens the target should serve from its cache
     hits: dict = field(default_factory=dict)  # replica -> tokens it should serve from cache (for retries)
+    num_prompt_tokens: int = 0
+
+    def uncached_for(self, replica: str) -> int:
+        """Prompt tokens `replica` must compute if it serves the request."""
+        return max(0, self.num_prompt_tokens - self.predicted_for(replica))
 
     def predicted_for(self, replica: str) -> int:
         """Predicted cached tokens if `replica` serves the request (the target's, or a fallback's after a retry)."""
@@ -126,7 +140,8 @@ def choose(cands: Sequence[Candidate], *, block_size: int, num_prompt_tokens: in
     def score(c: Candidate) -> float:
         gpu = min(c.gpu_blocks * block_size, limit)
         cpu = min(c.cpu_blocks * block_size, limit - gpu)
-        return gpu + cfg.cpu_weight * cpu + cfg.encoder_weight * c.warm_image_tokens - cfg.load_weight * c.load
+        return (gpu + cfg.cpu_weight * cpu + cfg.encoder_weight * c.warm_image_tokens
+                - cfg.queue_weight * c.queued_tokens - cfg.load_weight * c.load)
 
     scap = share_cap([c.sent for c in cands], cfg.share_epsilon)
     in_share = [c for c in cands if c.sent + 1 <= scap] or list(cands)
@@ -166,4 +181,4 @@ def choose(cands: Sequence[Candidate], *, block_size: int, num_prompt_tokens: in
         ranked = sorted(cands, key=lambda c: (c.load, c.sent, c.replica))
         reason = LEAST_LOAD
     return Decision([c.replica for c in ranked], reason, hit_tokens(ranked[0]),
-                    {c.replica: hit_tokens(c) for c in cands})
+                    {c.replica: hit_tokens(c) for c in cands}, num_prompt_tokens)

@@ -115,7 +115,8 @@ class Proxy:
                 hits = self.fleet.index.encoder_hits(r.id, [i.mm_hash for i in prompt.mm_items])
                 warm = sum(i.length for i in prompt.mm_items if i.mm_hash in hits and i.offset >= m.blocks * bs)
             cands.append(Candidate(r.id, m.gpu_blocks, m.cpu_blocks, warm,
-                                   load=max(r.in_flight, self.fleet.engine_load(r.id)), sent=r.sent))
+                                   load=max(r.in_flight, self.fleet.engine_load(r.id)),
+                                   queued_tokens=r.queued_tokens, sent=r.sent))
         cold_key = hashes[min(len(hashes), self.cfg.cold_key_blocks) - 1] if hashes else None
         num_tokens = prompt.num_tokens if prompt else 0
         decision = choose(cands, block_size=bs, num_prompt_tokens=num_tokens, cold_key=cold_key, cfg=self.policy)
@@ -148,7 +149,8 @@ class Proxy:
                 self.metrics.retries.inc()
                 self.metrics.decisions.labels(RETRY).inc()
             tried += 1
-            self._enter(rep)
+            queued = decision.uncached_for(rid)
+            self._enter(rep, queued)
             released = False
             resp: Optional[aiohttp.ClientResponse] = None
             try:
@@ -159,7 +161,9 @@ class Proxy:
                     continue
                 if stream and resp.status == 200:
                     chunks = resp.content.iter_any()
-                    first = await anext(chunks, b"")
+                    first = await anext(chunks, b"")  # a replica streams its first byte with the first token
+                    self._prefilled(rep, queued)
+                    queued = 0
                     released = True  # from here the relay owns the in-flight count
                     return self._stream(rep, resp, chunks, first, decision, retried=tried > 1)
                 content = await resp.read()
@@ -179,6 +183,7 @@ class Proxy:
                     resp.close()
                 self.fleet.report_failure(rid, last_error)
             finally:
+                self._prefilled(rep, queued)
                 if not released:
                     self._leave(rep)
         return self._count(error_response(502, last_error, "upstream_error"))
@@ -248,12 +253,19 @@ class Proxy:
             out["x-warmfleet-route"] = f"{reason}; predicted_cached_tokens={decision.predicted_for(rep.id)}"
         return out
 
-    def _enter(self, rep: Replica) -> None:
+    def _enter(self, rep: Replica, queued_tokens: int = 0) -> None:
         rep.in_flight += 1
+        rep.queued_tokens += queued_tokens
         for r in self.fleet.registry.replicas.values():  # recent share: counts decay over ~SHARE_WINDOW requests
             r.sent *= SHARE_DECAY
         rep.sent += 1
         self.metrics.replica_in_flight.labels(rep.id).set(rep.in_flight)
+        self.metrics.replica_queued_tokens.labels(rep.id).set(rep.queued_tokens)
+
+    def _prefilled(self, rep: Replica, queued_tokens: int) -> None:
+        """The request's prompt is no longer work queued ahead of others (first token, answer or failure)."""
+        rep.queued_tokens -= queued_tokens
+        self.metrics.replica_queued_tokens.labels(rep.id).set(rep.queued_tokens)
 
     def _leave(self, rep: Replica) -> None:
         rep.in_flight -= 1

@@ -51,6 +51,7 @@ class Replica:
     healthy: bool = False  # passed the last health check and no request failed to connect since
     kv_tracked: bool = True  # False once the replica proved it serves no snapshot: route without its index
     in_flight: int = 0  # requests this router has open on it
+    queued_tokens: int = 0  # uncached prompt tokens of those requests that have not had their first token yet
     sent: float = 0.0  # requests this router sent it recently (decayed; policy share cap and tie-break)
     down_since: Optional[float] = None  # monotonic time it was marked down
     last_error: str = ""
