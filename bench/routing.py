@@ -12,8 +12,8 @@ checkpoint sends requests that share images but not text (skipped with --no-imag
 the replicas do not accept images). Runs are interleaved per (rate, seed): every router sees
 the same machine load, so ratios between routers are measured side by side.
 
-Reports per router the fleet cached-token ratio (from `usage`), TTFT p50/p90, request spread
-(max/mean per replica), errors, and for warmfleet the router-added latency against direct
+Reports per router the fleet cached-token ratio (from `usage`), TTFT p50/p90 (to the first
+token), request spread (max/mean per replica), errors, and for warmfleet the router-added latency against direct
 requests, decision reasons with the tokens each reason lost against the oracle, and a churn
 run (one replica killed mid-run and restarted cold). The oracle is the cached-token ratio of
 an unbounded cache that saw every earlier request. Writes `routing.json` and `routing.png`
@@ -253,8 +253,9 @@ async def one(client: httpx.AsyncClient, base: str, i: int, msgs: list[dict], re
                 ev = json.loads(line[6:])
                 if "error" in ev:
                     err = "stream error"
-                if ttft is None and any(c["delta"].get("content") or c.get("finish_reason") for c in ev.get("choices") or ()):
-                    ttft = time.perf_counter() - t0  # the first token, not a role-only chunk
+                first_token = any(c["delta"].get("content") or c.get("finish_reason") for c in ev.get("choices") or ())
+                if ttft is None and first_token:  # not a role-only chunk
+                    ttft = time.perf_counter() - t0
                 if ev.get("usage"):
                     prompt = ev["usage"]["prompt_tokens"]
                     cached = (ev["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
@@ -415,19 +416,19 @@ def chart(results: dict, path: Path) -> None:
         row[0].bar(names, [res[n]["cached_ratio"] or 0 for n in names], color=c)
         row[0].axhline(results[w]["oracle_cached_ratio"], ls="--", color="k", lw=1, label="oracle")
         row[0].axhline(0.9 * results[w]["oracle_cached_ratio"], ls=":", color="k", lw=1, label="0.9 x oracle")
-        row[0].set_title(f"{w}: cached-token ratio")
+        where = f"{w} (rates {results[w]['rates']}/s, seeds {results[w]['seeds']})"
+        row[0].set_title(f"{where}: cached-token ratio", fontsize=9)
         row[0].legend(fontsize=8)
         x = range(len(names))
         row[1].bar([i - 0.2 for i in x], [res[n]["ttft_p50_s"] or 0 for n in names], 0.4, color=c, alpha=0.5,
                    label="p50")
         row[1].bar([i + 0.2 for i in x], [res[n]["ttft_p90_s"] or 0 for n in names], 0.4, color=c, label="p90")
         row[1].set_xticks(list(x), names)
-        row[1].set_title(f"{w}: TTFT (s), p50 light / p90 dark")
+        row[1].set_title(f"{w}: TTFT to the first token (s), p50 light / p90 dark", fontsize=9)
         row[2].bar(names, [res[n]["spread"] or 0 for n in names], color=c)
         row[2].axhline(1.25, ls="--", color="k", lw=1)
-        row[2].set_title(f"{w}: spread (max/mean requests per replica)")
-    fig.suptitle(f"warmfleet routing bench: {results['replicas']} replicas, rates {results['rates']}/s, "
-                 f"seeds {results['seeds']} (means over runs)", fontsize=10)
+        row[2].set_title(f"{w}: spread (max/mean requests per replica)", fontsize=9)
+    fig.suptitle(f"warmfleet routing bench: {results['replicas']} replicas (means over runs)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -467,7 +468,7 @@ def run_workload(name: str, model: Path, make_trace, routers: list[str], n: int,
                         if proc is not None:
                             stop(proc)
     res = {k: mean_of(v) for k, v in runs.items() if v}
-    return {"model": str(model), "gpu_blocks_per_replica": gpu_blocks, "requests": nreq,
+    return {"model": str(model), "gpu_blocks_per_replica": gpu_blocks, "requests": nreq, "rates": rates, "seeds": seeds,
             "oracle_cached_ratio": round(oracle, 4), "routers": res, "runs": runs,
             "targets": verdict(res, oracle)}
 
