@@ -25,7 +25,10 @@ def test_router_and_frontend_agree_on_ids_placeholders_and_block_hashes(tiny_vl_
     frontend = ImageInputPreparer(Tokenizer(tiny_vl_dir), ImageProcessor.from_model_dir(tiny_vl_dir),
                                   MediaLoader(MediaConfig()))
     replica = frontend.prepare(messages(7, uuid), cache_salt=salt, add_generation_prompt=True)
-    routed = PromptRenderer(str(tiny_vl_dir)).chat({"messages": messages(7, uuid), "cache_salt": salt})
+    renderer = PromptRenderer(str(tiny_vl_dir))
+    routed = renderer.chat({"messages": messages(7, uuid), "cache_salt": salt})
+    again = renderer.chat({"messages": messages(7, uuid), "cache_salt": salt})  # the image from the router's memo
+    assert renderer.images.hits == 1 and again == routed
     assert routed.token_ids == replica.prompt.prompt_token_ids
     assert routed.mm_items == replica.prompt.mm_placeholders and len(routed.mm_items) == 1
     fp = model_fingerprint(tiny_vl_dir)
@@ -38,3 +41,13 @@ def test_uuid_identity_differs_per_tenant(tiny_vl_dir):
     a = r.chat({"messages": messages(7, "photo-1"), "cache_salt": "tenant-a"}).mm_items[0].mm_hash
     b = r.chat({"messages": messages(7, "photo-1"), "cache_salt": "tenant-b"}).mm_items[0].mm_hash
     assert a != b
+
+
+def test_image_memo_is_keyed_by_content_uuid_and_tenant(tiny_vl_dir):
+    r = PromptRenderer(str(tiny_vl_dir))
+    first = r.chat({"messages": messages(7)}).mm_items[0].mm_hash
+    assert r.chat({"messages": messages(8)}).mm_items[0].mm_hash != first  # other pixels
+    assert r.chat({"messages": messages(7), "cache_salt": "t"}).mm_items[0].mm_hash != first  # other tenant
+    assert r.chat({"messages": messages(7, "photo-1")}).mm_items[0].mm_hash != first  # a uuid names it
+    assert r.images.hits == 0 and r.chat({"messages": messages(7)}).mm_items[0].mm_hash == first
+    assert r.images.hits == 1

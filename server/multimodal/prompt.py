@@ -15,9 +15,9 @@ read) and a replica (decoded pixels) compute the same ids and placeholders.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Protocol, Sequence
 
-from ..hashing import MMPlaceholder, mm_hash
+from ..hashing import MMPlaceholder, digest_fn, mm_hash
 from .media import MediaError, decode_data_uri, image_size
 from .processor import ImageProcessorConfig
 
@@ -175,20 +175,40 @@ def expand(tokenizer, messages: Sequence[dict], images: Sequence[ImageInfo], mer
     return expand_image_tokens(ids, images, pad_id, merge_size)
 
 
+class InfoMemo(Protocol):
+    def get(self, key: Any) -> Any: ...
+
+    def put(self, key: Any, value: Any) -> None: ...
+
+
 def render(tokenizer, messages: Sequence[dict], *, processor_cfg: Optional[ImageProcessorConfig] = None,
            grid_lookup: Optional[Callable[[str], Optional[tuple[int, int, int]]]] = None,
            hash_algo: str = "blake3", max_pixels: int = 64 << 20, max_bytes: int = 20 << 20,
-           cache_salt: Optional[str] = None, **template_kwargs) -> tuple[list[int], list[MMPlaceholder]]:
+           cache_salt: Optional[str] = None, memo: Optional[InfoMemo] = None,
+           **template_kwargs) -> tuple[list[int], list[MMPlaceholder]]:
     """Router path: ids and placeholders from the request alone (data: URIs hashed and header-read).
 
     An image the router cannot resolve without fetching (http(s)/file URLs, a uuid that
     `grid_lookup(mm_hash)` does not know) cuts the result just before that image's pads: the
     blocks before it hash the same whatever it expands to, so the prefix stays exact.
+    `memo` remembers a data: URI's ImageInfo by a digest of the URI text, the uuid and the salt,
+    so a conversation resending its image skips base64 decoding; one memo per (processor config,
+    limits, hash algo), as a router's renderer holds.
     """
     cfg = processor_cfg or ImageProcessorConfig.from_model_dir(tokenizer.model_dir)
     infos: list[Optional[ImageInfo]] = []
     for part in image_parts(messages):
-        infos.append(_resolve_for_router(part, cfg, grid_lookup, hash_algo, max_pixels, max_bytes, cache_salt))
+        key = None
+        if memo is not None and part.url and part.url.startswith("data:"):
+            key = (digest_fn(hash_algo)(part.url.encode()), part.uuid, cache_salt)
+            info = memo.get(key)
+            if info is not None:
+                infos.append(info)
+                continue
+        info = _resolve_for_router(part, cfg, grid_lookup, hash_algo, max_pixels, max_bytes, cache_salt)
+        if key is not None:
+            memo.put(key, info)
+        infos.append(info)
     ids, pad_id = render_tokens(tokenizer, messages, **template_kwargs)
     known = list(_until_none(infos))
     if len(known) == len(infos):

@@ -151,6 +151,7 @@ class PromptRenderer:
         self._processor_cfg: Any = None
         self._image_pad_ids = {i for i in (tokenizer.token_to_id(t) for t in IMAGE_PAD_TOKENS) if i is not None}
         self.segments = SegmentEncoder.for_tokenizer(tokenizer)
+        self.images = BoundedMemo(4096)  # data: URI -> ImageInfo (multimodal.prompt.render's memo)
 
     def _encode_chat(self, text: str) -> list[int]:
         if self.segments is not None:
@@ -176,7 +177,7 @@ class PromptRenderer:
 
                 self._processor_cfg = ImageProcessorConfig.from_model_dir(self.tokenizer.model_dir)
             ids, items = self._mm_render(self.tokenizer, messages, processor_cfg=self._processor_cfg,
-                                         hash_algo=self.hash_algo, cache_salt=cache_salt,
+                                         hash_algo=self.hash_algo, cache_salt=cache_salt, memo=self.images,
                                          add_generation_prompt=add_gen)
             return Prompt(list(ids), list(items), len(ids))
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen)
