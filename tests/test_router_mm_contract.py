@@ -45,9 +45,13 @@ def test_uuid_identity_differs_per_tenant(tiny_vl_dir):
 
 def test_image_memo_is_keyed_by_content_uuid_and_tenant(tiny_vl_dir):
     r = PromptRenderer(str(tiny_vl_dir))
-    first = r.chat({"messages": messages(7)}).mm_items[0].mm_hash
-    assert r.chat({"messages": messages(8)}).mm_items[0].mm_hash != first  # other pixels
-    assert r.chat({"messages": messages(7), "cache_salt": "t"}).mm_items[0].mm_hash != first  # other tenant
-    assert r.chat({"messages": messages(7, "photo-1")}).mm_items[0].mm_hash != first  # a uuid names it
-    assert r.images.hits == 0 and r.chat({"messages": messages(7)}).mm_items[0].mm_hash == first
-    assert r.images.hits == 1
+
+    def h(seed, uuid=None, salt=None):
+        return r.chat({"messages": messages(seed, uuid), "cache_salt": salt}).mm_items[0].mm_hash
+
+    first = h(7)
+    assert h(8) != first  # other pixels
+    assert h(7, "photo-1") != first  # a uuid names it
+    assert h(7, "photo-1", "tenant-b") != h(7, "photo-1", "tenant-a")  # uuids are per tenant, memo or not
+    assert r.images.hits == 0
+    assert h(7) == first and h(7, "photo-1", "tenant-b") == h(7, "photo-1", "tenant-b") and r.images.hits == 3
