@@ -132,12 +132,12 @@ def run(args: argparse.Namespace) -> int:
 
     from ..logging_setup import setup_logging
     from .app import build_app
-    from .transport import CoalescingH11Protocol
+    from .transport import coalescing_protocol
 
     setup_logging(args.log_level)
     if args.log_level != "debug":  # one line per health check per replica every 0.2 s is noise
         logging.getLogger("httpx").setLevel(logging.WARNING)
     app = build_app(settings_from_args(args))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                http=CoalescingH11Protocol)
+                http=coalescing_protocol())
     return 0
