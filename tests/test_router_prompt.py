@@ -91,3 +91,24 @@ async def test_coalescing_transport_joins_one_tick_and_flushes_on_close():
     t.close()  # pending bytes go out before the close
     assert sink.writes[1:] == [b"data: 1\n\n", b"data: 2\n\n"] and sink.closed
     assert t.get_extra_info("peername") == ("127.0.0.1", 1)
+
+
+async def test_router_protocol_parses_with_httptools_and_coalesces_writes():
+    from uvicorn.config import Config
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    from uvicorn.server import ServerState
+
+    from warmfleet.server.router.transport import coalescing_protocol
+
+    cls = coalescing_protocol()
+    assert issubclass(cls, HttpToolsProtocol)
+    config = Config(app=lambda scope, receive, send: None)
+    config.load()
+    proto = cls(config=config, server_state=ServerState(), app_state={})
+    sink = _Sink()
+    proto.connection_made(sink)
+    assert isinstance(proto.transport, CoalescingTransport)
+    proto.transport.write(b"a")
+    proto.transport.write(b"b")
+    await asyncio.sleep(0)
+    assert sink.writes == [b"ab"]
