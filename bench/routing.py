@@ -427,6 +427,9 @@ def chart(results: dict, path: Path) -> None:
         row[0].bar(names, [res[n]["cached_ratio"] or 0 for n in names], color=c)
         row[0].axhline(results[w]["oracle_cached_ratio"], ls="--", color="k", lw=1, label="oracle")
         row[0].axhline(0.9 * results[w]["oracle_cached_ratio"], ls=":", color="k", lw=1, label="0.9 x oracle")
+        if results[w].get("fleet_lru_cached_ratio"):
+            row[0].axhline(results[w]["fleet_lru_cached_ratio"], ls="-.", color="#7a3b9e", lw=1,
+                           label="one LRU cache of the fleet's size")
         where = f"{w} (rates {results[w]['rates']}/s, seeds {results[w]['seeds']})"
         row[0].set_title(f"{where}: cached-token ratio", fontsize=9)
         row[0].legend(fontsize=8)
