@@ -485,7 +485,8 @@ def run_workload(name: str, model: Path, make_trace, routers: list[str], n: int,
                             stop(proc)
     res = {k: mean_of(v) for k, v in runs.items() if v}
     return {"model": str(model), "gpu_blocks_per_replica": gpu_blocks, "requests": nreq, "rates": rates, "seeds": seeds,
-            "oracle_cached_ratio": round(oracle, 4), "fleet_lru_cached_ratio": round(lru, 4), "routers": res, "runs": runs,
+            "oracle_cached_ratio": round(oracle, 4), "fleet_lru_cached_ratio": round(lru, 4),
+            "routers": res, "runs": runs,
             "targets": verdict(res, oracle)}
 
 

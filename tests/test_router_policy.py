@@ -214,3 +214,17 @@ def test_prediction_for_a_fallback_after_retry():
                block_size=B, num_prompt_tokens=10 * B, cold_key=b"k")
     assert d.order[0] == "a" and d.predicted_for("a") == 6 * B
     assert d.predicted_for("b") == 2 * B and d.predicted_for("c") == 0 and d.predicted_for("gone") == 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--queue-weight", "-1"], "--queue-weight and --load-weight must be >= 0"),
+    (["--cpu-tier-weight", "2"], "--cpu-tier-weight must be in [0, 1]"),
+    (["--replica", "ftp://x"], "--replica needs an http(s)://host:port URL"),
+])
+def test_bad_router_flag_is_one_line_and_exit_2(tiny_model_dir, capsys, flags, message):
+    from warmfleet.cli import main
+
+    argv = ["route", "--model", str(tiny_model_dir), "--replica", "http://127.0.0.1:1", *flags]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("warmfleet route: error: ") and message in err and "\n" not in err

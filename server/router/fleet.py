@@ -63,7 +63,8 @@ class Fleet:
             if task is not None:
                 await cancel(task)
             self.index.remove(rid)
-            for gauge in (self.metrics.replica_healthy, self.metrics.replica_in_flight, self.metrics.replica_queued_tokens):
+            m = self.metrics
+            for gauge in (m.replica_healthy, m.replica_in_flight, m.replica_queued_tokens):
                 try:
                     gauge.remove(rid)
                 except KeyError:
