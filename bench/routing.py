@@ -2,10 +2,11 @@
 
     python bench/routing.py [--quick] [--json] [--routers rr,sglang,vllm,warmfleet] [--model DIR]
                             [--variant NAME=FLAGS (router warmfleet:NAME)]
-                            [--requests N] [--rates 2,6] [--seeds 0,1,2] [--no-images] [--out DIR]
+                            [--requests N] [--rates 2,6] [--seeds 0,1,2] [--no-images] [--no-warm-up] [--out DIR]
 
 Starts N real `warmfleet serve` replicas on loopback (KV pools small enough that the working
-set does not fit one replica), fresh for every run so each router starts cold, and drives an
+set does not fit one replica), fresh for every run so each router starts with empty caches
+(each replica first serves one warm-up request under its own salt; --no-warm-up skips it), and drives an
 open-loop workload: tenants with Zipf-popular system prompts, multi-turn conversations with
 growing history, and one hot prefix taking half the traffic. A second workload on the VL
 checkpoint sends requests that share images but not text (skipped with --no-images, or when
@@ -55,10 +56,18 @@ def progress(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port not handed out before in this run (the kernel may offer a released one again)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def model_dir(arg: str | None, quick: bool, arch: str = "qwen2") -> Path:
@@ -183,9 +192,23 @@ class Fleet:
 
     def __enter__(self) -> "Fleet":
         self.replicas = [self.start_replica(i) for i in range(self.n)]
-        for url, _, p in self.replicas:
-            wait_http(url + "/ready", p)
+        try:
+            for url, _, p in self.replicas:
+                wait_http(url + "/ready", p)
+        except BaseException:
+            self.__exit__()  # no replica outlives a failed start
+            raise
         return self
+
+    def warm_up(self, messages: list[dict]) -> None:
+        """One request per replica, under a salt no workload request uses, so nothing it caches can hit.
+
+        A fresh replica's first request (first image above all) pays Paddle's set-up, which would
+        otherwise land on whichever router spreads over more replicas early.
+        """
+        body = {"model": "bench", "messages": messages, "max_tokens": 2, "cache_salt": "bench-warm-up"}
+        for url, _, _ in self.replicas:
+            httpx.post(url + "/v1/chat/completions", json=body, timeout=120).raise_for_status()
 
     def __exit__(self, *exc) -> None:
         for _, _, p in self.replicas:
@@ -450,7 +473,7 @@ def chart(results: dict, path: Path) -> None:
 
 def run_workload(name: str, model: Path, make_trace, routers: list[str], n: int, gpu_blocks: int,
                  rates: list[float], seeds: list[int], nreq: int, cwd: str, wf_args: list[str],
-                 extras: bool, results: dict, variants: dict | None = None) -> dict:
+                 extras: bool, results: dict, variants: dict | None = None, warm_up: bool = True) -> dict:
     """Every router on fresh replicas per (rate, seed), routers interleaved so they share the machine's load."""
     traces = {seed: make_trace(seed, nreq) for seed in seeds}
     oracles = {seed: oracle_hits(model, traces[seed]) for seed in seeds}
@@ -463,6 +486,8 @@ def run_workload(name: str, model: Path, make_trace, routers: list[str], n: int,
         for seed in seeds:
             for kind in routers:
                 with Fleet(model, n, gpu_blocks, cwd) as fleet:
+                    if warm_up:
+                        fleet.warm_up(make_trace(10_000 + seed, 1)[0])
                     base, proc = start_router(kind, fleet, cwd, wf_args + variants.get(kind, []))
                     try:
                         bases = [base] if base else [u for u, _, _ in fleet.replicas]
@@ -511,6 +536,8 @@ def main() -> int:
                     help="A warmfleet variant run as router 'warmfleet:NAME' with these extra flags (after "
                          "--warmfleet-args), e.g. --routers warmfleet,warmfleet:old --variant "
                          "'old=--share-slack-tokens 0': before and after, interleaved on the same seeds.")
+    ap.add_argument("--no-warm-up", action="store_true",
+                    help="Skip the one salted request per fresh replica before each run (measures cold replicas).")
     ap.add_argument("--out", default="bench/results", help="Directory for routing.json and routing.png.")
     args = ap.parse_args()
     n = args.replicas or (2 if args.quick else 4)
@@ -530,7 +557,7 @@ def main() -> int:
     if not args.no_text:
         model = model_dir(args.model, args.quick)
         results["text"] = run_workload("text", model, workload, routers, n, gpu_blocks, rates, seeds, nreq, cwd,
-                                       wf_args, True, results, variants)
+                                       wf_args, True, results, variants, not args.no_warm_up)
         for kind, v in results["text"]["routers"].items():
             progress(f"text {kind}: { {k: x for k, x in v.items() if k != 'reasons'} }")
     if not args.no_images:
@@ -538,7 +565,7 @@ def main() -> int:
         if accepts_images(vl, cwd):
             # the lower rate only: images are the slow part of a CPU replica
             results["images"] = run_workload("images", vl, image_workload, routers, n, 40, rates[:1], image_seeds,
-                                             nimg, cwd, wf_args, False, results, variants)
+                                             nimg, cwd, wf_args, False, results, variants, not args.no_warm_up)
             for kind, v in results["images"]["routers"].items():
                 progress(f"images {kind}: { {k: x for k, x in v.items() if k != 'reasons'} }")
         else:
