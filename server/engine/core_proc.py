@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -37,6 +38,14 @@ def run_engine_core(cfg_dict: dict, in_addr: str, out_addr: str) -> None:
     from .core import EngineCore
 
     from ..logging_setup import setup_logging
+
+    # Paddle's own handler turns SIGTERM into a C++ "FatalError" dump. A signal sent to the whole
+    # process group (Ctrl-C, `timeout`, a closing terminal) should instead leave shutdown to the API
+    # process, which stops this one; the orphan check below covers an API process that died.
+    import paddle
+
+    paddle.disable_signal_handler()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     cfg = config_from_dict(cfg_dict)
     setup_logging(cfg.server.log_level)
