@@ -85,6 +85,7 @@ class FakeReplica:
         self.gpu: list[bytes] = []
         self.seq = 0
         self.received: list[dict] = []
+        self.health_script: list[str] = []  # answers for the next health checks: "slow" (past the timeout) or "503"
         self.release = asyncio.Event()
         self.pub = zmq.Context.instance().socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
@@ -124,7 +125,10 @@ class FakeReplica:
 
         @app.get("/health")
         async def health():
-            return Response(status_code=200)
+            mode = self.health_script.pop(0) if self.health_script else "ok"
+            if mode == "slow":
+                await asyncio.sleep(1.0)  # past the router's 0.5 s health timeout
+            return Response(status_code=503 if mode == "503" else 200)
 
         @app.get("/v1/kv/snapshot")
         async def snapshot():
@@ -319,6 +323,25 @@ async def test_dead_replica_stops_receiving_within_one_second(tiny_model_dir):
             assert r.headers["x-warmfleet-replica"] == "r1"
         assert f.metric("warmfleet_router_retries_total") == 0
         assert (await f.client.get("/ready")).json()["routable_replicas"] == 1
+
+
+@pytest.mark.parametrize("mode", ["slow", "503"])
+async def test_one_failed_health_check_keeps_a_replica_and_its_index(tiny_model_dir, mode):
+    async with Fleet2(tiny_model_dir, health_interval_s=0.05) as f:
+        rep, url = f.replicas[0], f.served[0].url
+        rep.gpu.append(b"\x01" * 32)
+        rep.publish([BlockStored([b"\x01" * 32], None, [], BLOCK)])
+        await until(lambda: f.fleet.index.state(url).gpu, "the block in the index")
+        ups = f.metric("warmfleet_router_resyncs_total", replica=url, cause="recovered")  # 1: it came up at start
+        rep.health_script = [mode]
+        await until(lambda: not rep.health_script, "the failing check")
+        await until(lambda: f.fleet.registry.get(url).failed_checks == 0, "a passing check after it", timeout_s=3.0)
+        assert f.fleet.registry.get(url).down_since is None and f.fleet.index.state(url).gpu == {b"\x01" * 32}
+        assert f.metric("warmfleet_router_resyncs_total", replica=url, cause="recovered") == ups
+        rep.health_script = [mode, mode]  # two in a row: out of rotation (index purged), then back by a resync
+        await until(lambda: f.metric("warmfleet_router_resyncs_total", replica=url, cause="recovered") == ups + 1,
+                    "two failed checks to take it out and a passing one to bring it back", timeout_s=5.0)
+        await until(lambda: f.fleet.index.state(url).gpu == {b"\x01" * 32}, "the index rebuilt from a snapshot")
 
 
 async def test_api_key_injects_per_tenant_salt(tiny_model_dir):

@@ -40,6 +40,7 @@ class RouterSettings:
     replica_api_key: Optional[str] = None  # sent upstream as Bearer
     health_interval_s: float = 0.2
     health_timeout_s: float = 0.5
+    health_failures: int = 2  # failed checks in a row (timeouts, non-200) before a replica leaves; refused: at once
     discovery: Optional[Discovery] = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # bodies above it get a 413, never buffered past it
 
@@ -54,7 +55,8 @@ def build_app(settings: RouterSettings) -> FastAPI:
     async def lifespan(app: FastAPI):
         http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
         fleet = Fleet(http, metrics, health_interval_s=settings.health_interval_s,
-                      health_timeout_s=settings.health_timeout_s, model_fingerprint=settings.hash_cfg.model_fingerprint,
+                      health_timeout_s=settings.health_timeout_s,
+                      health_failures=settings.health_failures, model_fingerprint=settings.hash_cfg.model_fingerprint,
                       block_size=settings.hash_cfg.block_size, upstream_headers=upstream)
         state["fleet"] = app.state.fleet = fleet
         session = upstream_session()

@@ -1,8 +1,11 @@
 """The fleet as one router sees it: membership, active health checks, KV-event feeds and snapshot resyncs.
 
-A replica leaves routing at its first failed health check or failed connection (passive),
-and its index entries are purged at once (it may come back cold). When it passes a check
-again it is routable, and a snapshot resync rebuilds what it holds.
+A replica leaves routing at once when it refuses connections (a health check or a request that
+cannot connect: the process is gone), or after `health_failures` active checks in a row that
+time out or answer non-200 (one slow answer from a busy replica is not death: purging its
+index for it would send its warm prefixes elsewhere). Its index entries are purged when it
+leaves (it may come back cold). When it passes a check again it is routable, and a snapshot
+resync rebuilds what it holds.
 """
 
 from __future__ import annotations
@@ -27,13 +30,14 @@ RESYNC_ATTEMPTS = 5  # snapshot fetches in a row before waiting for the next tri
 
 class Fleet:
     def __init__(self, http: httpx.AsyncClient, metrics: RouterMetrics, *, health_interval_s: float = 0.2,
-                 health_timeout_s: float = 0.5, model_fingerprint: Optional[str] = None,
+                 health_timeout_s: float = 0.5, health_failures: int = 2, model_fingerprint: Optional[str] = None,
                  block_size: Optional[int] = None, upstream_headers: Optional[dict] = None):
         self.http = http
         self.metrics = metrics
         self.index = KVIndex()
         self.registry = Registry(on_down=self._on_down, on_up=self._on_up)
         self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
+        self.health_failures = max(1, health_failures)
         self.model_fingerprint, self.block_size = model_fingerprint, block_size
         self.upstream_headers = upstream_headers or {}
         self._subscribers: dict[str, asyncio.Task] = {}
@@ -101,17 +105,26 @@ class Fleet:
         await asyncio.gather(*(self._check(r) for r in list(self.registry.replicas.values())))
 
     async def _check(self, rep: Replica) -> None:
+        refused = False
         try:
             resp = await self.http.get(rep.spec.url + "/health", timeout=self.health_timeout_s,
                                        headers=self.upstream_headers)
             ok = resp.status_code == 200
             err = "" if ok else f"/health answered {resp.status_code}"
+        except httpx.ConnectError as exc:  # refused or unreachable: nothing is listening
+            ok, refused, err = False, True, f"/health: {type(exc).__name__}"
         except httpx.HTTPError as exc:
             ok, err = False, f"/health: {type(exc).__name__}"
         if ok:
+            rep.failed_checks = 0
             self.registry.mark_up(rep.id)
-        else:
+            return
+        rep.failed_checks += 1
+        if refused or rep.failed_checks >= self.health_failures or not rep.healthy:
             self.registry.mark_down(rep.id, err)
+        else:
+            log.info("replica %s failed a health check (%s); %d more in a row take it out",
+                     rep.id, err, self.health_failures - rep.failed_checks)
 
     def report_failure(self, rid: str, error: str) -> None:
         """Passive detection: a request could not connect or was reset."""
@@ -166,11 +179,12 @@ class Fleet:
                 rep = self.registry.get(rid)
                 if rep is None:
                     return
+                seq_at_request = self.index.state(rid).seq
                 snap = await self._fetch_snapshot(rep)
                 if snap is None:
                     await asyncio.sleep(min(0.05 * 2 ** attempt, 1.0))
                     continue
-                result = self.index.apply_snapshot(rid, snap)
+                result = self.index.apply_snapshot(rid, snap, seq_at_request)
                 self._update_index_metrics(rid)
                 if result is Applied.OK and rid not in self._resync_again:
                     return

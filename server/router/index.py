@@ -31,6 +31,7 @@ class Applied(enum.Enum):
     OK = "ok"  # applied in order
     BUFFERED = "buffered"  # replica is waiting for a snapshot; kept for replay
     NEED_RESYNC = "need_resync"  # gap or restart mid-stream: fetch a snapshot
+    STALE = "stale"  # a snapshot older than events applied while it was fetched: ignored
 
 
 @dataclass
@@ -121,9 +122,16 @@ class KVIndex:
         self._apply_events(replica, st, batch)
         return Applied.OK
 
-    def apply_snapshot(self, replica: str, snap: Snapshot) -> Applied:
-        """Replace a replica's state with a snapshot, then replay buffered batches newer than it."""
+    def apply_snapshot(self, replica: str, snap: Snapshot, seq_at_request: Optional[int] = None) -> Applied:
+        """Replace a replica's state with a snapshot, then replay buffered batches newer than it.
+
+        `seq_at_request` is the replica's last applied seq when the snapshot was requested. If
+        in-order events moved past it and past the snapshot's own seq meanwhile, the snapshot
+        predates state the index already has (applying it would forget those blocks): STALE.
+        """
         st = self.state(replica)
+        if st.seq is not None and st.seq != seq_at_request and snap.seq < st.seq:
+            return Applied.STALE
         pending = [b for b in st.pending if b.seq > snap.seq]
         self._drop_blocks(replica, st)
         st.pending.clear()

@@ -59,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Longest silence from a replica while answering, seconds.")
     p.add_argument("--health-interval-s", type=float, default=0.2, help="Active health-check period, seconds.")
     p.add_argument("--health-timeout-s", type=float, default=0.5, help="Health-check timeout, seconds.")
+    p.add_argument("--health-failures", type=int, default=2,
+                   help="Health checks failed in a row (timeout, non-200) before a replica leaves routing; "
+                        "a refused connection takes it out at once.")
     p.add_argument(flag_of(ServerConfig, "max_request_bytes"), type=int, default=ServerConfig().max_request_bytes,
                    help="Largest request body in bytes; larger ones get a 413 and are never buffered.")
     p.add_argument("--max-concurrent-per-client", type=int, default=0,
@@ -95,8 +98,8 @@ def settings_from_args(args: argparse.Namespace):
         raise ValueError("--warm-slack, --warm-min-tokens, --share-slack-tokens and --max-share-slack must be >= 0")
     if args.queue_weight < 0 or args.load_weight < 0:
         raise ValueError("--queue-weight and --load-weight must be >= 0")
-    if args.balance_epsilon < 0 or args.cold_key_blocks < 1 or args.max_attempts < 1:
-        raise ValueError("--balance-epsilon must be >= 0, --cold-key-blocks and --max-attempts >= 1")
+    if args.balance_epsilon < 0 or args.cold_key_blocks < 1 or args.max_attempts < 1 or args.health_failures < 1:
+        raise ValueError("--balance-epsilon must be >= 0, --cold-key-blocks, --max-attempts and --health-failures >= 1")
     keys = list(args.api_key)
     if os.environ.get("WARMFLEET_API_KEY"):
         keys.append(os.environ["WARMFLEET_API_KEY"])
@@ -123,6 +126,7 @@ def settings_from_args(args: argparse.Namespace):
         replica_api_key=args.replica_api_key or os.environ.get("WARMFLEET_REPLICA_API_KEY"),
         health_interval_s=args.health_interval_s,
         health_timeout_s=args.health_timeout_s,
+        health_failures=args.health_failures,
         discovery=discovery,
     )
 

@@ -53,6 +53,7 @@ class Replica:
     in_flight: int = 0  # requests this router has open on it
     queued_tokens: int = 0  # uncached prompt tokens of those requests that have not had their first token yet
     sent: float = 0.0  # requests this router sent it recently (decayed; policy share cap and tie-break)
+    failed_checks: int = 0  # active health checks failed in a row (timeouts, non-200)
     down_since: Optional[float] = None  # monotonic time it was marked down
     last_error: str = ""
 
