@@ -85,20 +85,52 @@ def _event_to_wire(e: KVEvent) -> list:
     raise TypeError(f"not a KV event: {e!r}")
 
 
-def _event_from_wire(a: list) -> Optional[KVEvent]:
+def _hashes(v) -> list[bytes]:
+    if not isinstance(v, (list, tuple)) or not all(isinstance(h, bytes) for h in v):
+        raise ValueError("block hashes must be a list of byte strings")
+    return list(v)
+
+
+def _strs(v) -> list[str]:
+    if not isinstance(v, (list, tuple)) or not all(isinstance(h, str) for h in v):
+        raise ValueError("mm hashes must be a list of strings")
+    return list(v)
+
+
+def _medium(a: list, i: int) -> str:
+    m = a[i] if len(a) > i and a[i] else GPU
+    if m not in (GPU, CPU):
+        raise ValueError(f"unknown medium {m!r}")
+    return m
+
+
+def _event_from_wire(a) -> Optional[KVEvent]:
+    """One tagged array; raises ValueError on anything else (a map is another engine's dialect)."""
+    if isinstance(a, dict):
+        raise ValueError("KV event is a map (vLLM's dialect?): this replica needs the router's --engine vllm")
+    if not isinstance(a, (list, tuple)) or not a or not isinstance(a[0], str):
+        raise ValueError(f"KV event must be a tagged array, got {type(a).__name__}")
     tag = a[0]
     if tag == "BlockStored":
-        return BlockStored(list(a[1]), a[2], list(a[3]), a[4], medium=a[6] if len(a) > 6 and a[6] else GPU, lora_id=a[5])
+        parent, tokens, block_size = a[2], a[3], a[4]
+        if parent is not None and not isinstance(parent, bytes):
+            raise ValueError("parent hash must be bytes or nil")
+        if not isinstance(tokens, (list, tuple)) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError("BlockStored needs token ids and a positive block size")
+        return BlockStored(_hashes(a[1]), parent, list(tokens), block_size, medium=_medium(a, 6), lora_id=a[5])
     if tag == "BlockRemoved":
-        return BlockRemoved(list(a[1]), a[2] if len(a) > 2 and a[2] else GPU)
+        return BlockRemoved(_hashes(a[1]), _medium(a, 2))
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     if tag == "EncoderStored":
-        return EncoderStored(list(a[1]))
+        return EncoderStored(_strs(a[1]))
     if tag == "EncoderRemoved":
-        return EncoderRemoved(list(a[1]))
+        return EncoderRemoved(_strs(a[1]))
     if tag == "Load":
-        return Load(*a[1:5])
+        nums = a[1:5]
+        if len(nums) != 4 or not all(isinstance(n, int) and n >= 0 for n in nums):
+            raise ValueError("Load needs four non-negative integers")
+        return Load(*nums)
     return None  # unknown tags from newer peers are skipped, not fatal
 
 
@@ -124,11 +156,18 @@ def decode(frames: list[bytes]) -> EventBatch:
         raise ValueError(f"expected [topic, seq, payload] frames, got {len(frames)} frames")
     try:
         (seq,) = struct.unpack(">q", frames[1])
-        ts, raw_events, _rank = msgpack.unpackb(frames[2], raw=False, strict_map_key=True)[:3]
+        payload = msgpack.unpackb(frames[2], raw=False, strict_map_key=True)
+        if not isinstance(payload, (list, tuple)) or len(payload) < 2:
+            raise ValueError("payload must be [ts, [events], dp_rank]")
+        ts, raw_events = payload[0], payload[1]
+        if not isinstance(ts, (int, float)) or not isinstance(raw_events, (list, tuple)):
+            raise ValueError("payload must be [ts, [events], dp_rank]")
         events = [e for e in (_event_from_wire(a) for a in raw_events) if e is not None]
-    except (msgpack.UnpackException, TypeError, IndexError, ValueError) as exc:
+    except ValueError as exc:
         raise ValueError(f"malformed KV-event payload: {exc}") from exc
-    return EventBatch(frames[0].decode(errors="replace"), seq, events, ts)
+    except Exception as exc:  # msgpack raises many types; none may escape to end a subscription
+        raise ValueError(f"malformed KV-event payload: {type(exc).__name__}: {exc}") from exc
+    return EventBatch(frames[0].decode(errors="replace"), seq, events, float(ts))
 
 
 @dataclass

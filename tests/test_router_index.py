@@ -55,15 +55,15 @@ def test_match_is_per_replica_longest_prefix():
     assert (got["a"].blocks, got["b"].blocks, got["c"].blocks) == (2, 3, 0)
 
 
-def test_gap_requests_resync_and_snapshot_restores():
+def test_gap_requests_resync_keeps_state_and_snapshot_restores():
     idx = synced_index()
     idx.apply_batch("a", EventBatch("a", 1, [stored(1)]))
     assert idx.apply_batch("a", EventBatch("a", 3, [stored(3)])) is Applied.NEED_RESYNC
-    assert not idx.is_synced("a")
-    assert idx.num_blocks() == 0  # unknown state is not trusted
-    assert idx.apply_batch("a", EventBatch("a", 4, [stored(4)])) is Applied.BUFFERED
-    assert idx.apply_snapshot("a", snap(3, gpu=[1, 2, 3])) is Applied.OK
+    assert idx.is_synced("a") and idx.match([H(1)], ["a"])["a"].blocks == 1  # still predicting from what it knew
+    assert idx.apply_batch("a", EventBatch("a", 4, [stored(4)])) is Applied.NEED_RESYNC
+    assert idx.apply_snapshot("a", snap(3, gpu=[1, 2, 3]), seq_at_request=1) is Applied.OK
     assert idx.match([H(1), H(2), H(3), H(4)], ["a"])["a"].blocks == 4
+    assert idx.state("a").seq == 4
 
 
 def test_snapshot_older_than_buffer_needs_another_resync():
@@ -82,21 +82,34 @@ def test_all_blocks_cleared_purges_replica_only():
     assert idx.is_synced("a")  # clearing is an ordinary event: no resync needed
 
 
-def test_restart_with_seq_one_purges_and_applies():
+def test_restart_is_settled_by_the_snapshot_and_later_batches_replay():
+    idx = synced_index()
+    for q in range(1, 6):
+        idx.apply_batch("a", EventBatch("a", q, [stored(q)]))
+    # the engine restarted: its seq starts over; nothing is forgotten on the word of one message
+    assert idx.apply_batch("a", EventBatch("a", 1, [stored(7)])) is Applied.NEED_RESYNC
+    assert idx.apply_batch("a", EventBatch("a", 2, [stored(8)])) is Applied.NEED_RESYNC
+    assert idx.match([H(1)], ["a"])["a"].blocks == 1
+    assert idx.apply_snapshot("a", snap(1, gpu=[7]), seq_at_request=5) is Applied.OK
+    assert idx.match([H(1)], ["a"])["a"].blocks == 0
+    assert idx.match([H(7), H(8)], ["a"])["a"].blocks == 2 and idx.state("a").seq == 2
+
+
+def test_junk_sequence_numbers_cost_a_resync_not_the_state():
     idx = synced_index()
     idx.apply_batch("a", EventBatch("a", 1, [stored(1, 2)]))
-    idx.apply_batch("a", EventBatch("a", 2, [stored(3)]))
-    assert idx.apply_batch("a", EventBatch("a", 1, [stored(7)])) is Applied.OK
-    assert idx.match([H(1)], ["a"])["a"].blocks == 0
-    assert idx.match([H(7)], ["a"])["a"].blocks == 1
-
-
-def test_restart_seen_late_needs_resync():
-    idx = synced_index()
-    for s in range(1, 6):
-        idx.apply_batch("a", EventBatch("a", s, [stored(s)]))
-    assert idx.apply_batch("a", EventBatch("a", 3, [stored(9)])) is Applied.NEED_RESYNC
-    assert idx.num_blocks() == 0
+    for junk in (2**62, 0, 1, -5, 1):  # far ahead, behind, duplicated
+        assert idx.apply_batch("a", EventBatch("a", junk, [stored(99)])) is Applied.NEED_RESYNC
+    assert idx.match([H(1), H(2)], ["a"])["a"].blocks == 2 and idx.match([H(99)], ["a"])["a"].blocks == 0
+    # the real stream goes on in order meanwhile
+    assert idx.apply_batch("a", EventBatch("a", 2, [stored(3)])) is Applied.OK
+    # the snapshot (fetched before batch 2 was applied) is stale and ignored; a fresh one settles it
+    assert idx.apply_snapshot("a", snap(1, gpu=[1, 2]), seq_at_request=1) is Applied.STALE
+    assert idx.match([H(1), H(2), H(3)], ["a"])["a"].blocks == 3
+    assert idx.apply_snapshot("a", snap(2, gpu=[1, 2, 3]), seq_at_request=2) is Applied.NEED_RESYNC  # 2**62 kept aside
+    assert idx.apply_snapshot("a", snap(2, gpu=[1, 2, 3]), seq_at_request=2) is Applied.OK  # dropped: converged
+    assert idx.match([H(1), H(2), H(3)], ["a"])["a"].blocks == 3 and idx.match([H(99)], ["a"])["a"].blocks == 0
+    assert idx.apply_batch("a", EventBatch("a", 3, [stored(4)])) is Applied.OK
 
 
 def test_purge_and_remove_forget_the_replica():

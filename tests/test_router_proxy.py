@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import struct
 import time
 from typing import Callable, Optional
 
 import httpx
+import msgpack
 import pytest
 import uvicorn
 import zmq
@@ -223,8 +225,9 @@ class Fleet2:
         return 0.0 if v is None else v
 
 
-def chat(question: str, **extra) -> dict:
-    return {"model": "tiny", "messages": [{"role": "system", "content": SYSTEM},
+def chat(question: str, tenant: Optional[int] = None, **extra) -> dict:
+    system = SYSTEM if tenant is None else f"Tenant {tenant}. " + SYSTEM
+    return {"model": "tiny", "messages": [{"role": "system", "content": system},
                                           {"role": "user", "content": question}], **extra}
 
 
@@ -397,6 +400,45 @@ async def test_bad_messages_and_gap_trigger_snapshot_resync(tiny_model_dir):
         # and the feed goes on in order after the resync
         rep.publish([BlockStored([b"\x04" * 32], None, [], BLOCK)])
         await until(lambda: b"\x04" * 32 in f.fleet.index.state(url).gpu, "in-order event after resync")
+
+
+async def test_router_keeps_following_caches_through_junk_event_frames(tiny_model_dir):
+    """Junk interleaved into every replica's real event stream: garbage, vLLM-dialect maps, wild seqs."""
+    async with Fleet2(tiny_model_dir, health_interval_s=60) as f:
+        vllm_map = msgpack.packb([1.0, [{"type": "BlockStored", "block_hashes": [2**63], "parent_block_hash": None,
+                                         "token_ids": [], "block_size": BLOCK, "medium": "GPU"}], 0])
+        junk = [
+            [b"garbage"],
+            [b"r", struct.pack(">q", 5), vllm_map],
+            [b"r", b"\x00" * 8, b"\xc1"],
+            [b"r", struct.pack(">q", 2**62), msgpack.packb([1.0, [["BlockStored", [b"\x09" * 32], None, [], BLOCK,
+                                                                    None, "GPU"]], 0])],
+            [b"r", struct.pack(">q", 1), msgpack.packb([1.0, [["AllBlocksCleared"]], 0])],
+        ]
+
+        async def inject():
+            while True:
+                for frame in junk:
+                    for rep in f.replicas:
+                        rep.pub.send_multipart(frame)
+                    await asyncio.sleep(0.01)
+
+        task = asyncio.create_task(inject())
+        try:
+            homes = {}
+            for i in range(8):
+                r = await f.client.post("/v1/chat/completions", json=chat(f"first question {i}", tenant=i))
+                homes[i] = r.headers["x-warmfleet-replica"]
+            found = 0
+            for i in range(8):
+                r = await f.client.post("/v1/chat/completions", json=chat(f"second question {i}", tenant=i))
+                found += r.headers["x-warmfleet-replica"] == homes[i] and \
+                    r.headers["x-warmfleet-route"].startswith("prefix_hit")
+        finally:
+            task.cancel()
+        assert found == 8
+        assert all(f.metric("warmfleet_router_bad_event_messages_total", replica=s.url) > 0 for s in f.served)
+        assert all(not t.done() for t in f.fleet._subscribers.values())  # no subscription died
 
 
 async def test_oversized_body_is_413_before_routing():

@@ -26,6 +26,7 @@ from .subscriber import EventSubscriber, cancel
 log = logging.getLogger(__name__)
 
 RESYNC_ATTEMPTS = 5  # snapshot fetches in a row before waiting for the next trigger
+RESYNC_MIN_INTERVAL_S = 0.2  # spacing of back-to-back snapshot fetches of one replica
 
 
 class Fleet:
@@ -149,7 +150,14 @@ class Fleet:
             on_connect=lambda: self.request_resync(rid, "connect"),
             on_bad=lambda exc: self.metrics.bad_events.labels(rid).inc(),
         )
-        await sub.run()
+        while True:  # a subscription never dies: whatever ends it is logged and it starts over
+            try:
+                await sub.run()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("KV-event subscription to %s failed; reconnecting", spec.events)
+                await asyncio.sleep(0.5)
 
     def _on_batch(self, rid: str, batch: EventBatch) -> None:
         before = self.index.state(rid).seq
@@ -188,6 +196,7 @@ class Fleet:
                 self._update_index_metrics(rid)
                 if result is Applied.OK and rid not in self._resync_again:
                     return
+                await asyncio.sleep(RESYNC_MIN_INTERVAL_S)  # a flood of bad frames costs a few fetches a second, no more
         finally:
             self._resyncs.pop(rid, None)
 

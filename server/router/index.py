@@ -3,12 +3,16 @@
 Sequence tracking per replica (contract 2):
 
     unsynced ──snapshot(seq=S)──▶ synced(seq=S) ──batch S+1, S+2, ...──▶ synced
-        ▲                              │
-        └──── gap (seq > last+1), restart (seq <= last, not 1), purge ◀──┘
+        ▲                              │ any other seq (gap, duplicate, reordered, restart, junk):
+        │                              │ kept aside, state kept, NEED_RESYNC
+      purge (replica down)             ▼
+                                  snapshot(seq=S') replaces the state; the batches kept aside
+                                  that continue it (S'+1, S'+2, ...) are replayed, the rest dropped
 
-While unsynced, batches are buffered; a snapshot replays the buffered ones newer than it.
-A batch with seq 1 after a higher seq is an engine restart: the replica is purged and
-the batch applied to the empty state (an engine starts with an empty cache).
+No single message can wipe a replica's state: a frame with a wild sequence number (a bug, a
+foreign publisher, a replayed capture) only costs a snapshot fetch, and the index keeps
+predicting from what it knew until the snapshot says otherwise. Only `purge` (the replica is
+down) or an `AllBlocksCleared` event in order forgets blocks.
 """
 
 from __future__ import annotations
@@ -103,36 +107,27 @@ class KVIndex:
     # --- events ---------------------------------------------------------------------------
     def apply_batch(self, replica: str, batch: EventBatch) -> Applied:
         st = self.state(replica)
-        if not st.synced:
-            if len(st.pending) >= MAX_PENDING_BATCHES:
-                del st.pending[0]
-            st.pending.append(batch)
-            return Applied.BUFFERED
-        assert st.seq is not None
-        if batch.seq <= st.seq:  # PUB/SUB never redelivers, so a smaller seq means the engine restarted
-            self.purge(replica)
-            if batch.seq != 1:
-                st.pending.append(batch)
-                return Applied.NEED_RESYNC
-            st.seq = 0
-        elif batch.seq > st.seq + 1:
-            self.purge(replica)
-            st.pending.append(batch)
-            return Applied.NEED_RESYNC
-        self._apply_events(replica, st, batch)
-        return Applied.OK
+        if st.synced and batch.seq == st.seq + 1:
+            self._apply_events(replica, st, batch)
+            return Applied.OK
+        if len(st.pending) >= MAX_PENDING_BATCHES:
+            del st.pending[0]
+        st.pending.append(batch)
+        return Applied.NEED_RESYNC if st.synced else Applied.BUFFERED
 
     def apply_snapshot(self, replica: str, snap: Snapshot, seq_at_request: Optional[int] = None) -> Applied:
-        """Replace a replica's state with a snapshot, then replay buffered batches newer than it.
+        """Replace a replica's state with a snapshot, then replay the kept-aside batches that continue it.
 
         `seq_at_request` is the replica's last applied seq when the snapshot was requested. If
         in-order events moved past it and past the snapshot's own seq meanwhile, the snapshot
         predates state the index already has (applying it would forget those blocks): STALE.
+        Kept-aside batches newer than the snapshot that do not continue it are dropped, and
+        NEED_RESYNC says another snapshot is needed to cover them.
         """
         st = self.state(replica)
         if st.seq is not None and st.seq != seq_at_request and snap.seq < st.seq:
             return Applied.STALE
-        pending = [b for b in st.pending if b.seq > snap.seq]
+        pending = sorted((b for b in st.pending if b.seq > snap.seq), key=lambda b: b.seq)
         self._drop_blocks(replica, st)
         st.pending.clear()
         st.encoder = set(snap.encoder)
@@ -142,9 +137,11 @@ class KVIndex:
         self._add(replica, st, snap.gpu, GPU)
         self._add(replica, st, snap.cpu, CPU)
         st.seq = snap.seq
-        for b in sorted(pending, key=lambda b: b.seq):
-            if self.apply_batch(replica, b) is Applied.NEED_RESYNC:
-                return Applied.NEED_RESYNC
+        for b in pending:
+            if b.seq == st.seq + 1:
+                self._apply_events(replica, st, b)
+            elif b.seq > st.seq + 1:
+                return Applied.NEED_RESYNC  # a gap after the snapshot: what follows needs another one
         return Applied.OK
 
     def _apply_events(self, replica: str, st: ReplicaKV, batch: EventBatch) -> None:

@@ -49,7 +49,7 @@ class EventSubscriber:
                         frames = await sock.recv_multipart()
                         try:
                             batch = decode(frames)
-                        except ValueError as exc:
+                        except Exception as exc:  # decode raises ValueError; anything else is a bug, not fatal
                             self._on_bad(exc)
                             continue
                         try:
