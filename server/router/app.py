@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response
 from ..bodies import BodyTooLarge, read_capped
 from ..config import DEFAULT_MAX_REQUEST_BYTES
 from .auth import ConcurrencyLimiter, Tenants
+from .engines import dialect_for
 from .fleet import Fleet
 from .metrics import RouterMetrics
 from .policy import PolicyConfig
@@ -43,6 +44,8 @@ class RouterSettings:
     health_failures: int = 2  # failed checks in a row (timeouts, non-200) before a replica leaves; refused: at once
     discovery: Optional[Discovery] = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # bodies above it get a 413, never buffered past it
+    engine: str = "warmfleet"  # the replicas' engine kind (engines.KINDS)
+    vllm_hash_seed: Optional[str] = "0"  # vLLM replicas' PYTHONHASHSEED (None: unset there)
 
 
 def build_app(settings: RouterSettings) -> FastAPI:
@@ -57,7 +60,8 @@ def build_app(settings: RouterSettings) -> FastAPI:
         fleet = Fleet(http, metrics, health_interval_s=settings.health_interval_s,
                       health_timeout_s=settings.health_timeout_s,
                       health_failures=settings.health_failures, model_fingerprint=settings.hash_cfg.model_fingerprint,
-                      block_size=settings.hash_cfg.block_size, upstream_headers=upstream)
+                      block_size=settings.hash_cfg.block_size, upstream_headers=upstream,
+                      dialect=dialect_for(settings.engine, vllm_hash_seed=settings.vllm_hash_seed))
         state["fleet"] = app.state.fleet = fleet
         session = upstream_session()
         state["proxy"] = Proxy(fleet, settings.renderer, settings.hash_cfg, metrics, settings.policy, settings.proxy,

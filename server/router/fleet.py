@@ -18,6 +18,7 @@ from typing import Iterable, Optional
 import httpx
 
 from ..events import EventBatch, Snapshot
+from .engines.warmfleet import WarmfleetDialect
 from .index import Applied, KVIndex
 from .metrics import RouterMetrics
 from .registry import Registry, Replica, ReplicaSpec
@@ -32,8 +33,9 @@ RESYNC_MIN_INTERVAL_S = 0.2  # spacing of back-to-back snapshot fetches of one r
 class Fleet:
     def __init__(self, http: httpx.AsyncClient, metrics: RouterMetrics, *, health_interval_s: float = 0.2,
                  health_timeout_s: float = 0.5, health_failures: int = 2, model_fingerprint: Optional[str] = None,
-                 block_size: Optional[int] = None, upstream_headers: Optional[dict] = None):
+                 block_size: Optional[int] = None, upstream_headers: Optional[dict] = None, dialect=None):
         self.http = http
+        self.dialect = dialect or WarmfleetDialect()  # how this fleet's engine names blocks, speaks events, resyncs
         self.metrics = metrics
         self.index = KVIndex()
         self.registry = Registry(on_down=self._on_down, on_up=self._on_up)
@@ -145,7 +147,7 @@ class Fleet:
     async def _subscribe(self, spec: ReplicaSpec) -> None:
         rid = spec.id
         sub = EventSubscriber(
-            spec.events or "",
+            spec.events or "", self.dialect.decode,
             on_batch=lambda b: self._on_batch(rid, b),
             on_connect=lambda: self.request_resync(rid, "connect"),
             on_bad=lambda exc: self.metrics.bad_events.labels(rid).inc(),
@@ -201,30 +203,16 @@ class Fleet:
             self._resyncs.pop(rid, None)
 
     async def _fetch_snapshot(self, rep: Replica) -> Optional[Snapshot]:
-        try:
-            resp = await self.http.get(rep.spec.url + "/v1/kv/snapshot", timeout=10.0, headers=self.upstream_headers)
-        except httpx.HTTPError as exc:
-            log.info("snapshot from %s failed: %s", rep.id, type(exc).__name__)
-            return None
-        if resp.status_code in (404, 405, 501):
-            log.warning("replica %s serves no KV snapshot; routing it without its cache index", rep.id)
-            rep.kv_tracked = False
-            return None
-        if resp.status_code != 200:
-            return None
-        try:
-            snap = Snapshot.from_json(resp.json())
-        except (ValueError, KeyError, TypeError) as exc:
-            log.warning("bad snapshot from %s: %s", rep.id, exc)
-            return None
-        self._check_compatible(rep.id, snap)
+        snap = await self.dialect.fetch_state(rep, self.http, self.upstream_headers)
+        if snap is not None:
+            self._check_compatible(rep.id, snap)
         return snap
 
     def _check_compatible(self, rid: str, snap: Snapshot) -> None:
-        if self.model_fingerprint and snap.model_fingerprint != self.model_fingerprint:
+        if self.model_fingerprint and snap.model_fingerprint and snap.model_fingerprint != self.model_fingerprint:
             log.error("replica %s serves model %s, the router hashes for %s: its cache will never match",
                       rid, snap.model_fingerprint, self.model_fingerprint)
-        if self.block_size and snap.block_size != self.block_size:
+        if self.block_size and snap.block_size and snap.block_size != self.block_size:
             log.error("replica %s uses block size %d, the router %d: set the router's --block-size to match",
                       rid, snap.block_size, self.block_size)
 

@@ -18,6 +18,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-events-port", type=int, default=None,
                    help="KV-event port of every replica without events=...: tcp://<URL host>:PORT. "
                         "With discovery, used when the EndpointSlice names no 'kv-events' port.")
+    p.add_argument("--engine", default="warmfleet", choices=("warmfleet", "vllm"),
+                   help="The replicas' engine: how they name KV blocks, publish events and are resynced.")
+    p.add_argument("--kv-replay-port", type=int, default=None,
+                   help="vLLM: event replay (ROUTER) port of every replica without replay=...; with discovery, "
+                        "used when the EndpointSlice names no 'kv-replay' port.")
+    p.add_argument("--vllm-hash-seed", default="0",
+                   help="vLLM: the replicas' PYTHONHASHSEED (the operator sets 0); 'unset' if they run without one.")
     p.add_argument("--discover-service", default=None, metavar="NAMESPACE/NAME",
                    help="Watch the EndpointSlices of this Service for replicas (Ready endpoints only).")
     p.add_argument("--discover-port-name", default="http", help="EndpointSlice port name of the HTTP API.")
@@ -108,10 +115,11 @@ def settings_from_args(args: argparse.Namespace):
         from .discovery import EndpointSliceDiscovery
 
         discovery = EndpointSliceDiscovery.from_flag(args.discover_service, args.discover_port_name,
-                                                     args.discover_events_port_name, args.kv_events_port).run
+                                                     args.discover_events_port_name, args.kv_events_port,
+                                                     args.kv_replay_port).run
     return RouterSettings(
         hash_cfg=HashConfig(args.block_size, model_fingerprint(args.model), args.prefix_hash_algo),
-        replicas=[parse_replica(r, args.kv_events_port) for r in args.replica],
+        replicas=[parse_replica(r, args.kv_events_port, args.kv_replay_port) for r in args.replica],
         renderer=PromptRenderer(args.model, hash_algo=args.prefix_hash_algo),
         policy=PolicyConfig(cpu_weight=args.cpu_tier_weight, load_weight=args.load_weight,
                             queue_weight=args.queue_weight, epsilon=args.balance_epsilon, warm_slack=args.warm_slack,
@@ -128,6 +136,8 @@ def settings_from_args(args: argparse.Namespace):
         health_timeout_s=args.health_timeout_s,
         health_failures=args.health_failures,
         discovery=discovery,
+        engine=args.engine,
+        vllm_hash_seed=None if args.vllm_hash_seed == "unset" else args.vllm_hash_seed,
     )
 
 

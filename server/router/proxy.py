@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from .fleet import Fleet
 from .metrics import RouterMetrics
 from .policy import RETRY, Candidate, Decision, PolicyConfig, choose
-from .prompt import HashConfig, HashMemo, Prompt, PromptRenderer, prompt_block_hashes
+from .prompt import HashConfig, Prompt, PromptRenderer
 from .registry import Replica
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,6 @@ class Proxy:
         self.metrics, self.policy, self.cfg = metrics, policy, cfg
         self.upstream_headers = upstream_headers or {}
         self.timeout = httpx.Timeout(cfg.read_timeout_s, connect=cfg.connect_timeout_s)
-        self.hash_memo = HashMemo()
         self.session = session  # created lazily inside the running loop when not given
         self.aio_timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s,
                                                  sock_read=cfg.read_timeout_s)
@@ -105,7 +104,7 @@ class Proxy:
         t0 = time.perf_counter()
         prompt = self.render(kind, body)
         bs = self.hash_cfg.block_size
-        hashes = prompt_block_hashes(prompt, body.get("cache_salt"), self.hash_cfg, self.hash_memo) if prompt else []
+        hashes = self.fleet.dialect.block_hashes(prompt, body.get("cache_salt"), self.hash_cfg) if prompt else []
         matches = self.fleet.index.match(hashes, [r.id for r in replicas])
         cands = []
         for r in replicas:

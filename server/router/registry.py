@@ -14,6 +14,7 @@ class ReplicaSpec:
 
     url: str  # base URL of the HTTP API, e.g. http://10.0.0.7:8000 (no trailing slash)
     events: Optional[str] = None  # ZMQ endpoint of its KV events, e.g. tcp://10.0.0.7:5557; None = no events
+    replay: Optional[str] = None  # ZMQ endpoint of its event replay socket (vLLM), e.g. tcp://10.0.0.7:5558
 
     @property
     def id(self) -> str:
@@ -21,26 +22,30 @@ class ReplicaSpec:
         return self.url
 
 
-def parse_replica(text: str, default_events_port: Optional[int] = None) -> ReplicaSpec:
-    """Parse `http://host:port[,events=tcp://host:eport]`.
+def parse_replica(text: str, default_events_port: Optional[int] = None,
+                  default_replay_port: Optional[int] = None) -> ReplicaSpec:
+    """Parse `http://host:port[,events=tcp://host:eport][,replay=tcp://host:rport]`.
 
-    Without `events=`, a router-wide `--kv-events-port` gives tcp://<host of the URL>:<port>;
-    without either the replica is routed by load and cold hashing only.
+    Without `events=`, a router-wide `--kv-events-port` gives tcp://<host of the URL>:<port>
+    (and `--kv-replay-port` the replay endpoint of a vLLM replica); without either the replica
+    is routed by load and cold hashing only.
     """
     url, *opts = [p.strip() for p in text.split(",")]
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"--replica needs an http(s)://host:port URL, got {text!r}")
-    events = None
+    found: dict[str, str] = {}
     for opt in opts:
         key, sep, value = opt.partition("=")
-        if key != "events" or not sep or not value.startswith(("tcp://", "ipc://")):
-            raise ValueError(f"--replica option must be events=tcp://host:port, got {opt!r}")
-        events = value
-    if events is None and default_events_port is not None:
-        host = parts.hostname if ":" not in parts.hostname else f"[{parts.hostname}]"
-        events = f"tcp://{host}:{default_events_port}"
-    return ReplicaSpec(url.rstrip("/"), events)
+        if key not in ("events", "replay") or not sep or not value.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"--replica option must be events=tcp://host:port or replay=tcp://host:port, got {opt!r}")
+        found[key] = value
+    host = parts.hostname if ":" not in parts.hostname else f"[{parts.hostname}]"
+    if "events" not in found and default_events_port is not None:
+        found["events"] = f"tcp://{host}:{default_events_port}"
+    if "replay" not in found and default_replay_port is not None:
+        found["replay"] = f"tcp://{host}:{default_replay_port}"
+    return ReplicaSpec(url.rstrip("/"), found.get("events"), found.get("replay"))
 
 
 @dataclass

@@ -10,7 +10,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from ..events import EventBatch, decode
+from ..events import EventBatch
 
 log = logging.getLogger(__name__)
 
@@ -18,9 +18,10 @@ log = logging.getLogger(__name__)
 class EventSubscriber:
     """Calls `on_batch(batch)` per message, `on_connect()` on every TCP (re)connect, `on_bad(exc)` per bad message."""
 
-    def __init__(self, endpoint: str, on_batch: Callable[[EventBatch], None], on_connect: Callable[[], None],
+    def __init__(self, endpoint: str, decode: Callable[[list[bytes]], EventBatch],
+                 on_batch: Callable[[EventBatch], None], on_connect: Callable[[], None],
                  on_bad: Callable[[Exception], None], reconnect_ivl_ms: int = 100):
-        self.endpoint = endpoint
+        self.endpoint, self.decode = endpoint, decode
         self._on_batch, self._on_connect, self._on_bad = on_batch, on_connect, on_bad
         self._reconnect_ivl_ms = reconnect_ivl_ms
 
@@ -48,7 +49,7 @@ class EventSubscriber:
                     else:
                         frames = await sock.recv_multipart()
                         try:
-                            batch = decode(frames)
+                            batch = self.decode(frames)
                         except Exception as exc:  # decode raises ValueError; anything else is a bug, not fatal
                             self._on_bad(exc)
                             continue

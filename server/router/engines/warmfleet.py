@@ -1,0 +1,46 @@
+"""warmfleet replicas: contract-1 block hashes, our KV-event frames, resync from GET /v1/kv/snapshot."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import httpx
+
+from ...events import EventBatch, Snapshot, decode
+from ..prompt import HashConfig, HashMemo, Prompt, prompt_block_hashes
+
+log = logging.getLogger(__name__)
+
+
+class WarmfleetDialect:
+    kind = "warmfleet"
+    contract = "exact"
+
+    def __init__(self, memo_capacity: int = 200_000):
+        self.memo = HashMemo(memo_capacity)
+
+    def block_hashes(self, prompt: Prompt, cache_salt: Optional[str], cfg: HashConfig) -> list[bytes]:
+        return prompt_block_hashes(prompt, cache_salt, cfg, self.memo)
+
+    def decode(self, frames: list[bytes]) -> EventBatch:
+        return decode(frames)
+
+    async def fetch_state(self, rep, http: httpx.AsyncClient, headers: dict) -> Optional[Snapshot]:
+        """The replica's snapshot; None when it cannot be had now (marks the replica untracked if it has none)."""
+        try:
+            resp = await http.get(rep.spec.url + "/v1/kv/snapshot", timeout=10.0, headers=headers)
+        except httpx.HTTPError as exc:
+            log.info("snapshot from %s failed: %s", rep.id, type(exc).__name__)
+            return None
+        if resp.status_code in (404, 405, 501):
+            log.warning("replica %s serves no KV snapshot; routing it without its cache index", rep.id)
+            rep.kv_tracked = False
+            return None
+        if resp.status_code != 200:
+            return None
+        try:
+            return Snapshot.from_json(resp.json())
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("bad snapshot from %s: %s", rep.id, exc)
+            return None
