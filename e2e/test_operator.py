@@ -275,6 +275,8 @@ CREATE_CASES = [
      ["replicas and autoscaling are mutually exclusive"]),
     ("cel-unique-pool-names", _with(pools=[{"name": "a"}, {"name": "a"}]),
      ["spec.pools[1]: Duplicate value", "pool names must be unique"]),
+    ("cel-engine-image-required", _with(engine={"kind": "vllm"}),
+     ["spec.engine", "image is required when kind is vllm or fastdeploy"]),
     ("schema-enum", _with(cache={"blockSize": 48}),
      ["spec.cache.blockSize: Unsupported value: 48", '"16", "32", "64", "128", "256"']),
     ("schema-minimum", _with(server={"gpusPerReplica": 0}),
@@ -450,6 +452,75 @@ def test_operator_restart_changes_nothing(e2e_cluster: Cluster, example: Example
     wait_for(lambda: local_operator.count(marker) >= 1, 60, "the restarted operator's resume pass")
     assert snapshot() == before
     assert "reconciled:" not in local_operator.log(), local_operator.log()  # no child written, no status written
+
+
+# ---- 5b. vLLM and FastDeploy engines reconcile like warmfleet ----
+
+PEER_EXAMPLES = {"vllm": REPO / "examples" / "inferenceservice-vllm.yaml",
+                 "fastdeploy": REPO / "examples" / "inferenceservice-fastdeploy.yaml"}
+PEER_COMMANDS = {"vllm": ["python3", "-m", "vllm.entrypoints.openai.api_server"],
+                 "fastdeploy": ["python3", "-m", "fastdeploy.entrypoints.openai.api_server"]}
+PEER_PORTS = {"vllm": ["http", "kv-events", "kv-replay"], "fastdeploy": ["http", "metrics"]}
+GPU_NODES = {"nvidia.com/gpu.present": "true"}  # every fake GPU node, labelled by e2e/cluster.sh
+
+
+def peer_service(kind: str, namespace: str) -> dict[str, Any]:
+    """The engine's example, in a namespace of its own: 2 replicas on the fake GPU nodes, no PVC or Secret."""
+    obj = yaml.safe_load(PEER_EXAMPLES[kind].read_text())
+    obj["metadata"]["namespace"] = namespace
+    spec = obj["spec"]
+    spec["model"].pop("pvc", None)  # the checkpoint path stands for one baked into the image
+    spec["router"].pop("apiKeySecret", None)
+    spec.update(replicas=2, nodeSelector=GPU_NODES)
+    return obj
+
+
+@pytest.mark.parametrize("kind", ["vllm", "fastdeploy"])
+def test_peer_engines_reconcile_to_ready_with_their_rendered_flags(e2e_cluster: Cluster, local_operator: LocalOperator,
+                                                                   namespace: str, kind: str) -> None:
+    from warmfleet.operator import engines
+    from warmfleet.operator.nodes import node_info
+    from warmfleet.operator.reconcile import render
+
+    c = e2e_cluster
+    obj = peer_service(kind, namespace)
+    ex = Example(obj["metadata"]["name"], namespace, "")
+    c.apply(obj)
+    svc = wait_settled(c, ex, f"the {kind} service to settle")
+    st, gpr = svc["status"], obj["spec"]["server"]["gpusPerReplica"]
+
+    # Ready exactly as for warmfleet, and every pool says which engine it runs
+    assert st["ready"] == "True" and st["readyReplicas"] == st["desiredReplicas"] == 2
+    conds = {x["type"]: (x["status"], x["reason"]) for x in st["conditions"]}
+    assert conds == {"Ready": ("True", "AllReplicasReady"), "Progressing": ("False", "Stable"),
+                     "Degraded": ("False", "AsExpected"), "InvalidSpec": ("False", "SpecValid")}, conds
+    assert st["pools"] and {p["engine"] for p in st["pools"]} == {kind}
+    assert all(("encoderCacheTokens" in p["sizes"]) == (kind == "fastdeploy") for p in st["pools"])
+
+    # the live Deployments carry exactly what `warmfleet operator render` prints for these nodes
+    nodes = [node_info(n) for n in c.kubectl_json("get", "nodes")["items"]]
+    live_svc = {k: svc[k] for k in ("apiVersion", "kind", "metadata", "spec")}
+    want = {o["metadata"]["name"]: o for o in render(live_svc, nodes, "unused") if o["kind"] == "Deployment"}
+    live = deployments(c, ex)
+    assert set(live) == set(want), (sorted(live), sorted(want))
+    for name, dep in live.items():
+        ctr, wctr = dep["spec"]["template"]["spec"]["containers"][0], want[name]["spec"]["template"]["spec"]["containers"][0]
+        if dep["metadata"]["labels"][COMPONENT_LABEL] == "router":
+            assert ctr["args"] == wctr["args"] and ctr["args"][ctr["args"].index("--engine") + 1] == kind
+            continue
+        assert ctr["image"] == obj["spec"]["engine"]["image"] and ctr["command"] == PEER_COMMANDS[kind]
+        assert ctr["args"] == wctr["args"], name
+        args = ctr["args"]
+        assert args[args.index("--tensor-parallel-size") + 1] == str(gpr)
+        assert set(engines.render_flags(args)) - set(obj["spec"]["engine"].get("extraArgs", [])) <= set(engines.ENGINES[kind].flags)
+        assert quantity(ctr["resources"]["limits"]["nvidia.com/gpu"]) == gpr
+        pool = next(p for p in st["pools"] if name.endswith(p["name"]))
+        swap_flag = "--kv-offloading-size" if kind == "vllm" else "--swap-space"
+        assert float(args[args.index(swap_flag) + 1]) == pool["sizes"]["swapSpaceGib"]
+        assert quantity(ctr["resources"]["limits"]["memory"]) == pool["sizes"]["memoryBytes"]
+        assert [p["name"] for p in ctr["ports"]] == PEER_PORTS[kind]
+    headless = c.kubectl_json("-n", namespace, "get", "service", f"{ex.name}-replicas")
+    assert [p["name"] for p in headless["spec"]["ports"]] == PEER_PORTS[kind]
 
 
 # ---- 6. deletion garbage-collects; helm uninstall keeps the CRD and user objects ----

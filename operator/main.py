@@ -27,12 +27,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="kopf liveness endpoint URL.")
         p.add_argument("--verbose", action="store_true", help="Debug logging.")
         p.add_argument("--default-image", default=os.environ.get(DEFAULT_IMAGE_ENV, FALLBACK_IMAGE),
-                       help=f"Server/router image when spec.server.image is unset (env {DEFAULT_IMAGE_ENV}).")
+                       help=f"Router image, and warmfleet engine image, when spec.server.image is unset (env {DEFAULT_IMAGE_ENV}).")
     render_p = sub.add_parser("render", help="Print the objects the operator would apply, offline.")
     render_p.add_argument("-f", "--filename", required=True, help="YAML with one or more InferenceService objects.")
     render_p.add_argument("--nodes", required=True, help="YAML with Node objects (a List, or several documents).")
     render_p.add_argument("--default-image", default=os.environ.get(DEFAULT_IMAGE_ENV, FALLBACK_IMAGE),
-                          help="Image when spec.server.image is unset.")
+                          help="Router (and warmfleet engine) image when spec.server.image is unset.")
     render_p.add_argument("-o", "--output", choices=("yaml", "json"), default="yaml", help="Output format.")
     crd_p = sub.add_parser("crd", help="Print the CRD, or regenerate the committed CRD files.")
     crd_p.add_argument("--write", metavar="REPO", help="Write crds/ and the chart's CRD template under this repo root.")
@@ -79,6 +79,7 @@ def render_cmd(args: argparse.Namespace) -> int:
     """Print the children of every InferenceService in -f, sized for the nodes in --nodes."""
     from warmfleet.operator.nodes import node_info
     from warmfleet.operator.reconcile import render
+    from warmfleet.operator.schema import SpecError
     from warmfleet.operator.spec import KIND
 
     nodes = [node_info(n) for n in load_docs(args.nodes) if n.get("kind", "Node") == "Node"]
@@ -87,7 +88,10 @@ def render_cmd(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.filename} holds no {KIND}")
     objs: list[dict[str, Any]] = []
     for svc in services:
-        objs += render(svc, nodes, args.default_image)
+        try:
+            objs += render(svc, nodes, args.default_image)
+        except SpecError as exc:  # one readable line naming the object (the CLI prints it, exit 2)
+            raise SpecError(exc.path, f"{exc.message} ({KIND} {(svc.get('metadata') or {}).get('name')})") from None
     sys.stdout.write(dump(objs, args.output))
     return 0
 

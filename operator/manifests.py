@@ -7,13 +7,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from warmfleet.operator.engines import KV_EVENTS_PORT  # noqa: F401  (re-exported: callers read ports here)
+from warmfleet.operator.engines import HTTP_PORT, Engine, RenderInput, engine_of
 from warmfleet.operator.nodes import GPU_MEMORY_LABEL, GPU_PRODUCT_LABEL, GPU_RESOURCE, Pool, format_bytes
 from warmfleet.operator.sizing import PoolSizing
 from warmfleet.operator.spec import GROUP, InferenceServiceSpec, served_name
-from warmfleet.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig, flag_of, to_args
+from warmfleet.server.config import CacheConfig, flag_of
 
-HTTP_PORT = 8000
-KV_EVENTS_PORT = 5557
 MODEL_MOUNT = "/models"
 SIZING_HASH_ANNOTATION = f"{GROUP}/sizing-hash"
 SERVICE_LABEL = f"{GROUP}/service"
@@ -31,6 +31,7 @@ ROUTER_FLAGS: dict[str, str] = {
     "port": "--port",
     "model": "--model",
     "load_bound": "--balance-epsilon",  # bounded load: epsilon = loadBound - 1
+    "engine": "--engine",  # warmfleet | vllm | fastdeploy: picks the router's index adapter
 }
 ROUTER_RESOURCES = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"cpu": "2", "memory": "2Gi"}}
 
@@ -41,6 +42,20 @@ class Owner:
 
     name: str
     namespace: str
+
+
+@dataclass(frozen=True)
+class Images:
+    """The engine image of the server pods and the `warmfleet` image of the router."""
+
+    engine: str
+    router: str
+
+
+def images_for(spec: InferenceServiceSpec, default_image: str) -> Images:
+    """engine.image, else (warmfleet only: CEL requires it otherwise) server.image, else the operator's default."""
+    router = spec.server.image or default_image
+    return Images(engine=spec.engine.image or router, router=router)
 
 
 @dataclass(frozen=True)
@@ -105,37 +120,23 @@ def _meta(owner: Owner, name: str, component: str, pool: str | None = None) -> d
     return {"name": name, "namespace": owner.namespace, "labels": labels(owner, component, pool)}
 
 
-def server_args(owner: Owner, spec: InferenceServiceSpec, sizing: PoolSizing) -> list[str]:
-    """`warmfleet serve` arguments for one pool, rendered from the server's own config types (contract 3)."""
+def render_input(owner: Owner, spec: InferenceServiceSpec, sizing: PoolSizing) -> RenderInput:
+    """What a pool's engine arguments are rendered from."""
     assert sizing.sizes is not None
     sz = sizing.sizes
-    cfg = EngineConfig(
-        model=ModelConfig(
-            model=_model_dir(spec), served_model_name=served_name(spec, owner.name),
-            dtype=spec.model.dtype, max_model_len=spec.model.max_model_len,
-        ),
-        cache=CacheConfig(
-            block_size=spec.cache.block_size, enable_prefix_caching=spec.cache.prefix_caching,
-            swap_space=sz.swap_space_gib, max_encoder_cache=sz.encoder_cache_tokens,
-            max_processor_cache=sz.processor_cache_gib,
-        ),
-        scheduler=SchedulerConfig(max_num_batched_tokens=spec.server.max_num_batched_tokens),
-        server=ServerConfig(
-            host="0.0.0.0", port=HTTP_PORT, kv_events_port=KV_EVENTS_PORT, kv_events_host="0.0.0.0",
-            replica_id="$(POD_NAME)",
-        ),
+    return RenderInput(
+        model_dir=_model_dir(spec), served_name=served_name(spec, owner.name), dtype=spec.model.dtype,
+        max_model_len=spec.model.max_model_len, block_size=spec.cache.block_size, prefix_caching=spec.cache.prefix_caching,
+        max_num_batched_tokens=spec.server.max_num_batched_tokens, tensor_parallel=spec.server.gpus_per_replica,
+        swap_space_gib=sz.swap_space_gib, processor_cache_gib=sz.processor_cache_gib,
+        encoder_cache_tokens=sz.encoder_cache_tokens, gpu_memory_utilization=sz.gpu_memory_utilization,
     )
-    args = ["serve", *to_args(cfg)]
-    # Sizes are always explicit, even when they equal a server default, so a pod shows what it got.
-    for group, fname, value in (
-        (CacheConfig, "swap_space", sz.swap_space_gib),
-        (CacheConfig, "max_encoder_cache", sz.encoder_cache_tokens),
-        (CacheConfig, "max_processor_cache", sz.processor_cache_gib),
-    ):
-        flag = flag_of(group, fname)
-        if flag not in args:
-            args += [flag, str(value)]
-    return args + list(spec.server.extra_args)
+
+
+def server_args(owner: Owner, spec: InferenceServiceSpec, sizing: PoolSizing) -> list[str]:
+    """The engine's arguments for one pool (its description's flags), then server.extraArgs and engine.extraArgs."""
+    rendered = engine_of(spec).args(render_input(owner, spec, sizing))
+    return rendered + list(spec.server.extra_args) + list(spec.engine.extra_args)
 
 
 def _model_dir(spec: InferenceServiceSpec) -> str:
@@ -193,29 +194,23 @@ def server_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, plan
         "requests": {"cpu": str(spec.server.cpus), "memory": mem, GPU_RESOURCE: str(spec.server.gpus_per_replica)},
         "limits": {"cpu": str(spec.server.cpus), "memory": mem, GPU_RESOURCE: str(spec.server.gpus_per_replica)},
     }
+    engine = engine_of(spec)
     model_vols, model_mounts = _model_volume(spec)
     container = {
         "name": "server",
         "image": image,
         "imagePullPolicy": spec.server.image_pull_policy,
-        "command": ["warmfleet"],
+        "command": list(engine.command),
         "args": server_args(owner, spec, sizing),
-        "env": [
-            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-            {"name": "HOME", "value": "/tmp"},
-            *_api_key_env(spec),
-        ],
-        "ports": [
-            {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
-            {"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"},
-        ],
+        "env": _engine_env(spec, engine),
+        "ports": [{"name": p.name, "containerPort": p.number, "protocol": "TCP"} for p in engine.ports],
         "resources": resources,
         "startupProbe": {
-            "httpGet": {"path": "/health", "port": "http"},
+            "httpGet": {"path": engine.probes.startup, "port": "http"},
             "periodSeconds": 10, "failureThreshold": max(1, -(-d.startup_timeout_seconds // 10)),
         },
-        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5, "failureThreshold": 2},
-        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 3, "timeoutSeconds": 5},
+        "readinessProbe": {"httpGet": {"path": engine.probes.readiness, "port": "http"}, "periodSeconds": 5, "failureThreshold": 2},
+        "livenessProbe": {"httpGet": {"path": engine.probes.liveness, "port": "http"}, "periodSeconds": 10, "failureThreshold": 3, "timeoutSeconds": 5},
         # Readiness drops as soon as the pod terminates; the sleep lets the router notice and in-flight requests finish.
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(d.drain_seconds)]}}},
         "securityContext": _container_security(),
@@ -225,6 +220,8 @@ def server_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, plan
             *model_mounts,
         ],
     }
+    if engine.working_dir:
+        container["workingDir"] = engine.working_dir
     surge = 0 if d.max_unavailable > 0 else 1  # GPUs are scarce: surge only when nothing may be unavailable
     return {
         "apiVersion": "apps/v1",
@@ -248,7 +245,7 @@ def server_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, plan
                     "containers": [container],
                     "volumes": [
                         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": format_bytes(sz.shm_bytes)}},
-                        {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+                        {"name": "tmp", "emptyDir": {"sizeLimit": f"{engine.tmp_gib}Gi"}},
                         *model_vols,
                     ],
                 },
@@ -257,8 +254,14 @@ def server_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, plan
     }
 
 
-def replicas_service(owner: Owner) -> dict[str, Any]:
-    """Headless Service over all server pods: HTTP and KV-event ports, discovered by the router."""
+def _engine_env(spec: InferenceServiceSpec, engine: Engine) -> list[dict[str, Any]]:
+    pod_name = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}] if engine.pod_name_env else []
+    static = [{"name": k, "value": v} for k, v in engine.env]
+    return [*pod_name, *static, *_api_key_env(spec, engine.api_key_env)]
+
+
+def replicas_service(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
+    """Headless Service over all server pods with the engine's named ports, discovered by the router."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -266,10 +269,8 @@ def replicas_service(owner: Owner) -> dict[str, Any]:
         "spec": {
             "clusterIP": "None",
             "selector": server_selector(owner),
-            "ports": [
-                {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
-                {"name": "kv-events", "port": KV_EVENTS_PORT, "targetPort": "kv-events", "protocol": "TCP"},
-            ],
+            "ports": [{"name": p.name, "port": p.number, "targetPort": p.name, "protocol": "TCP"}
+                      for p in engine_of(spec).ports],
         },
     }
 
@@ -282,6 +283,7 @@ def router_args(owner: Owner, spec: InferenceServiceSpec) -> list[str]:
         "port": str(HTTP_PORT),
         "model": _model_dir(spec),
         "load_bound": f"{spec.router.load_bound - 1:g}",
+        "engine": spec.engine.kind,
     }
     args = list(ROUTER_COMMAND[1:])
     for key, value in values.items():
@@ -387,6 +389,7 @@ def config_map(owner: Owner, spec: InferenceServiceSpec, plan: list[PlannedPool]
 
     report = {
         "model": served_name(spec, owner.name),
+        "engine": spec.engine.kind,
         "endpoint": endpoint_url(owner, spec),
         "pools": [
             {
@@ -404,9 +407,9 @@ def config_map(owner: Owner, spec: InferenceServiceSpec, plan: list[PlannedPool]
     }
 
 
-def build_children(owner: Owner, spec: InferenceServiceSpec, image: str, plan: list[PlannedPool]) -> list[dict[str, Any]]:
+def build_children(owner: Owner, spec: InferenceServiceSpec, images: Images, plan: list[PlannedPool]) -> list[dict[str, Any]]:
     """Every child object, in apply order; pools that cannot host replicas get no Deployment."""
-    objs = [config_map(owner, spec, plan), *router_rbac(owner), replicas_service(owner)]
-    objs += [server_deployment(owner, spec, image, p) for p in plan if p.sizing.fits]
-    objs += [pdb(owner, spec), router_deployment(owner, spec, image), router_service(owner, spec)]
+    objs = [config_map(owner, spec, plan), *router_rbac(owner), replicas_service(owner, spec)]
+    objs += [server_deployment(owner, spec, images.engine, p) for p in plan if p.sizing.fits]
+    objs += [pdb(owner, spec), router_deployment(owner, spec, images.router), router_service(owner, spec)]
     return objs

@@ -8,7 +8,7 @@ from typing import Any
 from warmfleet.operator import manifests as m
 from warmfleet.operator.nodes import NodeInfo, derive_pools
 from warmfleet.operator.sizing import assign_replicas, size_pool
-from warmfleet.operator.spec import InferenceServiceSpec, PoolShape, PoolStatus
+from warmfleet.operator.spec import EngineKind, InferenceServiceSpec, PoolShape, PoolStatus
 
 
 @dataclass(frozen=True)
@@ -19,6 +19,7 @@ class Plan:
     desired: int  # replicas wanted
     capacity: int  # replicas the fitting pools can host
     children: list[dict[str, Any]]
+    engine: EngineKind  # every pool runs the service's engine
 
     @property
     def placed(self) -> int:
@@ -26,21 +27,22 @@ class Plan:
         return sum(p.replicas for p in self.pools)
 
 
-def make_plan(owner: m.Owner, spec: InferenceServiceSpec, nodes: list[NodeInfo], image: str) -> Plan:
+def make_plan(owner: m.Owner, spec: InferenceServiceSpec, nodes: list[NodeInfo], images: m.Images) -> Plan:
     """Derive pools from nodes, size each, split the replicas and build every child object."""
     sized = [(pool, size_pool(spec, pool)) for pool in derive_pools(spec, nodes)]
     caps = [sizing.capacity_per_node * len(pool.nodes) for pool, sizing in sized]
     desired = spec.desired_replicas()
     split = assign_replicas(desired, caps)
     planned = [m.PlannedPool(pool, sizing, n) for (pool, sizing), n in zip(sized, split)]
-    return Plan(planned, desired, sum(caps), m.build_children(owner, spec, image, planned))
+    return Plan(planned, desired, sum(caps), m.build_children(owner, spec, images, planned), spec.engine.kind)
 
 
-def pool_status(p: m.PlannedPool, ready: int) -> PoolStatus:
-    """Status entry of one pool: nodes, shape, sizes and their inputs."""
+def pool_status(p: m.PlannedPool, ready: int, engine: EngineKind) -> PoolStatus:
+    """Status entry of one pool: the engine it runs, nodes, shape, sizes and their inputs."""
     pool = p.pool
     return PoolStatus(
         name=pool.name,
+        engine=engine,
         nodes=list(pool.nodes),
         shape=PoolShape(gpu_product=pool.gpu_product, gpu_memory_mib=pool.gpu_memory_mib,
                         gpus_per_node=pool.gpus_per_node, host_memory_bytes=pool.host_memory_bytes),

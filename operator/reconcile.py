@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping
 import kopf
 
 from warmfleet.operator import manifests as m
+from warmfleet.operator.engines import check_spec
 from warmfleet.operator.kube import Kube
 from warmfleet.operator.nodes import NodeInfo
 from warmfleet.operator.plan import Plan, make_plan
@@ -68,15 +69,15 @@ def owned(children: list[dict[str, Any]], body: Mapping[str, Any]) -> list[dict[
 
 
 def plan_for(body: Mapping[str, Any], nodes: list[NodeInfo], default_image: str) -> tuple[m.Owner, Any, Plan]:
-    """Parse the spec and plan; raises SpecError for a bad spec."""
+    """Parse the spec, check it against its engine's capabilities and plan; raises SpecError for a bad spec."""
     meta = body.get("metadata") or {}
     owner = m.Owner(name=meta["name"], namespace=meta.get("namespace") or "default")
     spec = parse_spec(body.get("spec"))
     previous_model = (body.get("status") or {}).get("model")
     if previous_model and previous_model != served_name(spec, owner.name):
         raise SpecError("spec.model.servedName", f"is immutable: was {previous_model!r}, now {served_name(spec, owner.name)!r}")
-    image = spec.server.image or default_image
-    return owner, spec, make_plan(owner, spec, nodes, image)
+    check_spec(spec)
+    return owner, spec, make_plan(owner, spec, nodes, m.images_for(spec, default_image))
 
 
 def fingerprint(plan: Plan) -> str:

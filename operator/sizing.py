@@ -1,4 +1,4 @@
-"""Per-pool sizing: swap space, encoder and processor caches, pod memory and /dev/shm; pure, see docs/sizing.md."""
+"""Per-pool sizing: CPU KV tier, encoder and processor caches, pod memory and /dev/shm per engine; pure, see docs/sizing.md."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import hashlib
 import math
 from dataclasses import dataclass
 
+from warmfleet.operator.engines import Engine, engine_of
 from warmfleet.operator.nodes import GiB, MiB, Pool
 from warmfleet.operator.spec import GiBSize, InferenceServiceSpec, PoolInputs, PoolSizes, TokenSize
 
@@ -14,7 +15,8 @@ PROCESSOR_GIB_PER_FRONTEND = 4.0  # Auto processor cache ceiling per API fronten
 API_FRONTENDS = 1  # `warmfleet serve` runs one API frontend per replica
 PROCESSOR_HOST_SHARE = 0.10  # Auto processor cache ceiling as a share of H
 SWAP_HOST_CAP = 0.7  # Auto swap never exceeds this share of H
-SHM_HEADROOM_BYTES = 1 * GiB  # /dev/shm beyond the processor cache (IPC buffers, paddle workers)
+SHM_HEADROOM_BYTES = 1 * GiB  # /dev/shm beyond the caches placed there (IPC buffers, workers, NCCL)
+MIN_GPU_MEMORY_UTILIZATION = 0.1  # a peer engine left less than this share of GPU memory cannot host a KV pool
 GIB_STEP = 0.25  # GiB sizes are floored to this step so flags stay readable and stable
 
 
@@ -47,7 +49,13 @@ def _clamp(value: float, size: GiBSize | TokenSize) -> tuple[float, str]:
 
 
 def size_pool(spec: InferenceServiceSpec, pool: Pool) -> PoolSizing:
-    """Derive per-replica sizes for `pool` (formulas in docs/sizing.md); explicit (Fixed) sizes win."""
+    """Derive per-replica sizes for `pool` (formulas in docs/sizing.md); explicit (Fixed) sizes win.
+
+    The engine's description says where each cache lives (process memory, /dev/shm) and how
+    many host bytes its CPU KV tier takes per byte asked for; the formulas are the same for all.
+    """
+    engine = engine_of(spec)
+    fp = engine.footprint
     gpr = spec.server.gpus_per_replica
     R = pool.gpus_per_node // gpr
     if R == 0:
@@ -63,48 +71,88 @@ def size_pool(spec: InferenceServiceSpec, pool: Pool) -> PoolSizing:
     else:
         auto = min(PROCESSOR_GIB_PER_FRONTEND * API_FRONTENDS, PROCESSOR_HOST_SHARE * H / GiB)
         P_gib, sources["processorCache"] = _clamp(_floor_step(auto), cache.processor_cache)
-    shm = _round_up_mib(int(P_gib * GiB) + SHM_HEADROOM_BYTES)
+    P = int(P_gib * GiB)
+    processor_host = P * fp.processor_copies
+    shm_fixed = (P if fp.processor_in_shm else 0) + SHM_HEADROOM_BYTES
+    fixed = E + processor_host + shm_fixed  # host bytes before the CPU KV tier
 
     if cache.swap_space.mode == "Fixed":
         S_gib, sources["swapSpace"] = float(cache.swap_space.size), "fixed"  # type: ignore[arg-type]
     else:
-        auto = min(cache.swap_fraction * (H - E - shm), SWAP_HOST_CAP * H) / GiB
+        auto = min(cache.swap_fraction * (H - fixed), SWAP_HOST_CAP * H) / fp.swap_overhead / GiB
         S_gib, sources["swapSpace"] = _clamp(_floor_step(auto), cache.swap_space)
+    swap_host = int(S_gib * GiB * fp.swap_overhead)
+    shm = _round_up_mib(shm_fixed + (swap_host if fp.swap_in_shm else 0))
 
     g = pool.gpu_memory_mib * MiB
     token_bytes = spec.model.hidden_size * DTYPE_BYTES[spec.model.dtype]
-    floor_tokens = spec.server.max_num_batched_tokens
-    if cache.encoder_cache.mode == "Fixed":
-        enc, sources["encoderCache"] = int(cache.encoder_cache.size), "fixed"  # type: ignore[arg-type]
-    elif g == 0:
-        enc, sources["encoderCache"] = floor_tokens, "floor (GPU memory unknown)"
-    else:
-        value, src = _clamp(math.floor(cache.encoder_fraction * g * gpr / token_bytes), cache.encoder_cache)
-        enc, sources["encoderCache"] = (int(value), src) if value >= floor_tokens else (floor_tokens, "floor")
+    enc = _encoder_tokens(spec, engine, g, token_bytes, sources)
+    gpu_util = _gpu_memory_utilization(engine, g, enc, token_bytes, cache.encoder_fraction)
 
-    memory = _round_up_mib(E + shm + int(S_gib * GiB))
+    memory = _round_up_mib(E + processor_host + shm + (0 if fp.swap_in_shm else swap_host))
     inputs = PoolInputs(
         host_bytes_per_replica=H, engine_bytes=E, gpu_bytes_per_replica=g * gpr,
         bytes_per_encoder_token=token_bytes, sources=sources,
     )
     sizes = PoolSizes(
         replicas_per_node=R, swap_space_gib=S_gib, encoder_cache_tokens=enc, processor_cache_gib=P_gib,
-        memory_bytes=memory, shm_bytes=shm, hash=sizes_hash(S_gib, enc, P_gib, memory, shm),
+        gpu_memory_utilization=gpu_util, memory_bytes=memory, shm_bytes=shm,
+        hash=sizes_hash(S_gib, enc, P_gib, memory, shm, gpu_util),
     )
     if memory > H:
-        msg = (f"a replica needs {memory / GiB:.2f} GiB host memory (engine {E / GiB:.2f} + swap {S_gib:g} "
+        swap = f"swap {S_gib:g}" + (f" x {fp.swap_overhead:g}" if fp.swap_overhead != 1 else "")
+        proc = f" + processor cache {P_gib:g} x {fp.processor_copies}" if fp.processor_copies else ""
+        msg = (f"a replica needs {memory / GiB:.2f} GiB host memory (engine {E / GiB:.2f} + {swap}{proc} "
                f"+ /dev/shm {shm / GiB:.2f}) but {R} per node leaves {H / GiB:.2f} GiB each")
         return PoolSizing(False, msg, R, sizes, inputs)
+    if gpu_util is not None and gpu_util < MIN_GPU_MEMORY_UTILIZATION:
+        msg = (f"the encoder cache ({enc} tokens) leaves {engine.kind} --gpu-memory-utilization {gpu_util:g}, "
+               f"below {MIN_GPU_MEMORY_UTILIZATION:g}")
+        return PoolSizing(False, msg, R, sizes, inputs)
     return PoolSizing(True, "", R, sizes, inputs)
+
+
+def _encoder_tokens(spec: InferenceServiceSpec, engine: Engine, g: int, token_bytes: int, sources: dict[str, str]) -> int | None:
+    """Encoder cache per replica in tokens, budgeted per GPU: with tensor parallelism every rank holds every output."""
+    cache = spec.cache
+    floor_tokens = spec.server.max_num_batched_tokens
+    if not engine.sizes_encoder_cache:
+        sources["encoderCache"] = f"engine ({engine.encoder_note})"
+        return None
+    if cache.encoder_cache.mode == "Fixed":
+        sources["encoderCache"] = "fixed"
+        return int(cache.encoder_cache.size)  # type: ignore[arg-type]
+    if g == 0:
+        sources["encoderCache"] = "floor (GPU memory unknown)"
+        return floor_tokens
+    value, src = _clamp(math.floor(cache.encoder_fraction * g / token_bytes), cache.encoder_cache)
+    if value < floor_tokens:
+        sources["encoderCache"] = "floor"
+        return floor_tokens
+    sources["encoderCache"] = src
+    return int(value)
+
+
+def _gpu_memory_utilization(engine: Engine, g: int, enc: int | None, token_bytes: int, encoder_fraction: float) -> float | None:
+    """A peer engine's GPU share, less the encoder cache it allocates beside the KV pool it profiles into."""
+    if engine.gpu_memory_utilization is None:
+        return None
+    share = 0.0
+    if enc is not None:
+        share = enc * token_bytes / g if g else encoder_fraction
+    return math.floor((engine.gpu_memory_utilization - share) * 100 + 1e-9) / 100
 
 
 def _round_up_mib(n: int) -> int:
     return -(-n // MiB) * MiB
 
 
-def sizes_hash(swap_gib: float, encoder_tokens: int, processor_gib: float, memory: int, shm: int) -> str:
+def sizes_hash(swap_gib: float, encoder_tokens: int | None, processor_gib: float, memory: int, shm: int,
+               gpu_memory_utilization: float | None = None) -> str:
     """Digest of everything sizing puts into a pod template; a new value rolls the pool."""
     key = f"{swap_gib!r}|{encoder_tokens}|{processor_gib!r}|{memory}|{shm}"
+    if gpu_memory_utilization is not None:  # absent for warmfleet, whose digests stay as they were
+        key += f"|{gpu_memory_utilization!r}"
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 

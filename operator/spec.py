@@ -17,6 +17,7 @@ CATEGORIES = ["warmfleet"]
 
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 Mode = Literal["Auto", "Fixed"]
+EngineKind = Literal["warmfleet", "vllm", "fastdeploy"]  # one description each in engines.py
 
 
 # Shared by every Auto/Fixed size: CEL for the API server, the same check in Python for `render`.
@@ -73,18 +74,43 @@ class ModelSpec:
 
 
 @dataclass(kw_only=True)
-class ServerSpec:
-    """The `warmfleet serve` pods."""
+class EngineSpec:
+    """The inference engine each replica runs."""
 
-    image: Optional[str] = prop(None, doc="Server image (default: the operator's --default-image).", minLength=1)
+    kind: EngineKind = prop(
+        "warmfleet", doc="warmfleet (`warmfleet serve`), vllm (vLLM's OpenAI server) or fastdeploy (FastDeploy's api_server).",
+    )
+    image: Optional[str] = prop(
+        None, doc="Engine image; required for vllm and fastdeploy. For warmfleet the default is spec.server.image, else the operator's --default-image.",
+        minLength=1,
+    )
+    extra_args: list[str] = prop([], doc="Engine arguments appended after every rendered one (a repeated flag overrides the rendered value).", maxItems=64)
+
+    RULES: ClassVar[list[Rule]] = [
+        ("self.kind == 'warmfleet' || has(self.image)", "image is required when kind is vllm or fastdeploy",
+         lambda s: s.kind == "warmfleet" or s.image is not None),
+    ]
+
+
+@dataclass(kw_only=True)
+class ServerSpec:
+    """The server (engine) pods."""
+
+    image: Optional[str] = prop(
+        None, doc="Image with the `warmfleet` command: runs the router, and the engine when engine.kind is warmfleet and engine.image is unset (default: the operator's --default-image).",
+        minLength=1,
+    )
     image_pull_policy: Literal["IfNotPresent", "Always", "Never"] = prop("IfNotPresent", doc="Kubernetes image pull policy.")
-    gpus_per_replica: int = prop(1, doc="nvidia.com/gpu per replica; replicas per node = GPUs per node ÷ this.", minimum=1, maximum=16)
+    gpus_per_replica: int = prop(
+        1, doc="nvidia.com/gpu per replica; replicas per node = GPUs per node ÷ this. Above 1 the engine runs tensor parallel (vllm, fastdeploy; warmfleet runs one device per replica).",
+        minimum=1, maximum=16,
+    )
     cpus: int = prop(4, doc="CPU cores requested per replica (also the limit).", minimum=1, maximum=512)
     engine_memory_gib: float = prop(
         16.0, doc="Host memory the engine needs besides its caches (runtime, weight staging), in GiB.", minimum=1, maximum=4096,
     )
     max_num_batched_tokens: int = prop(2048, doc="Token budget of one engine step; the encoder cache never drops below it.", minimum=1)
-    extra_args: list[str] = prop([], doc="Extra `warmfleet serve` arguments appended after the rendered ones.", maxItems=64)
+    extra_args: list[str] = prop([], doc="Extra engine arguments appended after the rendered ones, before engine.extraArgs (kept for compatibility; prefer engine.extraArgs).", maxItems=64)
 
 
 @dataclass(kw_only=True)
@@ -155,6 +181,7 @@ class InferenceServiceSpec:
     """Desired state of an InferenceService."""
 
     model: ModelSpec = prop(doc="The checkpoint to serve.")
+    engine: EngineSpec = prop(EngineSpec(), doc="The inference engine of the replicas.")
     server: ServerSpec = prop(ServerSpec(), doc="Server pods.")
     replicas: Optional[int] = prop(None, doc="Server replicas across all pools (default 1); exclusive with autoscaling.", minimum=0, maximum=4096)
     autoscaling: Optional[Autoscaling] = prop(None, doc="Replica bounds instead of a fixed count; exclusive with replicas.")
@@ -213,12 +240,17 @@ class PoolShape:
 
 @dataclass(kw_only=True)
 class PoolSizes:
-    """Per-replica sizes derived for one pool, as rendered into pod args and resources."""
+    """Per-replica sizes derived for one pool, as rendered into pod args and resources (flags per engine: docs/sizing.md)."""
 
     replicas_per_node: int = prop(doc="floor(GPUs per node / GPUs per replica).")
-    swap_space_gib: float = prop(doc="--swap-space, GiB.")
-    encoder_cache_tokens: int = prop(doc="--max-encoder-cache, tokens.", format="int64")
-    processor_cache_gib: float = prop(doc="--max-processor-cache, GiB.")
+    swap_space_gib: float = prop(doc="CPU KV tier, GiB (warmfleet and FastDeploy --swap-space, vLLM --kv-offloading-size; 0 disables).")
+    encoder_cache_tokens: Optional[int] = prop(
+        None, doc="Encoder cache, tokens (--max-encoder-cache); absent when the engine sizes its own (vLLM).", format="int64",
+    )
+    processor_cache_gib: float = prop(doc="Processor cache, GiB (--max-processor-cache, vLLM --mm-processor-cache-gb).")
+    gpu_memory_utilization: Optional[float] = prop(
+        None, doc="--gpu-memory-utilization rendered for a peer engine (absent for warmfleet).",
+    )
     memory_bytes: int = prop(doc="Pod memory request = limit, bytes.", format="int64")
     shm_bytes: int = prop(doc="/dev/shm size limit, bytes.", format="int64")
     hash: str = prop(doc="Digest of the sizes; a change rolls the pool.")
@@ -240,6 +272,7 @@ class PoolStatus:
     """One node pool."""
 
     name: str = prop(doc="Pool name (suffix of its Deployment).")
+    engine: EngineKind = prop("warmfleet", doc="Engine the pool's replicas run (spec.engine.kind).")
     nodes: list[str] = prop([], doc="Nodes in the pool.")
     shape: Optional[PoolShape] = prop(None, doc="Node shape.")
     fits: bool = prop(True, doc="Whether a replica fits on the pool's nodes.")

@@ -36,7 +36,7 @@ def healthy_status(
     ready_by_pool: dict[str, int], router_ready: int, previous: dict[str, Any], now: str,
 ) -> dict[str, Any]:
     """Status after a successful reconcile: sizes, replica counts and the four conditions."""
-    pools = [pool_status(p, ready_by_pool.get(p.pool.name, 0)) for p in plan.pools]
+    pools = [pool_status(p, ready_by_pool.get(p.pool.name, 0), plan.engine) for p in plan.pools]
     ready = min(sum(p.ready_replicas for p in pools), plan.placed)
     unfit = [p for p in plan.pools if not p.sizing.fits]
     conds = [_cond("InvalidSpec", False, "SpecValid")]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,8 @@ import yaml
 from warmfleet.operator.chartcrd import chart_crd_template
 from warmfleet.operator.crd import CRD_FILE, crd, crd_yaml
 from warmfleet.operator.schema import SpecError
-from warmfleet.operator.spec import InferenceServiceSpec, parse_spec
+from warmfleet.operator.engines import ENGINES
+from warmfleet.operator.spec import EngineKind, InferenceServiceSpec, parse_spec
 
 REPO = Path(__file__).resolve().parents[1]
 REGEN = "regenerate with `warmfleet operator crd --write .`"
@@ -81,11 +83,35 @@ def test_defaults_satisfy_their_own_schema():
             assert node["default"] >= node["minimum"], path
 
 
-def test_example_validates_against_the_crd_schema():
+@pytest.mark.parametrize("name", ["inferenceservice.yaml", "inferenceservice-vllm.yaml", "inferenceservice-fastdeploy.yaml"])
+def test_example_validates_against_the_crd_schema(name):
     import jsonschema
-    example = yaml.safe_load((REPO / "examples/inferenceservice.yaml").read_text())
+    example = yaml.safe_load((REPO / "examples" / name).read_text())
     jsonschema.validate(example["spec"], version()["schema"]["openAPIV3Schema"]["properties"]["spec"])
     parse_spec(example["spec"])
+
+
+def test_engine_kind_image_and_extra_args():
+    engine = version()["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["engine"]
+    assert engine["properties"]["kind"]["enum"] == ["warmfleet", "vllm", "fastdeploy"]
+    assert engine["properties"]["kind"]["default"] == "warmfleet"
+    assert engine["properties"]["extraArgs"]["items"] == {"type": "string"}
+    assert "default" not in engine["properties"]["image"]
+    rules = {r["message"]: r["rule"] for r in engine["x-kubernetes-validations"]}
+    assert rules == {"image is required when kind is vllm or fastdeploy": "self.kind == 'warmfleet' || has(self.image)"}
+    # one description per kind, and the schema's enum is the set of descriptions
+    assert set(typing.get_args(EngineKind)) == set(ENGINES)
+    s = parse_spec({"model": {"path": "/m"}})
+    assert (s.engine.kind, s.engine.image, s.engine.extra_args) == ("warmfleet", None, [])
+    s = parse_spec({"model": {"path": "/m"}, "engine": {"kind": "vllm", "image": "v:1"}})
+    assert (s.engine.kind, s.engine.image) == ("vllm", "v:1")
+
+
+def test_pool_status_carries_the_engine_and_encoder_tokens_are_optional():
+    pool = version()["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]["pools"]["items"]
+    assert pool["properties"]["engine"]["enum"] == ["warmfleet", "vllm", "fastdeploy"]
+    sizes = pool["properties"]["sizes"]
+    assert "encoderCacheTokens" not in sizes["required"] and "gpuMemoryUtilization" in sizes["properties"]
 
 
 def test_parse_applies_defaults():
@@ -108,6 +134,9 @@ def test_parse_applies_defaults():
     ({"model": {"path": "/m"}, "sever": {}}, "unknown field(s) sever"),
     ({"model": {"path": "/m"}, "pools": [{"name": "a"}, {"name": "a"}]}, "pool names must be unique"),
     ({"model": {"path": "/m"}, "pools": [{"name": "Bad_Name"}]}, "must match"),
+    ({"model": {"path": "/m"}, "engine": {"kind": "vllm"}}, "spec.engine: image is required when kind is vllm or fastdeploy"),
+    ({"model": {"path": "/m"}, "engine": {"kind": "fastdeploy"}}, "spec.engine: image is required when kind is vllm or fastdeploy"),
+    ({"model": {"path": "/m"}, "engine": {"kind": "sglang", "image": "x"}}, "must be one of warmfleet, vllm, fastdeploy"),
 ])
 def test_bad_specs_are_readable_errors(spec, needle):
     with pytest.raises(SpecError) as err:

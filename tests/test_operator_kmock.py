@@ -230,3 +230,43 @@ async def test_delete_is_not_blocked_and_not_recreated(cluster):
         await cluster.post("/api/v1/nodes", json=h200("h2"))
         await eventually(lambda: obj(cluster, NODES, "h2", None) is not None, "node seen")
         assert writes(cluster, mark) == []
+
+
+async def test_a_vllm_service_reconciles_with_its_engine_in_status(cluster):
+    seed(cluster, h200("h1"), l4("l1"))
+    seed(cluster, service(spec={"replicas": 2, "engine": {"kind": "vllm", "image": "vllm/vllm-openai:v0.32.0"}}), res=ISVC)
+    async with operator(cluster):
+        await eventually(lambda: condition(cluster, "InvalidSpec").get("status") == "False", "a reconciled status")
+        deps = server_deployments(cluster)
+        assert len(deps) == 2
+        for dep in deps.values():
+            c = dep["spec"]["template"]["spec"]["containers"][0]
+            assert c["command"] == ["python3", "-m", "vllm.entrypoints.openai.api_server"] and c["image"] == "vllm/vllm-openai:v0.32.0"
+            assert "--kv-offloading-size" in c["args"] and "--max-encoder-cache" not in c["args"]
+        router = obj(cluster, DEPLOY, "qwen-router")["spec"]["template"]["spec"]["containers"][0]
+        assert router["image"] == "img:test" and router["args"][router["args"].index("--engine") + 1] == "vllm"
+        headless = obj(cluster, "v1/services", "qwen-replicas")
+        assert [p["name"] for p in headless["spec"]["ports"]] == ["http", "kv-events", "kv-replay"]
+        pools = status(cluster)["pools"]
+        assert [p["engine"] for p in pools] == ["vllm", "vllm"]
+        assert all("encoderCacheTokens" not in p["sizes"] and p["sizes"]["gpuMemoryUtilization"] == 0.9 for p in pools)
+
+
+async def test_warmfleet_with_tensor_parallelism_is_invalid_spec_and_an_event(cluster):
+    seed(cluster, h200("h1"))
+    seed(cluster, service(spec={"replicas": 1, "server": {"gpusPerReplica": 2}}), res=ISVC)
+    async with operator(cluster):
+        cond = await eventually(lambda: condition(cluster, "InvalidSpec").get("status") == "True" and condition(cluster, "InvalidSpec"),
+                                "InvalidSpec")
+        assert cond["message"].startswith("spec.server.gpusPerReplica: is 2, but engine warmfleet runs one GPU per replica")
+        assert server_deployments(cluster) == {}  # nothing silently requests two GPUs
+        events = await eventually(lambda: [o.raw for (r, _, _), o in cluster.objects.items()
+                                           if r.plural == "events" and not o.deleted and o.raw.get("reason") == "InvalidSpec"], "an Event")
+        assert "engine warmfleet runs one GPU per replica" in events[0]["message"]
+        # switching the engine to one that runs tensor parallel recovers
+        await cluster.patch(f"/apis/{ISVC.rsplit('/', 1)[0]}/namespaces/default/inferenceservices/qwen",
+                            json={"metadata": {"generation": 2}, "spec": {"engine": {"kind": "fastdeploy", "image": "fd:2"}}})
+        await eventually(lambda: condition(cluster, "InvalidSpec").get("status") == "False", "InvalidSpec cleared")
+        (dep,) = server_deployments(cluster).values()
+        c = dep["spec"]["template"]["spec"]["containers"][0]
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == "2" and c["args"][c["args"].index("--tensor-parallel-size") + 1] == "2"

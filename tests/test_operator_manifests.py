@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 from contextlib import redirect_stdout
 from pathlib import Path
 
+import pytest
 import yaml
 
 from operator_fixtures.shapes import GiB, TiB, a100, h200, l4, node, service
+from warmfleet.operator import engines
 from warmfleet.operator import manifests as m
 from warmfleet.operator.nodes import node_info, parse_quantity
 from warmfleet.operator.reconcile import render
+from warmfleet.operator.schema import SpecError
+from warmfleet.operator.spec import parse_spec
 from warmfleet.server import config as server_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -222,3 +227,236 @@ def test_render_reports_a_bad_spec(tmp_path, capsys):
     nodes.write_text(yaml.safe_dump(h200()))
     assert main(["operator", "render", "-f", str(bad), "--nodes", str(nodes)]) == 2
     assert "mutually exclusive" in capsys.readouterr().err
+
+
+# ---- engines: vLLM and FastDeploy rendered from their descriptions ----
+
+VLLM = {"kind": "vllm", "image": "vllm/vllm-openai:v0.32.0"}
+FD = {"kind": "fastdeploy", "image": "fastdeploy:2.3"}
+KINDS = {"warmfleet": {}, "vllm": VLLM, "fastdeploy": FD}
+
+
+def engine_service(kind, **spec):
+    return service(spec={"engine": KINDS[kind], **spec}) if KINDS[kind] else service(spec=spec)
+
+
+def flag_value(args, flag):
+    assert args.count(flag) == 1, (flag, args)
+    return args[args.index(flag) + 1]
+
+
+def report_pool(items, dep):
+    report = yaml.safe_load(by_kind(items, "ConfigMap")[0]["data"]["sizing.json"])
+    return next(p for p in report["pools"] if p["name"] == dep["metadata"]["labels"][m.POOL_LABEL])
+
+
+def test_vllm_args_carry_sizes_in_its_own_flags_and_units():
+    items = objs(engine_service("vllm", replicas=3, model={"path": "/models/q", "maxModelLen": 8192}))
+    assert len(servers(items)) == 3  # one per GPU pool
+    for dep in servers(items):
+        c, pool = container(dep), report_pool(items, dep)
+        args = c["args"]
+        assert c["image"] == VLLM["image"]
+        assert c["command"] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+        assert (flag_value(args, "--model"), flag_value(args, "--served-model-name")) == ("/models/q", "qwen")
+        assert (flag_value(args, "--host"), flag_value(args, "--port")) == ("0.0.0.0", str(m.HTTP_PORT))
+        assert flag_value(args, "--block-size") == "64" and "--enable-prefix-caching" in args
+        assert flag_value(args, "--prefix-caching-hash-algo") == "sha256_cbor"
+        assert float(flag_value(args, "--kv-offloading-size")) == pool["sizes"]["swapSpaceGib"] > 0
+        assert flag_value(args, "--kv-offloading-backend") == "native"
+        assert float(flag_value(args, "--mm-processor-cache-gb")) == pool["sizes"]["processorCacheGib"]
+        assert flag_value(args, "--max-num-batched-tokens") == "2048" and flag_value(args, "--max-model-len") == "8192"
+        assert float(flag_value(args, "--gpu-memory-utilization")) == pool["sizes"]["gpuMemoryUtilization"] == 0.9
+        assert flag_value(args, "--tensor-parallel-size") == "1" and "--enable-prompt-tokens-details" in args
+        # no encoder-cache size: vLLM has no such flag and sizes it from max_num_batched_tokens
+        assert "encoderCacheTokens" not in pool["sizes"] and not any("encoder" in a for a in args if a.startswith("--"))
+        events = json.loads(flag_value(args, "--kv-events-config"))
+        assert events == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{engines.KV_EVENTS_PORT}",
+                          "replay_endpoint": f"tcp://*:{engines.KV_REPLAY_PORT}", "topic": "kv-events"}
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["PYTHONHASHSEED"] == "0" and "POD_NAME" not in env
+        shm = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "dshm")["emptyDir"]
+        assert parse_quantity(shm["sizeLimit"]) == pool["sizes"]["shmBytes"] >= pool["sizes"]["swapSpaceGib"] * GiB
+
+
+def test_fastdeploy_args_carry_sizes_in_its_own_flags_and_units():
+    items = objs(engine_service("fastdeploy", replicas=3, cache={"prefixCaching": False}))
+    for dep in servers(items):
+        c, pool = container(dep), report_pool(items, dep)
+        args = c["args"]
+        assert c["command"] == ["python3", "-m", "fastdeploy.entrypoints.openai.api_server"]
+        assert flag_value(args, "--metrics-port") == str(engines.METRICS_PORT)
+        assert "--no-enable-prefix-caching" in args and "--enable-prefix-caching" not in args
+        # GiB as is: FastDeploy's source multiplies --swap-space by 1024**3 (its docs say GB)
+        assert float(flag_value(args, "--swap-space")) == pool["sizes"]["swapSpaceGib"] > 0
+        assert int(flag_value(args, "--max-encoder-cache")) == pool["sizes"]["encoderCacheTokens"] > 0
+        assert float(flag_value(args, "--max-processor-cache")) == pool["sizes"]["processorCacheGib"]
+        assert float(flag_value(args, "--gpu-memory-utilization")) == pool["sizes"]["gpuMemoryUtilization"] < 0.9
+        assert "--max-model-len" not in args and "--dtype" not in args  # FastDeploy has no --dtype flag
+        assert c["workingDir"] == "/tmp" and {"name": "FD_LOG_DIR", "value": "/tmp/log"} in c["env"]
+
+
+def test_a_cpu_tier_of_zero_is_left_out_not_passed_as_zero():
+    fixed0 = {"swapSpace": {"mode": "Fixed", "size": 0}}
+    (v,) = servers(objs(engine_service("vllm", cache=fixed0), [l4()]))
+    (f,) = servers(objs(engine_service("fastdeploy", cache=fixed0), [l4()]))
+    assert not {"--kv-offloading-size", "--kv-offloading-backend"} & set(container(v)["args"])  # vLLM refuses 0
+    assert "--swap-space" not in container(f)["args"]  # any value, 0 too, turns FastDeploy's CPU tier on
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_rendered_flag_is_in_the_engines_flag_table(kind):
+    engine = engines.ENGINES[kind]
+    variants = [{}, {"cache": {"prefixCaching": False, "swapSpace": {"mode": "Fixed", "size": 0}}},
+                {"model": {"path": "/m", "maxModelLen": 4096}, "cache": {"processorCache": {"mode": "Fixed", "size": 0}}}]
+    if engine.tensor_parallel:
+        variants.append({"server": {"gpusPerReplica": 2}})
+    seen = set()
+    for extra in variants:
+        for dep in servers(objs(engine_service(kind, **extra))):
+            flags = engines.render_flags(container(dep)["args"])
+            assert flags and set(flags) <= set(engine.flags), set(flags) - set(engine.flags)
+            seen |= set(flags)
+    sized = {"warmfleet": {"--swap-space", "--max-encoder-cache", "--max-processor-cache"},
+             "vllm": {"--kv-offloading-size", "--mm-processor-cache-gb", "--tensor-parallel-size", "--block-size"},
+             "fastdeploy": {"--swap-space", "--max-encoder-cache", "--max-processor-cache", "--tensor-parallel-size"}}
+    assert sized[kind] <= seen  # the variants exercised every sized cache's flag
+    for doc in engine.flags.values():
+        assert doc.unit and doc.meaning and doc.source
+
+
+def test_warmfleet_flag_table_is_the_servers_own_config():
+    parser = argparse.ArgumentParser()
+    server_config.add_arguments(parser)
+    accepted = {s for a in parser._actions for s in a.option_strings}
+    assert set(engines.WARMFLEET_FLAGS) <= accepted
+
+
+def test_extra_args_come_last_so_they_override():
+    items = objs(engine_service("vllm", server={"extraArgs": ["--seed", "1"]},
+                                engine={**VLLM, "extraArgs": ["--gpu-memory-utilization", "0.8"]}), [l4()])
+    (dep,) = servers(items)
+    assert container(dep)["args"][-4:] == ["--seed", "1", "--gpu-memory-utilization", "0.8"]
+
+
+@pytest.mark.parametrize("kind", ["vllm", "fastdeploy"])
+def test_gpus_per_replica_is_tensor_parallelism_for_peer_engines(kind):
+    items = objs(engine_service(kind, replicas=4, server={"gpusPerReplica": 2}))
+    deps = servers(items)
+    assert deps
+    for dep in deps:
+        c = container(dep)
+        assert flag_value(c["args"], "--tensor-parallel-size") == "2"
+        assert c["resources"]["requests"]["nvidia.com/gpu"] == c["resources"]["limits"]["nvidia.com/gpu"] == "2"
+        assert report_pool(items, dep)["sizes"]["replicasPerNode"] == {"h200": 4, "a100": 4, "l4": 2}[dep["metadata"]["labels"][m.POOL_LABEL].split("-")[0]]
+
+
+def test_warmfleet_with_several_gpus_per_replica_is_an_invalid_spec():
+    with pytest.raises(SpecError) as err:
+        objs(service(spec={"server": {"gpusPerReplica": 2}}))
+    assert err.value.path == "spec.server.gpusPerReplica"
+    assert "engine warmfleet runs one GPU per replica" in str(err.value)
+
+
+def test_render_refuses_warmfleet_tensor_parallelism_with_one_line(tmp_path, capsys):
+    from warmfleet.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(service(name="tp", spec={"server": {"gpusPerReplica": 4}})))
+    assert main(["operator", "render", "-f", str(bad), "--nodes", str(REPO / "examples/nodes.yaml")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "spec.server.gpusPerReplica" in lines[0] and "InferenceService tp" in lines[0]
+
+
+@pytest.mark.parametrize("kind,ports", [
+    ("warmfleet", {"http": 8000, "kv-events": 5557}),
+    ("vllm", {"http": 8000, "kv-events": 5557, "kv-replay": 5558}),
+    ("fastdeploy", {"http": 8000, "metrics": 8001}),  # no KV events; load from its metrics port
+])
+def test_ports_per_engine_on_pods_and_the_headless_service(kind, ports):
+    items = objs(engine_service(kind), [h200()])
+    (dep,) = servers(items)
+    assert {p["name"]: p["containerPort"] for p in container(dep)["ports"]} == ports
+    headless = next(s for s in by_kind(items, "Service") if s["metadata"]["name"] == "qwen-replicas")
+    assert {p["name"]: (p["port"], p["targetPort"]) for p in headless["spec"]["ports"]} == {n: (v, n) for n, v in ports.items()}
+    load = engines.ENGINES[kind].load
+    assert load.port in ports  # where the router reads load is a port the Service exposes
+
+
+@pytest.mark.parametrize("kind,probes,key_env", [
+    ("warmfleet", ("/health", "/ready", "/health"), "WARMFLEET_API_KEY"),
+    ("vllm", ("/health", "/health", "/health"), "VLLM_API_KEY"),
+    ("fastdeploy", ("/health", "/health", "/health"), "FD_API_KEY"),
+])
+def test_probes_and_api_key_per_engine(kind, probes, key_env):
+    (dep,) = servers(objs(engine_service(kind, router={"apiKeySecret": {"name": "keys"}}), [h200()]))
+    c = container(dep)
+    got = tuple(c[p]["httpGet"]["path"] for p in ("startupProbe", "readinessProbe", "livenessProbe"))
+    assert got == probes and all(c[p]["httpGet"]["port"] == "http" for p in ("startupProbe", "readinessProbe", "livenessProbe"))
+    env = {e["name"]: e for e in c["env"]}
+    assert env[key_env]["valueFrom"]["secretKeyRef"] == {"name": "keys", "key": "api-key"}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_router_gets_the_engine_and_its_argparse_accepts_it(kind):
+    from warmfleet.server.router import main
+
+    items = objs(engine_service(kind), [l4()])
+    router = next(d for d in by_kind(items, "Deployment") if d["metadata"]["name"] == "qwen-router")
+    rc = container(router)
+    args = rc["args"]
+    assert m.ROUTER_FLAGS["engine"] == "--engine" and flag_value(args, "--engine") == kind
+    assert rc["command"] == ["warmfleet"] and rc["image"] == "img:1"  # the router is ours whatever the engine
+    parser = argparse.ArgumentParser()
+    main.add_arguments(parser)
+    assert parser.parse_args(args[1:]).engine == kind
+
+
+def test_engine_image_defaults_for_warmfleet_only():
+    (dep,) = servers(objs(service(spec={"server": {"image": "ours:2"}}), [l4()]))
+    assert container(dep)["image"] == "ours:2"
+    (dep,) = servers(objs(service(spec={"engine": {"image": "ours:3"}}), [l4()]))
+    assert container(dep)["image"] == "ours:3"
+    items = objs(engine_service("vllm", server={"image": "ours:2"}), [l4()])
+    (dep,) = servers(items)
+    router = next(d for d in by_kind(items, "Deployment") if d["metadata"]["name"] == "qwen-router")
+    assert (container(dep)["image"], container(router)["image"]) == (VLLM["image"], "ours:2")
+
+
+@pytest.mark.parametrize("kind", ["vllm", "fastdeploy"])
+def test_peer_engine_objects_match_kubernetes_schemas(kind):
+    import kubernetes_validate as kv
+    for o in objs(engine_service(kind, model={"path": "/m", "pvc": "store"}, router={"apiKeySecret": {"name": "k"}},
+                                 server={"gpusPerReplica": 2})):
+        kv.validate(o, "1.32", strict=True)
+
+
+def test_render_command_shows_all_three_engines():
+    from warmfleet.cli import main
+
+    seen = {}
+    for example in ("inferenceservice.yaml", "inferenceservice-vllm.yaml", "inferenceservice-fastdeploy.yaml"):
+        out = io.StringIO()
+        with redirect_stdout(out):
+            rc = main(["operator", "render", "-f", str(REPO / "examples" / example), "--nodes", str(REPO / "examples/nodes.yaml")])
+        assert rc == 0, example
+        docs = list(yaml.safe_load_all(out.getvalue()))
+        report = json.loads(next(d for d in docs if d["kind"] == "ConfigMap")["data"]["sizing.json"])
+        deps = servers(docs)
+        assert deps and sum(d["spec"]["replicas"] for d in deps) == yaml.safe_load((REPO / "examples" / example).read_text())["spec"]["replicas"]
+        seen[report["engine"]] = container(deps[0])["command"]
+    assert seen == {"warmfleet": ["warmfleet"], "vllm": ["python3", "-m", "vllm.entrypoints.openai.api_server"],
+                    "fastdeploy": ["python3", "-m", "fastdeploy.entrypoints.openai.api_server"]}
+
+
+def test_pool_status_names_the_engine():
+    from warmfleet.operator.plan import make_plan
+    from warmfleet.operator.status import healthy_status
+
+    for kind in KINDS:
+        body = engine_service(kind)
+        spec = parse_spec(body["spec"])
+        plan = make_plan(m.Owner("qwen", "default"), spec, [node_info(h200())], m.images_for(spec, "img:1"))
+        st = healthy_status(plan=plan, generation=1, model="qwen", endpoint="", selector="", ready_by_pool={},
+                            router_ready=0, previous={}, now="2026-01-01T00:00:00Z")
+        assert [p["engine"] for p in st["pools"]] == [kind]

@@ -8,10 +8,15 @@ import pytest
 
 from operator_fixtures.shapes import GiB, TiB, a100, h200, l4, node
 from warmfleet.operator.nodes import derive_pools, format_bytes, node_info, parse_quantity
-from warmfleet.operator.sizing import assign_replicas, size_pool
+from warmfleet.operator.engines import VLLM_OFFLOAD_HOST_OVERHEAD, engine_of
+from warmfleet.operator.sizing import assign_replicas, size_pool, sizes_hash
 from warmfleet.operator.spec import parse_spec
 
 MiB = 1 << 20
+
+
+VLLM = {"kind": "vllm", "image": "vllm/vllm-openai:v0.32.0"}
+FD = {"kind": "fastdeploy", "image": "fastdeploy:2.3"}
 
 
 def spec(**over):
@@ -128,17 +133,20 @@ def test_l4_192gib():
 
 
 def test_gpus_per_replica_divides_the_node():
-    s = spec(server={"gpusPerReplica": 2})
+    s = spec(engine=FD, server={"gpusPerReplica": 2})
     sz = size_pool(s, only_pool(s, h200()))
     assert sz.replicas_per_node == 4
-    # encoder cache counts both GPUs: floor(0.05 * 2 * 143771 MiB / 8192)
-    assert sz.sizes.encoder_cache_tokens == 1840268
-    s3 = spec(server={"gpusPerReplica": 3})
+    assert sz.inputs.gpu_bytes_per_replica == 2 * 143771 * MiB
+    # H = 2048 GiB * 0.9 / 4 = 460.8: S = min(0.9 * (460.8 - 16 - 4 - 1), 0.7 * 460.8) = 322.56 -> 322.5
+    assert sz.sizes.swap_space_gib == 322.5
+    # the encoder budget is per GPU (every tensor-parallel rank holds every encoder output), not doubled
+    assert sz.sizes.encoder_cache_tokens == 920134
+    s3 = spec(engine=FD, server={"gpusPerReplica": 3})
     assert size_pool(s3, only_pool(s3, h200())).replicas_per_node == 2  # floor(8 / 3)
 
 
 def test_replica_wider_than_the_node_does_not_fit():
-    s = spec(server={"gpusPerReplica": 8})
+    s = spec(engine=VLLM, server={"gpusPerReplica": 8})
     sz = size_pool(s, only_pool(s, l4()))
     assert not sz.fits and sz.capacity_per_node == 0
     assert "4 allocatable GPUs, a replica needs 8" in sz.message
@@ -199,14 +207,65 @@ def test_encoder_cache_scales_with_hidden_size_and_dtype():
     assert size_pool(s, only_pool(s, a100())).sizes.encoder_cache_tokens == base // 4
 
 
-def test_sizes_always_fit_the_host_share_when_they_fit():
+@pytest.mark.parametrize("engine", [None, VLLM, FD], ids=["warmfleet", "vllm", "fastdeploy"])
+def test_sizes_always_fit_the_host_share_when_they_fit(engine):
     for n in (h200(), a100(), l4()):
         for reserve, frac in itertools.product((0.0, 0.1, 0.5), (0.0, 0.5, 1.0)):
-            s = spec(cache={"hostReserveFraction": reserve, "swapFraction": frac})
+            s = spec(cache={"hostReserveFraction": reserve, "swapFraction": frac}, **({"engine": engine} if engine else {}))
             sz = size_pool(s, only_pool(s, n))
+            fp = engine_of(s).footprint
             assert sz.fits
             assert sz.sizes.memory_bytes <= sz.inputs.host_bytes_per_replica
-            assert sz.sizes.swap_space_gib * GiB <= 0.7 * sz.inputs.host_bytes_per_replica
+            assert sz.sizes.swap_space_gib * GiB * fp.swap_overhead <= 0.7 * sz.inputs.host_bytes_per_replica
+            if fp.swap_in_shm:  # the CPU tier's /dev/shm region counts against the pod's memory limit
+                assert sz.sizes.shm_bytes >= sz.sizes.swap_space_gib * GiB * fp.swap_overhead
+                assert sz.sizes.memory_bytes >= sz.sizes.shm_bytes
+
+
+# ---- sizing per engine ----
+
+def test_vllm_sizes_its_offload_tier_in_shm_with_the_overhead_and_no_encoder_cache():
+    s = spec(engine=VLLM)
+    sz = size_pool(s, only_pool(s, h200()))
+    # H = 230.4; processor 4 GiB mirrored twice (API process + engine core) = 8; /dev/shm headroom 1
+    # S = min(0.9 * (230.4 - 16 - 8 - 1), 0.7 * 230.4) / 2.0 (offload overhead) = 80.64 -> 80.5
+    assert VLLM_OFFLOAD_HOST_OVERHEAD == 2.0
+    assert sz.sizes.swap_space_gib == 80.5 and sz.sizes.processor_cache_gib == 4.0
+    assert sz.sizes.shm_bytes == gib(1 + 2 * 80.5)  # the native tier is a /dev/shm region
+    assert sz.sizes.memory_bytes == gib(16 + 2 * 4 + 1 + 2 * 80.5)
+    assert sz.sizes.encoder_cache_tokens is None and sz.inputs.sources["encoderCache"].startswith("engine")
+    assert "maxNumBatchedTokens" in sz.inputs.sources["encoderCache"]
+    assert sz.sizes.gpu_memory_utilization == 0.9
+
+
+def test_vllm_without_a_cpu_tier_needs_no_shm_for_it():
+    s = spec(engine=VLLM, cache={"swapSpace": {"mode": "Fixed", "size": 0}})
+    sz = size_pool(s, only_pool(s, l4()))
+    assert sz.sizes.shm_bytes == GiB and sz.sizes.memory_bytes == gib(16 + 2 * 4 + 1)
+
+
+def test_fastdeploy_sizes_like_warmfleet_on_the_host_and_carves_the_encoder_cache_out_of_the_gpu_share():
+    s = spec(engine=FD)
+    sz = size_pool(s, only_pool(s, h200()))
+    ours = size_pool(spec(), only_pool(spec(), h200()))
+    assert (sz.sizes.swap_space_gib, sz.sizes.encoder_cache_tokens, sz.sizes.processor_cache_gib) == (161.25, 920134, 4.0)
+    assert sz.sizes.memory_bytes == ours.sizes.memory_bytes == gib(16 + 4 + 1 + 161.25)
+    assert sz.sizes.shm_bytes == GiB  # its processor cache lives in process memory, not /dev/shm
+    # 0.9 minus the encoder cache's share of one GPU (0.05), floored to 0.01
+    assert sz.sizes.gpu_memory_utilization == 0.85
+    assert ours.sizes.gpu_memory_utilization is None  # warmfleet budgets its own GPU memory
+
+
+def test_an_encoder_cache_that_eats_the_gpu_does_not_fit():
+    s = spec(engine=FD, cache={"encoderCache": {"mode": "Fixed", "size": 10_000_000}})
+    sz = size_pool(s, only_pool(s, l4()))
+    assert not sz.fits and "--gpu-memory-utilization" in sz.message
+
+
+def test_warmfleet_sizing_hash_is_unchanged_by_the_engine_seam():
+    """Existing warmfleet pools must not roll when the operator learns other engines."""
+    sz = size_pool(spec(), only_pool(spec(), h200()))
+    assert sz.sizes.hash == sizes_hash(161.25, 920134, 4.0, gib(16 + 5 + 161.25), 5 * GiB) == "85fad215f060"
 
 
 def test_sizes_hash_changes_only_with_sizes():

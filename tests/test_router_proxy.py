@@ -181,7 +181,8 @@ class Fleet2:
     """Two fake replicas behind a router, all on loopback."""
 
     def __init__(self, model_dir, *, failures: Optional[FakeSharedFailures] = None, tenants: Optional[Tenants] = None,
-                 health_interval_s: float = 0.1, max_concurrent_per_client: int = 0):
+                 health_interval_s: float = 0.1, max_concurrent_per_client: int = 0, engine: str = "warmfleet",
+                 predicted_capacity_blocks: int = 16_384):
         self.tok = Tokenizer(model_dir)
         self.fp = model_fingerprint(model_dir)
         self.failures = failures or FakeSharedFailures()
@@ -190,21 +191,27 @@ class Fleet2:
         self.tenants = tenants or Tenants({})
         self.health_interval_s = health_interval_s
         self.max_concurrent_per_client = max_concurrent_per_client
+        self.engine, self.predicted_capacity_blocks = engine, predicted_capacity_blocks
 
     async def __aenter__(self) -> "Fleet2":
         self.served = [await Served(r.app).start() for r in self.replicas]
         self.by_url = {s.url: r for s, r in zip(self.served, self.replicas)}
         settings = RouterSettings(
             hash_cfg=HashConfig(BLOCK, self.fp),
-            replicas=[ReplicaSpec(s.url, r.events) for s, r in zip(self.served, self.replicas)],
+            replicas=[ReplicaSpec(s.url, r.events if self.engine != "fastdeploy" else None)
+                      for s, r in zip(self.served, self.replicas)],
             renderer=PromptRenderer(str(self.model_dir), tokenizer=self.tok),
             tenants=self.tenants, health_interval_s=self.health_interval_s, health_timeout_s=0.5,
-            max_concurrent_per_client=self.max_concurrent_per_client,
+            max_concurrent_per_client=self.max_concurrent_per_client, engine=self.engine,
+            predicted_capacity_blocks=self.predicted_capacity_blocks,
         )
         self.app = build_app(settings)
         self.router = await Served(self.app).start()
         self.fleet = self.app.state.fleet
-        await until(lambda: all(self.fleet.index.is_synced(s.url) for s in self.served), "initial resync")
+        if self.engine == "fastdeploy":  # no events: nothing to sync
+            await until(lambda: all(r.healthy for r in self.fleet.registry.replicas.values()), "health checks")
+        else:
+            await until(lambda: all(self.fleet.index.is_synced(s.url) for s in self.served), "initial resync")
         self.client = httpx.AsyncClient(base_url=self.router.url, timeout=10)
         return self
 
@@ -439,6 +446,26 @@ async def test_router_keeps_following_caches_through_junk_event_frames(tiny_mode
         assert found == 8
         assert all(f.metric("warmfleet_router_bad_event_messages_total", replica=s.url) > 0 for s in f.served)
         assert all(not t.done() for t in f.fleet._subscribers.values())  # no subscription died
+
+
+async def test_fastdeploy_replicas_are_routed_on_a_predicted_index(tiny_model_dir):
+    """No KV events: what the router sent a replica is what it predicts the replica holds, within a capacity."""
+    async with Fleet2(tiny_model_dir, engine="fastdeploy", predicted_capacity_blocks=64) as f:
+        r1 = await f.client.post("/v1/chat/completions", json=chat("What is a KV cache?"))
+        home = r1.headers["x-warmfleet-replica"]
+        assert r1.headers["x-warmfleet-route"].startswith("cold_hash")
+        for q in ("And a block?", "And eviction?"):
+            r = await f.client.post("/v1/chat/completions", json=chat(q))
+            assert r.headers["x-warmfleet-replica"] == home and r.headers["x-warmfleet-route"].startswith("prefix_hit")
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the fake really held it
+        assert f.metric("warmfleet_router_predicted_decisions_total", reason="prefix_hit") == 2
+        assert (await f.client.get("/v1/router/replicas")).json()["contract"] == "predicted"
+        # other prefixes push the first one out of the 64-block predicted cache of its replica
+        for i in range(12):
+            await f.client.post("/v1/chat/completions", json=chat("filler", tenant=100 + i))
+        assert len(f.fleet.index.state(f.url_of(home)).gpu) <= 64
+        r = await f.client.post("/v1/chat/completions", json=chat("And after eviction?"))
+        assert not r.headers["x-warmfleet-route"].startswith("prefix_hit")
 
 
 async def test_oversized_body_is_413_before_routing():

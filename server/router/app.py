@@ -46,6 +46,8 @@ class RouterSettings:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # bodies above it get a 413, never buffered past it
     engine: str = "warmfleet"  # the replicas' engine kind (engines.KINDS)
     vllm_hash_seed: Optional[str] = "0"  # vLLM replicas' PYTHONHASHSEED (None: unset there)
+    predicted_capacity_blocks: int = 16_384  # FastDeploy: blocks per replica in the predicted cache
+    predicted_ttl_s: float = 600.0  # FastDeploy: age after which a predicted block is forgotten
 
 
 def build_app(settings: RouterSettings) -> FastAPI:
@@ -61,7 +63,8 @@ def build_app(settings: RouterSettings) -> FastAPI:
                       health_timeout_s=settings.health_timeout_s,
                       health_failures=settings.health_failures, model_fingerprint=settings.hash_cfg.model_fingerprint,
                       block_size=settings.hash_cfg.block_size, upstream_headers=upstream,
-                      dialect=dialect_for(settings.engine, vllm_hash_seed=settings.vllm_hash_seed))
+                      dialect=dialect_for(settings.engine, settings.vllm_hash_seed, settings.predicted_capacity_blocks,
+                                          settings.predicted_ttl_s))
         state["fleet"] = app.state.fleet = fleet
         session = upstream_session()
         state["proxy"] = Proxy(fleet, settings.renderer, settings.hash_cfg, metrics, settings.policy, settings.proxy,
@@ -214,6 +217,7 @@ def build_app(settings: RouterSettings) -> FastAPI:
                         "engine_requests": fleet.engine_load(r.id), "synced": bool(st and st.synced),
                         "gpu_blocks": len(st.gpu) if st else 0, "cpu_blocks": len(st.cpu) if st else 0,
                         "last_error": r.last_error})
-        return JSONResponse({"replicas": out, "index_blocks": fleet.index.num_blocks()})
+        return JSONResponse({"replicas": out, "index_blocks": fleet.index.num_blocks(), "engine": fleet.dialect.kind,
+                             "contract": fleet.dialect.contract, "hash_check": fleet.dialect.hash_check()})
 
     return app

@@ -129,6 +129,12 @@ class Fleet:
             log.info("replica %s failed a health check (%s); %d more in a row take it out",
                      rep.id, err, self.health_failures - rep.failed_checks)
 
+    def record_served(self, rid: str, hashes: list[bytes]) -> None:
+        """A replica accepted a prompt: engines without KV events learn it as a prediction."""
+        self.dialect.served(self.index, rid, hashes)
+        if self.dialect.contract == "predicted":
+            self._update_index_metrics(rid)
+
     def report_failure(self, rid: str, error: str) -> None:
         """Passive detection: a request could not connect or was reset."""
         self.registry.mark_down(rid, error)
@@ -136,6 +142,7 @@ class Fleet:
     def _on_down(self, rid: str) -> None:
         log.warning("replica %s is down: %s", rid, self.registry.replicas[rid].last_error)
         self.index.purge(rid)
+        self.dialect.forget(rid)
         self.metrics.replica_healthy.labels(rid).set(0)
 
     def _on_up(self, rid: str) -> None:

@@ -192,6 +192,13 @@ class KVIndex:
         self._discard(replica, st, list(st.gpu), GPU)
         self._discard(replica, st, list(st.cpu), CPU)
 
+    def add_blocks(self, replica: str, hashes: Iterable[bytes], medium: str = GPU) -> None:
+        """Record blocks as held without an event (a predicted index for engines that publish none)."""
+        self._add(replica, self.state(replica), hashes, medium)
+
+    def remove_blocks(self, replica: str, hashes: Iterable[bytes], medium: str = GPU) -> None:
+        self._discard(replica, self.state(replica), hashes, medium)
+
     # --- queries --------------------------------------------------------------------------
     def match(self, hashes: Sequence[bytes], replicas: Iterable[str]) -> dict[str, PrefixMatch]:
         """Longest cached prefix of `hashes` on each replica, split by tier (a block in both tiers counts GPU)."""

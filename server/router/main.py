@@ -18,8 +18,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-events-port", type=int, default=None,
                    help="KV-event port of every replica without events=...: tcp://<URL host>:PORT. "
                         "With discovery, used when the EndpointSlice names no 'kv-events' port.")
-    p.add_argument("--engine", default="warmfleet", choices=("warmfleet", "vllm"),
-                   help="The replicas' engine: how they name KV blocks, publish events and are resynced.")
+    p.add_argument("--engine", default="warmfleet", choices=("warmfleet", "vllm", "fastdeploy"),
+                   help="The replicas' engine: how they name KV blocks, publish events and are resynced "
+                        "(fastdeploy publishes no events: the router predicts from its own decisions).")
+    p.add_argument("--predicted-capacity-blocks", type=int, default=16_384,
+                   help="fastdeploy: KV blocks per replica in the router's predicted cache (set to the replicas' pool).")
+    p.add_argument("--predicted-ttl-s", type=float, default=600.0,
+                   help="fastdeploy: seconds after which a predicted block is forgotten.")
     p.add_argument("--kv-replay-port", type=int, default=None,
                    help="vLLM: event replay (ROUTER) port of every replica without replay=...; with discovery, "
                         "used when the EndpointSlice names no 'kv-replay' port.")
@@ -103,6 +108,8 @@ def settings_from_args(args: argparse.Namespace):
     if (args.warm_slack < 0 or args.warm_min_tokens < 0 or args.balance_share_epsilon < 0
             or args.share_slack_tokens < 0 or args.max_share_slack < 0):
         raise ValueError("--warm-slack, --warm-min-tokens, --share-slack-tokens and --max-share-slack must be >= 0")
+    if args.predicted_capacity_blocks < 1 or args.predicted_ttl_s <= 0:
+        raise ValueError("--predicted-capacity-blocks must be >= 1 and --predicted-ttl-s > 0")
     if args.queue_weight < 0 or args.load_weight < 0:
         raise ValueError("--queue-weight and --load-weight must be >= 0")
     if args.balance_epsilon < 0 or args.cold_key_blocks < 1 or args.max_attempts < 1 or args.health_failures < 1:
@@ -138,6 +145,8 @@ def settings_from_args(args: argparse.Namespace):
         discovery=discovery,
         engine=args.engine,
         vllm_hash_seed=None if args.vllm_hash_seed == "unset" else args.vllm_hash_seed,
+        predicted_capacity_blocks=args.predicted_capacity_blocks,
+        predicted_ttl_s=args.predicted_ttl_s,
     )
 
 

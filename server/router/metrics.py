@@ -10,6 +10,9 @@ class RouterMetrics:
         r = self.registry = CollectorRegistry()
         p = "warmfleet_router_"
         self.decisions = Counter(p + "decisions_total", "Routing decisions by reason.", ["reason"], registry=r)
+        self.predicted_decisions = Counter(
+            p + "predicted_decisions_total", "Decisions made on a predicted index (engines without KV events), "
+            "by reason; a subset of decisions_total.", ["reason"], registry=r)
         self.requests = Counter(p + "requests_total", "Requests answered, by HTTP status class.", ["status"], registry=r)
         self.retries = Counter(p + "retries_total", "Attempts moved to the next replica before the first byte.",
                                registry=r)

@@ -100,7 +100,8 @@ class Proxy:
             log.debug("cannot render %s request: %s", kind, exc)
             return None
 
-    def decide(self, kind: str, body: dict, replicas: list[Replica]) -> Decision:
+    def decide(self, kind: str, body: dict, replicas: list[Replica]) -> tuple[Decision, list[bytes]]:
+        """The routing decision and the prompt's block names."""
         t0 = time.perf_counter()
         prompt = self.render(kind, body)
         bs = self.hash_cfg.block_size
@@ -121,8 +122,10 @@ class Proxy:
         decision = choose(cands, block_size=bs, num_prompt_tokens=num_tokens, cold_key=cold_key, cfg=self.policy)
         self.metrics.route_seconds.observe(time.perf_counter() - t0)
         self.metrics.decisions.labels(decision.reason).inc()
+        if self.fleet.dialect.contract == "predicted":
+            self.metrics.predicted_decisions.labels(decision.reason).inc()
         self.metrics.prompt_tokens.inc(num_tokens)
-        return decision
+        return decision, hashes
 
     # --- forwarding -------------------------------------------------------------------------
     async def forward(self, path: str, kind: str, body: dict, client_headers: dict,
@@ -131,7 +134,7 @@ class Proxy:
         replicas = self.fleet.routable()
         if not replicas:
             return self._count(error_response(503, "no healthy replica", "service_unavailable"))
-        decision = self.decide(kind, body, replicas)
+        decision, hashes = self.decide(kind, body, replicas)
         if raw is None:
             raw = json.dumps(body).encode()
         stream = bool(body.get("stream"))
@@ -158,6 +161,8 @@ class Proxy:
                     last_error = f"{rid} answered {resp.status}"
                     resp.release()
                     continue
+                if resp.status == 200:
+                    self.fleet.record_served(rid, hashes)
                 if stream and resp.status == 200:
                     chunks = resp.content.iter_any()
                     first = await anext(chunks, b"")  # a replica streams its first byte with the first token

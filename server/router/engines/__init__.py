@@ -8,13 +8,14 @@ after a gap, a restart or its own start. Adding an engine is adding one module h
 | ---------- | --------------- | --------------------------------- | ----------- | ------------------ |
 | warmfleet  | exact, ours     | contract-1 chain (hashing.py)     | tagged arrays | GET /v1/kv/snapshot |
 | vllm       | exact, vLLM's   | vLLM's sha256_cbor chain, low 64 bits | msgpack maps | replay socket (ROUTER) |
+| fastdeploy | predicted       | contract-1 chain, router-side only | none       | none: LRU + age model of what the router sent |
 """
 
 from __future__ import annotations
 
 from typing import Optional, Protocol
 
-KINDS = ("warmfleet", "vllm")
+KINDS = ("warmfleet", "vllm", "fastdeploy")
 
 
 class Dialect(Protocol):
@@ -22,7 +23,8 @@ class Dialect(Protocol):
     contract: str  # "exact" (events tell what the replica holds) | "predicted" (the router's own decisions)
 
 
-def dialect_for(kind: str, vllm_hash_seed: Optional[str] = "0"):
+def dialect_for(kind: str, vllm_hash_seed: Optional[str] = "0", predicted_capacity_blocks: int = 16_384,
+                predicted_ttl_s: float = 600.0):
     """The dialect object for an engine kind; raises ValueError for an unknown one."""
     if kind == "warmfleet":
         from .warmfleet import WarmfleetDialect
@@ -32,4 +34,8 @@ def dialect_for(kind: str, vllm_hash_seed: Optional[str] = "0"):
         from .vllm import VllmDialect
 
         return VllmDialect(seed=vllm_hash_seed)
+    if kind == "fastdeploy":
+        from .fastdeploy import PredictedDialect
+
+        return PredictedDialect(predicted_capacity_blocks, predicted_ttl_s)
     raise ValueError(f"unknown engine kind {kind!r}; choose one of {', '.join(KINDS)}")

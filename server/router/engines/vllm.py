@@ -149,6 +149,16 @@ class VllmDialect:
         digests = vllm_block_digests(prompt.token_ids, prompt.mm_items, cfg.block_size, cache_salt, self.seed, self.memo)
         return [key_of(d) for d in digests]
 
+    def served(self, index, rid: str, hashes) -> None:
+        """Nothing to predict: the replica's own events say what it stored."""
+
+    def forget(self, rid: str) -> None:
+        """Nothing kept per replica outside the index."""
+
+    def hash_check(self) -> dict:
+        """Published block names recomputed so far, and how many differed from the router's reproduction."""
+        return {"checked_blocks": self.checked, "mismatched_blocks": self.mismatched}
+
     def decode(self, frames: list[bytes]) -> EventBatch:
         return decode_vllm(frames, self.check_stored if self.checked < VERIFY_BLOCKS else None)
 
@@ -198,20 +208,24 @@ class VllmDialect:
         return Snapshot(rep.id, last, block_size, "", list(gpu), list(cpu), [])
 
     def check_stored(self, event: dict) -> None:
-        """Recompute the names a replica published for a chain that starts at the root with no extra keys.
+        """Recompute the names a replica published for a chain that starts at the root.
 
-        Those chains depend only on the seed, the encoding and the digest: the first few prove the
-        reproduction right, or report that the replicas' hash settings differ from the router's.
+        Checkable: no parent, no LoRA, no image keys; a cache salt (published untagged, on block 0)
+        is fine. Those chains depend only on the seed, the salt, the encoding and the digest, so
+        the first few prove the reproduction right, or report that the replicas' settings differ.
         """
-        if self.checked >= VERIFY_BLOCKS or event.get("parent_block_hash") is not None:
-            return
-        extra = event.get("extra_keys")
-        if extra and any(k for k in extra):
+        if self.checked >= VERIFY_BLOCKS or event.get("parent_block_hash") is not None or event.get("lora_name"):
             return
         size, tokens, names = event["block_size"], event.get("token_ids") or [], event["block_hashes"]
-        if len(tokens) != size * len(names):
+        extra = event.get("extra_keys") or [None] * len(names)
+        if len(tokens) != size * len(names) or len(extra) != len(names) or any(extra[1:]):
             return
-        want = [key_of(d) for d in vllm_block_digests(tokens, [], size, None, self.seed)]
+        salt = None
+        if extra[0]:
+            if len(extra[0]) != 1 or not isinstance(extra[0][0], str):
+                return  # image keys or prompt embeddings: not rebuilt here
+            salt = extra[0][0]
+        want = [key_of(d) for d in vllm_block_digests(tokens, [], size, salt, self.seed)]
         got = [key_of(h) for h in names]
         self.checked += len(got)
         bad = sum(a != b for a, b in zip(want, got))

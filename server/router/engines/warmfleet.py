@@ -23,6 +23,15 @@ class WarmfleetDialect:
     def block_hashes(self, prompt: Prompt, cache_salt: Optional[str], cfg: HashConfig) -> list[bytes]:
         return prompt_block_hashes(prompt, cache_salt, cfg, self.memo)
 
+    def served(self, index, rid: str, hashes) -> None:
+        """Nothing to predict: the replica's own events say what it stored."""
+
+    def forget(self, rid: str) -> None:
+        """Nothing kept per replica outside the index."""
+
+    def hash_check(self) -> dict:
+        return {}  # our own recipe: the snapshot's model fingerprint and block size are checked instead
+
     def decode(self, frames: list[bytes]) -> EventBatch:
         return decode(frames)
 

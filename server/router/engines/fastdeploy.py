@@ -1,0 +1,66 @@
+"""FastDeploy replicas (no KV events): a predicted index fed by the router's own decisions, with a capacity and age model.
+
+FastDeploy publishes no KV-cache events, so the router cannot know what a replica holds; it
+can know what it sent there. Every prompt a replica accepted (answered 200) is recorded as
+cached on it, under contract-1 names (any consistent naming works: the router is both the
+writer and the reader of these entries). Each replica's predicted cache is an LRU of at most
+`capacity_blocks` blocks, and an entry older than `ttl_s` is dropped, because the real cache
+evicts under load the router does not see. Decisions made on these entries are counted as
+predicted in the metrics (`warmfleet_router_predicted_index_blocks`, contract "predicted" in
+/v1/router/replicas).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Optional, Sequence
+
+from ...events import GPU, EventBatch, Snapshot
+from ..prompt import HashConfig, HashMemo, Prompt, prompt_block_hashes
+
+DEFAULT_CAPACITY_BLOCKS = 16_384  # per replica; set it to the replica's KV pool (blocks) with --predicted-capacity-blocks
+DEFAULT_TTL_S = 600.0
+
+
+class PredictedDialect:
+    kind = "fastdeploy"
+    contract = "predicted"
+
+    def __init__(self, capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS, ttl_s: float = DEFAULT_TTL_S,
+                 memo_capacity: int = 200_000):
+        if capacity_blocks < 1 or ttl_s <= 0:
+            raise ValueError("the predicted cache needs capacity_blocks >= 1 and ttl_s > 0")
+        self.capacity_blocks, self.ttl_s = capacity_blocks, ttl_s
+        self.memo = HashMemo(memo_capacity)
+        self.lru: dict[str, OrderedDict] = {}  # replica -> block hash -> last time the router sent it there
+
+    def block_hashes(self, prompt: Prompt, cache_salt: Optional[str], cfg: HashConfig) -> list[bytes]:
+        return prompt_block_hashes(prompt, cache_salt, cfg, self.memo)
+
+    def hash_check(self) -> dict:
+        return {}
+
+    def decode(self, frames: list[bytes]) -> EventBatch:
+        raise ValueError("FastDeploy publishes no KV events; the replica should have no events endpoint")
+
+    async def fetch_state(self, rep, http, headers: dict) -> Optional[Snapshot]:
+        return Snapshot(rep.id, 0, 0, "", [], [], [])  # nothing to fetch: the prediction is the state
+
+    def served(self, index, rid: str, hashes: Sequence[bytes], now: Optional[float] = None) -> None:
+        """Record that `rid` accepted a prompt with these blocks; evict by age and capacity."""
+        now = time.monotonic() if now is None else now
+        lru = self.lru.setdefault(rid, OrderedDict())
+        for h in hashes:
+            lru[h] = now
+            lru.move_to_end(h)
+        index.add_blocks(rid, hashes, GPU)
+        gone = []
+        while lru and (len(lru) > self.capacity_blocks or now - next(iter(lru.values())) > self.ttl_s):
+            gone.append(lru.popitem(last=False)[0])
+        if gone:
+            index.remove_blocks(rid, gone, GPU)
+
+    def forget(self, rid: str) -> None:
+        """The replica went down or left: its cache is gone."""
+        self.lru.pop(rid, None)

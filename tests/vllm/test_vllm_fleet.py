@@ -1,0 +1,83 @@
+"""Two real vLLM replicas behind `warmfleet route --engine vllm`: exact prediction from vLLM's own KV events."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from .conftest import wait_for
+
+SYSTEM = "You are the warmfleet assistant. Answer briefly and precisely about caches and routing. " * 8
+A, B = {"authorization": "Bearer key-tenant-a"}, {"authorization": "Bearer key-tenant-b"}
+
+
+def ask(fleet, question: str, headers=A, system: str = SYSTEM) -> tuple[str, int, int]:
+    """(replica, predicted cached tokens, vLLM's cached tokens) of one chat request through the router."""
+    r = httpx.post(fleet.router + "/v1/chat/completions", headers=headers, timeout=120, json={
+        "model": "tiny", "max_tokens": 2, "messages": [{"role": "system", "content": system},
+                                                       {"role": "user", "content": question}]})
+    assert r.status_code == 200, r.text
+    route = r.headers["x-warmfleet-route"]
+    predicted = int(route.rsplit("predicted_cached_tokens=", 1)[1])
+    return r.headers["x-warmfleet-replica"], predicted, r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def blocks_on(fleet, replica: str) -> int:
+    return fleet.replicas_view()[replica]["gpu_blocks"]
+
+
+def test_shared_prefix_lands_where_vllm_holds_it_and_prediction_is_exact(vllm_fleet):
+    f = vllm_fleet
+    system = "Prefix test. " + SYSTEM
+    first, predicted, cached = ask(f, "What is a KV cache?", system=system)
+    assert predicted == 0 and cached == 0
+    wait_for(lambda: blocks_on(f, first) >= 8, "vLLM's BlockStored events in the router's index", [], 10)
+    for q in ("And what is a block?", "And what is eviction?", "And the swap tier?"):
+        replica, predicted, cached = ask(f, q, system=system)
+        assert replica == first
+        assert cached > 0 and predicted == cached  # vLLM's own count equals the router's prediction
+    check = httpx.get(f.router + "/v1/router/replicas").json()["hash_check"]
+    assert check["checked_blocks"] > 0 and check["mismatched_blocks"] == 0
+
+
+def test_a_tenant_never_hits_another_tenants_blocks(vllm_fleet):
+    f = vllm_fleet
+    system = "Tenant test. " + SYSTEM
+    home, _, _ = ask(f, "Secret question?", headers=A, system=system)
+    wait_for(lambda: blocks_on(f, home) >= 8, "tenant A's blocks in the index", [], 10)
+    _, predicted, cached = ask(f, "Secret question?", headers=B, system=system)
+    assert predicted == 0 and cached == 0  # same text, other tenant: other salt, other block names
+    replica, predicted, cached = ask(f, "Secret question?", headers=A, system=system)
+    assert replica == home and cached > 0 and predicted == cached
+
+
+def test_a_restarted_replica_is_resynced(vllm_fleet):
+    f = vllm_fleet
+    system = "Restart test. " + SYSTEM
+    home, _, _ = ask(f, "Before the restart?", system=system)
+    victim = next(r for r in f.replicas if r.url == home)
+    wait_for(lambda: blocks_on(f, home) >= 8, "the prefix in the index", [], 10)
+    victim.kill()
+    wait_for(lambda: not f.replicas_view()[home]["healthy"], "the router to take the killed replica out", [], 5)
+    assert blocks_on(f, home) == 0  # its cache died with it
+    # meanwhile the prefix is served (and cached) by the survivor
+    replica, _, _ = ask(f, "During the restart?", system=system)
+    assert replica != home
+    victim.start()
+    victim.wait_ready([])
+    wait_for(lambda: (v := f.replicas_view()[home])["healthy"] and v["synced"], "the restarted replica resynced",
+             [f.router_proc], 30)
+    # the survivor holds the prefix now and keeps it; a new prefix placed on the restarted replica is exact too
+    replica, predicted, cached = ask(f, "After the restart?", system=system)
+    assert cached > 0 and predicted == cached
+    for i in range(12):  # cold prefixes spread by rendezvous hashing; find one that lands on the restarted replica
+        system_i = f"Fresh prefix {i}. " + SYSTEM
+        replica, _, _ = ask(f, "hello", system=system_i)
+        if replica == home:
+            wait_for(lambda: blocks_on(f, home) >= 8, "the restarted replica's new events", [], 10)
+            replica, predicted, cached = ask(f, "hello again", system=system_i)
+            assert replica == home and cached > 0 and predicted == cached
+            return
+        time.sleep(0.1)
+    raise AssertionError("no cold prefix was placed on the restarted replica in 12 tries")
