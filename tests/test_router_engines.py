@@ -120,3 +120,27 @@ def test_predicted_cache_is_bounded_by_capacity_and_age():
     assert idx.state("a").gpu == {hs[5]}
     d.forget("a")
     assert "a" not in d.lru
+
+
+VL_CAPTURE = json.loads((Path(__file__).parent / "fixtures" / "vllm-0.32.0-vl-events.json").read_text())
+
+
+def test_image_blocks_are_reproduced_with_the_uuid_the_router_gives_vllm(tmp_path):
+    """Captured from vLLM serving `make-tiny-model --arch qwen2_vl --size bench`, the request sent with the
+    image part's `uuid` set by VllmDialect.prepare_body (the router's mm_hash)."""
+    import copy
+
+    from warmfleet.server.multimodal.tiny_vl import make_tiny_vl_model
+
+    model = make_tiny_vl_model(tmp_path / "vl", arch="qwen2_vl", size="bench", seed=0)
+    body = copy.deepcopy(VL_CAPTURE["body"])
+    prompt = PromptRenderer(str(model)).chat(body)
+    assert prompt.token_ids == VL_CAPTURE["token_ids"] and len(prompt.mm_items) == 1
+    d = VllmDialect(seed="0")
+    assert d.prepare_body(body, prompt)
+    assert body["messages"][1]["content"][0]["uuid"] == prompt.mm_items[0].mm_hash
+    names = {h for fr in VL_CAPTURE["frames"] for e in d.decode([bytes.fromhex(x) for x in fr]).events
+             if isinstance(e, BlockStored) for h in e.block_hashes}
+    hashes = d.block_hashes(prompt, None, HashConfig(BLOCK, "unused"))
+    assert len(hashes) == 8 and set(hashes) == names
+    assert d.hash_check() == {"checked_blocks": 8, "mismatched_blocks": 0}  # image keys rebuilt from the events

@@ -100,8 +100,8 @@ class Proxy:
             log.debug("cannot render %s request: %s", kind, exc)
             return None
 
-    def decide(self, kind: str, body: dict, replicas: list[Replica]) -> tuple[Decision, list[bytes]]:
-        """The routing decision and the prompt's block names."""
+    def decide(self, kind: str, body: dict, replicas: list[Replica]) -> tuple[Decision, Optional[Prompt], list[bytes]]:
+        """The routing decision, the rendered prompt (None if the router cannot render it) and its block names."""
         t0 = time.perf_counter()
         prompt = self.render(kind, body)
         bs = self.hash_cfg.block_size
@@ -125,7 +125,7 @@ class Proxy:
         if self.fleet.dialect.contract == "predicted":
             self.metrics.predicted_decisions.labels(decision.reason).inc()
         self.metrics.prompt_tokens.inc(num_tokens)
-        return decision, hashes
+        return decision, prompt, hashes
 
     # --- forwarding -------------------------------------------------------------------------
     async def forward(self, path: str, kind: str, body: dict, client_headers: dict,
@@ -134,7 +134,9 @@ class Proxy:
         replicas = self.fleet.routable()
         if not replicas:
             return self._count(error_response(503, "no healthy replica", "service_unavailable"))
-        decision, hashes = self.decide(kind, body, replicas)
+        decision, prompt, hashes = self.decide(kind, body, replicas)
+        if prompt is not None and self.fleet.dialect.prepare_body(body, prompt):
+            raw = None  # the engine needs what the router computed (e.g. vLLM: image uuids)
         if raw is None:
             raw = json.dumps(body).encode()
         stream = bool(body.get("stream"))

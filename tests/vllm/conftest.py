@@ -76,7 +76,8 @@ class VllmReplica:
             [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
              "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
              "--block-size", str(BLOCK), "--enable-prefix-caching", "--prefix-caching-hash-algo", "sha256_cbor",
-             "--enable-prompt-tokens-details", "--max-model-len", "2048", "--kv-events-config", json.dumps(kv_events)],
+             "--enable-prompt-tokens-details", "--max-model-len", "4096", "--limit-mm-per-prompt",
+             json.dumps({"image": 2, "video": 0}), "--kv-events-config", json.dumps(kv_events)],
             env=env, cwd=self.log.parent, stdout=self.log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, others: list) -> None:
@@ -114,10 +115,11 @@ def vllm_python() -> str:
 
 @pytest.fixture(scope="session")
 def vllm_fleet(vllm_python, tmp_path_factory):
-    from warmfleet.server.models.tiny import make_tiny_model
+    from warmfleet.server.multimodal.tiny_vl import make_tiny_vl_model
 
     work = tmp_path_factory.mktemp("vllm")  # never the repo root: its operator/ folder shadows the stdlib
-    model = make_tiny_model(work / "bench-model", arch="qwen2", size="bench", seed=0)  # head_dim 64: vLLM CPU needs 32-512
+    # Qwen2-VL, bench size: head_dim 64 (vLLM's CPU attention needs 32-512); serves text and images
+    model = make_tiny_vl_model(work / "vl-bench", arch="qwen2_vl", size="bench", seed=0)
     reps = [VllmReplica(vllm_python, model, work / f"vllm-{i}.log") for i in range(2)]
     router_proc = None
     try:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import time
 
 import httpx
+from PIL import Image
 
 from .conftest import wait_for
 
@@ -12,11 +15,11 @@ SYSTEM = "You are the warmfleet assistant. Answer briefly and precisely about ca
 A, B = {"authorization": "Bearer key-tenant-a"}, {"authorization": "Bearer key-tenant-b"}
 
 
-def ask(fleet, question: str, headers=A, system: str = SYSTEM) -> tuple[str, int, int]:
+def ask(fleet, question: str, headers=A, system: str = SYSTEM, messages=None) -> tuple[str, int, int]:
     """(replica, predicted cached tokens, vLLM's cached tokens) of one chat request through the router."""
-    r = httpx.post(fleet.router + "/v1/chat/completions", headers=headers, timeout=120, json={
-        "model": "tiny", "max_tokens": 2, "messages": [{"role": "system", "content": system},
-                                                       {"role": "user", "content": question}]})
+    messages = messages or [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    r = httpx.post(fleet.router + "/v1/chat/completions", headers=headers, timeout=120,
+                   json={"model": "tiny", "max_tokens": 2, "messages": messages})
     assert r.status_code == 200, r.text
     route = r.headers["x-warmfleet-route"]
     predicted = int(route.rsplit("predicted_cached_tokens=", 1)[1])
@@ -81,3 +84,31 @@ def test_a_restarted_replica_is_resynced(vllm_fleet):
             return
         time.sleep(0.1)
     raise AssertionError("no cold prefix was placed on the restarted replica in 12 tries")
+
+
+def png_url(seed: int) -> str:
+    img = Image.new("RGB", (224, 168), (seed * 40 % 256, 30, 200))
+    for x in range(0, 224, 8):
+        img.putpixel((x, (x * seed) % 168), (x, seed, 0))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_an_image_conversation_stays_on_one_replica_with_exact_predictions(vllm_fleet):
+    f = vllm_fleet
+    image = {"type": "image_url", "image_url": {"url": png_url(3)}}
+    history = [{"role": "system", "content": "You describe pictures. " + SYSTEM},
+               {"role": "user", "content": [image, {"type": "text", "text": "What is in this picture?"}]}]
+    home, predicted, cached = ask(f, "", messages=history)
+    assert predicted == cached == 0
+    wait_for(lambda: blocks_on(f, home) >= 8, "the image conversation's blocks in the index", [], 10)
+    for turn in ("And its colours?", "And the dots?"):
+        history += [{"role": "assistant", "content": "A picture."}, {"role": "user", "content": turn}]
+        replica, predicted, cached = ask(f, "", messages=history)
+        assert replica == home and cached > 0 and predicted == cached
+    # the same image and text from another tenant: its own image identity and salt, no hit
+    _, predicted, cached = ask(f, "", headers=B, messages=history)
+    assert predicted == 0 and cached == 0
+    check = httpx.get(f.router + "/v1/router/replicas").json()["hash_check"]
+    assert check["checked_blocks"] > 0 and check["mismatched_blocks"] == 0

@@ -19,8 +19,31 @@ KINDS = ("warmfleet", "vllm", "fastdeploy")
 
 
 class Dialect(Protocol):
+    """What the router's fleet, index and proxy ask of an engine kind."""
+
     kind: str
     contract: str  # "exact" (events tell what the replica holds) | "predicted" (the router's own decisions)
+
+    def block_hashes(self, prompt, cache_salt: Optional[str], cfg) -> list[bytes]:
+        """The index keys of the prompt's full blocks, as this engine names them."""
+
+    def prepare_body(self, body: dict, prompt) -> bool:
+        """Rewrite the request so the engine names its blocks as predicted; True if the body changed."""
+
+    def decode(self, frames: list[bytes]):
+        """One KV-event message as an EventBatch; ValueError if malformed."""
+
+    async def fetch_state(self, rep, http, headers: dict):
+        """The replica's full cache state as a Snapshot (after a gap, a restart, a connect); None: try later."""
+
+    def served(self, index, rid: str, hashes) -> None:
+        """The replica accepted a prompt with these blocks (the predicted index learns from it)."""
+
+    def forget(self, rid: str) -> None:
+        """The replica is down or gone."""
+
+    def hash_check(self) -> dict:
+        """Self-check figures of the hash reproduction, if any (shown in /v1/router/replicas)."""
 
 
 def dialect_for(kind: str, vllm_hash_seed: Optional[str] = "0", predicted_capacity_blocks: int = 16_384,

@@ -38,6 +38,10 @@ class PredictedDialect:
     def block_hashes(self, prompt: Prompt, cache_salt: Optional[str], cfg: HashConfig) -> list[bytes]:
         return prompt_block_hashes(prompt, cache_salt, cfg, self.memo)
 
+    def prepare_body(self, body: dict, prompt: Prompt) -> bool:
+        """The request goes as the client sent it (the replica computes the same names itself)."""
+        return False
+
     def hash_check(self) -> dict:
         return {}
 

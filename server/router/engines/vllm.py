@@ -149,6 +149,25 @@ class VllmDialect:
         digests = vllm_block_digests(prompt.token_ids, prompt.mm_items, cfg.block_size, cache_salt, self.seed, self.memo)
         return [key_of(d) for d in digests]
 
+    def prepare_body(self, body: dict, prompt: Prompt) -> bool:
+        """Give every image part the identity the router hashed it under (vLLM's `uuid`); True if changed.
+
+        vLLM keys an image by a client `uuid` when one is given (and no per-request processor
+        kwargs change its pixels), and puts that identifier in the block extra keys. Setting it
+        to the router's mm_hash (a content digest, namespaced by the tenant's salt) makes vLLM's
+        extra keys the ones the router predicted, and keeps one tenant's images apart from another's.
+        """
+        if not prompt.mm_items or not isinstance(body.get("messages"), list):
+            return False
+        parts = [p for m in body["messages"] if isinstance(m, dict) and isinstance(m.get("content"), list)
+                 for p in m["content"] if isinstance(p, dict) and p.get("type") in ("image_url", "image")]
+        items = sorted(prompt.mm_items, key=lambda m: m.offset)
+        if len(parts) != len(items):
+            return False  # the router could not account for every image: leave the request as sent
+        for part, item in zip(parts, items):
+            part["uuid"] = item.mm_hash
+        return True
+
     def served(self, index, rid: str, hashes) -> None:
         """Nothing to predict: the replica's own events say what it stored."""
 
@@ -210,27 +229,32 @@ class VllmDialect:
     def check_stored(self, event: dict) -> None:
         """Recompute the names a replica published for a chain that starts at the root.
 
-        Checkable: no parent, no LoRA, no image keys; a cache salt (published untagged, on block 0)
-        is fine. Those chains depend only on the seed, the salt, the encoding and the digest, so
-        the first few prove the reproduction right, or report that the replicas' settings differ.
+        Checkable: no parent and no LoRA; image keys and a cache salt are rebuilt from the untagged
+        extra keys the event carries ((identifier, offset) pairs; a bare salt string on block 0).
+        Those chains depend only on the seed, the keys, the encoding and the digest, so the first
+        few prove the reproduction right, or report that the replicas' settings differ.
         """
         if self.checked >= VERIFY_BLOCKS or event.get("parent_block_hash") is not None or event.get("lora_name"):
             return
         size, tokens, names = event["block_size"], event.get("token_ids") or [], event["block_hashes"]
         extra = event.get("extra_keys") or [None] * len(names)
-        if len(tokens) != size * len(names) or len(extra) != len(names) or any(extra[1:]):
+        if len(tokens) != size * len(names) or len(extra) != len(names):
             return
-        salt = None
-        if extra[0]:
-            if len(extra[0]) != 1 or not isinstance(extra[0][0], str):
-                return  # image keys or prompt embeddings: not rebuilt here
-            salt = extra[0][0]
-        want = [key_of(d) for d in vllm_block_digests(tokens, [], size, salt, self.seed)]
-        got = [key_of(h) for h in names]
-        self.checked += len(got)
-        bad = sum(a != b for a, b in zip(want, got))
+        prev, bad = none_hash(self.seed), 0
+        for i, name in enumerate(names):
+            keys = []
+            for k in extra[i] or ():
+                if isinstance(k, list) and len(k) == 2 and isinstance(k[0], str) and isinstance(k[1], int):
+                    keys.append(("mm", k[0], k[1]))
+                elif isinstance(k, str) and i == 0:
+                    keys.append(("cache_salt", k))
+                else:
+                    return  # prompt embeddings or a key this check does not know: not rebuilt here
+            prev = sha256_cbor((prev, tuple(tokens[i * size:(i + 1) * size]), tuple(keys) or None))
+            bad += key_of(prev) != key_of(name)
+        self.checked += len(names)
         if bad:
             self.mismatched += bad
             log.error("vLLM block names differ from the router's reproduction (%d of %d blocks): the replicas must run "
                       "--prefix-caching-hash-algo sha256_cbor with PYTHONHASHSEED equal to the router's --vllm-hash-seed "
-                      "(%r); until then every prediction misses", bad, len(got), self.seed)
+                      "(%r); until then every prediction misses", bad, len(names), self.seed)

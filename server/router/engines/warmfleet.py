@@ -29,6 +29,10 @@ class WarmfleetDialect:
     def forget(self, rid: str) -> None:
         """Nothing kept per replica outside the index."""
 
+    def prepare_body(self, body: dict, prompt: Prompt) -> bool:
+        """The request goes as the client sent it (the replica computes the same names itself)."""
+        return False
+
     def hash_check(self) -> dict:
         return {}  # our own recipe: the snapshot's model fingerprint and block size are checked instead
 
