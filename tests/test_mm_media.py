@@ -208,3 +208,32 @@ def test_file_urls_only_under_allowed_dir(tmp_path):
             loader.load(bad, "p")
     with pytest.raises(MediaError, match="cannot read file"):
         loader.load(f"file://{inside}/nope.png", "p")
+
+
+@pytest.mark.parametrize("host", [
+    "127.0.0.1", "2130706433", "0x7f000001", "0177.0.0.1", "127.1", "[::1]", "[::ffff:127.0.0.1]",
+    "[::ffff:7f00:1]", "localhost", "0.0.0.0", "[::]",
+])
+def test_ssrf_matrix_loopback_in_every_spelling_never_connects(http_server, host):
+    """Decimal, hex, octal and short IPv4, IPv6 and mapped forms, and a DNS name: all refused before connecting."""
+    srv, routes = http_server
+    routes["/a.png"] = (200, {"Content-Type": "image/png"}, image_bytes(32, 24))
+    with pytest.raises(MediaError, match="non-public address|cannot resolve"):
+        MediaLoader(MediaConfig()).load(f"http://{host}:{srv.server_address[1]}/a.png", "p")
+    assert srv.seen_hosts == []
+
+
+@pytest.mark.parametrize("url", [
+    "http://169.254.169.254/latest/meta-data/", "http://[fd00:ec2::254]/", "http://100.100.100.200/",
+    "http://10.0.0.1/", "http://192.168.1.1/", "http://172.16.0.1/", "http://[fe80::1]/",
+])
+def test_ssrf_matrix_private_link_local_and_metadata_refused(url):
+    with pytest.raises(MediaError, match="non-public address"):
+        MediaLoader(MediaConfig()).load(url, "p")
+
+
+@pytest.mark.parametrize("url", ["gopher://127.0.0.1:70/_x", "file:///etc/passwd", "ftp://example.com/a.png",
+                                 "dict://127.0.0.1:11211/stats", "jar:http://x/a!/b"])
+def test_ssrf_matrix_other_schemes_refused(url):
+    with pytest.raises(MediaError):
+        MediaLoader(MediaConfig()).load(url, "p")
