@@ -144,3 +144,27 @@ def test_image_blocks_are_reproduced_with_the_uuid_the_router_gives_vllm(tmp_pat
     hashes = d.block_hashes(prompt, None, HashConfig(BLOCK, "unused"))
     assert len(hashes) == 8 and set(hashes) == names
     assert d.hash_check() == {"checked_blocks": 8, "mismatched_blocks": 0}  # image keys rebuilt from the events
+
+
+def test_fastdeploy_load_is_read_from_its_prometheus_gauges():
+    from warmfleet.server.router.engines.fastdeploy import parse_load
+
+    text = ("# HELP fastdeploy:num_requests_running Number of requests currently running\n"
+            "# TYPE fastdeploy:num_requests_running gauge\nfastdeploy:num_requests_running 5.0\n"
+            "# TYPE fastdeploy:num_requests_waiting gauge\nfastdeploy:num_requests_waiting 2.0\n"
+            "# TYPE fastdeploy:gpu_cache_usage_perc gauge\nfastdeploy:gpu_cache_usage_perc 0.5\n")
+    load = parse_load(text)
+    assert (load.num_running, load.num_waiting) == (5, 2)
+    assert parse_load("# TYPE other gauge\nother 1\n") is None
+
+
+def test_replica_flag_options():
+    from warmfleet.server.router.registry import parse_replica
+
+    spec = parse_replica("http://10.0.0.7:8000", 5557, 5558, 8001)
+    assert (spec.events, spec.replay, spec.metrics) == ("tcp://10.0.0.7:5557", "tcp://10.0.0.7:5558",
+                                                        "http://10.0.0.7:8001")
+    spec = parse_replica("http://h:1,events=tcp://h:2,replay=tcp://h:3,metrics=http://h:4")
+    assert (spec.events, spec.replay, spec.metrics) == ("tcp://h:2", "tcp://h:3", "http://h:4")
+    with pytest.raises(ValueError, match="--replica options"):
+        parse_replica("http://h:1,metrics=tcp://h:4")

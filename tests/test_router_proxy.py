@@ -87,6 +87,7 @@ class FakeReplica:
         self.gpu: list[bytes] = []
         self.seq = 0
         self.received: list[dict] = []
+        self.running = self.waiting = 0  # load figures its /metrics reports
         self.health_script: list[str] = []  # answers for the next health checks: "slow" (past the timeout) or "503"
         self.release = asyncio.Event()
         self.pub = zmq.Context.instance().socket(zmq.PUB)
@@ -131,6 +132,12 @@ class FakeReplica:
             if mode == "slow":
                 await asyncio.sleep(1.0)  # past the router's 0.5 s health timeout
             return Response(status_code=503 if mode == "503" else 200)
+
+        @app.get("/metrics")
+        async def metrics():  # FastDeploy's load gauges (read by the router only for --engine fastdeploy)
+            text = (f"# TYPE fastdeploy:num_requests_running gauge\nfastdeploy:num_requests_running {self.running}\n"
+                    f"# TYPE fastdeploy:num_requests_waiting gauge\nfastdeploy:num_requests_waiting {self.waiting}\n")
+            return Response(text, media_type="text/plain")
 
         @app.get("/v1/kv/snapshot")
         async def snapshot():
@@ -198,7 +205,7 @@ class Fleet2:
         self.by_url = {s.url: r for s, r in zip(self.served, self.replicas)}
         settings = RouterSettings(
             hash_cfg=HashConfig(BLOCK, self.fp),
-            replicas=[ReplicaSpec(s.url, r.events if self.engine != "fastdeploy" else None)
+            replicas=[ReplicaSpec(s.url, r.events) if self.engine != "fastdeploy" else ReplicaSpec(s.url, metrics=s.url)
                       for s, r in zip(self.served, self.replicas)],
             renderer=PromptRenderer(str(self.model_dir), tokenizer=self.tok),
             tenants=self.tenants, health_interval_s=self.health_interval_s, health_timeout_s=0.5,
@@ -466,6 +473,10 @@ async def test_fastdeploy_replicas_are_routed_on_a_predicted_index(tiny_model_di
         assert len(f.fleet.index.state(f.url_of(home)).gpu) <= 64
         r = await f.client.post("/v1/chat/completions", json=chat("And after eviction?"))
         assert not r.headers["x-warmfleet-route"].startswith("prefix_hit")
+        # load comes from FastDeploy's own gauges on its metrics port
+        f.by_url[f.url_of(home)].running, f.by_url[f.url_of(home)].waiting = 3, 4
+        await until(lambda: f.fleet.engine_load(f.url_of(home)) == 7, "load from the replica's /metrics")
+        assert f.metric("warmfleet_router_replica_engine_requests", replica=f.url_of(home)) == 7
 
 
 async def test_oversized_body_is_413_before_routing():

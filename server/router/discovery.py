@@ -29,11 +29,13 @@ def _port(slice_: Any, name: str) -> Optional[int]:
 
 
 REPLAY_PORT_NAME = "kv-replay"  # vLLM's event replay socket, when the Service names one
+METRICS_PORT_NAME = "metrics"  # FastDeploy's Prometheus port (its load figures), when the Service names one
 
 
 def replicas_from_slices(slices: Iterable[Any], port_name: str, events_port_name: str,
                          default_events_port: Optional[int], scheme: str = "http",
-                         default_replay_port: Optional[int] = None) -> list[ReplicaSpec]:
+                         default_replay_port: Optional[int] = None,
+                         default_metrics_port: Optional[int] = None) -> list[ReplicaSpec]:
     """Ready endpoints of all slices as replica specs (pure; slices are kubernetes V1EndpointSlice objects)."""
     out: dict[str, ReplicaSpec] = {}
     for s in slices:
@@ -42,6 +44,7 @@ def replicas_from_slices(slices: Iterable[Any], port_name: str, events_port_name
             continue
         eport = _port(s, events_port_name) or default_events_port
         rport = _port(s, REPLAY_PORT_NAME) or default_replay_port
+        mport = _port(s, METRICS_PORT_NAME) or default_metrics_port
         for ep in s.endpoints or []:
             cond = ep.conditions
             if cond is not None and (cond.ready is False or cond.terminating is True):
@@ -49,7 +52,8 @@ def replicas_from_slices(slices: Iterable[Any], port_name: str, events_port_name
             for addr in (ep.addresses or [])[:1]:  # all addresses of one endpoint are the same pod
                 host = f"[{addr}]" if ":" in addr else addr
                 spec = ReplicaSpec(f"{scheme}://{host}:{port}", f"tcp://{host}:{eport}" if eport else None,
-                                   f"tcp://{host}:{rport}" if rport else None)
+                                   f"tcp://{host}:{rport}" if rport else None,
+                                   f"{scheme}://{host}:{mport}" if mport else None)
                 out[spec.id] = spec
     return sorted(out.values(), key=lambda s: s.id)
 
@@ -58,11 +62,13 @@ class EndpointSliceDiscovery:
     """Feeds `fleet.set_members` from one Service's EndpointSlices until cancelled."""
 
     def __init__(self, namespace: str, service: str, port_name: str = "http", events_port_name: str = "kv-events",
-                 default_events_port: Optional[int] = None, default_replay_port: Optional[int] = None, api: Any = None,
+                 default_events_port: Optional[int] = None, default_replay_port: Optional[int] = None,
+                 default_metrics_port: Optional[int] = None, api: Any = None,
                  watch_factory: Optional[Callable[[], Any]] = None, retry_delay_s: float = 1.0):
         self.namespace, self.service = namespace, service
         self.port_name, self.events_port_name = port_name, events_port_name
         self.default_events_port, self.default_replay_port = default_events_port, default_replay_port
+        self.default_metrics_port = default_metrics_port
         self._api, self._watch_factory = api, watch_factory
         self.retry_delay_s = retry_delay_s
         self.relists = 0  # completed full lists (the first one included)
@@ -70,11 +76,13 @@ class EndpointSliceDiscovery:
     @classmethod
     def from_flag(cls, value: str, port_name: str, events_port_name: str,
                   default_events_port: Optional[int],
-                  default_replay_port: Optional[int] = None) -> "EndpointSliceDiscovery":
+                  default_replay_port: Optional[int] = None,
+                  default_metrics_port: Optional[int] = None) -> "EndpointSliceDiscovery":
         ns, sep, name = value.partition("/")
         if not sep or not ns or not name:
             raise ValueError(f"--discover-service must be NAMESPACE/NAME, got {value!r}")
-        return cls(ns, name, port_name, events_port_name, default_events_port, default_replay_port)
+        return cls(ns, name, port_name, events_port_name, default_events_port, default_replay_port,
+                   default_metrics_port)
 
     def _clients(self) -> tuple[Any, Callable[[], Any]]:
         if self._api is None:
@@ -107,7 +115,8 @@ class EndpointSliceDiscovery:
 
     def _specs(self, slices: dict) -> list[ReplicaSpec]:
         return replicas_from_slices(slices.values(), self.port_name, self.events_port_name, self.default_events_port,
-                                    default_replay_port=self.default_replay_port)
+                                    default_replay_port=self.default_replay_port,
+                                    default_metrics_port=self.default_metrics_port)
 
     async def _watch(self, fleet: Any, slices: dict, selector: str, resource_version: str) -> None:
         """Apply watch events until the stream ends or errors (the caller then re-lists)."""

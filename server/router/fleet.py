@@ -121,6 +121,11 @@ class Fleet:
         if ok:
             rep.failed_checks = 0
             self.registry.mark_up(rep.id)
+            load = await self.dialect.poll_load(rep, self.http)  # engines whose load is not in their events
+            if load is not None:
+                st = self.index.state(rep.id)
+                st.load, st.load_time = load, time.monotonic()
+                self.metrics.replica_engine_queue.labels(rep.id).set(load.num_running + load.num_waiting)
             return
         rep.failed_checks += 1
         if refused or rep.failed_checks >= self.health_failures or not rep.healthy:

@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-replay-port", type=int, default=None,
                    help="vLLM: event replay (ROUTER) port of every replica without replay=...; with discovery, "
                         "used when the EndpointSlice names no 'kv-replay' port.")
+    p.add_argument("--replica-metrics-port", type=int, default=None,
+                   help="fastdeploy: Prometheus port of every replica without metrics=... (its --metrics-port); "
+                        "with discovery, used when the EndpointSlice names no 'metrics' port.")
     p.add_argument("--vllm-hash-seed", default="0",
                    help="vLLM: the replicas' PYTHONHASHSEED (the operator sets 0); 'unset' if they run without one.")
     p.add_argument("--discover-service", default=None, metavar="NAMESPACE/NAME",
@@ -123,10 +126,11 @@ def settings_from_args(args: argparse.Namespace):
 
         discovery = EndpointSliceDiscovery.from_flag(args.discover_service, args.discover_port_name,
                                                      args.discover_events_port_name, args.kv_events_port,
-                                                     args.kv_replay_port).run
+                                                     args.kv_replay_port, args.replica_metrics_port).run
     return RouterSettings(
         hash_cfg=HashConfig(args.block_size, model_fingerprint(args.model), args.prefix_hash_algo),
-        replicas=[parse_replica(r, args.kv_events_port, args.kv_replay_port) for r in args.replica],
+        replicas=[parse_replica(r, args.kv_events_port, args.kv_replay_port, args.replica_metrics_port)
+                  for r in args.replica],
         renderer=PromptRenderer(args.model, hash_algo=args.prefix_hash_algo),
         policy=PolicyConfig(cpu_weight=args.cpu_tier_weight, load_weight=args.load_weight,
                             queue_weight=args.queue_weight, epsilon=args.balance_epsilon, warm_slack=args.warm_slack,

@@ -15,6 +15,7 @@ class ReplicaSpec:
     url: str  # base URL of the HTTP API, e.g. http://10.0.0.7:8000 (no trailing slash)
     events: Optional[str] = None  # ZMQ endpoint of its KV events, e.g. tcp://10.0.0.7:5557; None = no events
     replay: Optional[str] = None  # ZMQ endpoint of its event replay socket (vLLM), e.g. tcp://10.0.0.7:5558
+    metrics: Optional[str] = None  # base URL of its Prometheus endpoint when load comes from there (FastDeploy)
 
     @property
     def id(self) -> str:
@@ -23,8 +24,8 @@ class ReplicaSpec:
 
 
 def parse_replica(text: str, default_events_port: Optional[int] = None,
-                  default_replay_port: Optional[int] = None) -> ReplicaSpec:
-    """Parse `http://host:port[,events=tcp://host:eport][,replay=tcp://host:rport]`.
+                  default_replay_port: Optional[int] = None, default_metrics_port: Optional[int] = None) -> ReplicaSpec:
+    """Parse `http://host:port[,events=tcp://host:eport][,replay=tcp://host:rport][,metrics=http://host:mport]`.
 
     Without `events=`, a router-wide `--kv-events-port` gives tcp://<host of the URL>:<port>
     (and `--kv-replay-port` the replay endpoint of a vLLM replica); without either the replica
@@ -37,15 +38,19 @@ def parse_replica(text: str, default_events_port: Optional[int] = None,
     found: dict[str, str] = {}
     for opt in opts:
         key, sep, value = opt.partition("=")
-        if key not in ("events", "replay") or not sep or not value.startswith(("tcp://", "ipc://")):
-            raise ValueError(f"--replica option must be events=tcp://host:port or replay=tcp://host:port, got {opt!r}")
+        schemes = ("http://", "https://") if key == "metrics" else ("tcp://", "ipc://")
+        if key not in ("events", "replay", "metrics") or not sep or not value.startswith(schemes):
+            raise ValueError("--replica options are events=tcp://host:port, replay=tcp://host:port and "
+                             f"metrics=http://host:port, got {opt!r}")
         found[key] = value
     host = parts.hostname if ":" not in parts.hostname else f"[{parts.hostname}]"
     if "events" not in found and default_events_port is not None:
         found["events"] = f"tcp://{host}:{default_events_port}"
     if "replay" not in found and default_replay_port is not None:
         found["replay"] = f"tcp://{host}:{default_replay_port}"
-    return ReplicaSpec(url.rstrip("/"), found.get("events"), found.get("replay"))
+    if "metrics" not in found and default_metrics_port is not None:
+        found["metrics"] = f"{parts.scheme}://{host}:{default_metrics_port}"
+    return ReplicaSpec(url.rstrip("/"), found.get("events"), found.get("replay"), found.get("metrics"))
 
 
 @dataclass

@@ -42,6 +42,9 @@ class Dialect(Protocol):
     def forget(self, rid: str) -> None:
         """The replica is down or gone."""
 
+    async def poll_load(self, rep, http):
+        """The replica's Load from a source other than KV events, or None."""
+
     def hash_check(self) -> dict:
         """Self-check figures of the hash reproduction, if any (shown in /v1/router/replicas)."""
 

@@ -6,8 +6,9 @@ cached on it, under contract-1 names (any consistent naming works: the router is
 writer and the reader of these entries). Each replica's predicted cache is an LRU of at most
 `capacity_blocks` blocks, and an entry older than `ttl_s` is dropped, because the real cache
 evicts under load the router does not see. Decisions made on these entries are counted as
-predicted in the metrics (`warmfleet_router_predicted_index_blocks`, contract "predicted" in
-/v1/router/replicas).
+predicted in the metrics (`warmfleet_router_predicted_decisions_total`, contract "predicted" in
+/v1/router/replicas). Load (running + waiting requests) comes from FastDeploy's own Prometheus
+gauges on its metrics port.
 """
 
 from __future__ import annotations
@@ -16,11 +17,26 @@ import time
 from collections import OrderedDict
 from typing import Optional, Sequence
 
-from ...events import GPU, EventBatch, Snapshot
+from prometheus_client.parser import text_string_to_metric_families
+
+from ...events import GPU, EventBatch, Load, Snapshot
 from ..prompt import HashConfig, HashMemo, Prompt, prompt_block_hashes
 
 DEFAULT_CAPACITY_BLOCKS = 16_384  # per replica; set it to the replica's KV pool (blocks) with --predicted-capacity-blocks
 DEFAULT_TTL_S = 600.0
+RUNNING, WAITING = "fastdeploy:num_requests_running", "fastdeploy:num_requests_waiting"  # gauges, per its metrics docs
+
+
+def parse_load(text: str) -> Optional[Load]:
+    """Running and waiting requests from FastDeploy's Prometheus text; None if it has neither gauge."""
+    found: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            if sample.name in (RUNNING, WAITING):
+                found[sample.name] = found.get(sample.name, 0.0) + sample.value
+    if not found:
+        return None
+    return Load(int(found.get(RUNNING, 0)), int(found.get(WAITING, 0)), 0, 0)
 
 
 class PredictedDialect:
@@ -50,6 +66,16 @@ class PredictedDialect:
 
     async def fetch_state(self, rep, http, headers: dict) -> Optional[Snapshot]:
         return Snapshot(rep.id, 0, 0, "", [], [], [])  # nothing to fetch: the prediction is the state
+
+    async def poll_load(self, rep, http) -> Optional[Load]:
+        """The replica's load from its metrics port (`metrics=` / `--replica-metrics-port` / the `metrics` port)."""
+        if not rep.spec.metrics:
+            return None
+        try:
+            resp = await http.get(rep.spec.metrics.rstrip("/") + "/metrics", timeout=1.0)
+            return parse_load(resp.text) if resp.status_code == 200 else None
+        except Exception:  # httpx errors, or text that is not Prometheus exposition format
+            return None
 
     def served(self, index, rid: str, hashes: Sequence[bytes], now: Optional[float] = None) -> None:
         """Record that `rid` accepted a prompt with these blocks; evict by age and capacity."""

@@ -174,6 +174,10 @@ class VllmDialect:
     def forget(self, rid: str) -> None:
         """Nothing kept per replica outside the index."""
 
+    async def poll_load(self, rep, http):
+        """None: load figures ride on the KV events (warmfleet) or are this router's in-flight counts (vLLM)."""
+        return None
+
     def hash_check(self) -> dict:
         """Published block names recomputed so far, and how many differed from the router's reproduction."""
         return {"checked_blocks": self.checked, "mismatched_blocks": self.mismatched}

@@ -33,6 +33,10 @@ class WarmfleetDialect:
         """The request goes as the client sent it (the replica computes the same names itself)."""
         return False
 
+    async def poll_load(self, rep, http):
+        """None: load figures ride on the KV events (warmfleet) or are this router's in-flight counts (vLLM)."""
+        return None
+
     def hash_check(self) -> dict:
         return {}  # our own recipe: the snapshot's model fingerprint and block size are checked instead
 

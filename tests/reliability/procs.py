@@ -1,0 +1,305 @@
+"""Real `warmfleet serve` / `warmfleet route` processes on loopback for fault tests: start, SIGKILL, restart on the same ports.
+
+Every process runs with `python -P` and a cwd outside the repo (the repo's operator/ folder would
+shadow the standard library) and logs to a file next to it, which a failing wait quotes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import httpx
+
+EXE = [sys.executable, "-P", "-m", "warmfleet.cli"]
+MODEL_NAME = "tiny"
+BLOCK = 16
+STARTUP_S = 180.0  # a replica's start (paddle import, tiny checkpoint) on a shared 2-core host
+
+_HANDED_OUT: set[int] = set()
+
+
+def free_port() -> int:
+    """A free loopback port not handed out before in this process (the kernel may offer a released one again)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+
+
+def peak_rss_kib(pid: int) -> Optional[int]:
+    """VmHWM (peak resident set) of a live process, in KiB; None once it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def tree_pids(pid: int) -> list[int]:
+    """`pid` and its live descendants (a replica may run helper processes)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, ()))
+    return out
+
+
+@dataclass
+class Proc:
+    """One warmfleet process; `start()` again after `kill()` restarts it with the same arguments (same ports)."""
+
+    name: str
+    args: list[str]
+    cwd: Path
+    popen: Optional[subprocess.Popen] = None
+    starts: int = 0
+    peak_rss_kib: dict[int, int] = field(default_factory=dict)  # pid → VmHWM seen last, per incarnation
+
+    @property
+    def log_path(self) -> Path:
+        return self.cwd / f"{self.name}.log"
+
+    def start(self) -> "Proc":
+        assert not self.alive(), f"{self.name} is already running"
+        self.starts += 1
+        with open(self.log_path, "ab") as log:
+            log.write(f"--- start {self.starts} ---\n".encode())
+            log.flush()
+            # a session of its own: a kill reaches its helper processes, never the test's
+            self.popen = subprocess.Popen(EXE + self.args, cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True)
+        return self
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def sample_rss(self) -> None:
+        """Record VmHWM of the process and its children (call while alive: it dies with them)."""
+        if self.alive():
+            for pid in tree_pids(self.popen.pid):
+                kib = peak_rss_kib(pid)
+                if kib is not None:
+                    self.peak_rss_kib[pid] = max(kib, self.peak_rss_kib.get(pid, 0))
+
+    def max_rss_mib(self) -> Optional[float]:
+        return round(max(self.peak_rss_kib.values()) / 1024, 1) if self.peak_rss_kib else None
+
+    def kill(self) -> float:
+        """SIGKILL the process group (the process and anything it started), then reap; returns the kill's monotonic time."""
+        if self.popen is None:
+            return time.monotonic()
+        self.sample_rss()
+        pids = tree_pids(self.popen.pid)  # children too, even one that left the process group
+        t_kill = time.monotonic()
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.popen.wait(timeout=30)
+        return t_kill
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 30 s."""
+        if not self.alive():
+            return
+        self.sample_rss()
+        try:
+            os.killpg(self.popen.pid, signal.SIGTERM)
+            self.popen.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        except ProcessLookupError:
+            pass
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+class Replica(Proc):
+    def __init__(self, name: str, model: Path, cwd: Path, extra: tuple[str, ...] = ()):
+        self.port, self.events_port = free_port(), free_port()
+        super().__init__(name, ["serve", "--model", str(model), "--served-model-name", MODEL_NAME,
+                                "--port", str(self.port), "--kv-events-port", str(self.events_port),
+                                "--replica-id", name, "--block-size", str(BLOCK), "--log-level", "warning",
+                                *extra], cwd)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def events(self) -> str:
+        return f"tcp://127.0.0.1:{self.events_port}"
+
+    def wait_ready(self, timeout_s: float = STARTUP_S) -> None:
+        wait_for(lambda: httpx.get(self.url + "/ready", timeout=2).status_code == 200, f"{self.name} ready",
+                 [self], timeout_s)
+
+
+class Router(Proc):
+    def __init__(self, model: Path, replicas: list[Replica], cwd: Path, extra: tuple[str, ...] = ()):
+        self.port = free_port()
+        args = ["route", "--model", str(model), "--port", str(self.port), "--block-size", str(BLOCK),
+                "--log-level", "warning", *extra]
+        for r in replicas:
+            args += ["--replica", f"{r.url},events={r.events}"]
+        super().__init__("router", args, cwd)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def view(self) -> dict:
+        """GET /v1/router/replicas: {"replicas": [...], "index_blocks": N, ...}."""
+        return httpx.get(self.url + "/v1/router/replicas", timeout=5).json()
+
+    def replica(self, url: str) -> dict:
+        return next(r for r in self.view()["replicas"] if r["id"] == url)
+
+    def wait_synced(self, timeout_s: float = 60.0) -> None:
+        wait_for(lambda: all(r["healthy"] and r["synced"] for r in self.view()["replicas"]),
+                 "router healthy and synced with every replica", [self], timeout_s)
+
+
+def wait_for(pred: Callable[[], bool], what: str, procs: list[Proc], timeout_s: float, poll_s: float = 0.05) -> float:
+    """Poll `pred` until true; returns the seconds it took. Fails early when a process exits (quoting its log)."""
+    t0 = time.monotonic()
+    while True:
+        for p in procs:
+            if p.popen is not None and p.popen.poll() is not None:
+                raise AssertionError(f"{p.name} exited with {p.popen.returncode} while waiting for {what}:\n"
+                                     f"{p.log_tail()}")
+        try:
+            if pred():
+                return time.monotonic() - t0
+        except (httpx.HTTPError, ValueError, StopIteration):
+            pass
+        if time.monotonic() - t0 > timeout_s:
+            tails = "\n".join(f"[{p.name}]\n{p.log_tail(15)}" for p in procs)
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}\n{tails}")
+        time.sleep(poll_s)
+
+
+def metric(text: str, name: str, **labels: str) -> Optional[float]:
+    """Sum of the Prometheus series `name` whose labels include `labels` (None if no such series)."""
+    found = None
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        series, _, rest = head.partition("{")
+        if series != name or not all(f'{k}="{v}"' in rest for k, v in labels.items()):
+            continue
+        found = (found or 0.0) + float(value)
+    return found
+
+
+def snapshot_blocks(replica: Replica) -> int:
+    """Distinct blocks (GPU + CPU tier) the replica reports in GET /v1/kv/snapshot."""
+    snap = httpx.get(replica.url + "/v1/kv/snapshot", timeout=10).json()
+    return len(set(snap.get("gpu") or []) | set(snap.get("cpu") or []))
+
+
+def chat_body(messages: list[dict], max_tokens: int, stream: bool, **extra) -> dict:
+    body = {"model": MODEL_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra}
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    return body
+
+
+def sse_events(lines: list[str]) -> list:
+    """The `data:` payloads of an SSE stream: dicts, or the string "[DONE]"."""
+    out: list = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+class LiveFleet:
+    """Two replicas and one router; `close()` stops whatever is still running."""
+
+    def __init__(self, model: Path, cwd: Path, n: int = 2, replica_args: tuple[str, ...] = (),
+                 router_args: tuple[str, ...] = ()):
+        self.replicas = [Replica(f"r{i}", model, cwd, replica_args) for i in range(n)]
+        self.router = Router(model, self.replicas, cwd, router_args)
+
+    def start(self) -> "LiveFleet":
+        try:
+            for r in self.replicas:
+                r.start()
+            for r in self.replicas:
+                r.wait_ready()
+            self.router.start()
+            self.router.wait_synced()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def by_id(self, replica_id: str) -> Replica:
+        return next(r for r in self.replicas if r.name == replica_id)
+
+    def restore(self) -> None:
+        """Restart any process a test left dead and wait until the router routes to every replica again."""
+        for r in self.replicas:
+            if not r.alive():
+                r.start()
+        for r in self.replicas:
+            r.wait_ready()
+        if not self.router.alive():
+            self.router.start()
+        self.router.wait_synced()
+
+    def close(self) -> None:
+        for p in [self.router, *self.replicas]:
+            p.stop()
+
+
+async def apoll(pred, what: str, timeout_s: float, poll_s: float = 0.01) -> float:
+    """Async `wait_for`: await `pred()` (an async callable) until true; returns the seconds it took."""
+    import asyncio
+
+    t0 = time.monotonic()
+    while True:
+        try:
+            if await pred():
+                return time.monotonic() - t0
+        except (httpx.HTTPError, ValueError, StopIteration):
+            pass
+        if time.monotonic() - t0 > timeout_s:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(poll_s)
