@@ -14,6 +14,23 @@ import time
 from typing import Any, Optional
 
 _ACCESS_FIELDS = ("client", "method", "path", "http_version", "status")
+# Probes and scrapes answered 200 are noise at info level (kubelets, routers and Prometheus poll them
+# several times a second), and so is /ready's 503 while the model loads (load progress is logged
+# on its own); they are logged at debug. Any other answer always is.
+PROBE_PATHS = frozenset({"/health", "/healthz", "/ready", "/readyz", "/metrics", "/v1/kv/snapshot"})
+
+
+class ProbeFilter(logging.Filter):
+    """Drops uvicorn access records of successful probes unless the logger is at debug level."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if record.name != "uvicorn.access" or not isinstance(args, tuple) or len(args) != 5:
+            return True
+        path = str(args[2]).split("?", 1)[0]
+        if path in PROBE_PATHS and (args[4] == 200 or (path in ("/ready", "/readyz") and args[4] == 503)):
+            return logging.getLogger().isEnabledFor(logging.DEBUG)
+        return True
 
 
 class StructuredFormatter(logging.Formatter):
@@ -47,6 +64,7 @@ def setup_logging(level: str = "info", fmt: Optional[str] = None) -> None:
     """Configure the root logger of this process (call once, early)."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(StructuredFormatter(fmt or os.environ.get("WARMFLEET_LOG_FORMAT", "json")))
+    handler.addFilter(ProbeFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

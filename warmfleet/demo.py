@@ -21,6 +21,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="Router port: the OpenAI endpoint.")
     p.add_argument("--once", action="store_true", help="Send the sample conversation, print the figures, and exit.")
     p.add_argument("--startup-timeout-s", type=float, default=300.0, help="Seconds to wait for every process.")
+    p.add_argument("--verbose", action="store_true",
+                   help="Show the replicas' and the router's logs on this console (default: files under --log-dir).")
+    p.add_argument("--log-dir", default=None,
+                   help="Where replica and router logs go (default: ~/.cache/warmfleet/demo-logs).")
 
 
 def _free_port() -> int:
@@ -29,10 +33,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, name: str, deadline: float) -> None:
+def _say(msg: str) -> None:
+    print(f"[demo] {msg}", flush=True)
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, name: str, deadline: float, log: str) -> None:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with code {proc.returncode}; its log is above")
+            raise RuntimeError(f"{name} exited with code {proc.returncode}; see {log}")
         try:
             with urllib.request.urlopen(url, timeout=1) as r:
                 if r.status == 200:
@@ -40,7 +48,7 @@ def _wait_ready(url: str, proc: subprocess.Popen, name: str, deadline: float) ->
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
         time.sleep(0.2)
-    raise RuntimeError(f"{name} was not ready at {url} in time")
+    raise RuntimeError(f"{name} was not ready at {url} in time; see {log} (or raise --startup-timeout-s)")
 
 
 def _chat(base: str, messages: list[dict]) -> dict:
@@ -59,7 +67,7 @@ def default_model() -> Path:
 
     out = Path(os.environ.get("WARMFLEET_CACHE", Path.home() / ".cache" / "warmfleet")) / "models" / "tiny-qwen2"
     if not (out / "config.json").exists():
-        print(f"[demo] writing a tiny random Qwen2 checkpoint to {out}", flush=True)
+        _say(f"writing a tiny random Qwen2 checkpoint to {out}")
         make_tiny_model(out, arch="qwen2", size="tiny", seed=0)
     return out
 
@@ -69,39 +77,57 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--replicas must be >= 1")
     model = Path(args.model) if args.model else default_model()
     exe = [sys.executable, "-P", "-m", "warmfleet.cli"]
+    log_dir = Path(args.log_dir or Path(os.environ.get("WARMFLEET_CACHE", Path.home() / ".cache" / "warmfleet"))
+                   / "demo-logs")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, WARMFLEET_LOG_FORMAT=os.environ.get("WARMFLEET_LOG_FORMAT", "text"))
     procs: list[subprocess.Popen] = []
+    logs: list[str] = []
+
+    def start(name: str, argv: list[str]) -> subprocess.Popen:
+        path = log_dir / f"{name}.log"
+        out = None if args.verbose else path.open("w")
+        logs.append("this console" if args.verbose else str(path))
+        proc = subprocess.Popen(exe + argv, env=env, stdout=out, stderr=subprocess.STDOUT if out else None)
+        procs.append(proc)
+        return proc
+
     deadline = time.monotonic() + args.startup_timeout_s
     try:
         replicas = []
+        _say(f"starting {args.replicas} replicas and the router on {model} "
+             f"({'logs on this console' if args.verbose else f'logs in {log_dir}'})")
         for i in range(args.replicas):
             port, events = _free_port(), _free_port()
-            procs.append(subprocess.Popen(exe + [
+            start(f"replica-{i}", [
                 "serve", "--model", str(model), "--served-model-name", "tiny-qwen2", "--port", str(port),
                 "--kv-events-port", str(events), "--replica-id", f"replica-{i}", "--block-size", "16",
-                "--kv-cache-memory", "0.05", "--swap-space", "0.05"]))
+                "--kv-cache-memory", "0.05", "--swap-space", "0.05"])
             replicas.append((f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{events}"))
-        for (url, _), p in zip(replicas, procs):
-            _wait_ready(f"{url}/ready", p, f"replica {url}", deadline)
+        for i, ((url, _), p) in enumerate(zip(replicas, procs)):
+            _wait_ready(f"{url}/ready", p, f"replica-{i} ({url})", deadline, logs[i])
         router_args = ["route", "--model", str(model), "--port", str(args.port), "--block-size", "16"]
         for url, events in replicas:
             router_args += ["--replica", f"{url},events={events}"]
-        procs.append(subprocess.Popen(exe + router_args))
+        router = start("router", router_args)
         base = f"http://127.0.0.1:{args.port}"
-        _wait_ready(f"{base}/ready", procs[-1], "router", deadline)
-        print(f"\n[demo] OpenAI endpoint: {base}/v1  (model 'tiny-qwen2', {args.replicas} replicas)", flush=True)
+        _wait_ready(f"{base}/ready", router, "the router", deadline, logs[-1])
+        names = {url: f"replica-{i}" for i, (url, _) in enumerate(replicas)}
+        _say(f"fleet up: OpenAI endpoint {base}/v1 (model 'tiny-qwen2', {args.replicas} replicas)")
 
         system = {"role": "system", "content": "You are a helpful assistant. " * 12}
         for q in ("What is a prefix cache?", "And why route by it?"):
             r = _chat(base, [system, {"role": "user", "content": q}])
             u = r["usage"]
             cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-            print(f"[demo] {q!r} -> replica {r['replica']}: prompt {u['prompt_tokens']} tokens, "
-                  f"{cached} from cache", flush=True)
+            _say(f"{q!r} -> {names.get(r['replica'], r['replica'])}: {u['prompt_tokens']} prompt tokens, "
+                 f"{cached} from cache")
         if args.once:
             return 0
-        print(f"[demo] try: curl {base}/v1/chat/completions -H 'Content-Type: application/json' "
-              "-d '{\"model\":\"tiny-qwen2\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}'\n"
-              "[demo] Ctrl-C stops the fleet.", flush=True)
+        _say(f"try: curl {base}/v1/chat/completions -H 'Content-Type: application/json' "
+             "-d '{\"model\":\"tiny-qwen2\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}'")
+        _say(f"which replica holds what: curl {base}/v1/router/replicas")
+        _say("Ctrl-C stops the fleet.")
         signal.signal(signal.SIGTERM, _interrupt)
         while True:
             time.sleep(3600)
