@@ -46,3 +46,20 @@ def test_config_round_trips_through_rendered_args():
     p = argparse.ArgumentParser()
     add_arguments(p)
     assert from_namespace(p.parse_args(to_args(cfg))) == cfg
+
+
+def test_version_and_doctor(capsys):
+    from warmfleet.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.startswith("warmfleet ")
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("warmfleet ") and all(line.split()[0] in ("ok", "warn", "fail") for line in out[1:])
+    assert any(line.startswith("ok   python:") for line in out)
+    # caches that cannot fit this machine's memory: one failing line naming what to change, exit 1
+    assert main(["doctor", "--kv-cache-memory", "1000000"]) == 1
+    captured = capsys.readouterr()
+    assert any(line.startswith("fail memory:") and "lower the caches" in line for line in captured.out.splitlines())
+    assert "1 check(s) failed: memory" in captured.err

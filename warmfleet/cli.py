@@ -12,7 +12,17 @@ SUBCOMMANDS = {
     "operator": ("warmfleet.operator.main", "Run the kopf operator, or render its objects offline."),
     "make-tiny-model": ("warmfleet.server.models.tiny", "Write a random Hugging Face checkpoint for tests and demos."),
     "demo": ("warmfleet.demo", "Start a local fleet on a tiny checkpoint (no cluster needed)."),
+    "doctor": ("warmfleet.doctor", "Check this machine: Python, Paddle, CPU, memory for the caches, test and e2e tools."),
 }
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("warmfleet")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="warmfleet", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"warmfleet {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     wanted = argv[0] if argv and argv[0] in SUBCOMMANDS else None
     for name, (module, help_) in SUBCOMMANDS.items():
