@@ -135,4 +135,24 @@ def test_rbac_covers_exactly_what_the_operator_writes(helm):
 def test_notes_tell_the_next_command(helm):
     proc = run(helm, "install", "wf", str(CHART), "--dry-run=client", "--namespace", "x")
     assert proc.returncode == 0, proc.stderr
-    assert "warmfleet operator render" in proc.stdout and "kubectl apply -f examples/inferenceservice.yaml" in proc.stdout
+    assert "warmfleet operator render" in proc.stdout and "kubectl apply -f -" in proc.stdout
+    assert "examples/" not in proc.stdout  # a user of the published chart has no clone of this repository
+    # the inline example is a valid InferenceService
+    doc = proc.stdout.split("cat <<'YAML' | kubectl apply -f -\n", 1)[1].split("  YAML\n", 1)[0]
+    svc = yaml.safe_load("\n".join(line[2:] for line in doc.splitlines()))
+    from warmfleet.operator.spec import parse_spec
+
+    assert svc["kind"] == "InferenceService" and parse_spec(svc["spec"]).replicas == 2
+
+
+def test_values_schema_describes_every_property():
+    import json
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+
+    def walk(node, path):
+        for key, sub in node.get("properties", {}).items():
+            assert sub.get("description"), f"values.schema.json: {path}{key} has no description"
+            walk(sub, f"{path}{key}.")
+
+    walk(schema, "")
