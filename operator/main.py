@@ -34,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     render_p.add_argument("--default-image", default=os.environ.get(DEFAULT_IMAGE_ENV, FALLBACK_IMAGE),
                           help="Router (and warmfleet engine) image when spec.server.image is unset.")
     render_p.add_argument("-o", "--output", choices=("yaml", "json"), default="yaml", help="Output format.")
+    render_p.add_argument("--strict", action="store_true",
+                          help="Exit 1 when there are warnings (no matching node, a pool that fits nothing, clamped sizes).")
     crd_p = sub.add_parser("crd", help="Print the CRD, or regenerate the committed CRD files.")
     crd_p.add_argument("--write", metavar="REPO", help="Write crds/ and the chart's CRD template under this repo root.")
 
@@ -75,25 +77,62 @@ def load_docs(path: str) -> list[dict[str, Any]]:
     return out
 
 
+def render_warnings(plan: Any) -> list[str]:
+    """What a user should know before applying: no matching node, pools that fit nothing, clamped sizes."""
+    out = []
+    if not plan.pools:
+        out.append("matches no Ready, schedulable node: no server Deployment would be created "
+                   "(check spec.nodeSelector and the nodes' labels)")
+    for p in plan.pools:
+        if not p.sizing.fits:
+            out.append(f"pool {p.pool.name} fits no replica: {p.sizing.message}")
+        sources = (p.sizing.inputs.sources if p.sizing.inputs is not None else {}) or {}
+        for size, src in sorted(sources.items()):
+            if src in ("min", "max"):
+                out.append(f"pool {p.pool.name}: {size} clamped to its {src}")
+    if plan.pools and plan.capacity < plan.desired:
+        out.append(f"{plan.desired} replicas wanted, the pools can host {plan.capacity}")
+    return out
+
+
 def render_cmd(args: argparse.Namespace) -> int:
-    """Print the children of every InferenceService in -f, sized for the nodes in --nodes."""
+    """Print the children of every InferenceService in -f, sized for the nodes in --nodes, then its status.
+
+    The last document per service is the InferenceService with the status the operator would
+    write before any pod is ready. Warnings go to stderr; with --strict they make the exit code 1.
+    """
+    from warmfleet.operator import manifests as m
     from warmfleet.operator.nodes import node_info
-    from warmfleet.operator.reconcile import render
+    from warmfleet.operator.reconcile import owned, plan_for, utcnow
     from warmfleet.operator.schema import SpecError
-    from warmfleet.operator.spec import KIND
+    from warmfleet.operator.spec import KIND, served_name
+    from warmfleet.operator.status import healthy_status
 
     nodes = [node_info(n) for n in load_docs(args.nodes) if n.get("kind", "Node") == "Node"]
     services = [d for d in load_docs(args.filename) if d.get("kind") == KIND]
     if not services:
         raise ValueError(f"{args.filename} holds no {KIND}")
     objs: list[dict[str, Any]] = []
+    warned = 0
     for svc in services:
+        body = dict(svc)
+        meta = body["metadata"] = {"namespace": "default", "uid": "00000000-0000-0000-0000-000000000000",
+                                   **(svc.get("metadata") or {})}
+        name = meta.get("name")
         try:
-            objs += render(svc, nodes, args.default_image)
+            owner, spec, plan = plan_for(body, nodes, args.default_image)
         except SpecError as exc:  # one readable line naming the object (the CLI prints it, exit 2)
-            raise SpecError(exc.path, f"{exc.message} ({KIND} {(svc.get('metadata') or {}).get('name')})") from None
+            raise SpecError(exc.path, f"{exc.message} ({KIND} {name})") from None
+        objs += owned(plan.children, body)
+        for w in render_warnings(plan):
+            print(f"warmfleet operator render: warning: {KIND} {meta['namespace']}/{name}: {w}", file=sys.stderr)
+            warned += 1
+        status = healthy_status(plan=plan, generation=meta.get("generation"), model=served_name(spec, owner.name),
+                                endpoint=m.endpoint_url(owner, spec), selector=m.selector_string(owner),
+                                ready_by_pool={}, router_ready=0, previous={}, now=utcnow())
+        objs.append({**{k: v for k, v in svc.items() if k != "status"}, "status": status})
     sys.stdout.write(dump(objs, args.output))
-    return 0
+    return 1 if warned and args.strict else 0
 
 
 def dump(objs: Iterable[dict[str, Any]], fmt: str = "yaml") -> str:

@@ -218,6 +218,37 @@ def test_render_command_prints_the_example(tmp_path):
     assert sum(d["spec"]["replicas"] for d in servers(docs)) == 12
 
 
+def test_render_ends_with_status_and_warns_about_what_will_not_run(tmp_path, capsys):
+    from warmfleet.cli import main
+
+    example = yaml.safe_load((REPO / "examples/inferenceservice.yaml").read_text())
+    assert main(["operator", "render", "-f", str(REPO / "examples/inferenceservice.yaml"),
+                 "--nodes", str(REPO / "examples/nodes.yaml")]) == 0
+    captured = capsys.readouterr()
+    last = list(yaml.safe_load_all(captured.out))[-1]
+    assert last["kind"] == "InferenceService" and last["metadata"]["name"] == example["metadata"]["name"]
+    assert last["status"]["replicas"] == 12 and last["status"]["ready"] == "False"
+    assert "fits no replica" in captured.err  # the example's CPU node matches the selector but has no GPU
+    # a selector that matches no node: no server Deployment, a warning that says so; --strict makes it an error
+    example["spec"]["nodeSelector"] = {"warmfleet.io/serving": "nowhere"}
+    nomatch = tmp_path / "nomatch.yaml"
+    nomatch.write_text(yaml.safe_dump(example))
+    args = ["operator", "render", "-f", str(nomatch), "--nodes", str(REPO / "examples/nodes.yaml")]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "matches no Ready, schedulable node" in captured.err and not servers(list(yaml.safe_load_all(captured.out)))
+    reasons = {c["type"]: c["reason"] for c in list(yaml.safe_load_all(captured.out))[-1]["status"]["conditions"]}
+    assert reasons["Degraded"] == "NoMatchingNodes"
+    assert main(args + ["--strict"]) == 1
+    # clamped sizes are reported too
+    example["spec"]["nodeSelector"] = {"warmfleet.io/serving": "true"}
+    example["spec"].setdefault("cache", {})["swapSpace"] = {"mode": "Auto", "max": 1}
+    clamped = tmp_path / "clamped.yaml"
+    clamped.write_text(yaml.safe_dump(example))
+    assert main(["operator", "render", "-f", str(clamped), "--nodes", str(REPO / "examples/nodes.yaml")]) == 0
+    assert "swapSpace clamped to its max" in capsys.readouterr().err
+
+
 def test_render_reports_a_bad_spec(tmp_path, capsys):
     from warmfleet.cli import main
 
