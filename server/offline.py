@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
+from . import rendering
 from .config import GiB, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
 from .engine.core import EngineCore
 from .engine.protocol import GenerateRequest
@@ -64,7 +65,8 @@ class LLM:
         """Complete each prompt (text or token ids); returns outputs in input order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]  # type: ignore[union-attr]
+        token_lists = [rendering.completion_ids(self.tokenizer, p) if isinstance(p, str) else list(p)  # type: ignore[arg-type]
+                       for p in prompts]
         return self._run(token_lists, sampling_params or SamplingParams(), cache_salt)
 
     def chat(self, messages: Union[list[dict], list[list[dict]]], sampling_params: Optional[SamplingParams] = None,
@@ -82,7 +84,7 @@ class LLM:
                 token_lists.append(prepared.prompt.prompt_token_ids)
                 mm.append((prepared.prompt.mm_placeholders, prepared.images))
             else:
-                token_lists.append(self.tokenizer.encode(self.tokenizer.apply_chat_template(conv)))  # type: ignore[arg-type]
+                token_lists.append(rendering.chat_ids(self.tokenizer, conv))  # type: ignore[arg-type]
                 mm.append(([], []))
         return self._run(token_lists, sampling_params or SamplingParams(), cache_salt, mm)
 

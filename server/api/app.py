@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from ..config import EngineConfig
 from ..engine.protocol import EngineClient
 from ..tokenizer import ChatTemplateError
+from .. import rendering
 from . import errors
 from .errors import APIError, bad_request
 from .metrics import CONTENT_TYPE
@@ -20,7 +21,6 @@ from .serving import (
     chat_completions,
     check_token_ids,
     completions,
-    has_images,
     message_dict,
     parse_body,
     prepare_images,
@@ -86,19 +86,19 @@ def build_app(engine: Optional[EngineClient], tokenizer: Any, cfg: EngineConfig)
             if not body.messages:
                 raise bad_request("messages must not be empty", param="messages", code="invalid_value")
             messages = [message_dict(m, i) for i, m in enumerate(body.messages)]
-            if has_images(body.messages):  # pads expanded exactly as a chat request would send them
+            if rendering.has_images(body.messages):  # pads expanded exactly as a chat request would send them
                 images = await prepare_images(s, body.messages, messages, body.add_generation_prompt)
                 tokens = images.prompt_token_ids
                 return JSONResponse({"count": len(tokens), "max_model_len": engine.model_info.max_model_len,
                                      "tokens": tokens})
             try:
-                text = await s.run_sync(_template, s.tokenizer, messages, body.add_generation_prompt)
+                tokens = await s.run_sync(rendering.chat_ids, s.tokenizer, messages, body.add_generation_prompt)
             except ChatTemplateError as exc:
                 raise bad_request(str(exc), param="messages", code="invalid_messages") from None
-            add_special = False  # the template already wrote them
-        else:
-            text, add_special = body.prompt, body.add_special_tokens
-        tokens = await s.run_sync(s.tokenizer.encode, text, add_special)
+        elif body.add_special_tokens:
+            tokens = await s.run_sync(rendering.completion_ids, s.tokenizer, body.prompt)
+        else:  # vLLM's /tokenize flag: the raw text's ids, no special tokens added
+            tokens = await s.run_sync(s.tokenizer.encode, body.prompt, False)
         return JSONResponse({"count": len(tokens), "max_model_len": engine.model_info.max_model_len, "tokens": tokens})
 
     @api.post("/detokenize")
@@ -157,10 +157,6 @@ def build_app(engine: Optional[EngineClient], tokenizer: Any, cfg: EngineConfig)
 def attach_engine(app: FastAPI, engine: EngineClient, tokenizer: Any) -> None:
     """Point a running app at its engine once the model has loaded (/ready turns 200)."""
     app.state.wf.attach(engine, tokenizer)
-
-
-def _template(tokenizer: Any, messages: list[dict], add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
 
 
 async def _healthy(engine: EngineClient) -> bool:

@@ -23,6 +23,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from .. import rendering
 from ..engine.protocol import GenerateRequest
 from ..engine.sampling_params import SamplingParams
 from ..hashing import MMPlaceholder
@@ -37,7 +38,6 @@ from .state import ServerState
 M = TypeVar("M", bound=BaseModel)
 
 _BIG_BODY_BYTES = 256 << 10  # bodies larger than this are parsed off the event loop
-IMAGE_PART_TYPES = ("image_url", "image")  # as multimodal.prompt, which text-only requests never import
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "client went away"; logged, never seen by the client
 
 
@@ -263,12 +263,12 @@ async def chat_completions(request: Request, state: ServerState) -> Response:
         raise bad_request(f"top_logprobs must be in [0, 20], got {body.top_logprobs}", param="top_logprobs")
     messages = [message_dict(m, i) for i, m in enumerate(body.messages)]
     images: Optional[ImageInputs] = None
-    if has_images(body.messages):
+    if rendering.has_images(body.messages):
         images = await prepare_images(state, body.messages, messages, body.add_generation_prompt, body.cache_salt)
         prompt_ids = images.prompt_token_ids
     else:
         try:
-            prompt_ids = await state.run_sync(_render_chat, state.tokenizer, messages, body.add_generation_prompt)
+            prompt_ids = await state.run_sync(rendering.chat_ids, state.tokenizer, messages, body.add_generation_prompt)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), param="messages", code="invalid_messages") from None
         check_no_image_tokens(state, prompt_ids, "messages")
@@ -291,7 +291,7 @@ def message_dict(m: Any, index: int) -> dict[str, Any]:
     msg = m.model_dump(exclude_none=True)
     if isinstance(m.content, list):
         for part in m.content:
-            if part.type != "text" and part.type not in IMAGE_PART_TYPES:
+            if part.type != "text" and part.type not in rendering.IMAGE_PART_TYPES:
                 raise bad_request(
                     f"messages[{index}]: content part type {part.type!r} is not supported by this server",
                     param=f"messages.{index}.content", code="unsupported_value",
@@ -300,22 +300,6 @@ def message_dict(m: Any, index: int) -> dict[str, Any]:
 
 
 # ---- images ---------------------------------------------------------------------------------------
-def _is_image_part(part: Any) -> bool:
-    """The rule of multimodal.prompt.image_parts, on the parsed model (no multimodal import for text)."""
-    return part.type in IMAGE_PART_TYPES or part.image_url is not None or getattr(part, "image", None) is not None
-
-
-def has_images(messages: list[Any]) -> bool:
-    return any(isinstance(m.content, list) and any(_is_image_part(p) for p in m.content) for m in messages)
-
-
-def _first_image_part(messages: list[Any]) -> tuple[int, int]:
-    for i, m in enumerate(messages):
-        if isinstance(m.content, list):
-            for j, p in enumerate(m.content):
-                if _is_image_part(p):
-                    return i, j
-    raise ValueError("no image part")
 
 
 @dataclass
@@ -354,7 +338,7 @@ async def prepare_images(state: ServerState, parsed: list[Any], messages: list[d
                          add_generation_prompt: bool, cache_salt: Optional[str] = None) -> ImageInputs:
     """Load, hash, preprocess (or fetch from the processor cache) and expand; every bad input is a 400."""
     if not state.is_multimodal:
-        i, j = _first_image_part(parsed)
+        i, j = rendering.image_part_positions(parsed)[0]
         raise bad_request(
             f"messages[{i}].content[{j}]: the model `{state.model_name}` does not accept images (text-only model)",
             param=f"messages.{i}.content.{j}", code="unsupported_value",
@@ -382,9 +366,6 @@ async def prepare_images(state: ServerState, parsed: list[Any], messages: list[d
     )
 
 
-def _render_chat(tokenizer: Any, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 async def run_to_completion(state: ServerState, choices: list[Choice]) -> dict[int, list]:
@@ -483,7 +464,7 @@ async def _completion_prompts(body: CompletionRequest, state: ServerState) -> tu
     texts: list[str] = []
     for i, item in enumerate(p):
         if isinstance(item, str):
-            ids = await state.run_sync(_encode, state.tokenizer, item)
+            ids = await state.run_sync(rendering.completion_ids, state.tokenizer, item)
             text = item
         else:
             ids = list(item)
@@ -497,8 +478,6 @@ async def _completion_prompts(body: CompletionRequest, state: ServerState) -> tu
     return prompts, texts
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    return tokenizer.encode(text, add_special_tokens=True)
 
 
 async def _completion_full(state: ServerState, choices: list[Choice], meta: dict, num_logprobs: Optional[int],

@@ -51,7 +51,7 @@ class EngineCore:
         self.pool = BlockPool(gpu, cpu, cfg.cache.enable_prefix_caching, cfg.cache.block_size)
         self.kv = KVCacheManager(self.pool, cfg.cache.block_size, self.info.model_fingerprint, cfg.cache.prefix_hash_algo)
         self.scheduler = Scheduler(cfg.scheduler, self.kv, self.info.max_model_len)
-        self.is_multimodal = hasattr(self.model, "encode_images")
+        self.is_multimodal = self.info.is_multimodal  # rendering.is_multimodal: the config has a vision tower
         self.encoder_cache = EncoderCache(cfg.cache.max_encoder_cache) if self.is_multimodal else None
         self.num_steps = 0
         log.info("engine ready: model=%s arch=%s load_s=%.1f", self.info.served_model_name,

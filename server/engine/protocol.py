@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Optional, Protocol
 
+from .. import rendering
 from ..config import EngineConfig
 from ..hashing import MMPlaceholder, model_fingerprint
 from .request import RequestOutput
@@ -74,7 +75,7 @@ def read_model_info(cfg: EngineConfig) -> ModelInfo:
     return ModelInfo(
         served_model_name=cfg.model.served_model_name or d.resolve().name,
         model_dir=str(d), max_model_len=max_len, model_fingerprint=model_fingerprint(d),
-        block_size=cfg.cache.block_size, architecture=arch, is_multimodal="VL" in arch,
+        block_size=cfg.cache.block_size, architecture=arch, is_multimodal=rendering.is_multimodal(hf),
     )
 
 

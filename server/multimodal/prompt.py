@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Protocol, Sequence
 
+from .. import rendering
 from ..hashing import MMPlaceholder, digest_fn, mm_hash
 from .media import MediaError, decode_data_uri, image_size
 from .processor import ImageProcessorConfig
@@ -24,7 +25,6 @@ from .processor import ImageProcessorConfig
 VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"
 IMAGE_PAD = "<|image_pad|>"
-IMAGE_PART_TYPES = ("image_url", "image")
 
 
 class UnknownMediaError(MediaError):
@@ -64,8 +64,6 @@ class ExpandedPrompt:
         return sum(m.length for m in self.mm_placeholders)
 
 
-def _is_image_part(part: dict) -> bool:
-    return part.get("type") in IMAGE_PART_TYPES or part.get("image_url") is not None or part.get("image") is not None
 
 
 def _part_uuid(part: dict) -> Optional[str]:
@@ -92,7 +90,7 @@ def image_parts(messages: Sequence[dict]) -> list[ImagePart]:
             ptype = part.get("type")
             if ptype in ("video", "video_url") or "video" in part or "video_url" in part:
                 raise MediaError(where, "video input is not supported")
-            if not _is_image_part(part):
+            if not rendering.is_image_part(part):
                 continue
             img = part.get("image_url", part.get("image"))
             url = img.get("url") if isinstance(img, dict) else img
@@ -128,7 +126,7 @@ def _template_messages(messages: Sequence[dict]) -> list[dict]:
         if isinstance(content, list):
             parts = []
             for part in content:
-                if isinstance(part, dict) and _is_image_part(part):
+                if isinstance(part, dict) and rendering.is_image_part(part):
                     part = {"type": "image_url", "image_url": {"url": ""}}
                 elif isinstance(part, dict):  # a pydantic dump may carry image_url=None on text parts
                     part = {k: v for k, v in part.items() if v is not None}
@@ -164,8 +162,7 @@ def render_tokens(tokenizer, messages: Sequence[dict], **template_kwargs) -> tup
     pad_id = tokenizer.token_to_id(IMAGE_PAD)
     if pad_id is None:
         raise ValueError(f"this model's tokenizer has no {IMAGE_PAD} token; it does not accept images")
-    text = tokenizer.apply_chat_template(_template_messages(messages), **template_kwargs)
-    return tokenizer.encode(text, add_special_tokens=False), pad_id
+    return rendering.chat_ids(tokenizer, _template_messages(messages), **template_kwargs), pad_id
 
 
 def expand(tokenizer, messages: Sequence[dict], images: Sequence[ImageInfo], merge_size: int,

@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
+from .. import rendering
 from ..hashing import MMPlaceholder, block_extra_keys, block_hashes, hash_block, root_hash
 
 IMAGE_PAD_TOKENS = ("<|image_pad|>", "<image>")  # placeholder tokens a template emits per image, by model family
@@ -35,12 +36,6 @@ def _mm_render() -> Optional[Callable[..., Any]]:
         return importlib.import_module("warmfleet.server.multimodal.prompt").render
     except (ImportError, AttributeError):
         return None
-
-
-def _has_images(messages: list) -> bool:
-    return any(isinstance(m, dict) and isinstance(m.get("content"), list)
-               and any(isinstance(p, dict) and p.get("type") not in (None, "text") for p in m["content"])
-               for m in messages)
 
 
 def _as_replica_sees(message: Any) -> Any:
@@ -164,10 +159,9 @@ class PromptRenderer:
             raise ValueError("messages must be a non-empty list")
         messages = [_as_replica_sees(m) for m in messages]
         add_gen = bool(body.get("add_generation_prompt", True))
-        if _has_images(messages):
+        if rendering.has_images(messages):
             return self._chat_with_images(messages, add_gen, body.get("cache_salt"))
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen)
-        ids = self._encode_chat(text)
+        ids = rendering.chat_ids(self.tokenizer, messages, add_gen, encode=self._encode_chat)
         return Prompt(ids, [], len(ids))
 
     def _chat_with_images(self, messages: list, add_gen: bool, cache_salt: Optional[str] = None) -> Prompt:
@@ -180,8 +174,7 @@ class PromptRenderer:
                                          hash_algo=self.hash_algo, cache_salt=cache_salt, memo=self.images,
                                          add_generation_prompt=add_gen)
             return Prompt(list(ids), list(items), len(ids))
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen)
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = rendering.chat_ids(self.tokenizer, messages, add_gen)
         cut = next((i for i, t in enumerate(ids) if t in self._image_pad_ids), len(ids))
         return Prompt(ids[:cut], [], len(ids))
 
@@ -190,7 +183,7 @@ class PromptRenderer:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
             prompt = prompt[0]  # a batch goes where its first prompt is warm
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            ids = rendering.completion_ids(self.tokenizer, prompt)
         elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             ids = list(prompt)
         else:
