@@ -35,7 +35,6 @@ def vl(request, tmp_path_factory):
     meta = json.loads((GOLDEN / arch / "meta.json").read_text())
     ckpt = make_tiny_vl_model(tmp_path_factory.mktemp(arch), arch=arch, size="tiny", seed=0)
     assert hashlib.sha256((ckpt / "model.safetensors").read_bytes()).hexdigest() == meta["weights_sha256"]
-    qwen2_vl.register()
     model, _ = load_model(ckpt, CpuPagedAttention())
     return arch, meta, model, Tokenizer(ckpt), ImageProcessor.from_model_dir(ckpt)
 

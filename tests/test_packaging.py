@@ -6,13 +6,15 @@ import sys
 import pytest
 
 
-def test_stdlib_operator_is_not_shadowed():
-    import operator
-
-    import warmfleet.operator
-
-    assert operator.eq(1, 1) and hasattr(operator, "itemgetter")
-    assert warmfleet.operator.__name__ == "warmfleet.operator"
+def test_stdlib_operator_is_not_shadowed(tmp_path):
+    """In a fresh interpreter (this one imported the stdlib module long ago), importing warmfleet.operator
+    first must leave `import operator` to the standard library."""
+    code = ("import warmfleet.operator, operator, sysconfig; "
+            "assert warmfleet.operator.__name__ == 'warmfleet.operator'; "
+            "assert operator.__file__.startswith(sysconfig.get_paths()['stdlib']), operator.__file__; "
+            "assert callable(operator.itemgetter)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
 
 
 def _cli(*args):

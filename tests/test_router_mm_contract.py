@@ -3,7 +3,6 @@
 
 import pytest
 
-from warmfleet.server.hashing import block_hashes, model_fingerprint
 from warmfleet.server.multimodal.inputs import ImageInputPreparer
 from warmfleet.server.multimodal.media import MediaConfig, MediaLoader
 from warmfleet.server.multimodal.processor import ImageProcessor
@@ -21,7 +20,7 @@ def messages(seed, uuid=None):
 
 
 @pytest.mark.parametrize("uuid, salt", [(None, None), (None, "tenant-a"), ("photo-1", None), ("photo-1", "tenant-a")])
-def test_router_and_frontend_agree_on_ids_placeholders_and_block_hashes(tiny_vl_dir, uuid, salt):
+def test_router_and_frontend_agree_on_ids_and_placeholders(tiny_vl_dir, uuid, salt):
     frontend = ImageInputPreparer(Tokenizer(tiny_vl_dir), ImageProcessor.from_model_dir(tiny_vl_dir),
                                   MediaLoader(MediaConfig()))
     replica = frontend.prepare(messages(7, uuid), cache_salt=salt, add_generation_prompt=True)
@@ -31,9 +30,7 @@ def test_router_and_frontend_agree_on_ids_placeholders_and_block_hashes(tiny_vl_
     assert renderer.images.hits == 1 and again == routed
     assert routed.token_ids == replica.prompt.prompt_token_ids
     assert routed.mm_items == replica.prompt.mm_placeholders and len(routed.mm_items) == 1
-    fp = model_fingerprint(tiny_vl_dir)
-    assert (block_hashes(routed.token_ids, routed.mm_items, 16, fp, salt)
-            == block_hashes(replica.prompt.prompt_token_ids, replica.prompt.mm_placeholders, 16, fp, salt))
+    # equal ids and placeholders are all contract 1 hashes: the block hashes agree by construction
 
 
 def test_uuid_identity_differs_per_tenant(tiny_vl_dir):

@@ -1,7 +1,8 @@
 """Attention over the paged KV cache: per-step metadata and the CPU backend (gather + SDPA).
 
 The model calls `backend.forward(q, k, v, layer_cache, meta)` and never sees block tables.
-A GPU backend (Paddle's fused block attention) implements the same two methods.
+`AttentionBackend` is the protocol (`allocate`, `forward`); the CPU backend below is its only
+implementation today (a GPU one, e.g. Paddle's fused block attention, would implement the same).
 
 Cache layout per layer: `key`, `value` of shape [num_blocks * block_size, num_kv_heads, head_dim]
 ("slots"); slot = block_id * block_size + offset_in_block.

@@ -1,8 +1,9 @@
 """Checkpoint loading: config.json -> model class (registry), safetensors shards -> parameters.
 
 A model class exposes `checkpoint_parameters()` (checkpoint name -> parameter) and
-`ignored_checkpoint_key(name)`; everything else is generic. Multimodal models register
-themselves with `register_model("Qwen2VLForConditionalGeneration", cls)`.
+`ignored_checkpoint_key(name)`; everything else is generic. MODEL_REGISTRY lists every
+architecture (the VL ones included) as "module:Class", imported on first use; `register_model`
+adds one at run time (a model defined outside this package).
 """
 
 from __future__ import annotations

@@ -312,10 +312,3 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
 
     is_v25 = True
 
-
-def register() -> None:
-    """Add both VL architectures to the loader's registry."""
-    from .loader import register_model
-
-    register_model("Qwen2VLForConditionalGeneration", Qwen2VLForConditionalGeneration)
-    register_model("Qwen2_5_VLForConditionalGeneration", Qwen2_5_VLForConditionalGeneration)

@@ -260,8 +260,8 @@ class ProcessorCacheClient:
 class ProcessorCacheProcess:
     """Owns the pod's cache server process: starts it, restarts it whenever it exits, stops it.
 
-    The process is a fresh `python -P` interpreter (msgpack config on argv, nothing pickled),
-    so it never imports from the current directory.
+    The process is a fresh `python -P` interpreter (its address and byte budget on argv, nothing
+    pickled), so it never imports from the current directory.
     """
 
     def __init__(self, address: str, capacity_bytes: int):
