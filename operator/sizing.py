@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from warmfleet.operator.engines import Engine, engine_of
 from warmfleet.operator.nodes import GiB, MiB, Pool
 from warmfleet.operator.spec import GiBSize, InferenceServiceSpec, PoolInputs, PoolSizes, TokenSize
+from warmfleet.server.config import DTYPE_BYTES
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 PROCESSOR_GIB_PER_FRONTEND = 4.0  # Auto processor cache ceiling per API frontend
 API_FRONTENDS = 1  # `warmfleet serve` runs one API frontend per replica
 PROCESSOR_HOST_SHARE = 0.10  # Auto processor cache ceiling as a share of H

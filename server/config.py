@@ -15,7 +15,8 @@ GiB = 1 << 30
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20  # also the router's default
 
 HASH_ALGOS = ("blake3", "sha256", "xxhash")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per element of each --dtype
+DTYPES = tuple(DTYPE_BYTES)
 
 
 def _opt(flag: str, help: str, **kw: Any) -> dict:
@@ -109,6 +110,11 @@ class ServerConfig:
         default=20 << 20, metadata=_opt("--media-max-bytes", "Largest image download, in bytes.")
     )
     log_level: str = field(default="info", metadata=_opt("--log-level", "Log level.", choices=("debug", "info", "warning", "error")))
+
+
+def replica_id(server: "ServerConfig") -> str:
+    """The replica's name in KV events, metrics and the x-warmfleet-replica header: --replica-id, else host:port."""
+    return server.replica_id or f"{server.host}:{server.port}"
 
 
 @dataclass

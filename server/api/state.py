@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 import anyio
 
-from ..config import EngineConfig
+from ..config import EngineConfig, replica_id
 from ..engine.protocol import EngineClient
 from .errors import APIError
 from .metrics import Metrics, ProcessorCacheView
@@ -26,16 +26,12 @@ def served_model_name(cfg: EngineConfig) -> str:
     return cfg.model.served_model_name or Path(cfg.model.model.rstrip("/")).name or "model"
 
 
-def replica_id(cfg: EngineConfig) -> str:
-    return cfg.server.replica_id or f"{cfg.server.host}:{cfg.server.port}"
-
-
 class ServerState:
     """Engine and tokenizer are attached once the model has loaded; until then /v1 answers 503."""
 
     def __init__(self, cfg: EngineConfig, engine: Optional[EngineClient] = None, tokenizer: Any = None):
         self.cfg = cfg
-        self.replica_id = replica_id(cfg)
+        self.replica_id = replica_id(cfg.server)
         self.api_key = cfg.server.api_key or os.environ.get("WARMFLEET_API_KEY") or None
         self.model_name = engine.model_info.served_model_name if engine is not None else served_model_name(cfg)
         self.metrics = Metrics(self.model_name)

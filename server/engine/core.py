@@ -12,7 +12,7 @@ from typing import Optional
 import numpy as np
 import paddle
 
-from ..config import EngineConfig
+from ..config import EngineConfig, replica_id
 from ..events import EventPublisher, Load, Snapshot
 from ..multimodal.mrope import mrope_positions
 from ..multimodal.wire import from_msgpack
@@ -37,7 +37,7 @@ class EngineCore:
         self.cfg = cfg
         self.info = read_model_info(cfg)
         self.publisher = publisher
-        self.replica_id = publisher.replica_id if publisher else (cfg.server.replica_id or "local")
+        self.replica_id = publisher.replica_id if publisher else replica_id(cfg.server)
         paddle.seed(cfg.model.seed)
         t0 = time.monotonic()
         backend = CpuPagedAttention()

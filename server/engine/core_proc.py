@@ -33,6 +33,7 @@ def run_engine_core(cfg_dict: dict, in_addr: str, out_addr: str) -> None:
     """Process entry point: `python -P -m warmfleet.server.engine.core_proc CONFIG_JSON IN_ADDR OUT_ADDR`."""
     import zmq
 
+    from ..config import replica_id
     from ..events import EventPublisher
     from . import serde
     from .core import EngineCore
@@ -63,8 +64,7 @@ def run_engine_core(cfg_dict: dict, in_addr: str, out_addr: str) -> None:
     try:
         publisher = None
         if cfg.server.kv_events_port is not None:
-            rid = cfg.server.replica_id or f"{cfg.server.host}:{cfg.server.port}"
-            publisher = EventPublisher(rid, f"tcp://{cfg.server.kv_events_host}:{cfg.server.kv_events_port}")
+            publisher = EventPublisher(replica_id(cfg.server), f"tcp://{cfg.server.kv_events_host}:{cfg.server.kv_events_port}")
         core = EngineCore(cfg, publisher)
     except Exception as exc:  # report why, then exit: the API process turns it into one log line
         log.exception("engine failed to start")

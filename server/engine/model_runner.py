@@ -13,7 +13,7 @@ from typing import Any, Optional
 import numpy as np
 import paddle
 
-from ..config import GiB, CacheConfig
+from ..config import DTYPE_BYTES, GiB, CacheConfig
 from ..multimodal.mrope import positions_for_span
 from .attention import AttentionBackend, AttentionMetadata, LayerCache, dense_transposes
 from .block_pool import SwapPlan
@@ -23,7 +23,6 @@ from .scheduler import SchedulerOutput
 
 log = logging.getLogger("warmfleet.engine")
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DEFAULT_CPU_KV_GIB = 1.0
 
 

@@ -19,9 +19,9 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
+from ..config import DTYPES
 from ..engine.attention import AttentionBackend, AttentionMetadata, LayerCache
 
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _param(layer: nn.Layer, shape: list[int], dtype: str) -> paddle.Tensor:
