@@ -10,7 +10,8 @@ SUBCOMMANDS = {
     "serve": ("warmfleet.server.api.serve", "Run one replica: engine + OpenAI-compatible HTTP API."),
     "route": ("warmfleet.server.router.main", "Run the cache-affinity router in front of replicas."),
     "operator": ("warmfleet.operator.main", "Run the kopf operator, or render its objects offline."),
-    "make-tiny-model": ("warmfleet.server.models.tiny", "Write a random Hugging Face checkpoint for tests and demos."),
+    "fetch-model": ("warmfleet.fetch", "Download an hf:// or s3:// model into a cache directory (resumable, verified)."),
+    "make-tiny-model": ("warmfleet.server.models.make_tiny", "Write a random Hugging Face checkpoint for tests and demos."),
     "demo": ("warmfleet.demo", "Start a local fleet on a tiny checkpoint (no cluster needed)."),
     "doctor": ("warmfleet.doctor", "Check this machine: Python, Paddle, CPU, memory for the caches, test and e2e tools."),
 }

@@ -1,4 +1,4 @@
-"""`warmfleet make-tiny-model`: writes a small random Hugging Face checkpoint (config, weights, tokenizer); no paddle, no torch.
+"""Small random Hugging Face checkpoints (config, weights, tokenizer) for tests and demos; no paddle, no torch.
 
 The checkpoint is byte-for-byte deterministic for a given (arch, size, seed, overrides), so the
 golden logits in tests/golden/ (made once with `transformers`) can be checked in CI by rebuilding
@@ -9,9 +9,7 @@ Qwen2-VL's vision tokens so a VL variant can reuse it.
 
 from __future__ import annotations
 
-import argparse
 import json
-import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -56,7 +54,6 @@ SIZES: dict[str, dict[str, Any]] = {
                   num_attention_heads=8, num_key_value_heads=4, initializer_range=0.02),
 }
 ARCHS = ("qwen2", "llama")
-VL_ARCHS = ("qwen2_vl", "qwen2_5_vl")  # written by warmfleet.server.multimodal.tiny_vl
 MAX_POSITION_EMBEDDINGS = 4096
 
 
@@ -198,8 +195,6 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", size: str = "tiny", se
     `overrides` replaces config.json fields before the weights are drawn (e.g.
     {"tie_word_embeddings": True} or {"head_dim": 32}); weights follow the final config.
     """
-    from safetensors.numpy import save_file
-
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
     if size not in SIZES:
@@ -212,41 +207,28 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", size: str = "tiny", se
     config = _arch_config(arch, size, vocab, ids)
     config.update(overrides or {})
     weights = random_weights(config, seed)
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    template = QWEN2_CHAT_TEMPLATE_PATH.read_text(encoding="utf-8")
+    return write_checkpoint(out, config, weights, tok, ids, template)
 
+
+def write_checkpoint(out: Path, config: dict, weights: dict, tok: Any, ids: dict, template: str,
+                     extra: Optional[dict[str, Any]] = None) -> Path:
+    """Weights, config, generation config, tokenizer files and chat template in HF's layout (+ `extra` JSON files)."""
+    from safetensors.numpy import save_file
+
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", {
         "bos_token_id": ids["<|endoftext|>"], "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
         "pad_token_id": ids["<|endoftext|>"], "transformers_version": config["transformers_version"],
     })
+    for name, obj in (extra or {}).items():
+        _write_json(out / name, obj)
     tok.save(str(out / "tokenizer.json"))
     tok.model.save(str(out))  # vocab.json + merges.txt, as Qwen ships them
-    _write_json(out / "tokenizer_config.json",
-                _tokenizer_config(QWEN2_CHAT_TEMPLATE_PATH.read_text(encoding="utf-8"), ids))
+    _write_json(out / "tokenizer_config.json", _tokenizer_config(template, ids))
     return out
 
 
 def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("out", help="Output directory (created if missing).")
-    parser.add_argument("--arch", choices=ARCHS + VL_ARCHS, default="qwen2", help="Model architecture.")
-    parser.add_argument("--size", choices=tuple(SIZES), default="tiny",
-                        help="tiny: 2 layers, hidden 64 (tests); bench: 4 layers, hidden 512 (CPU benchmarks).")
-    parser.add_argument("--seed", type=int, default=0, help="Weight seed; same seed, same bytes.")
-    parser.add_argument("--tie-word-embeddings", action="store_true", help="Share embed_tokens with lm_head.")
-
-
-def run(args: argparse.Namespace) -> int:
-    t0 = time.perf_counter()
-    overrides = {"tie_word_embeddings": True} if args.tie_word_embeddings else None
-    if args.arch in VL_ARCHS:
-        from ..multimodal.tiny_vl import make_tiny_vl_model
-
-        out = make_tiny_vl_model(args.out, arch=args.arch, size=args.size, seed=args.seed, overrides=overrides)
-    else:
-        out = make_tiny_model(args.out, arch=args.arch, size=args.size, seed=args.seed, overrides=overrides)
-    print(f"wrote {args.arch}/{args.size} checkpoint (seed {args.seed}) to {out} in {time.perf_counter() - t0:.2f} s")
-    return 0

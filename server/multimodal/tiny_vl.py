@@ -108,8 +108,6 @@ def random_vision_weights(config: dict[str, Any], seed: int) -> dict[str, np.nda
 def make_tiny_vl_model(out: str | Path, arch: str = "qwen2_vl", size: str = "tiny", seed: int = 0,
                        overrides: Optional[dict[str, Any]] = None) -> Path:
     """Write a random VL checkpoint to `out` and return its path (what `make-tiny-model --arch qwen2_vl` calls)."""
-    from safetensors.numpy import save_file
-
     if arch not in VL_ARCHS:
         raise ValueError(f"unknown VL arch {arch!r}; choose from {VL_ARCHS}")
     if size not in VL_SIZES:
@@ -123,20 +121,9 @@ def make_tiny_vl_model(out: str | Path, arch: str = "qwen2_vl", size: str = "tin
     config.update(overrides or {})
     weights = tiny.random_weights({**config, "model_type": "qwen2"}, seed)
     weights.update(random_vision_weights(config, seed))
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-
-    tiny._write_json(out / "config.json", config)
-    tiny._write_json(out / "generation_config.json", {
-        "bos_token_id": ids["<|endoftext|>"], "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
-        "pad_token_id": ids["<|endoftext|>"], "transformers_version": config["transformers_version"],
-    })
     proc = ImageProcessorConfig(max_pixels=VL_SIZES[size]["max_pixels"]).to_hf_dict()
     if arch == "qwen2_5_vl":
         proc["processor_class"] = "Qwen2_5_VLProcessor"
-    tiny._write_json(out / "preprocessor_config.json", proc)
-    tok.save(str(out / "tokenizer.json"))
-    tok.model.save(str(out))
     template = tiny.QWEN2_VL_CHAT_TEMPLATE_PATH.read_text(encoding="utf-8")
-    tiny._write_json(out / "tokenizer_config.json", tiny._tokenizer_config(template, ids))
-    tiny._write_json(out / "chat_template.json", {"chat_template": template})
-    return out
+    return tiny.write_checkpoint(out, config, weights, tok, ids, template, extra={
+        "preprocessor_config.json": proc, "chat_template.json": {"chat_template": template}})
