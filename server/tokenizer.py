@@ -90,8 +90,6 @@ class Tokenizer:
         """Ids outside the tokenizer (a model vocab padded past it) decode to nothing."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[Optional[str]]:
-        return [self._tok.id_to_token(i) for i in ids]
 
     # ---- chat template ------------------------------------------------------------------------
     @staticmethod

@@ -162,8 +162,6 @@ class AsyncEngine:
     async def snapshot(self) -> dict:
         return await self._call("snapshot")
 
-    async def reset_prefix_cache(self) -> bool:
-        return bool(await self._call("reset_prefix_cache"))
 
     async def check_health(self) -> bool:
         return self.dead is None and self._proc is not None and self._proc.poll() is None

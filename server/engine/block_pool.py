@@ -18,7 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..events import CPU, GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from ..events import CPU, GPU, BlockRemoved, BlockStored, KVEvent
 from ..hashing import BlockHash
 
 
@@ -201,10 +201,6 @@ class BlockPool:
         self.cpu.free_ids.append(self.cpu.lru.pop(h))
         self._events.append(BlockRemoved([h], CPU))
 
-    def touch_cpu(self, h: BlockHash) -> None:
-        """Mark a swap-tier entry as recently used."""
-        if self.cpu is not None and h in self.cpu.lru:
-            self.cpu.lru.move_to_end(h)
 
     def take_plan(self) -> SwapPlan:
         """Drain the copies scheduled since the last call; swap-in sources become reusable after it."""
@@ -219,18 +215,6 @@ class BlockPool:
         ev, self._events = self._events, []
         return ev
 
-    def reset(self) -> bool:
-        """Forget every cached hash in both tiers (only when no block is in use). Returns success."""
-        if any(self.ref_cnt):
-            return False
-        for bid in range(self.num_gpu_blocks):
-            self.block_hash[bid] = None
-        self.cached.clear()
-        if self.cpu is not None:
-            self.cpu.free_ids.extend(self.cpu.lru.values())
-            self.cpu.lru.clear()
-        self._events.append(AllBlocksCleared())
-        return True
 
     def snapshot(self) -> tuple[list[BlockHash], list[BlockHash]]:
         """Hashes held per tier (GPU, CPU)."""

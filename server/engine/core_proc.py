@@ -123,8 +123,6 @@ def _call(core, method: str):
         return dataclasses.asdict(core.stats())
     if method == "snapshot":
         return core.snapshot().to_json()
-    if method == "reset_prefix_cache":
-        return core.pool.reset()
     return {"error": f"unknown method {method}"}
 
 

@@ -10,7 +10,6 @@ because its logits are needed to sample the first output token.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from ..events import CPU, GPU
 from ..hashing import BlockHash, block_hashes
@@ -135,8 +134,3 @@ class KVCacheManager:
 
     def usage(self) -> float:
         return self.pool.usage()
-
-    def hit_rate(self) -> Optional[float]:
-        if not self.num_query_tokens:
-            return None
-        return (self.num_hit_tokens_gpu + self.num_hit_tokens_cpu) / self.num_query_tokens

@@ -66,9 +66,6 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
-    @property
-    def is_prefill(self) -> bool:
-        return self.num_computed_tokens < self.num_tokens - 1
 
 
 @dataclass

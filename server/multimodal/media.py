@@ -14,7 +14,6 @@ and truncated or non-image data fails instead of producing a half-grey picture.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 import io
@@ -309,7 +308,3 @@ class MediaLoader:
     def load(self, url: str, where: str) -> LoadedImage:
         data, source = self.load_bytes(url, where)
         return LoadedImage(data, decode_image(data, where, self.cfg.max_image_pixels), source)
-
-    async def load_async(self, url: str, where: str) -> LoadedImage:
-        """`load` on a worker thread, so DNS, download and decoding never block the event loop."""
-        return await asyncio.to_thread(self.load, url, where)

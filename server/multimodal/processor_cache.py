@@ -21,7 +21,6 @@ import logging
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -39,9 +38,6 @@ log = logging.getLogger("warmfleet.processor_cache")
 DEFAULT_TIMEOUT_S = 0.5
 
 
-def default_address(tag: str = "") -> str:
-    """A per-pod IPC endpoint under the temp directory (an emptyDir / /dev/shm in a pod)."""
-    return f"ipc://{tempfile.gettempdir()}/warmfleet-processor-cache{('-' + tag) if tag else ''}-{os.getuid()}.sock"
 
 
 @dataclass
