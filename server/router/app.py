@@ -50,11 +50,103 @@ class RouterSettings:
     predicted_ttl_s: float = 600.0  # FastDeploy: age after which a predicted block is forgotten
 
 
-def build_app(settings: RouterSettings) -> FastAPI:
-    metrics = RouterMetrics()
-    limiter = ConcurrencyLimiter(settings.max_concurrent_per_client)
+async def json_body(request: Request, max_bytes: int) -> tuple[dict, bytes] | Response:
+    """The request's JSON object and raw bytes, or the 4xx to answer (413 before buffering past the cap)."""
+    try:
+        raw = await read_capped(request, max_bytes)
+    except BodyTooLarge as exc:
+        return error_response(413, str(exc), "invalid_request_error")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return error_response(400, "request body is not valid JSON", "invalid_request_error")
+    if not isinstance(body, dict):
+        return error_response(400, "request body must be a JSON object", "invalid_request_error")
+    return body, raw
+
+
+class Frontend:
+    """What every OpenAI route does before the proxy: body cap and JSON, API key and tenant salt, per-client limit."""
+
+    def __init__(self, settings: RouterSettings, limiter: ConcurrencyLimiter, state: dict):
+        self.settings, self.limiter, self.state = settings, limiter, state
+
+    def client_headers(self, request: Request) -> dict:
+        """Headers passed upstream: the client's auth only when the router itself checks none."""
+        auth = request.headers.get("authorization")
+        return {"authorization": auth} if auth and not self.settings.tenants.enabled else {}
+
+    async def admit(self, request: Request, body: Optional[dict], call: Callable[[], Awaitable[Response]]) -> Response:
+        """Authenticate (and salt `body` for the tenant), hold a per-client slot until the last byte is sent."""
+        tenants, limiter = self.settings.tenants, self.limiter
+        client = request.client.host if request.client else "unknown"
+        if tenants.enabled:
+            key = tenants.authenticate(request.headers.get("authorization"))
+            if key is None:
+                return error_response(401, "missing or unknown API key", "authentication_error")
+            client = "key:" + key
+            if body is not None:
+                salt = body.get("cache_salt")
+                body["cache_salt"] = tenants.salt_for(key, salt if isinstance(salt, str) else None)
+        if not limiter.try_acquire(client):
+            return error_response(429, f"more than {limiter.limit} concurrent requests from this client",
+                                  "rate_limit_error")
+        try:
+            resp = await call()
+        except BaseException:
+            limiter.release(client)
+            raise
+        if resp.background is None:  # release when the last byte has gone (streams run after return)
+            async def release() -> None:  # async: a sync background task would hop to a worker thread
+                limiter.release(client)
+
+            resp.background = BackgroundTask(release)
+        else:
+            limiter.release(client)
+        return resp
+
+    async def generate(self, request: Request, path: str, kind: str) -> Response:
+        parsed = await json_body(request, self.settings.max_request_bytes)
+        if isinstance(parsed, Response):
+            return parsed
+        body, raw = parsed
+        # the client's bytes go upstream as they came unless the router rewrote the body (tenant salt)
+        fwd_raw = None if self.settings.tenants.enabled else raw
+        return await self.admit(request, body, lambda: self.state["proxy"].forward(
+            path, kind, body, self.client_headers(request), fwd_raw))
+
+    async def plain(self, request: Request, method: str, path: str) -> Response:
+        """Forward a request the router does not route by cache (models, tokenize) to any healthy replica."""
+        raw = b""
+        if method == "POST":
+            try:
+                raw = await read_capped(request, self.settings.max_request_bytes)
+            except BodyTooLarge as exc:
+                return error_response(413, str(exc), "invalid_request_error")
+        return await self.admit(request, None, lambda: self.state["proxy"].forward_plain(
+            method, path, raw, self.client_headers(request)))
+
+
+FAST_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+
+
+class FastPath:
+    """Pure ASGI for the two hot POST routes: skips FastAPI's routing and per-endpoint machinery."""
+
+    def __init__(self, inner, frontend: Frontend):
+        self.inner, self.frontend = inner, frontend
+
+    async def __call__(self, scope, receive, send):
+        kind = FAST_PATHS.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if kind is None or scope.get("method") != "POST" or "proxy" not in self.frontend.state:
+            return await self.inner(scope, receive, send)
+        resp = await self.frontend.generate(Request(scope, receive), scope["path"], kind)
+        await resp(scope, receive, send)
+
+
+def _lifespan(settings: RouterSettings, metrics: RouterMetrics, state: dict):
+    """Start the fleet (health checks, event feeds, discovery) and the proxy with the app; stop them with it."""
     upstream = {"authorization": f"Bearer {settings.replica_api_key}"} if settings.replica_api_key else {}
-    state: dict = {}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -82,111 +174,11 @@ def build_app(settings: RouterSettings) -> FastAPI:
             await http.aclose()
             await session.close()
 
-    app = FastAPI(title="warmfleet router", lifespan=lifespan)
-    app.state.metrics = metrics
-    app.state.limiter = limiter
-    fast_paths = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+    return lifespan
 
-    class FastPath:
-        """Pure ASGI for the two hot POST routes: skips FastAPI's routing and per-endpoint machinery."""
 
-        def __init__(self, inner):
-            self.inner = inner
-
-        async def __call__(self, scope, receive, send):
-            kind = fast_paths.get(scope.get("path", "")) if scope["type"] == "http" else None
-            if kind is None or scope.get("method") != "POST" or "proxy" not in state:
-                return await self.inner(scope, receive, send)
-            request = Request(scope, receive)
-            resp = await generate(request, scope["path"], kind)
-            await resp(scope, receive, send)
-
-    app.add_middleware(FastPath)
-
-    def client_headers(request: Request) -> dict:
-        """Headers passed upstream: the client's auth only when the router itself checks none."""
-        auth = request.headers.get("authorization")
-        return {"authorization": auth} if auth and not settings.tenants.enabled else {}
-
-    async def admit(request: Request, body: Optional[dict],
-                    call: Callable[[], Awaitable[Response]]) -> Response:
-        client = request.client.host if request.client else "unknown"
-        if settings.tenants.enabled:
-            key = settings.tenants.authenticate(request.headers.get("authorization"))
-            if key is None:
-                return error_response(401, "missing or unknown API key", "authentication_error")
-            client = "key:" + key
-            if body is not None:
-                salt = body.get("cache_salt")
-                body["cache_salt"] = settings.tenants.salt_for(key, salt if isinstance(salt, str) else None)
-        if not limiter.try_acquire(client):
-            return error_response(429, f"more than {limiter.limit} concurrent requests from this client",
-                                  "rate_limit_error")
-        try:
-            resp = await call()
-        except BaseException:
-            limiter.release(client)
-            raise
-        if resp.background is None:  # release when the last byte has gone (streams run after return)
-            async def release() -> None:  # async: a sync background task would hop to a worker thread
-                limiter.release(client)
-
-            resp.background = BackgroundTask(release)
-        else:
-            limiter.release(client)
-        return resp
-
-    async def json_body(request: Request) -> tuple[dict, bytes] | Response:
-        try:
-            raw = await read_capped(request, settings.max_request_bytes)
-        except BodyTooLarge as exc:
-            return error_response(413, str(exc), "invalid_request_error")
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            return error_response(400, "request body is not valid JSON", "invalid_request_error")
-        if not isinstance(body, dict):
-            return error_response(400, "request body must be a JSON object", "invalid_request_error")
-        return body, raw
-
-    async def generate(request: Request, path: str, kind: str) -> Response:
-        parsed = await json_body(request)
-        if isinstance(parsed, Response):
-            return parsed
-        body, raw = parsed
-        # the client's bytes go upstream as they came unless the router rewrote the body (tenant salt)
-        fwd_raw = None if settings.tenants.enabled else raw
-        return await admit(request, body, lambda: state["proxy"].forward(path, kind, body, client_headers(request),
-                                                                         fwd_raw))
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await generate(request, "/v1/chat/completions", "chat")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await generate(request, "/v1/completions", "completion")
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        return await admit(request, None, lambda: state["proxy"].forward_plain("GET", "/v1/models", b"",
-                                                                               client_headers(request)))
-
-    async def plain_post(request: Request, path: str) -> Response:
-        try:
-            raw = await read_capped(request, settings.max_request_bytes)
-        except BodyTooLarge as exc:
-            return error_response(413, str(exc), "invalid_request_error")
-        return await admit(request, None, lambda: state["proxy"].forward_plain("POST", path, raw,
-                                                                               client_headers(request)))
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        return await plain_post(request, "/tokenize")
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        return await plain_post(request, "/detokenize")
+def _add_status_routes(app: FastAPI, state: dict, metrics: RouterMetrics) -> None:
+    """Liveness, readiness, Prometheus metrics and the replicas view."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -220,4 +212,36 @@ def build_app(settings: RouterSettings) -> FastAPI:
         return JSONResponse({"replicas": out, "index_blocks": fleet.index.num_blocks(), "engine": fleet.dialect.kind,
                              "contract": fleet.dialect.contract, "hash_check": fleet.dialect.hash_check()})
 
+
+def build_app(settings: RouterSettings) -> FastAPI:
+    metrics = RouterMetrics()
+    limiter = ConcurrencyLimiter(settings.max_concurrent_per_client)
+    state: dict = {}  # "fleet" and "proxy", set by the lifespan
+    front = Frontend(settings, limiter, state)
+    app = FastAPI(title="warmfleet router", lifespan=_lifespan(settings, metrics, state))
+    app.state.metrics = metrics
+    app.state.limiter = limiter
+    app.add_middleware(FastPath, frontend=front)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await front.generate(request, "/v1/chat/completions", "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await front.generate(request, "/v1/completions", "completion")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await front.plain(request, "GET", "/v1/models")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await front.plain(request, "POST", "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await front.plain(request, "POST", "/detokenize")
+
+    _add_status_routes(app, state, metrics)
     return app
