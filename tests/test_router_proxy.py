@@ -89,6 +89,7 @@ class FakeReplica:
         self.received: list[dict] = []
         self.running = self.waiting = 0  # load figures its /metrics reports
         self.health_script: list[str] = []  # answers for the next health checks: "slow" (past the timeout) or "503"
+        self.ready = True  # False: listening but still loading its model (/health 200, /ready 503), as after a restart
         self.release = asyncio.Event()
         self.pub = zmq.Context.instance().socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
@@ -132,6 +133,12 @@ class FakeReplica:
             if mode == "slow":
                 await asyncio.sleep(1.0)  # past the router's 0.5 s health timeout
             return Response(status_code=503 if mode == "503" else 200)
+
+        @app.get("/ready")
+        async def ready():
+            if not self.ready:
+                return JSONResponse({"status": "loading"}, status_code=503)
+            return await health()
 
         @app.get("/metrics")
         async def metrics():  # FastDeploy's load gauges (read by the router only for --engine fastdeploy)
@@ -340,6 +347,25 @@ async def test_dead_replica_stops_receiving_within_one_second(tiny_model_dir):
             assert r.headers["x-warmfleet-replica"] == "r1"
         assert f.metric("warmfleet_router_retries_total") == 0
         assert (await f.client.get("/ready")).json()["routable_replicas"] == 1
+
+
+async def test_a_replica_still_loading_its_model_is_not_routed_to(tiny_model_dir):
+    """A restarted replica answers /health as soon as it listens, /ready only once its model is loaded.
+
+    Before the router asked /ready, a replica restarted under load was back in rotation ~3 s before
+    it could serve (tests/reliability/test_replica_kill.py): every request sent there got a 503 and a retry.
+    """
+    async with Fleet2(tiny_model_dir, health_interval_s=0.05) as f:
+        rep, url = f.replicas[0], f.served[0].url
+        rep.ready = False
+        await until(lambda: not f.fleet.registry.get(url).healthy, "the loading replica out of rotation")
+        for i in range(8):  # distinct tenants: cold prefixes spread over both replicas by rendezvous hashing
+            r = await f.client.post("/v1/chat/completions", json=chat("while it loads", tenant=i))
+            assert r.status_code == 200 and r.headers["x-warmfleet-replica"] == "r1"
+        assert not rep.received and f.metric("warmfleet_router_retries_total") == 0
+        rep.ready = True
+        await until(lambda: f.fleet.registry.get(url).healthy and f.fleet.index.is_synced(url),
+                    "back in rotation and resynced once ready")
 
 
 @pytest.mark.parametrize("mode", ["slow", "503"])

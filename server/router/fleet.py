@@ -1,11 +1,12 @@
 """The fleet as one router sees it: membership, active health checks, KV-event feeds and snapshot resyncs.
 
-A replica leaves routing at once when it refuses connections (a health check or a request that
-cannot connect: the process is gone), or after `health_failures` active checks in a row that
-time out or answer non-200 (one slow answer from a busy replica is not death: purging its
-index for it would send its warm prefixes elsewhere). Its index entries are purged when it
-leaves (it may come back cold). When it passes a check again it is routable, and a snapshot
-resync rebuilds what it holds.
+Active checks GET the engine's readiness path (`dialect.ready_path`; a warmfleet replica's
+/ready, which is 503 while its model loads). A replica leaves routing at once when it refuses
+connections (a health check or a request that cannot connect: the process is gone), or after
+`health_failures` active checks in a row that time out or answer non-200 (one slow answer from a
+busy replica is not death: purging its index for it would send its warm prefixes elsewhere). Its
+index entries are purged when it leaves (it may come back cold). When it passes a check again it
+is routable, and a snapshot resync rebuilds what it holds.
 """
 
 from __future__ import annotations
@@ -109,15 +110,16 @@ class Fleet:
 
     async def _check(self, rep: Replica) -> None:
         refused = False
+        path = self.dialect.ready_path  # readiness, not liveness: a replica still loading its model is not routable
         try:
-            resp = await self.http.get(rep.spec.url + "/health", timeout=self.health_timeout_s,
+            resp = await self.http.get(rep.spec.url + path, timeout=self.health_timeout_s,
                                        headers=self.upstream_headers)
             ok = resp.status_code == 200
-            err = "" if ok else f"/health answered {resp.status_code}"
+            err = "" if ok else f"{path} answered {resp.status_code}"
         except httpx.ConnectError as exc:  # refused or unreachable: nothing is listening
-            ok, refused, err = False, True, f"/health: {type(exc).__name__}"
+            ok, refused, err = False, True, f"{path}: {type(exc).__name__}"
         except httpx.HTTPError as exc:
-            ok, err = False, f"/health: {type(exc).__name__}"
+            ok, err = False, f"{path}: {type(exc).__name__}"
         if ok:
             rep.failed_checks = 0
             self.registry.mark_up(rep.id)

@@ -1,4 +1,4 @@
-"""One live fleet (two `warmfleet serve` replicas on the tiny checkpoint, one `warmfleet route`) shared by the fault tests.
+"""One live fleet (two `warmfleet serve` replicas on the tiny checkpoint, one `warmfleet route`) for the fault tests.
 
 Each test gets it with every process running and the router synced with every replica
 (`LiveFleet.restore` restarts what an earlier test killed and did not bring back).

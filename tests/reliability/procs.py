@@ -1,4 +1,4 @@
-"""Real `warmfleet serve` / `warmfleet route` processes on loopback for fault tests: start, SIGKILL, restart on the same ports.
+"""Real `warmfleet serve` / `warmfleet route` processes on loopback: start, SIGKILL, restart on the same ports.
 
 Every process runs with `python -P` and a cwd outside the repo (the repo's operator/ folder would
 shadow the standard library) and logs to a file next to it, which a failing wait quotes.
@@ -6,14 +6,14 @@ shadow the standard library) and logs to a file next to it, which a failing wait
 
 from __future__ import annotations
 
-import json
+import asyncio
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -36,17 +36,6 @@ def free_port() -> int:
         if port not in _HANDED_OUT:
             _HANDED_OUT.add(port)
             return port
-
-
-def peak_rss_kib(pid: int) -> Optional[int]:
-    """VmHWM (peak resident set) of a live process, in KiB; None once it is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    except (OSError, ValueError):
-        return None
-    return None
 
 
 def tree_pids(pid: int) -> list[int]:
@@ -77,7 +66,6 @@ class Proc:
     cwd: Path
     popen: Optional[subprocess.Popen] = None
     starts: int = 0
-    peak_rss_kib: dict[int, int] = field(default_factory=dict)  # pid → VmHWM seen last, per incarnation
 
     @property
     def log_path(self) -> Path:
@@ -97,22 +85,10 @@ class Proc:
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
 
-    def sample_rss(self) -> None:
-        """Record VmHWM of the process and its children (call while alive: it dies with them)."""
-        if self.alive():
-            for pid in tree_pids(self.popen.pid):
-                kib = peak_rss_kib(pid)
-                if kib is not None:
-                    self.peak_rss_kib[pid] = max(kib, self.peak_rss_kib.get(pid, 0))
-
-    def max_rss_mib(self) -> Optional[float]:
-        return round(max(self.peak_rss_kib.values()) / 1024, 1) if self.peak_rss_kib else None
-
     def kill(self) -> float:
-        """SIGKILL the process group (the process and anything it started), then reap; returns the kill's monotonic time."""
+        """SIGKILL the process group (the process and all it started), then reap; returns the kill's monotonic time."""
         if self.popen is None:
             return time.monotonic()
-        self.sample_rss()
         pids = tree_pids(self.popen.pid)  # children too, even one that left the process group
         t_kill = time.monotonic()
         try:
@@ -131,7 +107,6 @@ class Proc:
         """SIGTERM, then SIGKILL after 30 s."""
         if not self.alive():
             return
-        self.sample_rss()
         try:
             os.killpg(self.popen.pid, signal.SIGTERM)
             self.popen.wait(timeout=30)
@@ -185,9 +160,6 @@ class Router(Proc):
         """GET /v1/router/replicas: {"replicas": [...], "index_blocks": N, ...}."""
         return httpx.get(self.url + "/v1/router/replicas", timeout=5).json()
 
-    def replica(self, url: str) -> dict:
-        return next(r for r in self.view()["replicas"] if r["id"] == url)
-
     def wait_synced(self, timeout_s: float = 60.0) -> None:
         wait_for(lambda: all(r["healthy"] and r["synced"] for r in self.view()["replicas"]),
                  "router healthy and synced with every replica", [self], timeout_s)
@@ -224,29 +196,6 @@ def metric(text: str, name: str, **labels: str) -> Optional[float]:
             continue
         found = (found or 0.0) + float(value)
     return found
-
-
-def snapshot_blocks(replica: Replica) -> int:
-    """Distinct blocks (GPU + CPU tier) the replica reports in GET /v1/kv/snapshot."""
-    snap = httpx.get(replica.url + "/v1/kv/snapshot", timeout=10).json()
-    return len(set(snap.get("gpu") or []) | set(snap.get("cpu") or []))
-
-
-def chat_body(messages: list[dict], max_tokens: int, stream: bool, **extra) -> dict:
-    body = {"model": MODEL_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra}
-    if stream:
-        body.update(stream=True, stream_options={"include_usage": True})
-    return body
-
-
-def sse_events(lines: list[str]) -> list:
-    """The `data:` payloads of an SSE stream: dicts, or the string "[DONE]"."""
-    out: list = []
-    for line in lines:
-        if line.startswith("data: "):
-            data = line[6:]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
 
 
 class LiveFleet:
@@ -291,8 +240,6 @@ class LiveFleet:
 
 async def apoll(pred, what: str, timeout_s: float, poll_s: float = 0.01) -> float:
     """Async `wait_for`: await `pred()` (an async callable) until true; returns the seconds it took."""
-    import asyncio
-
     t0 = time.monotonic()
     while True:
         try:

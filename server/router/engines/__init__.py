@@ -23,6 +23,7 @@ class Dialect(Protocol):
 
     kind: str
     contract: str  # "exact" (events tell what the replica holds) | "predicted" (the router's own decisions)
+    ready_path: str  # GET path whose 200 means "takes requests now"; the router's active health check asks it
 
     def block_hashes(self, prompt, cache_salt: Optional[str], cfg) -> list[bytes]:
         """The index keys of the prompt's full blocks, as this engine names them."""

@@ -42,6 +42,7 @@ def parse_load(text: str) -> Optional[Load]:
 class PredictedDialect:
     kind = "fastdeploy"
     contract = "predicted"
+    ready_path = "/health"  # the operator's readiness probe for FastDeploy (operator/engines.py)
 
     def __init__(self, capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS, ttl_s: float = DEFAULT_TTL_S,
                  memo_capacity: int = 200_000):

@@ -139,6 +139,7 @@ def decode_vllm(frames: list[bytes], verify=None) -> EventBatch:
 class VllmDialect:
     kind = "vllm"
     contract = "exact"
+    ready_path = "/health"  # vLLM listens only once its engine is up; /health is its readiness probe too
 
     def __init__(self, seed: Optional[str] = "0", memo_capacity: int = 200_000):
         self.seed = seed  # the replicas' PYTHONHASHSEED (the operator pins it); None: unset there

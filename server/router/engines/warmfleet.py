@@ -16,6 +16,9 @@ log = logging.getLogger(__name__)
 class WarmfleetDialect:
     kind = "warmfleet"
     contract = "exact"
+    # NOTE: not /health, which is liveness: 200 from the moment the HTTP server listens, while the model
+    # still loads and every request would get a 503.
+    ready_path = "/ready"
 
     def __init__(self, memo_capacity: int = 200_000):
         self.memo = HashMemo(memo_capacity)
