@@ -89,6 +89,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="HMAC secret for derived salts (env WARMFLEET_SALT_SECRET); same on every router.")
     p.add_argument("--replica-api-key", default=None,
                    help="Key sent to replicas as Bearer (env WARMFLEET_REPLICA_API_KEY).")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="Route to a joining or restarted replica at once, cold (default: replay the router's hottest "
+                        "prefixes into it first, within the budgets below).")
+    p.add_argument("--warmup-budget-tokens", type=int, default=65_536,
+                   help="Prompt tokens replayed into one joining replica before it takes traffic, at most.")
+    p.add_argument("--warmup-budget-s", type=float, default=30.0,
+                   help="Seconds a warm-up may take before the replica takes traffic anyway.")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -100,6 +107,7 @@ def settings_from_args(args: argparse.Namespace):
     from .policy import PolicyConfig
     from .prompt import HashConfig, PromptRenderer
     from .proxy import ProxyConfig
+    from .warmup import WarmupConfig
     from .registry import parse_replica
 
     if not args.replica and not args.discover_service:
@@ -111,6 +119,8 @@ def settings_from_args(args: argparse.Namespace):
     if (args.warm_slack < 0 or args.warm_min_tokens < 0 or args.balance_share_epsilon < 0
             or args.share_slack_tokens < 0 or args.max_share_slack < 0):
         raise ValueError("--warm-slack, --warm-min-tokens, --share-slack-tokens and --max-share-slack must be >= 0")
+    if args.warmup_budget_tokens < 0 or args.warmup_budget_s < 0:
+        raise ValueError("--warmup-budget-tokens and --warmup-budget-s must be >= 0")
     if args.predicted_capacity_blocks < 1 or args.predicted_ttl_s <= 0:
         raise ValueError("--predicted-capacity-blocks must be >= 1 and --predicted-ttl-s > 0")
     if args.queue_weight < 0 or args.load_weight < 0:
@@ -151,6 +161,8 @@ def settings_from_args(args: argparse.Namespace):
         vllm_hash_seed=None if args.vllm_hash_seed == "unset" else args.vllm_hash_seed,
         predicted_capacity_blocks=args.predicted_capacity_blocks,
         predicted_ttl_s=args.predicted_ttl_s,
+        warmup=WarmupConfig(enabled=not args.no_warmup, budget_tokens=args.warmup_budget_tokens,
+                            budget_s=args.warmup_budget_s),
     )
 
 

@@ -44,6 +44,14 @@ class RouterMetrics:
         self.replica_blocks = Gauge(p + "replica_index_blocks", "Blocks indexed per replica and tier.",
                                     ["replica", "tier"], registry=r)
         self.resyncs = Counter(p + "resyncs_total", "Snapshot resyncs by cause.", ["replica", "cause"], registry=r)
+        self.replica_warming = Gauge(p + "replica_warming", "1 while hot prefixes are replayed into the replica "
+                                     "(it takes no traffic meanwhile).", ["replica"], registry=r)
+        self.warmup_seconds = Histogram(p + "warmup_seconds", "Duration of replica warm-ups.",
+                                        buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60), registry=r)
+        self.warmup_prefixes = Counter(p + "warmup_prefixes_total", "Hot prefixes replayed into joining replicas.",
+                                       ["replica"], registry=r)
+        self.warmup_tokens = Counter(p + "warmup_tokens_total", "Prompt tokens replayed into joining replicas.",
+                                     ["replica"], registry=r)
         self.route_seconds = Histogram(p + "route_seconds", "Time to render, tokenize, hash and score one request.",
                                        buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05), registry=r)
 

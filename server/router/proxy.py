@@ -120,6 +120,9 @@ class Proxy:
         cold_key = hashes[min(len(hashes), self.cfg.cold_key_blocks) - 1] if hashes else None
         num_tokens = prompt.num_tokens if prompt else 0
         decision = choose(cands, block_size=bs, num_prompt_tokens=num_tokens, cold_key=cold_key, cfg=self.policy)
+        if prompt is not None and not prompt.mm_items:  # remembered for warming replicas that join later
+            self.fleet.warmer.hot.observe(prompt.token_ids, hashes, bs, body.get("cache_salt"), body.get("model"),
+                                          cold_key, time.monotonic())
         self.metrics.route_seconds.observe(time.perf_counter() - t0)
         self.metrics.decisions.labels(decision.reason).inc()
         if self.fleet.dialect.contract == "predicted":

@@ -64,6 +64,8 @@ class Replica:
     queued_tokens: int = 0  # uncached prompt tokens of those requests that have not had their first token yet
     sent: float = 0.0  # requests this router sent it recently (decayed; policy share cap and tie-break)
     failed_checks: int = 0  # active health checks failed in a row (timeouts, non-200)
+    warming: bool = False  # joined or restarted: hot prefixes are being replayed into it; not routed meanwhile
+    last_warmup: Optional[dict] = None  # figures of its last warm-up (prefixes, tokens, seconds, budgets)
     down_since: Optional[float] = None  # monotonic time it was marked down
     last_error: str = ""
 

@@ -1,0 +1,59 @@
+"""Hot-prefix memory for warm-up: conversations fold into one entry, hits decay, bounds hold, selection owns first."""
+
+from warmfleet.server.router.policy import rendezvous_weight
+from warmfleet.server.router.warmup import HotPrefixes, WarmupConfig
+
+BS = 4
+
+
+def H(*ids) -> list[bytes]:
+    """Fake chain hashes: block i's name is the tuple of every token up to its end (a real chain would be too)."""
+    return [bytes(str(ids[: (i + 1) * BS]), "ascii") for i in range(len(ids) // BS)]
+
+
+def observe(hot, ids, now, salt=None, cold=b"k"):
+    hot.observe(ids, H(*ids), BS, salt, "tiny", cold, now)
+
+
+def test_a_conversation_is_one_entry_that_grows_and_keeps_its_hits():
+    hot = HotPrefixes(WarmupConfig(half_life_s=1e9))
+    turn1 = list(range(10))  # two full blocks
+    observe(hot, turn1, 0.0)
+    observe(hot, turn1 + [50, 51, 52, 53, 54], 1.0)  # next turn extends it
+    assert len(hot.entries) == 1
+    (e,) = hot.entries.values()
+    assert e.token_ids == turn1[:8] + [8, 9, 50, 51] and abs(e.hits - 2.0) < 1e-6  # full blocks only
+    observe(hot, [7] * 9, 2.0)  # another prefix
+    assert len(hot.entries) == 2 and hot.num_tokens == 12 + 8
+
+
+def test_hits_decay_with_the_half_life_and_bounds_evict_the_coldest():
+    hot = HotPrefixes(WarmupConfig(half_life_s=10.0, capacity=3, max_tokens=10_000))
+    for rep in range(4):  # prefix A: four hits long ago
+        observe(hot, [1] * 8, 0.0)
+    assert next(iter(hot.entries.values())).score(10.0, 10.0) == 2.0  # halved once
+    observe(hot, [2] * 8, 100.0)
+    observe(hot, [3] * 8, 100.0)
+    observe(hot, [4] * 8, 100.0)  # over capacity: A (score ~0.004) goes first
+    assert all(e.token_ids[0] != 1 for e in hot.entries.values()) and len(hot.entries) <= 3
+    tight = HotPrefixes(WarmupConfig(capacity=100, max_tokens=20))
+    for k in range(5):
+        observe(tight, [10 + k] * 8, float(k))
+    assert tight.num_tokens <= 20 and tight.num_tokens == sum(len(e.token_ids) for e in tight.entries.values())
+
+
+def test_selection_puts_owned_prefixes_first_and_keeps_the_budget_and_salts():
+    hot = HotPrefixes(WarmupConfig(half_life_s=1e9))
+    members = ["http://a", "http://b", "http://new"]
+    for k in range(40):
+        cold = bytes([k]) * 8
+        for _ in range(k % 3 + 1):
+            observe(hot, [100 + k] * 8, 0.0, salt=f"tenant-{k % 2}", cold=cold)
+    owner = {e.key: max(members, key=lambda m: rendezvous_weight(e.cold_key, m)) for e in hot.entries.values()}
+    chosen = hot.select("http://new", members, budget_tokens=8 * 10, now=1.0)
+    assert len(chosen) == 10  # 80 tokens of 8-token prefixes
+    owned = [e for e in chosen if owner[e.key] == "http://new"]
+    assert chosen[:len(owned)] == owned and len(owned) >= 5  # ~1/3 of 40 are owned: all fit, hottest first
+    assert [e.score(1.0, 1e9) for e in owned] == sorted((e.score(1.0, 1e9) for e in owned), reverse=True)
+    assert {e.salt for e in chosen} <= {"tenant-0", "tenant-1"}
+    assert hot.select("http://new", members, budget_tokens=7, now=1.0) == []
