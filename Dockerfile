@@ -15,9 +15,10 @@ COPY pyproject.toml README.md ./
 COPY warmfleet ./warmfleet
 COPY server ./server
 COPY operator ./operator
-# The base image already ships paddlepaddle-gpu; `engine-gpu` installs everything else the engine needs.
+# The base image already ships paddlepaddle-gpu; `engine-gpu` installs everything else the engine needs;
+# `fetch` lets this image run the `warmfleet fetch-model` init container (also in vLLM and FastDeploy pods).
 RUN python -m pip install --no-deps . \
- && python -m pip install ".[${ENGINE_EXTRA},operator]" \
+ && python -m pip install ".[${ENGINE_EXTRA},operator,fetch]" \
  && python -c "import paddle, warmfleet.server.config; print('paddle', paddle.__version__)"
 
 # Non-root by default; the operator's pod spec also sets runAsNonRoot and a read-only root filesystem.

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from conftest import (CHART, CRD_NAME, EXAMPLE, SERVING_LABEL, Example, LocalOperator, Release, is_ready)
+from conftest import (CHART, CRD_NAME, EXAMPLE, SERVING_LABEL, Example, LocalOperator, Release, is_ready, model_store)
 from e2e_support import Cluster, wait_for
 from warmfleet.operator.kube import is_subset
 
@@ -112,7 +112,8 @@ def test_helm_install_establishes_crd_and_matches_template(e2e_cluster: Cluster,
     c = e2e_cluster
     lint = c.helm("lint", "--strict", str(CHART))
     assert "0 chart(s) failed" in lint.stdout, lint.stdout
-    assert "kubectl apply -f examples/inferenceservice.yaml" in release.install_output  # NOTES.txt
+    assert "kind: InferenceService" in release.install_output  # NOTES.txt: an inline example, no clone assumed
+    assert "warmfleet operator render" in release.install_output
     crd = c.kubectl_json("get", "crd", CRD_NAME)
     conds = {x["type"]: x["status"] for x in crd["status"]["conditions"]}
     assert conds.get("Established") == "True" and conds.get("NamesAccepted") == "True", conds
@@ -164,10 +165,15 @@ def test_operator_runs_under_the_charts_service_account(e2e_cluster: Cluster, re
     for verb, res in [("watch", "nodes"), ("patch", "inferenceservices.serving.warmfleet.io/status"),
                       ("create", "deployments.apps"), ("delete", "deployments.apps"), ("create", "events"),
                       ("create", "poddisruptionbudgets.policy"), ("create", "roles.rbac.authorization.k8s.io"),
-                      ("watch", "endpointslices.discovery.k8s.io")]:
+                      ("watch", "endpointslices.discovery.k8s.io"), ("list", "pods"), ("watch", "pods"),
+                      ("get", "persistentvolumeclaims"), ("get", "secrets")]:
         assert can(verb, res), f"the chart's RBAC lacks {verb} {res}"
-    for verb, res in [("get", "secrets"), ("delete", "configmaps"), ("delete", "inferenceservices.serving.warmfleet.io"),
-                      ("create", "clusterroles.rbac.authorization.k8s.io"), ("create", "pods"), ("patch", "nodes")]:
+    # why-not-Ready reads pods through a watch and GETs claims by name; Secrets are named by the kubelet,
+    # and only GET by name (spec.model.credentialsSecret, to read a private model's config.json)
+    for verb, res in [("list", "secrets"), ("watch", "secrets"), ("delete", "configmaps"),
+                      ("delete", "inferenceservices.serving.warmfleet.io"), ("create", "clusterroles.rbac.authorization.k8s.io"),
+                      ("create", "pods"), ("get", "pods"), ("delete", "pods"), ("patch", "pods/status"),
+                      ("list", "persistentvolumeclaims"), ("patch", "nodes")]:
         assert not can(verb, res), f"the chart's RBAC grants more than needed: {verb} {res}"
     log = local_operator.log()
     assert " 403 " not in log and "Forbidden" not in log, log
@@ -209,8 +215,9 @@ def test_example_children_status_columns_and_pools(e2e_cluster: Cluster, example
 
     # printer columns
     table = c.kubectl("-n", example.namespace, "get", "wfis", n).stdout.splitlines()
-    assert table[0].split() == ["NAME", "READY", "REPLICAS", "DESIRED", "MODEL", "ENDPOINT", "AGE"], table
-    assert table[1].split()[:6] == [n, "True", "12", "12", "qwen2-vl-7b", f"http://{n}.{example.namespace}.svc:8000/v1"]
+    assert table[0].split() == ["NAME", "READY", "REASON", "REPLICAS", "DESIRED", "MODEL", "ENDPOINT", "AGE"], table
+    assert table[1].split()[:7] == [n, "True", "AllReplicasReady", "12", "12", "qwen2-vl-7b",
+                                    f"http://{n}.{example.namespace}.svc:8000/v1"]
     assert n in c.kubectl("-n", example.namespace, "get", "warmfleet", "-o", "name").stdout  # category
 
     # both pools, sized differently, on the nodes of their shape
@@ -283,8 +290,25 @@ CREATE_CASES = [
      ["spec.server.gpusPerReplica", "greater than or equal to 1"]),
     ("schema-maximum", _with(cache={"encoderFraction": 0.9}),
      ["spec.cache.encoderFraction", "less than or equal to 0.5"]),
-    ("schema-pattern-and-required", {**BASE, "spec": {"model": {"pvc": "Not_A_Name"}}},
-     ["spec.model.pvc", "should match", "spec.model.path: Required value"]),
+    ("schema-pattern", {**BASE, "spec": {"model": {"path": "/m", "pvc": "Not_A_Name"}}},
+     ["spec.model.pvc", "should match"]),
+    ("schema-required", {**BASE, "spec": {"replicas": 1}}, ["spec.model: Required value"]),
+    ("cel-source-xor-path", _with(model={"source": "hf://Qwen/Qwen2-VL-2B-Instruct", "path": "/m"}),
+     ["spec.model", "exactly one of source and path is required (source is preferred)"]),
+    ("cel-source-form", _with(model={"source": "hf://just-a-name"}),
+     ["spec.model", "source must be hf://ORG/NAME[@REVISION], s3://BUCKET[/PREFIX], pvc://CLAIM[/PATH] or an absolute path, "
+                    "without '..' segments"]),
+    ("cel-source-dotdot", _with(model={"source": "pvc://store/../other"}), ["without '..' segments"]),
+    ("cel-pvc-goes-with-path", _with(model={"source": "pvc://store/m", "pvc": "store"}),
+     ["pvc goes with path; with source, write pvc://CLAIM/PATH"]),
+    ("cel-download-settings", _with(model={"path": "/m", "credentialsSecret": "hf"}),
+     ["cache and credentialsSecret apply to hf:// and s3:// sources only"]),
+    ("cel-hub-for-hf", _with(model={"source": "s3://models/qwen", "hub": {"endpoint": "https://hub.example"}}),
+     ["hub applies to hf:// sources only"]),
+    ("cel-s3-for-s3", _with(model={"source": "hf://Qwen/Qwen2-VL-2B-Instruct", "s3": {"region": "eu-west-1"}}),
+     ["s3 applies to s3:// sources only"]),
+    ("cel-cache-one-kind", _with(model={"source": "hf://Qwen/Qwen2-VL-2B-Instruct", "cache": {"hostPath": "/c", "pvc": "c"}}),
+     ["spec.model.cache", "hostPath and pvc are mutually exclusive"]),
     ("schema-type", _with(replicas="three"),
      ["spec.replicas", "must be of type integer"]),
     ("schema-unknown-field", _with(cache={"swapSpaceGib": 4}),
@@ -521,6 +545,167 @@ def test_peer_engines_reconcile_to_ready_with_their_rendered_flags(e2e_cluster: 
         assert [p["name"] for p in ctr["ports"]] == PEER_PORTS[kind]
     headless = c.kubectl_json("-n", namespace, "get", "service", f"{ex.name}-replicas")
     assert [p["name"] for p in headless["spec"]["ports"]] == PEER_PORTS[kind]
+
+
+# ---- 5c. why it is not Ready: the example without its PVC ----
+
+def test_a_missing_pvc_is_the_ready_reason_a_warning_event_and_the_reason_column(
+        e2e_cluster: Cluster, local_operator: LocalOperator, namespace: str) -> None:
+    """`kubectl apply` of the example as a new user would, its model-store PVC missing: the real
+    kube-scheduler refuses every pod (Unschedulable, `persistentvolumeclaim "model-store" not found`);
+    the operator names it in the Ready condition, posts one Warning Event and shows it in REASON.
+    Creating the claim recovers (kwok then marks the pods Ready)."""
+    c = e2e_cluster
+    obj = yaml.safe_load(EXAMPLE.read_text())
+    obj["metadata"]["namespace"] = namespace
+    obj["spec"]["nodeSelector"] = GPU_NODES  # every fake GPU node (the shared example's label is its fixture's)
+    ex = Example(obj["metadata"]["name"], namespace, "")
+    c.kubectl("-n", namespace, "create", "secret", "generic", obj["spec"]["router"]["apiKeySecret"]["name"],
+              "--from-literal=api-key=sk-e2e-reason")
+    c.apply(obj)
+
+    def ready_condition() -> dict[str, Any]:
+        return next((x for x in (wfis(c, ex).get("status") or {}).get("conditions", []) if x["type"] == "Ready"), {})
+
+    # what the scheduler wrote on the pods (kwok's cluster runs the real kube-scheduler)
+    def scheduler_said() -> str | None:
+        pods = c.kubectl_json("-n", namespace, "get", "pods", "-l", f"{SERVICE_LABEL}={ex.name}")["items"]
+        msgs = [x.get("message", "") for p in pods for x in (p.get("status") or {}).get("conditions", [])
+                if x["type"] == "PodScheduled" and x["status"] == "False" and x.get("reason") == "Unschedulable"]
+        return msgs[0] if len(msgs) == 14 and all('persistentvolumeclaim "model-store" not found' in m for m in msgs) else None
+
+    sched = wait_for(scheduler_said, 90, "every server and router pod Unschedulable for the missing claim")
+
+    def missing_pvc() -> dict[str, Any] | None:
+        x = ready_condition()
+        msg = x.get("message", "")
+        return x if x.get("reason") == "MissingPVC" and "12/12 server pods" in msg and "2/2 router pods" in msg else None
+
+    # Pods the scheduler has not seen yet are named by the operator's own check of the claim
+    # ('persistentvolumeclaim "model-store" not found'); once it has, in the scheduler's words.
+    cond = wait_for(missing_pvc, 90, "the Ready reason MissingPVC, counting all 14 pods")
+    assert cond["status"] == "False" and 'persistentvolumeclaim "model-store" not found' in cond["message"], cond
+
+    def in_the_schedulers_words() -> dict[str, Any] | None:
+        x = missing_pvc()
+        return x if x and sched in x["message"] else None
+
+    cond = wait_for(in_the_schedulers_words, 60, "the scheduler's message in the Ready condition")
+    # '12/12 server pods, 2/2 router pods MissingPVC: 0/4 nodes are available: persistentvolumeclaim
+    # "model-store" not found. not found; 0/12 server replicas, 0 routers ready'
+    assert cond["message"].startswith("12/12 server pods") and cond["message"].endswith("; 0/12 server replicas, 0 routers ready"), cond
+
+    def warnings_posted(reason: str) -> list[dict[str, Any]]:
+        items = c.kubectl_json("-n", namespace, "get", "events", "--field-selector",
+                               f"involvedObject.kind=InferenceService,involvedObject.name={ex.name}")["items"]
+        return [e for e in items if e["type"] == "Warning" and e["reason"] == reason]
+
+    (event,) = wait_for(lambda: warnings_posted("MissingPVC"), 60, "a Warning Event MissingPVC on the InferenceService")
+    assert 'persistentvolumeclaim "model-store" not found' in event["message"], event
+    assert event["involvedObject"]["uid"] == wfis(c, ex)["metadata"]["uid"]
+
+    table = c.kubectl("-n", namespace, "get", "wfis", ex.name).stdout.splitlines()
+    assert table[0].split()[:3] == ["NAME", "READY", "REASON"], table
+    assert table[1].split()[:5] == [ex.name, "False", "MissingPVC", "0", "12"], table
+
+    # the claim arrives: pods schedule, kwok makes them Ready; the reason clears, the Event stays single
+    c.apply(model_store(namespace))
+    try:
+        wait_for(lambda: ready_condition().get("reason") == "AllReplicasReady", 180, "Ready once the claim exists")
+        assert len(warnings_posted("MissingPVC")) == 1, warnings_posted("MissingPVC")
+        assert c.kubectl("-n", namespace, "get", "wfis", ex.name).stdout.splitlines()[1].split()[1:3] == ["True", "AllReplicasReady"]
+    finally:
+        c.kubectl("delete", "pv", f"e2e-model-store-{namespace}", "--ignore-not-found", "--wait=false", check=False)
+
+
+# ---- 5d. model sources: an hf:// model is fetched by an init container; config.json sizes it ----
+
+def _fake_hub_module() -> Any:
+    """tests/fakehub.py (the unit tests' loopback hub), loaded by path: e2e runs without tests/ on sys.path."""
+    import importlib.util
+    import sys
+
+    if "fakehub" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("fakehub", REPO / "tests" / "fakehub.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["fakehub"] = mod  # dataclasses resolve annotations through sys.modules
+        spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return sys.modules["fakehub"]
+
+
+def test_hf_source_reconciles_with_the_fetch_init_container_and_learns_config_json(
+        e2e_cluster: Cluster, local_operator: LocalOperator, namespace: str) -> None:
+    """An InferenceService with `source: hf://...`, no hiddenSize: the operator reads the private repo's
+    config.json from a hub on loopback with the token of the Secret the spec names (a GET the chart's RBAC
+    allows), sizes the encoder cache from it and renders the `warmfleet fetch-model` init container; the real
+    API server admits the pods (hostPath cache, subPath mount, Secret env) and kwok makes them Ready."""
+    import base64
+    import json as json_
+
+    from warmfleet.operator.nodes import node_info
+    from warmfleet.operator.reconcile import render
+
+    c = e2e_cluster
+    config = {"architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl", "hidden_size": 3584,
+              "torch_dtype": "bfloat16", "vision_config": {"embed_dim": 1280}}
+    with _fake_hub_module().FakeHub() as hub:
+        hub.add("acme/qwen2-vl-e2e", {"config.json": json_.dumps(config).encode(), "model.safetensors": b"w" * 4096},
+                token="hf_e2e_token")
+        c.apply([{"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "hf-creds", "namespace": namespace},
+                  "data": {"HF_TOKEN": base64.b64encode(b"hf_e2e_token").decode()}}])
+        source = "hf://acme/qwen2-vl-e2e@main"
+        obj = {"apiVersion": "serving.warmfleet.io/v1alpha1", "kind": "InferenceService",
+               "metadata": {"name": "hf-model", "namespace": namespace},
+               "spec": {"model": {"source": source, "credentialsSecret": "hf-creds", "hub": {"endpoint": hub.url}},
+                        "replicas": 2, "nodeSelector": GPU_NODES}}
+        c.apply(obj)
+        ex = Example("hf-model", namespace, "")
+        svc = wait_settled(c, ex, "the hf:// service to settle")
+        assert any(q.authorization == "Bearer hf_e2e_token" and q.path.endswith("/config.json") for q in hub.requests)
+
+    st = svc["status"]
+    assert st["ready"] == "True" and st["readyReplicas"] == 2
+    conds = {x["type"]: (x["status"], x["reason"]) for x in st["conditions"]}
+    assert conds["ModelConfigUnavailable"] == ("False", "ConfigRead") and conds["InvalidSpec"] == ("False", "SpecValid"), conds
+    mcs = st["modelConfig"]
+    assert mcs["learned"] == {"hiddenSize": {"value": 3584, "from": "config.json"}, "dtype": {"value": "bfloat16", "from": "config.json"}}
+    assert mcs["configJson"]["architecture"] == "Qwen2VLForConditionalGeneration" and mcs["configJson"]["vision"] is True
+    assert all(p["inputs"]["bytesPerEncoderToken"] == 3584 * 2 for p in st["pools"])
+
+    model_dir = "/models/hf/acme/qwen2-vl-e2e/main"
+    live = deployments(c, ex)
+    nodes = [node_info(n) for n in c.kubectl_json("get", "nodes")["items"]]
+    live_svc = {k: svc[k] for k in ("apiVersion", "kind", "metadata", "spec", "status")}
+    default_image = next(iter(live.values()))["spec"]["template"]["spec"]["initContainers"][0]["image"]  # the operator's
+    # what `warmfleet operator render` prints, config.json's values taken from the live status
+    want = {o["metadata"]["name"]: o for o in render(live_svc, nodes, default_image) if o["kind"] == "Deployment"}
+    assert set(live) == set(want)
+    for name, dep in live.items():
+        pod = dep["spec"]["template"]["spec"]
+        (init,) = pod["initContainers"]
+        router = dep["metadata"]["labels"][COMPONENT_LABEL] == "router"
+        assert init["name"] == "fetch-model" and init["command"] == ["warmfleet"]
+        assert init["args"] == ["fetch-model", source, "--dest", model_dir, "--termination-log", "/dev/termination-log",
+                                *(["--tokenizer-only"] if router else [])]
+        env = {e["name"]: e for e in init["env"]}
+        assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-creds", "key": "HF_TOKEN"}
+        assert env["HF_ENDPOINT"]["value"].startswith("http://127.0.0.1:")
+        assert init["securityContext"]["readOnlyRootFilesystem"] is True and pod["securityContext"]["runAsNonRoot"] is True
+        assert is_subset(want[name]["spec"]["template"]["spec"]["initContainers"][0], init)
+        vols = {v["name"]: v for v in pod["volumes"]}
+        ctr = pod["containers"][0]
+        assert ctr["args"][ctr["args"].index("--model") + 1] == model_dir
+        if router:
+            assert vols["model"]["emptyDir"] == {"sizeLimit": "1Gi"}
+            continue
+        assert vols["model-cache"]["hostPath"] == {"path": "/var/cache/warmfleet/models", "type": "DirectoryOrCreate"}
+        assert {"name": "model-cache", "mountPath": model_dir, "subPath": "hf/acme/qwen2-vl-e2e/main", "readOnly": True} \
+            in ctr["volumeMounts"]
+    # the API server admitted pods carrying the init container (kwok runs nothing; it marks them Ready)
+    pods = c.kubectl_json("-n", namespace, "get", "pods", "-l", f"{SERVICE_LABEL}={ex.name},{COMPONENT_LABEL}=server")["items"]
+    assert len(pods) == 2 and all(p["spec"]["initContainers"][0]["name"] == "fetch-model" for p in pods)
+    # gone before the next test: with the hub stopped, a later reconcile of it would report the hub unreachable
+    c.kubectl("-n", namespace, "delete", "wfis", ex.name, "--wait=true", "--timeout=60s")
 
 
 # ---- 6. deletion garbage-collects; helm uninstall keeps the CRD and user objects ----

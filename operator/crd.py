@@ -70,6 +70,8 @@ def crd() -> dict[str, Any]:
                     },
                     "additionalPrinterColumns": [
                         {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
+                        {"name": "Reason", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason',
+                         "description": "The Ready condition's reason: why the service is not Ready (MissingPVC, Unschedulable, ...)."},
                         {"name": "Replicas", "type": "integer", "jsonPath": ".status.readyReplicas", "description": "Ready server replicas."},
                         {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredReplicas", "description": "Desired server replicas."},
                         {"name": "Model", "type": "string", "jsonPath": ".status.model"},

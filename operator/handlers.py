@@ -1,4 +1,4 @@
-"""Thin kopf handlers: settings in one startup hook; create/update/resume, node and child events → reconcile."""
+"""Thin kopf handlers: settings in one startup hook; create/update/resume, node, child and pod events → reconcile."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ from typing import Any, Awaitable, Callable
 import kopf
 
 from warmfleet.operator import manifests as m
+from warmfleet.operator import modelconfig as mc
+from warmfleet.operator.diagnose import slim_pod
 from warmfleet.operator.kube import KubeError
 from warmfleet.operator.nodes import NodeInfo, node_info
-from warmfleet.operator.reconcile import OperatorState, fingerprint, plan_for, reconcile
+from warmfleet.operator.reconcile import OperatorState, fingerprint, plan_for, pod_digest, reconcile
 from warmfleet.operator.schema import SpecError
 from warmfleet.operator.spec import GROUP, PLURAL, VERSION
 
@@ -41,6 +43,8 @@ def make_registry(*, default_image: str, login: LoginFn = default_login) -> kopf
         settings.watching.server_timeout = WATCH_SERVER_TIMEOUT_S
         settings.watching.client_timeout = WATCH_CLIENT_TIMEOUT_S
         settings.watching.connect_timeout = 30
+        # Only the pods of our own Deployments, filtered by the API server (not every pod of the cluster).
+        settings.watching.label_selectors["", "v1", "pods"] = ",".join(f"{k}={v}" for k, v in m.MANAGED_BY.items())
         settings.posting.level = logging.WARNING  # only warnings become Kubernetes Events
         settings.peering.standalone = True  # one active replica: the chart runs one pod with a Recreate strategy
         settings.execution.max_workers = 4
@@ -69,11 +73,19 @@ def make_registry(*, default_image: str, login: LoginFn = default_login) -> kopf
     def services(body: kopf.Body, namespace: str, name: str, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
         return {(namespace, name): dict(body)}
 
-    async def run(body: Any, memo: kopf.Memo, nodes: kopf.Index, logger: Any, services: kopf.Index | None = None) -> None:
+    @kopf.index("", "v1", "pods", id="service_pods", labels=m.MANAGED_BY, registry=registry)
+    def service_pods(body: kopf.Body, namespace: str, labels: kopf.Labels, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
+        """(namespace, service label) → a slim copy of each of its pods (what diagnose reads)."""
+        owner = labels.get(m.SERVICE_LABEL)
+        return {(namespace, owner): slim_pod(body)} if owner else {}
+
+    async def run(body: Any, memo: kopf.Memo, nodes: kopf.Index, logger: Any, services: kopf.Index | None = None,
+                  service_pods: kopf.Index | None = None) -> None:
         key = (body["metadata"].get("namespace"), body["metadata"]["name"])
         alive = (lambda: key in services) if services is not None else (lambda: True)
+        pods = (lambda: _pods_of(service_pods, key)) if service_pods is not None else None
         try:
-            outcome = await reconcile(memo.state, body, _node_list(nodes), alive=alive)
+            outcome = await reconcile(memo.state, body, _node_list(nodes), alive=alive, pods=pods)
         except KubeError as exc:
             if exc.status in (400, 403, 422):  # permanent for this spec: say so, do not retry hot
                 kopf.warn(dict(body), reason="ApplyFailed", message=str(exc))
@@ -81,20 +93,30 @@ def make_registry(*, default_image: str, login: LoginFn = default_login) -> kopf
             raise kopf.TemporaryError(str(exc), delay=5) from exc
         changed = {k: v for k, v in outcome.actions.items() if v != "unchanged"}
         if changed or outcome.status_written:
-            logger.info(f"reconciled: {changed or 'no child changed'}; status {'written' if outcome.status_written else 'unchanged'}")
+            logger.info(f"reconciled: {changed or 'no child changed'}; status {'written' if outcome.status_written else 'unchanged'}"
+                        + (f"; Ready reason {outcome.reason}" if outcome.reason else ""))
 
     @kopf.on.resume(*isvc, registry=registry)
     @kopf.on.create(*isvc, registry=registry)
     @kopf.on.update(*isvc, registry=registry)
-    async def reconcile_service(body: kopf.Body, memo: kopf.Memo, nodes: kopf.Index, logger: Any, **_: Any) -> None:
-        await run(body, memo, nodes, logger)
+    async def reconcile_service(body: kopf.Body, memo: kopf.Memo, nodes: kopf.Index, service_pods: kopf.Index,
+                                logger: Any, **_: Any) -> None:
+        await run(body, memo, nodes, logger, service_pods=service_pods)
+
+    @kopf.timer(*isvc, interval=mc.RETRY_DELAY_S, initial_delay=mc.RETRY_DELAY_S, registry=registry,
+                when=lambda status, **_: mc.unavailable(status))
+    async def retry_model_config(body: kopf.Body, memo: kopf.Memo, nodes: kopf.Index, services: kopf.Index,
+                                 service_pods: kopf.Index, logger: Any, **_: Any) -> None:
+        """While the model's config.json cannot be read (ModelConfigUnavailable), try again now and then."""
+        await run(body, memo, nodes, logger, services, service_pods)
 
     @kopf.on.delete(*isvc, registry=registry, optional=True)
     def forget(uid: str, memo: kopf.Memo, **_: Any) -> None:
         memo.state.forget(uid)
 
     @kopf.on.event("", "v1", "nodes", registry=registry)
-    async def node_changed(memo: kopf.Memo, nodes: kopf.Index, services: kopf.Index, logger: Any, **_: Any) -> None:
+    async def node_changed(memo: kopf.Memo, nodes: kopf.Index, services: kopf.Index, service_pods: kopf.Index,
+                           logger: Any, **_: Any) -> None:
         state: OperatorState = memo.state
         node_list = _node_list(nodes)
         for key in list(services):
@@ -102,17 +124,42 @@ def make_registry(*, default_image: str, login: LoginFn = default_login) -> kopf
                 uid = body["metadata"].get("uid")
                 if not _plan_changed(state, body, node_list, uid):
                     continue
-                await run(body, memo, nodes, logger, services)
+                await run(body, memo, nodes, logger, services, service_pods)
 
     @kopf.on.event("apps", "v1", "deployments", labels=m.MANAGED_BY, registry=registry)
     async def child_changed(body: kopf.Body, memo: kopf.Memo, nodes: kopf.Index, services: kopf.Index,
-                            logger: Any, **_: Any) -> None:
+                            service_pods: kopf.Index, logger: Any, **_: Any) -> None:
         meta = body.get("metadata") or {}
         owner = (meta.get("labels") or {}).get(m.SERVICE_LABEL)
         for parent in services.get((meta.get("namespace"), owner), []):
-            await run(parent, memo, nodes, logger, services)
+            await run(parent, memo, nodes, logger, services, service_pods)
+
+    @kopf.on.event("", "v1", "pods", labels=m.MANAGED_BY, registry=registry)
+    async def pod_changed(body: kopf.Body, memo: kopf.Memo, nodes: kopf.Index, services: kopf.Index,
+                          service_pods: kopf.Index, logger: Any, **_: Any) -> None:
+        """A pod of ours changed: back to its service by label; reconcile only if what its pods say changed."""
+        meta = body.get("metadata") or {}
+        key = (meta.get("namespace"), (meta.get("labels") or {}).get(m.SERVICE_LABEL))
+        state: OperatorState = memo.state
+        for parent in services.get(key, []):
+            uid = parent["metadata"].get("uid") or f"{key[0]}/{key[1]}"
+            digest = pod_digest(_pods_of(service_pods, key))
+            if state.pod_digests.get(uid) == digest:
+                continue  # a pod event that says nothing new (same reasons, same counts)
+            state.pod_digests[uid] = digest  # claimed now, so the pod events of one burst reconcile once
+            try:
+                await run(parent, memo, nodes, logger, services, service_pods)
+            except BaseException:
+                state.pod_digests.pop(uid, None)  # the next pod or Deployment event tries again
+                raise
 
     return registry
+
+
+def _pods_of(index: kopf.Index, key: tuple[Any, Any]) -> list[dict[str, Any]]:
+    """The slim pods of one service: the index is keyed by the pods' service label (a name cut to 63 characters)."""
+    ns, name = key
+    return list(index.get((ns, str(name)[:63]), []))
 
 
 def _node_list(index: kopf.Index) -> list[NodeInfo]:

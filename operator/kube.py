@@ -13,6 +13,8 @@ from warmfleet.operator.spec import GROUP, PLURAL, VERSION
 # kind → (apiVersion, plural); every kind the operator reads or writes
 RESOURCES: dict[str, tuple[str, str]] = {
     "ConfigMap": ("v1", "configmaps"),
+    "PersistentVolumeClaim": ("v1", "persistentvolumeclaims"),  # read only: does a pod's claim exist?
+    "Secret": ("v1", "secrets"),  # read only: spec.model.credentialsSecret, to read config.json (modelconfig.py)
     "Service": ("v1", "services"),
     "ServiceAccount": ("v1", "serviceaccounts"),
     "Deployment": ("apps/v1", "deployments"),

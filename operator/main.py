@@ -102,6 +102,7 @@ def render_cmd(args: argparse.Namespace) -> int:
     write before any pod is ready. Warnings go to stderr; with --strict they make the exit code 1.
     """
     from warmfleet.operator import manifests as m
+    from warmfleet.operator import modelconfig as mc
     from warmfleet.operator.nodes import node_info
     from warmfleet.operator.reconcile import owned, plan_for, utcnow
     from warmfleet.operator.schema import SpecError
@@ -119,17 +120,23 @@ def render_cmd(args: argparse.Namespace) -> int:
         meta = body["metadata"] = {"namespace": "default", "uid": "00000000-0000-0000-0000-000000000000",
                                    **(svc.get("metadata") or {})}
         name = meta.get("name")
+        learned = mc.learn_now(body)  # config.json of an hf:// or s3:// source, with this machine's credentials
         try:
-            owner, spec, plan = plan_for(body, nodes, args.default_image)
+            owner, spec, plan = plan_for(body, nodes, args.default_image, learned)
         except SpecError as exc:  # one readable line naming the object (the CLI prints it, exit 2)
             raise SpecError(exc.path, f"{exc.message} ({KIND} {name})") from None
         objs += owned(plan.children, body)
+        if learned is not None and learned.error:
+            print(f"warmfleet operator render: warning: {KIND} {meta['namespace']}/{name}: config.json: {learned.error}",
+                  file=sys.stderr)
+            warned += 1
         for w in render_warnings(plan):
             print(f"warmfleet operator render: warning: {KIND} {meta['namespace']}/{name}: {w}", file=sys.stderr)
             warned += 1
         status = healthy_status(plan=plan, generation=meta.get("generation"), model=served_name(spec, owner.name),
                                 endpoint=m.endpoint_url(owner, spec), selector=m.selector_string(owner),
                                 ready_by_pool={}, router_ready=0, previous={}, now=utcnow())
+        status = mc.with_model_config(status, body, learned, utcnow(), meta.get("generation"))
         objs.append({**{k: v for k, v in svc.items() if k != "status"}, "status": status})
     sys.stdout.write(dump(objs, args.output))
     return 1 if warned and args.strict else 0

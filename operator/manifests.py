@@ -11,8 +11,9 @@ from warmfleet.operator.engines import KV_EVENTS_PORT  # noqa: F401  (re-exporte
 from warmfleet.operator.engines import HTTP_PORT, Engine, RenderInput, engine_of
 from warmfleet.operator.nodes import GPU_MEMORY_LABEL, GPU_PRODUCT_LABEL, GPU_RESOURCE, Pool, format_bytes
 from warmfleet.operator.sizing import PoolSizing
-from warmfleet.operator.spec import GROUP, InferenceServiceSpec, served_name
+from warmfleet.operator.spec import DEFAULT_DTYPE, DEFAULT_MODEL_CACHE, GROUP, InferenceServiceSpec, served_name
 from warmfleet.server.config import CacheConfig, flag_of
+from warmfleet.source import ModelSource, parse_source
 
 MODEL_MOUNT = "/models"
 SIZING_HASH_ANNOTATION = f"{GROUP}/sizing-hash"
@@ -34,6 +35,19 @@ ROUTER_FLAGS: dict[str, str] = {
     "engine": "--engine",  # warmfleet | vllm | fastdeploy: picks the router's index adapter
 }
 ROUTER_RESOURCES = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"cpu": "2", "memory": "2Gi"}}
+
+# The init container of hf:// and s3:// sources. NOTE: `warmfleet fetch-model` flags live here (checked against
+# warmfleet/fetch.py by a test); it streams to disk, so it needs little memory whatever the model's size.
+FETCH_CONTAINER = "fetch-model"
+FETCH_COMMAND = ["warmfleet", "fetch-model"]
+FETCH_FLAGS = {"dest": "--dest", "tokenizer_only": "--tokenizer-only", "s3_endpoint": "--s3-endpoint",
+               "s3_region": "--s3-region", "termination_log": "--termination-log"}
+FETCH_RESOURCES = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"cpu": "2", "memory": "1Gi"}}
+MODEL_CACHE_VOLUME = "model-cache"
+ROUTER_MODEL_GIB = 1  # the router's emptyDir for configs, tokenizer files and chat templates (no weights)
+# Download credentials: Secret key → environment variable (the same names); optional keys may be absent.
+HF_SECRET_KEYS = (("HF_TOKEN", False),)
+S3_SECRET_KEYS = (("AWS_ACCESS_KEY_ID", False), ("AWS_SECRET_ACCESS_KEY", False), ("AWS_SESSION_TOKEN", True))
 
 
 @dataclass(frozen=True)
@@ -125,7 +139,7 @@ def render_input(owner: Owner, spec: InferenceServiceSpec, sizing: PoolSizing) -
     assert sizing.sizes is not None
     sz = sizing.sizes
     return RenderInput(
-        model_dir=_model_dir(spec), served_name=served_name(spec, owner.name), dtype=spec.model.dtype,
+        model_dir=_model_dir(spec), served_name=served_name(spec, owner.name), dtype=spec.model.dtype or DEFAULT_DTYPE,
         max_model_len=spec.model.max_model_len, block_size=spec.cache.block_size, prefix_caching=spec.cache.prefix_caching,
         max_num_batched_tokens=spec.server.max_num_batched_tokens, tensor_parallel=spec.server.gpus_per_replica,
         swap_space_gib=sz.swap_space_gib, processor_cache_gib=sz.processor_cache_gib,
@@ -139,16 +153,116 @@ def server_args(owner: Owner, spec: InferenceServiceSpec, sizing: PoolSizing) ->
     return rendered + list(spec.server.extra_args) + list(spec.engine.extra_args)
 
 
+def model_source(spec: InferenceServiceSpec) -> ModelSource | None:
+    """spec.model.source parsed; None for the older path (+ pvc) form."""
+    return parse_source(spec.model.source) if spec.model.source else None
+
+
 def _model_dir(spec: InferenceServiceSpec) -> str:
-    return spec.model.path
+    """The checkpoint directory inside server and router containers."""
+    src = model_source(spec)
+    if src is None:
+        return spec.model.path or ""
+    if src.downloads:
+        return f"{MODEL_MOUNT}/{src.cache_subdir()}"
+    if src.kind == "pvc":
+        return f"{MODEL_MOUNT}/{src.path}" if src.path else MODEL_MOUNT
+    return src.path
+
+
+def _claim(spec: InferenceServiceSpec) -> str | None:
+    src = model_source(spec)
+    return src.claim if src is not None and src.kind == "pvc" else (spec.model.pvc if src is None else None)
 
 
 def _model_volume(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
-    if not spec.model.pvc:
+    """Volumes and server mounts of the model: a claim at /models (pvc://, path + pvc), or the model cache's
+    directory of this model (hf://, s3://; the fetch-model init container fills it), or nothing (baked in)."""
+    src = model_source(spec)
+    if src is not None and src.downloads:
+        cache = spec.model.cache
+        if cache is not None and cache.pvc:
+            vol: dict[str, Any] = {"name": MODEL_CACHE_VOLUME, "persistentVolumeClaim": {"claimName": cache.pvc}}
+        else:
+            host = (cache.host_path if cache is not None else None) or DEFAULT_MODEL_CACHE
+            vol = {"name": MODEL_CACHE_VOLUME, "hostPath": {"path": host, "type": "DirectoryOrCreate"}}
+        # only this model's directory, read-only (a node-wide cache holds other services' models too)
+        mount = {"name": MODEL_CACHE_VOLUME, "mountPath": _model_dir(spec), "subPath": src.cache_subdir(), "readOnly": True}
+        return [vol], [mount]
+    claim = _claim(spec)
+    if not claim:
         return [], []
-    vol = {"name": "model", "persistentVolumeClaim": {"claimName": spec.model.pvc, "readOnly": True}}
+    vol = {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
     mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
     return [vol], [mount]
+
+
+def _credentials_env(spec: InferenceServiceSpec, src: ModelSource) -> list[dict[str, Any]]:
+    name = spec.model.credentials_secret
+    if not name:
+        return []
+    keys = HF_SECRET_KEYS if src.kind == "hf" else S3_SECRET_KEYS
+    return [{"name": key, "valueFrom": {"secretKeyRef": {"name": name, "key": key, **({"optional": True} if optional else {})}}}
+            for key, optional in keys]
+
+
+def fetch_container(spec: InferenceServiceSpec, image: str, volume: str, *, tokenizer_only: bool = False) -> dict[str, Any]:
+    """The init container that downloads an hf:// or s3:// model into `volume` (mounted at /models) before the
+    server (or, with only tokenizer files, the router) starts. Same security as every container; /tmp is its HOME."""
+    src = model_source(spec)
+    assert src is not None and src.downloads
+    m = spec.model
+    values: list[tuple[str, str | None]] = [("dest", _model_dir(spec)), ("termination_log", "/dev/termination-log")]
+    if tokenizer_only:
+        values.append(("tokenizer_only", None))
+    if m.s3 is not None and m.s3.endpoint:
+        values.append(("s3_endpoint", m.s3.endpoint))
+    if m.s3 is not None and m.s3.region:
+        values.append(("s3_region", m.s3.region))
+    args = [FETCH_COMMAND[1], src.raw]
+    for key, value in values:
+        args += [FETCH_FLAGS[key]] + ([value] if value is not None else [])
+    env = [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}]
+    if src.kind == "hf" and m.hub is not None and m.hub.endpoint:
+        env.append({"name": "HF_ENDPOINT", "value": m.hub.endpoint})
+    return {
+        "name": FETCH_CONTAINER,
+        "image": image,
+        "imagePullPolicy": spec.server.image_pull_policy,
+        "command": [FETCH_COMMAND[0]],
+        "args": args,
+        "env": env + _credentials_env(spec, src),
+        "resources": FETCH_RESOURCES,
+        "securityContext": _container_security(),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "volumeMounts": [{"name": volume, "mountPath": MODEL_MOUNT}, {"name": "tmp", "mountPath": "/tmp"}],
+    }
+
+
+def _init_containers(spec: InferenceServiceSpec, image: str, volume: str, *, tokenizer_only: bool = False) -> dict[str, Any]:
+    """{"initContainers": [fetch-model]} for hf:// and s3:// sources, else nothing (templates stay as they were)."""
+    src = model_source(spec)
+    if src is None or not src.downloads:
+        return {}
+    return {"initContainers": [fetch_container(spec, image, volume, tokenizer_only=tokenizer_only)]}
+
+
+def _router_model_volume(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
+    """The router reads configs, tokenizer files and chat templates: a small emptyDir the init container fills
+    for hf:// and s3:// sources (no node-local cache needed on router nodes), else the server's volume."""
+    src = model_source(spec)
+    if src is None or not src.downloads:
+        return _model_volume(spec)
+    vol = {"name": "model", "emptyDir": {"sizeLimit": f"{ROUTER_MODEL_GIB}Gi"}}
+    return [vol], [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}]
+
+
+def _server_pod_security(spec: InferenceServiceSpec) -> dict[str, Any]:
+    sec = _pod_security()
+    src = model_source(spec)
+    if src is not None and src.downloads and spec.model.cache is not None and spec.model.cache.pvc:
+        sec["fsGroupChangePolicy"] = "OnRootMismatch"  # not a recursive chown of the whole cache at every start
+    return sec
 
 
 def _api_key_env(spec: InferenceServiceSpec, *names: str) -> list[dict]:
@@ -181,8 +295,13 @@ def node_affinity(spec: InferenceServiceSpec, pool: Pool) -> dict[str, Any]:
     return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": exprs}]}}}
 
 
-def server_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, planned: PlannedPool) -> dict[str, Any]:
-    """One pool's server Deployment; the pod template carries the sizing hash so only changed pools roll."""
+def server_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, planned: PlannedPool,
+                      fetch_image: str | None = None) -> dict[str, Any]:
+    """One pool's server Deployment; the pod template carries the sizing hash so only changed pools roll.
+
+    hf:// and s3:// models are downloaded first by a `warmfleet fetch-model` init container running
+    `fetch_image` (the warmfleet image, whatever the engine's; default `image`).
+    """
     pool, sizing = planned.pool, planned.sizing
     assert sizing.sizes is not None
     sz = sizing.sizes
@@ -240,8 +359,9 @@ def server_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, plan
                         "whenUnsatisfiable": "ScheduleAnyway", "labelSelector": {"matchLabels": match},
                     }],
                     "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
-                    "securityContext": _pod_security(),
+                    "securityContext": _server_pod_security(spec),
                     "terminationGracePeriodSeconds": d.drain_seconds + 30,
+                    **_init_containers(spec, fetch_image or image, MODEL_CACHE_VOLUME),
                     "containers": [container],
                     "volumes": [
                         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": format_bytes(sz.shm_bytes)}},
@@ -296,7 +416,7 @@ def router_deployment(owner: Owner, spec: InferenceServiceSpec, image: str) -> d
     """The router Deployment: `warmfleet route` discovering replicas through EndpointSlices."""
     n = names(owner)
     pod_labels = labels(owner, "router")
-    model_vols, model_mounts = _model_volume(spec)
+    model_vols, model_mounts = _router_model_volume(spec)
     match = {SERVICE_LABEL: owner.name[:63], COMPONENT_LABEL: "router"}
     return {
         "apiVersion": "apps/v1",
@@ -314,6 +434,7 @@ def router_deployment(owner: Owner, spec: InferenceServiceSpec, image: str) -> d
                         "maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
                         "whenUnsatisfiable": "ScheduleAnyway", "labelSelector": {"matchLabels": match},
                     }],
+                    **_init_containers(spec, image, "model", tokenizer_only=True),
                     "containers": [{
                         "name": "router",
                         "image": image,
@@ -410,6 +531,6 @@ def config_map(owner: Owner, spec: InferenceServiceSpec, plan: list[PlannedPool]
 def build_children(owner: Owner, spec: InferenceServiceSpec, images: Images, plan: list[PlannedPool]) -> list[dict[str, Any]]:
     """Every child object, in apply order; pools that cannot host replicas get no Deployment."""
     objs = [config_map(owner, spec, plan), *router_rbac(owner), replicas_service(owner, spec)]
-    objs += [server_deployment(owner, spec, images.engine, p) for p in plan if p.sizing.fits]
+    objs += [server_deployment(owner, spec, images.engine, p, images.router) for p in plan if p.sizing.fits]
     objs += [pdb(owner, spec), router_deployment(owner, spec, images.router), router_service(owner, spec)]
     return objs

@@ -12,13 +12,15 @@ from typing import Any, Callable, Mapping
 import kopf
 
 from warmfleet.operator import manifests as m
+from warmfleet.operator import modelconfig as mc
+from warmfleet.operator.diagnose import claims_to_check, diagnose
 from warmfleet.operator.engines import check_spec
-from warmfleet.operator.kube import Kube
+from warmfleet.operator.kube import Kube, KubeError
 from warmfleet.operator.nodes import NodeInfo
 from warmfleet.operator.plan import Plan, make_plan
 from warmfleet.operator.schema import SpecError
 from warmfleet.operator.spec import KIND, parse_spec, served_name
-from warmfleet.operator.status import healthy_status, invalid_status, status_patch
+from warmfleet.operator.status import healthy_status, invalid_status, status_patch, warnings
 
 # (body, type, reason, message) → posts a Kubernetes Event; kopf.event in the operator
 EventFn = Callable[[Mapping[str, Any], str, str, str], None]
@@ -43,6 +45,9 @@ class OperatorState:
     kube: Kube | None = None
     locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     fingerprints: dict[str, str] = field(default_factory=dict)  # service uid → last applied plan digest
+    pod_digests: dict[str, tuple[str | None, str]] = field(default_factory=dict)  # uid → diagnosis of the pods last reconciled
+    conditions: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # uid → conditions last written (Event de-dup)
+    model_configs: mc.ConfigCache = field(default_factory=mc.ConfigCache)  # config.json reads of hf:// and s3:// sources
 
     def client(self) -> Kube:
         """The API client, built on first use from the login handler's connection."""
@@ -60,6 +65,14 @@ class OperatorState:
         """Drop per-service state after deletion."""
         self.locks.pop(uid, None)
         self.fingerprints.pop(uid, None)
+        self.pod_digests.pop(uid, None)
+        self.conditions.pop(uid, None)
+
+
+def pod_digest(pods: list[Mapping[str, Any]]) -> tuple[str | None, str]:
+    """What the pods say about a service, before any API check: a pod event that leaves it equal changes nothing."""
+    d = diagnose(pods)
+    return d.reason, d.message
 
 
 def owned(children: list[dict[str, Any]], body: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -68,8 +81,13 @@ def owned(children: list[dict[str, Any]], body: Mapping[str, Any]) -> list[dict[
     return children
 
 
-def plan_for(body: Mapping[str, Any], nodes: list[NodeInfo], default_image: str) -> tuple[m.Owner, Any, Plan]:
-    """Parse the spec, check it against its engine's capabilities and plan; raises SpecError for a bad spec."""
+def plan_for(body: Mapping[str, Any], nodes: list[NodeInfo], default_image: str,
+             learned: mc.Learned | None = None) -> tuple[m.Owner, Any, Plan]:
+    """Parse the spec, check it against its engine's capabilities and plan; raises SpecError for a bad spec.
+
+    The hidden size and dtype come from the spec, else from config.json (`learned`, or what the
+    service's status remembers of it), else defaults; the returned spec carries the values used.
+    """
     meta = body.get("metadata") or {}
     owner = m.Owner(name=meta["name"], namespace=meta.get("namespace") or "default")
     spec = parse_spec(body.get("spec"))
@@ -77,6 +95,7 @@ def plan_for(body: Mapping[str, Any], nodes: list[NodeInfo], default_image: str)
     if previous_model and previous_model != served_name(spec, owner.name):
         raise SpecError("spec.model.servedName", f"is immutable: was {previous_model!r}, now {served_name(spec, owner.name)!r}")
     check_spec(spec)
+    spec = mc.effective(spec, mc.resolve(spec, learned if learned is not None else mc.from_status(body)))
     return owner, spec, make_plan(owner, spec, nodes, m.images_for(spec, default_image))
 
 
@@ -92,42 +111,53 @@ class Outcome:
     actions: dict[str, str] = field(default_factory=dict)  # "Kind/name" → created|patched|unchanged|deleted
     status_written: bool = False
     invalid: str | None = None
+    reason: str | None = None  # the Ready condition's reason
 
 
 async def reconcile(
     state: OperatorState, body: Mapping[str, Any], nodes: list[NodeInfo], *, post_event: EventFn = kopf_event,
     now: Callable[[], str] = utcnow, alive: Callable[[], bool] = lambda: True,
+    pods: Callable[[], list[Mapping[str, Any]]] | list[Mapping[str, Any]] | None = None,
 ) -> Outcome:
     """Bring children and status in line with spec + nodes. Idempotent; a bad spec becomes InvalidSpec + Event.
 
     `alive` is checked once the per-service lock is held: a reconcile queued behind another
-    one for a service deleted meanwhile does nothing.
+    one for a service deleted meanwhile does nothing. `pods` are the service's pods (slim
+    copies from the operator's pod index, or a function returning them, called once the lock
+    is held so a queued reconcile sees the latest; None: not watched) and say why it is not
+    Ready; a Ready or Degraded reason that changes to a problem is posted once as a Warning Event.
     """
     meta = body.get("metadata") or {}
     uid = meta.get("uid") or f"{meta.get('namespace')}/{meta.get('name')}"
     async with state.lock(uid):
         if not alive():
             return Outcome()
-        return await _reconcile(state, body, nodes, post_event, now, uid)
+        return await _reconcile(state, body, nodes, post_event, now, uid, pods() if callable(pods) else pods)
 
 
 async def _reconcile(state: OperatorState, body: Mapping[str, Any], nodes: list[NodeInfo],
-                     post_event: EventFn, now: Callable[[], str], uid: str) -> Outcome:
+                     post_event: EventFn, now: Callable[[], str], uid: str,
+                     pods: list[Mapping[str, Any]] | None = None) -> Outcome:
     kube = state.client()
     meta = body.get("metadata") or {}
     name, ns = meta["name"], meta.get("namespace") or "default"
     generation = meta.get("generation")
     previous = dict(body.get("status") or {})
     out = Outcome()
+    learned = await mc.learn(state.model_configs, kube, ns, body)
     try:
-        owner, spec, plan = plan_for(body, nodes, state.default_image)
+        owner, spec, plan = plan_for(body, nodes, state.default_image, learned)
     except SpecError as exc:
         out.invalid = str(exc)
-        old = next((c for c in previous.get("conditions", []) if c.get("type") == "InvalidSpec"), {})
+        last = state.conditions.get(uid, previous.get("conditions", []))
+        old = next((c for c in last if c.get("type") == "InvalidSpec"), {})
         if old.get("status") != "True" or old.get("message") != str(exc):
             post_event(body, "Warning", "InvalidSpec", str(exc))
         new = invalid_status(message=str(exc), generation=generation, previous=previous, now=now())
+        new = mc.with_model_config(new, body, learned, now(), generation)
+        _post_model_config_warning(post_event, body, state.conditions.get(uid, previous.get("conditions", [])), new)
         out.status_written = await _write_status(kube, ns, name, previous, new)
+        state.conditions[uid] = new["conditions"]
         return out
 
     digest = fingerprint(plan)  # before owner references are added, as the node watch computes it
@@ -151,13 +181,50 @@ async def _reconcile(state: OperatorState, body: Mapping[str, Any], nodes: list[
         ready_by_pool[p.pool.name] = int(((dep or {}).get("status") or {}).get("readyReplicas") or 0)
     router = live.get(("Deployment", m.names(owner)["router"])) or {}
     router_ready = int((router.get("status") or {}).get("readyReplicas") or 0)
+    diag = None
+    if pods is not None:
+        diag = diagnose(pods, await _missing_claims(kube, ns, pods))
+        state.pod_digests[uid] = pod_digest(pods)
     new = healthy_status(
         plan=plan, generation=generation, model=served_name(spec, owner.name), endpoint=m.endpoint_url(owner, spec),
         selector=m.selector_string(owner), ready_by_pool=ready_by_pool, router_ready=router_ready,
-        previous=previous, now=now(),
+        previous=previous, now=now(), pods=diag,
     )
+    new = mc.with_model_config(new, body, learned, now(), generation)
     out.status_written = await _write_status(kube, ns, name, previous, new)
+    # De-dup against what this process last wrote (the body may predate it), else the stored status (a restart).
+    last = {"conditions": state.conditions[uid]} if uid in state.conditions else previous
+    for reason, message in warnings(last, new):
+        post_event(body, "Warning", reason, message)
+    _post_model_config_warning(post_event, body, last.get("conditions", []), new)
+    state.conditions[uid] = new["conditions"]
+    out.reason = next((c.get("reason") for c in new["conditions"] if c.get("type") == "Ready"), None)
     return out
+
+
+async def _missing_claims(kube: Kube, ns: str, pods: list[Mapping[str, Any]]) -> set[str]:
+    """Claims mounted by not-Ready pods that do not exist (a GET each; none while every pod is Ready).
+
+    The scheduler names a missing claim, but a pod already bound to a node only waits in
+    ContainerCreating while the kubelet reports FailedMount as an Event: this check covers both.
+    Without RBAC for it (403) nothing is known, and the pods' own messages still speak.
+    """
+    missing = set()
+    for claim in sorted(claims_to_check(pods)):
+        try:
+            if await kube.get("PersistentVolumeClaim", ns, claim) is None:
+                missing.add(claim)
+        except KubeError as exc:
+            if exc.status != 403:
+                raise
+    return missing
+
+
+def _post_model_config_warning(post_event: EventFn, body: Mapping[str, Any], last: list[dict[str, Any]],
+                               new: dict[str, Any]) -> None:
+    warning = mc.model_config_warning({"conditions": last}, new)
+    if warning:
+        post_event(body, "Warning", *warning)
 
 
 def _owned_by(obj: Mapping[str, Any], uid: str | None) -> bool:
@@ -173,8 +240,12 @@ async def _write_status(kube: Kube, ns: str, name: str, old: dict[str, Any], new
     return True
 
 
-def render(body: Mapping[str, Any], nodes: list[NodeInfo], default_image: str) -> list[dict[str, Any]]:
-    """The exact children the operator would apply for `body` and `nodes`, offline; raises SpecError."""
+def render(body: Mapping[str, Any], nodes: list[NodeInfo], default_image: str,
+           learned: mc.Learned | None = None) -> list[dict[str, Any]]:
+    """The exact children the operator would apply for `body` and `nodes`, offline; raises SpecError.
+
+    config.json is not read here: `learned` (modelconfig.learn_now), else the body's status, says what it holds.
+    """
     body = dict(body)
     meta = dict(body.get("metadata") or {})
     meta.setdefault("namespace", "default")
@@ -182,5 +253,5 @@ def render(body: Mapping[str, Any], nodes: list[NodeInfo], default_image: str) -
     body["metadata"] = meta
     body.setdefault("apiVersion", "serving.warmfleet.io/v1alpha1")
     body.setdefault("kind", KIND)
-    _, _, plan = plan_for(body, nodes, default_image)
+    _, _, plan = plan_for(body, nodes, default_image, learned)
     return owned(plan.children, body)

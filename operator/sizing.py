@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from warmfleet.operator.engines import Engine, engine_of
 from warmfleet.operator.nodes import GiB, MiB, Pool
-from warmfleet.operator.spec import GiBSize, InferenceServiceSpec, PoolInputs, PoolSizes, TokenSize
+from warmfleet.operator.spec import (DEFAULT_DTYPE, DEFAULT_HIDDEN_SIZE, GiBSize, InferenceServiceSpec, PoolInputs, PoolSizes,
+                                     TokenSize)
 from warmfleet.server.config import DTYPE_BYTES
 
 PROCESSOR_GIB_PER_FRONTEND = 4.0  # Auto processor cache ceiling per API frontend
@@ -85,7 +86,8 @@ def size_pool(spec: InferenceServiceSpec, pool: Pool) -> PoolSizing:
     shm = _round_up_mib(shm_fixed + (swap_host if fp.swap_in_shm else 0))
 
     g = pool.gpu_memory_mib * MiB
-    token_bytes = spec.model.hidden_size * DTYPE_BYTES[spec.model.dtype]
+    # plan_for fills both in (spec, else config.json, else default: modelconfig.py); a bare spec gets the defaults
+    token_bytes = (spec.model.hidden_size or DEFAULT_HIDDEN_SIZE) * DTYPE_BYTES[spec.model.dtype or DEFAULT_DTYPE]
     enc = _encoder_tokens(spec, engine, g, token_bytes, sources)
     gpu_util = _gpu_memory_utilization(engine, g, enc, token_bytes, cache.encoder_fraction)
 
@@ -157,21 +159,17 @@ def sizes_hash(swap_gib: float, encoder_tokens: int | None, processor_gib: float
 
 
 def assign_replicas(desired: int, capacities: list[int]) -> list[int]:
-    """Split `desired` replicas across pools in proportion to capacity (largest remainder), capped by capacity.
+    """Split `desired` replicas across pools in proportion to capacity, capped by capacity.
 
-    Ties go to the earlier pool, so the split is deterministic for a sorted pool list.
+    Replicas are handed out one at a time, each to the pool with the highest priority
+    capacity / (2 * assigned + 1) that still has room (Sainte-Lague), ties to the earlier pool.
+    Handing out one at a time makes the split monotone: one more replica never takes one from
+    another pool, so scaling out never restarts pods elsewhere (the largest-remainder rule did:
+    capacities [1, 3, 3] split 3 as [1, 1, 1] and 4 as [0, 2, 2]).
     """
-    total = sum(capacities)
-    if total == 0 or desired <= 0:
-        return [0] * len(capacities)
-    want = min(desired, total)
-    exact = [want * c / total for c in capacities]
-    out = [min(int(x), c) for x, c in zip(exact, capacities)]
-    order = sorted(range(len(capacities)), key=lambda i: (-(exact[i] - int(exact[i])), i))
-    left = want - sum(out)
-    while left > 0:
-        for i in order:
-            if left and out[i] < capacities[i]:
-                out[i] += 1
-                left -= 1
+    out = [0] * len(capacities)
+    for _ in range(min(max(desired, 0), sum(capacities))):
+        best = max((i for i, c in enumerate(capacities) if out[i] < c),
+                   key=lambda i: (capacities[i] / (2 * out[i] + 1), -i))
+        out[best] += 1
     return out

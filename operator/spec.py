@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Optional
 
 from warmfleet.operator.schema import Rule, from_dict, prop
+from warmfleet.source import DOTDOT_PATTERN, SOURCE_FORMS, SOURCE_PATTERN, check_source
 
 GROUP = "serving.warmfleet.io"
 VERSION = "v1alpha1"
@@ -53,24 +54,113 @@ class TokenSize:
     RULES: ClassVar[list[Rule]] = SIZE_RULES
 
 
+DEFAULT_HIDDEN_SIZE = 4096  # when neither the spec nor config.json says (sources the operator cannot read)
+DEFAULT_DTYPE = "bfloat16"
+DEFAULT_MODEL_CACHE = "/var/cache/warmfleet/models"  # hostPath of the node-local model cache
+DOWNLOADING = "has(self.source) && (self.source.startsWith('hf://') || self.source.startsWith('s3://'))"
+
+
+def _downloads(m: "ModelSpec") -> bool:
+    return m.source is not None and m.source.startswith(("hf://", "s3://"))
+
+
+@dataclass(kw_only=True)
+class HubSpec:
+    """Where hf:// sources are downloaded from."""
+
+    endpoint: Optional[str] = prop(
+        None, doc="Hub URL, e.g. a mirror (default: https://huggingface.co); the init container gets it as HF_ENDPOINT.",
+        pattern="^https?://[!-~]+$", maxLength=2048,
+    )
+
+
+@dataclass(kw_only=True)
+class S3Spec:
+    """The S3-compatible store of s3:// sources."""
+
+    endpoint: Optional[str] = prop(
+        None, doc="Endpoint URL of an S3-compatible store (MinIO, Ceph RGW, R2, ...; path-style requests); default: AWS S3.",
+        pattern="^https?://[!-~]+$", maxLength=2048,
+    )
+    region: Optional[str] = prop(None, doc="Region (default: us-east-1).", pattern=r"^[a-z0-9-]+$", maxLength=64)
+
+
+@dataclass(kw_only=True)
+class ModelCacheSpec:
+    """The node-local cache hf:// and s3:// models are downloaded into, shared by the replicas on a node."""
+
+    host_path: Optional[str] = prop(
+        None, doc=f"Directory on each node (default {DEFAULT_MODEL_CACHE}); must be writable by uid/gid 1000 (docs/models.md).",
+        pattern="^/[!-~]*$", maxLength=1024,
+    )
+    pvc: Optional[str] = prop(
+        None, doc="PersistentVolumeClaim used as the cache instead of a hostPath (ReadWriteMany to share it across nodes).",
+        pattern=DNS_LABEL, maxLength=253,
+    )
+
+    RULES: ClassVar[list[Rule]] = [
+        ("!(has(self.hostPath) && has(self.pvc))", "hostPath and pvc are mutually exclusive",
+         lambda c: c.host_path is None or c.pvc is None),
+    ]
+
+
 @dataclass(kw_only=True)
 class ModelSpec:
-    """The checkpoint every replica serves."""
+    """The checkpoint every replica serves: `source` (preferred), or the older `path` + `pvc`."""
 
-    path: str = prop(doc="Checkpoint directory inside the server container (baked into the image, or under /models when `pvc` is set).", minLength=1)
-    pvc: Optional[str] = prop(None, doc="PersistentVolumeClaim mounted read-only at /models.", pattern=DNS_LABEL, maxLength=253)
+    source: Optional[str] = prop(
+        None, doc=("Where the checkpoint comes from (preferred over path + pvc): hf://ORG/NAME[@REVISION] (Hugging Face Hub) "
+                   "or s3://BUCKET[/PREFIX] (S3-compatible), downloaded by an init container into the node-local model "
+                   "cache; pvc://CLAIM[/PATH], a PersistentVolumeClaim mounted read-only; or an absolute path baked into "
+                   "the image. Exactly one of source and path."),
+        minLength=1, maxLength=1024,
+    )
+    credentials_secret: Optional[str] = prop(
+        None, doc=("Secret (same namespace) with the download credentials: key HF_TOKEN for hf://, keys AWS_ACCESS_KEY_ID "
+                   "and AWS_SECRET_ACCESS_KEY (optionally AWS_SESSION_TOKEN) for s3://. The operator reads it to learn config.json."),
+        pattern=DNS_LABEL, maxLength=253,
+    )
+    hub: Optional[HubSpec] = prop(None, doc="Hub settings for hf:// sources.")
+    s3: Optional[S3Spec] = prop(None, doc="Store settings for s3:// sources.")
+    cache: Optional[ModelCacheSpec] = prop(
+        None, doc=f"Node-local model cache for hf:// and s3:// sources (default: hostPath {DEFAULT_MODEL_CACHE}).",
+    )
+    path: Optional[str] = prop(
+        None, doc="Older form of source: checkpoint directory inside the server container (baked into the image, or under /models when `pvc` is set).",
+        minLength=1,
+    )
+    pvc: Optional[str] = prop(None, doc="With path: PersistentVolumeClaim mounted read-only at /models (source pvc://CLAIM/PATH says the same).",
+                              pattern=DNS_LABEL, maxLength=253)
     served_name: Optional[str] = prop(
         None, doc="Name clients send as `model` (default: the InferenceService name). Immutable once set.",
         minLength=1, maxLength=253,
     )
-    dtype: Literal["bfloat16", "float16", "float32"] = prop("bfloat16", doc="Weight and activation dtype; also sizes encoder-cache entries.")
-    hidden_size: int = prop(
-        4096, doc="Width of one encoder-output token (the model's hidden size); the operator cannot read weights, so the encoder-cache bytes per token come from here.",
+    dtype: Optional[Literal["bfloat16", "float16", "float32"]] = prop(
+        None, doc=f"Weight and activation dtype; also sizes encoder-cache entries (default: config.json's torch_dtype for hf:// and s3:// sources, else {DEFAULT_DTYPE}).",
+    )
+    hidden_size: Optional[int] = prop(
+        None, doc=("Width of one encoder-output token (the language model's hidden size), which sizes the encoder cache. "
+                   f"Default: config.json's for hf:// and s3:// sources (status.modelConfig says where it came from), else {DEFAULT_HIDDEN_SIZE}."),
         minimum=1, maximum=65536,
     )
     max_model_len: Optional[int] = prop(None, doc="Context length in tokens (default: the checkpoint's).", minimum=1)
 
-    RULES: ClassVar[list[Rule]] = []
+    RULES: ClassVar[list[Rule]] = [
+        ("has(self.source) != has(self.path)", "exactly one of source and path is required (source is preferred)",
+         lambda m: (m.source is None) != (m.path is None)),
+        (f"!has(self.source) || (self.source.matches('{SOURCE_PATTERN}') && !self.source.matches('{DOTDOT_PATTERN}'))",
+         f"source must be {SOURCE_FORMS}, without '..' segments",
+         lambda m: m.source is None or check_source(m.source) is None),
+        ("!has(self.pvc) || has(self.path)", "pvc goes with path; with source, write pvc://CLAIM/PATH",
+         lambda m: m.pvc is None or m.path is not None),
+        (f"(!has(self.cache) && !has(self.credentialsSecret)) || ({DOWNLOADING})",
+         "cache and credentialsSecret apply to hf:// and s3:// sources only",
+         lambda m: (m.cache is None and m.credentials_secret is None) or _downloads(m)),
+        ("!has(self.hub) || (has(self.source) && self.source.startsWith('hf://'))", "hub applies to hf:// sources only",
+         lambda m: m.hub is None or (m.source or "").startswith("hf://")),
+        ("!has(self.s3) || (has(self.source) && self.source.startsWith('s3://'))", "s3 applies to s3:// sources only",
+         lambda m: m.s3 is None or (m.source or "").startswith("s3://")),
+    ]
 
 
 @dataclass(kw_only=True)
@@ -220,7 +310,7 @@ SERVED_NAME_RULE = {
 class Condition:
     """A standard Kubernetes condition."""
 
-    type: Literal["Ready", "Progressing", "Degraded", "InvalidSpec"] = prop(doc="Condition type.")
+    type: Literal["Ready", "Progressing", "Degraded", "InvalidSpec", "ModelConfigUnavailable"] = prop(doc="Condition type.")
     status: Literal["True", "False", "Unknown"] = prop(doc="Condition status.")
     reason: str = prop(doc="CamelCase reason.")
     message: str = prop("", doc="Human-readable detail.")
@@ -283,12 +373,62 @@ class PoolStatus:
     inputs: Optional[PoolInputs] = prop(None, doc="Inputs of the sizes.")
 
 
+LearnedFrom = Literal["config.json", "spec", "default"]
+
+
+@dataclass(kw_only=True)
+class LearnedInt:
+    """A value sizing and rendering use, and where it came from."""
+
+    value: int = prop(doc="The value in use.", format="int64")
+    from_: LearnedFrom = prop(doc="spec (explicit, always wins), config.json (read by the operator) or default.")
+
+
+@dataclass(kw_only=True)
+class LearnedStr:
+    """A value sizing and rendering use, and where it came from."""
+
+    value: str = prop(doc="The value in use.")
+    from_: LearnedFrom = prop(doc="spec (explicit, always wins), config.json (read by the operator) or default.")
+
+
+@dataclass(kw_only=True)
+class LearnedValues:
+    """The model facts the sizes were computed from."""
+
+    hidden_size: LearnedInt = prop(doc="Encoder-output token width (encoder-cache bytes per token = hiddenSize x dtype bytes).")
+    dtype: LearnedStr = prop(doc="Weight and activation dtype, rendered into the engine's --dtype.")
+
+
+@dataclass(kw_only=True)
+class ConfigJson:
+    """What the model's config.json says (hf:// and s3:// sources)."""
+
+    architecture: str = prop("", doc="architectures[0], e.g. Qwen2VLForConditionalGeneration.")
+    model_type: str = prop("", doc="model_type.")
+    hidden_size: Optional[int] = prop(None, doc="The language model's hidden_size (top level, or text_config's).", format="int64")
+    dtype: Optional[str] = prop(None, doc="torch_dtype as written (used only if it is bfloat16, float16 or float32).")
+    vision: bool = prop(False, doc="Whether it has a vision tower config (vision_config): a multimodal model.")
+    vision_hidden_size: Optional[int] = prop(None, doc="The vision tower's own width, for reference.", format="int64")
+
+
+@dataclass(kw_only=True)
+class ModelConfigStatus:
+    """What the operator knows about the model and where each value came from."""
+
+    source: str = prop("", doc="spec.model.source (or path) this is about.")
+    revision: str = prop("", doc="Hub commit, or S3 ETag, of the config.json read.")
+    config_json: Optional[ConfigJson] = prop(None, doc="Summary of config.json, when it was read.")
+    learned: LearnedValues = prop(doc="The hidden size and dtype in use, each with where it came from.")
+    message: str = prop("", doc="Why config.json could not be read, when it could not.")
+
+
 @dataclass(kw_only=True)
 class InferenceServiceStatus:
     """Observed state of an InferenceService."""
 
     observed_generation: Optional[int] = prop(None, doc="metadata.generation last reconciled.", format="int64")
-    conditions: list[Condition] = prop([], doc="Ready, Progressing, Degraded, InvalidSpec.")
+    conditions: list[Condition] = prop([], doc="Ready, Progressing, Degraded, InvalidSpec, ModelConfigUnavailable.")
     replicas: int = prop(0, doc="Server replicas that exist (scale subresource).")
     desired_replicas: int = prop(0, doc="Server replicas wanted.")
     ready_replicas: int = prop(0, doc="Server replicas ready.")
@@ -297,6 +437,7 @@ class InferenceServiceStatus:
     endpoint: str = prop("", doc="OpenAI base URL of the router.")
     model: str = prop("", doc="Served model name.")
     pools: list[PoolStatus] = prop([], doc="Node pools and their sizes.")
+    model_config: Optional[ModelConfigStatus] = prop(None, doc="Model facts (hidden size, dtype, config.json) and their origin.")
 
 
 def parse_spec(data: Any) -> InferenceServiceSpec:

@@ -4,11 +4,37 @@ from __future__ import annotations
 
 from typing import Any
 
+from warmfleet.operator.diagnose import STARTING, Diagnosis
 from warmfleet.operator.plan import Plan, pool_status
 from warmfleet.operator.schema import to_dict
 from warmfleet.operator.spec import Condition
 
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "InvalidSpec")
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "InvalidSpec", "ModelConfigUnavailable")  # the last: modelconfig.py
+# Ready=False reasons that are progress, not a problem: every other Ready=False reason (a pod problem,
+# NoMatchingNodes, InsufficientCapacity) is worth a Warning Event when it appears.
+PROGRESS_READY_REASONS = frozenset({STARTING, "NotReady"})
+
+
+def warnings(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, str]]:
+    """(reason, message) of each Warning to post for the transition from `old` to `new` status.
+
+    A Warning is due when the Ready condition turns to a problem reason, or the Degraded condition
+    turns True with a new reason; a message that changes under the same reason (counts moving) is
+    not news. One Event per reason, Ready's first.
+    """
+    def cond(status: dict[str, Any], type_: str) -> dict[str, Any]:
+        return next((c for c in (status or {}).get("conditions", []) if c.get("type") == type_), {})
+
+    out: list[tuple[str, str]] = []
+    ready, was = cond(new, "Ready"), cond(old, "Ready")
+    if ready.get("status") == "False" and ready.get("reason") not in PROGRESS_READY_REASONS \
+            and (was.get("status"), was.get("reason")) != ("False", ready.get("reason")):
+        out.append((ready["reason"], ready.get("message", "")))
+    degraded, was = cond(new, "Degraded"), cond(old, "Degraded")
+    if degraded.get("status") == "True" and (was.get("status"), was.get("reason")) != ("True", degraded.get("reason")) \
+            and degraded.get("reason") not in {r for r, _ in out}:
+        out.append((degraded["reason"], degraded.get("message", "")))
+    return out
 
 
 def merge_conditions(previous: list[dict[str, Any]], new: list[Condition], now: str, generation: int | None) -> list[dict[str, Any]]:
@@ -34,8 +60,16 @@ def _cond(type_: str, ok: bool, reason: str, message: str = "") -> Condition:
 def healthy_status(
     *, plan: Plan, generation: int | None, model: str, endpoint: str, selector: str,
     ready_by_pool: dict[str, int], router_ready: int, previous: dict[str, Any], now: str,
+    pods: Diagnosis | None = None,
 ) -> dict[str, Any]:
-    """Status after a successful reconcile: sizes, replica counts and the four conditions."""
+    """Status after a successful reconcile: sizes, replica counts and the four conditions.
+
+    `pods` (from diagnose.diagnose over the service's pods) says why replicas are not Ready; it
+    becomes the Ready condition's reason and message, most severe first:
+    a pod problem (MissingPVC, MissingSecret, ImagePullBackOff, CrashLoopBackOff, Unschedulable, ...),
+    else NoMatchingNodes, else InsufficientCapacity (every placed replica Ready, too few placed),
+    else Starting, else NotReady (no pod seen yet).
+    """
     pools = [pool_status(p, ready_by_pool.get(p.pool.name, 0), plan.engine) for p in plan.pools]
     ready = min(sum(p.ready_replicas for p in pools), plan.placed)
     unfit = [p for p in plan.pools if not p.sizing.fits]
@@ -57,7 +91,19 @@ def healthy_status(
     elif plan.placed and ready >= plan.desired and router_ready > 0:
         conds.append(_cond("Ready", True, "AllReplicasReady", f"{ready} server replicas and {router_ready} routers ready"))
     else:
-        conds.append(_cond("Ready", False, "NotReady", f"{ready}/{plan.desired} server replicas, {router_ready} routers ready"))
+        counted = f"{ready}/{plan.desired} server replicas, {router_ready} routers ready"
+        diag = pods or Diagnosis()
+        if diag.problem:
+            reason, message = str(diag.reason), f"{diag.message}; {counted}"
+        elif not plan.pools:
+            reason, message = "NoMatchingNodes", f"no Ready, schedulable node matches the node selector; {counted}"
+        elif plan.capacity < plan.desired and ready >= plan.placed:
+            reason, message = "InsufficientCapacity", f"{plan.desired} replicas wanted, the pools can host {plan.capacity}; {counted}"
+        elif diag.reason == STARTING:
+            reason, message = STARTING, f"{diag.message}; {counted}"
+        else:
+            reason, message = "NotReady", counted
+        conds.append(_cond("Ready", False, reason, message))
     conditions = merge_conditions(previous.get("conditions", []), conds, now, generation)
     return {
         "observedGeneration": generation,
@@ -86,6 +132,16 @@ def status_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any] | N
     """A JSON merge patch turning `old` status into `new`, or None when nothing changed."""
     if old == new:
         return None
-    patch: dict[str, Any] = {k: v for k, v in new.items() if old.get(k) != v}
+    return _merge_patch(old, new)
+
+
+def _merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    # Nested objects (status.modelConfig) are patched key by key: a key they lost must be sent as null,
+    # or the API server keeps it. Lists (conditions, pools) are replaced whole, as merge patch does.
+    patch: dict[str, Any] = {}
+    for k, v in new.items():
+        was = old.get(k)
+        if was != v:
+            patch[k] = _merge_patch(was, v) if isinstance(was, dict) and isinstance(v, dict) else v
     patch.update({k: None for k in old if k not in new})
     return patch

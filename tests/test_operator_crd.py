@@ -69,7 +69,9 @@ def test_subresources_printer_columns_and_names():
     assert v["subresources"]["status"] == {}
     assert v["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
     cols = [c["name"] for c in v["additionalPrinterColumns"]]
-    assert cols == ["Ready", "Replicas", "Desired", "Model", "Endpoint", "Age"]
+    assert cols == ["Ready", "Reason", "Replicas", "Desired", "Model", "Endpoint", "Age"]
+    reason = next(c for c in v["additionalPrinterColumns"] if c["name"] == "Reason")
+    assert reason["jsonPath"] == '.status.conditions[?(@.type=="Ready")].reason'
     names = crd()["spec"]["names"]
     assert "isvc" not in names["shortNames"] and names["shortNames"]
 
@@ -83,7 +85,8 @@ def test_defaults_satisfy_their_own_schema():
             assert node["default"] >= node["minimum"], path
 
 
-@pytest.mark.parametrize("name", ["inferenceservice.yaml", "inferenceservice-vllm.yaml", "inferenceservice-fastdeploy.yaml"])
+@pytest.mark.parametrize("name", ["inferenceservice.yaml", "inferenceservice-vllm.yaml", "inferenceservice-fastdeploy.yaml",
+                                  "inferenceservice-hf.yaml"])
 def test_example_validates_against_the_crd_schema(name):
     import jsonschema
     example = yaml.safe_load((REPO / "examples" / name).read_text())

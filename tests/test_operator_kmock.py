@@ -18,10 +18,12 @@ from warmfleet.operator.manifests import SIZING_HASH_ANNOTATION
 ISVC = "serving.warmfleet.io/v1alpha1/inferenceservices"
 DEPLOY = "apps/v1/deployments"
 NODES = "v1/nodes"
+PODS = "v1/pods"
 KINDS = {
     "v1/configmaps": "ConfigMap", "v1/services": "Service", "v1/serviceaccounts": "ServiceAccount",
     "v1/events": "Event", DEPLOY: "Deployment", "policy/v1/poddisruptionbudgets": "PodDisruptionBudget",
     "rbac.authorization.k8s.io/v1/roles": "Role", "rbac.authorization.k8s.io/v1/rolebindings": "RoleBinding",
+    PODS: "Pod", "v1/persistentvolumeclaims": "PersistentVolumeClaim",
 }
 TIMEOUT_S = 15
 
@@ -270,3 +272,106 @@ async def test_warmfleet_with_tensor_parallelism_is_invalid_spec_and_an_event(cl
         (dep,) = server_deployments(cluster).values()
         c = dep["spec"]["template"]["spec"]["containers"][0]
         assert c["resources"]["limits"]["nvidia.com/gpu"] == "2" and c["args"][c["args"].index("--tensor-parallel-size") + 1] == "2"
+
+
+def events(cluster, reason: str) -> list[dict[str, Any]]:
+    """Events the operator posted with `reason` (from the request log: kmock ignores generateName, so a
+    second Event of one test is refused with 409 and never stored, though it was posted)."""
+    return [r.data for r in list(cluster) if str(r.method).upper().endswith("POST") and r.url.path.endswith("/events")
+            and isinstance(r.data, dict) and r.data.get("reason") == reason]
+
+
+def a_pod(name: str, component: str, status: dict[str, Any], node: str | None = None) -> dict[str, Any]:
+    """A pod of service qwen as its ReplicaSet makes it (labels, the model claim), with the given status."""
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "default", "resourceVersion": "1",
+                         "labels": {"app.kubernetes.io/managed-by": "warmfleet-operator", "serving.warmfleet.io/service": "qwen",
+                                    "app.kubernetes.io/component": component}},
+            "spec": {"nodeName": node, "containers": [{"name": component, "image": "img:test"}],
+                     "volumes": [{"name": "model", "persistentVolumeClaim": {"claimName": "model-store", "readOnly": True}}]},
+            "status": status}
+
+
+def unschedulable(message: str) -> dict[str, Any]:
+    return {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message}]}
+
+
+def container(name: str, ready: bool, state: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"phase": "Pending" if (state.get("waiting") or {}).get("reason") == "ContainerCreating" else "Running",
+            "conditions": [{"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": "True" if ready else "False"}],
+            "containerStatuses": [{"name": name, "ready": ready, "restartCount": extra.get("restarts", 0), "state": state,
+                                   "lastState": extra.get("last", {})}]}
+
+
+async def test_pod_problems_become_the_ready_reason_with_one_warning_per_reason(cluster):
+    seed(cluster, h200("h1"))
+    seed(cluster, service(spec={"replicas": 2, "model": {"path": "/models/m", "pvc": "model-store"}}), res=ISVC)
+    pvc_msg = '0/1 nodes are available: persistentvolumeclaim "model-store" not found. not found'
+    async with operator(cluster):
+        await eventually(lambda: condition(cluster, "InvalidSpec").get("status") == "False", "a reconciled status")
+        assert condition(cluster, "Ready")["reason"] == "NotReady"  # no pod yet
+        # The scheduler refuses the server pods; the router pod is bound and waits in ContainerCreating
+        # (the kubelet's FailedMount is only an Event): the operator checks the claim itself.
+        for name in ("qwen-h200-a", "qwen-h200-b"):
+            await cluster.post("/api/v1/namespaces/default/pods", json=a_pod(name, "server", unschedulable(pvc_msg)))
+        await cluster.post("/api/v1/namespaces/default/pods", json=a_pod(
+            "qwen-router-a", "router", container("router", False, {"waiting": {"reason": "ContainerCreating"}}), node="h1"))
+        cond = await eventually(lambda: "1/1 router pods" in condition(cluster, "Ready").get("message", "")
+                                and condition(cluster, "Ready"), "MissingPVC for every pod")
+        assert cond["status"] == "False" and cond["reason"] == "MissingPVC"
+        assert cond["message"] == (f"2/2 server pods MissingPVC: {pvc_msg}; "
+                                   '1/1 router pods MissingPVC: persistentvolumeclaim "model-store" not found; '
+                                   "0/2 server replicas, 0 routers ready")
+        (event,) = await eventually(lambda: events(cluster, "MissingPVC"), "a MissingPVC Event")
+        assert event["type"] == "Warning" and event["involvedObject"]["name"] == "qwen" and "model-store" in event["message"]
+
+        # The scheduler's message changes (more nodes): the status follows, the reason and its Event stay.
+        new_msg = pvc_msg.replace("0/1", "0/2")
+        for name in ("qwen-h200-a", "qwen-h200-b"):
+            await cluster.patch(f"/api/v1/namespaces/default/pods/{name}", json={"status": unschedulable(new_msg)})
+        await eventually(lambda: new_msg in condition(cluster, "Ready").get("message", ""), "the new scheduler message")
+
+        # The claim appears; one server crash-loops, the others run: a new reason, a new Event, and
+        # still a single MissingPVC Event (kopf posts in order, so none can be pending behind it).
+        await cluster.post("/api/v1/namespaces/default/persistentvolumeclaims", json={
+            "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "model-store", "namespace": "default", "resourceVersion": "1"}})
+        crash = container("server", False, {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}},
+                          restarts=3, last={"terminated": {"exitCode": 1, "reason": "Error"}})
+        await cluster.patch("/api/v1/namespaces/default/pods/qwen-h200-a", json={"spec": {"nodeName": "h1"}, "status": crash})
+        await cluster.patch("/api/v1/namespaces/default/pods/qwen-h200-b",
+                            json={"spec": {"nodeName": "h1"}, "status": container("server", True, {"running": {}})})
+        await cluster.patch("/api/v1/namespaces/default/pods/qwen-router-a", json={"status": container("router", True, {"running": {}})})
+        cond = await eventually(lambda: condition(cluster, "Ready").get("reason") == "CrashLoopBackOff" and condition(cluster, "Ready"),
+                                "CrashLoopBackOff")
+        assert cond["message"].startswith("1/2 server pods CrashLoopBackOff: container server restarted 3 times, last exit code 1 (Error)")
+        await eventually(lambda: events(cluster, "CrashLoopBackOff"), "a CrashLoopBackOff Event")
+        assert len(events(cluster, "MissingPVC")) == 1
+
+        # Everything Ready: no reason left from the pods, the Deployments' readiness decides.
+        await cluster.patch("/api/v1/namespaces/default/pods/qwen-h200-a", json={"status": container("server", True, {"running": {}})})
+        for name in list(server_deployments(cluster)) + ["qwen-router"]:
+            d = obj(cluster, DEPLOY, name)
+            await cluster.patch(f"/apis/apps/v1/namespaces/default/deployments/{name}", json={"status": {"readyReplicas": d["spec"]["replicas"]}})
+        await eventually(lambda: condition(cluster, "Ready").get("reason") == "AllReplicasReady", "Ready")
+        assert len(events(cluster, "MissingPVC")) == 1 and len(events(cluster, "CrashLoopBackOff")) == 1
+
+
+async def test_no_matching_nodes_is_the_ready_reason_and_one_warning(cluster, caplog):
+    seed(cluster, h200("h1"))
+    seed(cluster, service(spec={"replicas": 1, "nodeSelector": {"pool": "nowhere"}}), res=ISVC)
+    async with operator(cluster):
+        cond = await eventually(lambda: condition(cluster, "Ready").get("reason") == "NoMatchingNodes" and condition(cluster, "Ready"),
+                                "NoMatchingNodes")
+        assert cond["status"] == "False" and condition(cluster, "Degraded")["reason"] == "NoMatchingNodes"
+        (event,) = await eventually(lambda: events(cluster, "NoMatchingNodes"), "a NoMatchingNodes Event")
+        assert event["type"] == "Warning" and "node selector" in event["message"]
+    caplog.set_level("INFO", logger="kopf")
+    caplog.clear()
+    async with operator(cluster):  # a restart reads the reason back from status: no second Event
+        await eventually(lambda: any("reconcile_service' succeeded" in r.getMessage() for r in caplog.records), "resume handled")
+        # then a node that matches: the reason goes, and comes back (a new Event) when the node goes
+        await cluster.post("/api/v1/nodes", json=h200("h2", labels={"pool": "nowhere"}))
+        await eventually(lambda: condition(cluster, "Ready").get("reason") not in (None, "NoMatchingNodes"), "a pool")
+        assert len(events(cluster, "NoMatchingNodes")) == 1
+        await cluster.delete("/api/v1/nodes/h2")
+        await eventually(lambda: len(events(cluster, "NoMatchingNodes")) == 2, "a second NoMatchingNodes Event")

@@ -277,7 +277,7 @@ def test_sizes_hash_changes_only_with_sizes():
 
 # ---- replica split ----
 
-def test_assign_replicas_proportional_largest_remainder():
+def test_assign_replicas_proportional():
     assert assign_replicas(12, [8, 16, 4]) == [3, 7, 2]
     assert assign_replicas(3, [4, 4, 4]) == [1, 1, 1]
     assert assign_replicas(1, [4, 4]) == [1, 0]
@@ -296,3 +296,20 @@ def test_assign_replicas_invariants():
             out = assign_replicas(desired, list(caps))
             assert sum(out) == min(desired, sum(caps))
             assert all(0 <= o <= c for o, c in zip(out, caps))
+
+
+def test_replica_split_is_monotone_proportional_and_capped():
+    import itertools
+
+    from warmfleet.operator.sizing import assign_replicas
+
+    assert assign_replicas(3, [1, 3, 3]) == [1, 1, 1] and assign_replicas(4, [1, 3, 3]) == [1, 2, 1]
+    for caps in itertools.product(range(0, 5), repeat=3):
+        prev = [0, 0, 0]
+        for n in range(0, sum(caps) + 3):
+            split = assign_replicas(n, list(caps))
+            assert sum(split) == min(n, sum(caps)) and all(s <= c for s, c in zip(split, caps))
+            assert all(s >= p for s, p in zip(split, prev)), (caps, n, prev, split)  # adding one never removes one
+            prev = split
+    assert assign_replicas(12, [8, 8, 4]) == [5, 5, 2]  # in proportion to capacity
+    assert assign_replicas(-1, [2]) == [0] and assign_replicas(5, []) == []

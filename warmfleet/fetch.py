@@ -1,0 +1,704 @@
+"""`warmfleet fetch-model SOURCE --dest DIR`: download an hf:// or s3:// model into a (node-local) cache directory.
+
+Resumable (a partial file survives a killed process and is continued with an HTTP Range request),
+verified (sha256 of LFS files and git blob ids as the hub lists them; MD5 ETags and sizes for S3),
+idempotent (a complete directory costs one listing request and no transfer) and safe to run from
+several pods at once (an flock per model directory). Also reads config.json summaries for the
+operator. Needs the `fetch` extra (huggingface_hub, boto3), imported lazily; no paddle, no kopf.
+
+Directory layout under DEST (the model directory the server is started on):
+
+    config.json, *.safetensors, tokenizer files, ...    the model, as the engine reads it
+    .warmfleet/state.json                               files verified so far (size + digest), revision
+    .warmfleet/partial/<id>.part                        downloads in progress (resumed by the next run)
+    .warmfleet/config-summary.json                      what config.json says (hidden size, dtype, ...)
+    .warmfleet/lock                                     flock held while one process fetches
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Protocol, Sequence
+
+from warmfleet.source import (MODEL_PATTERNS, TOKENIZER_PATTERNS, ConfigSummary, ModelSource, parse_source,
+                              summarize_config)
+
+log = logging.getLogger("warmfleet.fetch")
+
+META_DIR = ".warmfleet"
+CONFIG_FILE = "config.json"
+CHUNK_BYTES = 1 << 20
+PROGRESS_EVERY_S = 5.0
+DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_RETRIES = 5
+HUB_ENDPOINT = "https://huggingface.co"
+
+
+class FetchError(Exception):
+    """One readable failure. `reason` is CamelCase (Unauthorized, NotFound, Unreachable, Integrity,
+    NoSpace, NotWritable, BadConfig) and becomes the operator's condition reason."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+class _Transient(Exception):
+    """A failure worth retrying (connection lost, 5xx, short read); `restart` drops the partial file."""
+
+    def __init__(self, message: str, restart: bool = False) -> None:
+        super().__init__(message)
+        self.restart = restart
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """One file to fetch: `digest` says how it is verified (sha256:, gitsha1:, md5: or size: for size only)."""
+
+    name: str  # path relative to the model directory, '/'-separated
+    size: int
+    digest: str
+    locator: str  # hf: resolve URL; s3: object key
+    etag: str = ""  # s3: the ETag a ranged GET must still match
+
+
+@dataclass(frozen=True)
+class Listing:
+    """A source's files at one revision (hf: commit; s3: a digest of the keys and ETags)."""
+
+    revision: str
+    files: list[RemoteFile]
+
+
+@dataclass
+class Body:
+    """An open download: chunks from `start`; `start` is 0 when the server ignored the Range asked for."""
+
+    chunks: Iterator[bytes]
+    start: int
+    trust_digest: bool = True  # False: the server says the digest does not describe the content (S3 SSE-KMS)
+
+
+class Remote(Protocol):
+    """A place files come from: the Hugging Face Hub or an S3-compatible store."""
+
+    anonymous: bool
+
+    def listing(self) -> Listing: ...
+
+    def open(self, f: RemoteFile, start: int) -> contextlib.AbstractContextManager[Body]: ...
+
+    def close(self) -> None: ...
+
+
+# ---- the Hugging Face Hub (huggingface_hub for the API, URLs, auth headers and errors) ----
+
+def _hub_error(exc: BaseException, what: str) -> FetchError:
+    """Map huggingface_hub's and httpx's errors to one readable FetchError."""
+    from huggingface_hub import errors as e
+
+    chain: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and cur not in chain:
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    for err in chain:
+        status = getattr(getattr(err, "response", None), "status_code", None)
+        if isinstance(err, e.GatedRepoError):
+            return FetchError("Unauthorized", f"{what}: gated repository: the token (HF_TOKEN) must belong to an account that accepted its terms")
+        if isinstance(err, e.RevisionNotFoundError):
+            return FetchError("NotFound", f"{what}: revision not found")
+        if isinstance(err, e.RemoteEntryNotFoundError if hasattr(e, "RemoteEntryNotFoundError") else e.EntryNotFoundError):
+            return FetchError("NotFound", f"{what}: file not found")
+        if isinstance(err, e.RepositoryNotFoundError):
+            return FetchError("NotFound", f"{what}: repository not found, or private and HF_TOKEN is missing or lacks access")
+        if status in (401, 403):
+            detail = err.response.headers.get("X-Error-Message") or ("invalid credentials" if status == 401 else "forbidden")
+            return FetchError("Unauthorized", f"{what}: the hub refused the credentials (HTTP {status}: {detail}); check HF_TOKEN")
+        if isinstance(err, e.HfHubHTTPError) and status is not None:
+            return FetchError("Unreachable", f"{what}: HTTP {status} from the hub")
+        if type(err).__name__ in ("ConnectError", "ConnectTimeout", "ReadTimeout", "TimeoutException", "RemoteProtocolError"):
+            return FetchError("Unreachable", f"{what}: cannot reach the hub ({type(err).__name__}: {err})")
+    return FetchError("Unreachable", f"{what}: {type(exc).__name__}: {exc}")
+
+
+class HubRemote:
+    """hf://ORG/NAME@REVISION: the file list with sizes and hashes from one API call, files by ranged GET."""
+
+    def __init__(self, src: ModelSource, *, token: str | None, endpoint: str | None, timeout_s: float) -> None:
+        self.src = src
+        self.token = token or None
+        self.anonymous = self.token is None
+        self.endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or HUB_ENDPOINT).rstrip("/")
+        self.timeout_s = timeout_s
+        self._client: Any = None
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def listing(self) -> Listing:
+        from huggingface_hub import HfApi, hf_hub_url
+
+        api = HfApi(endpoint=self.endpoint, token=self.token or False)
+        try:
+            info = api.model_info(self.src.repo, revision=self.src.revision, files_metadata=True, timeout=self.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes one readable line
+            raise _hub_error(exc, f"{self.src.raw}") from exc
+        if not info.sha or info.siblings is None:
+            raise FetchError("BadConfig", f"{self.src.raw}: the hub's answer has no commit or file list ({self.endpoint})")
+        files = []
+        for s in info.siblings:
+            if s.lfs is not None:
+                size, digest = s.lfs.size, f"sha256:{s.lfs.sha256}"
+            elif s.size is not None:
+                size, digest = s.size, (f"gitsha1:{s.blob_id}" if s.blob_id else f"size:{s.size}")
+            else:
+                raise FetchError("BadConfig", f"{self.src.raw}: the hub lists {s.rfilename} without a size")
+            url = hf_hub_url(self.src.repo, s.rfilename, revision=info.sha, endpoint=self.endpoint)
+            files.append(RemoteFile(s.rfilename, size, digest, url))
+        return Listing(info.sha, files)
+
+    @contextlib.contextmanager
+    def open(self, f: RemoteFile, start: int) -> Iterator[Body]:
+        import httpx
+        from huggingface_hub.utils import build_hf_headers
+
+        headers = build_hf_headers(token=self.token or False)
+        headers["Accept-Encoding"] = "identity"  # byte offsets must be offsets into the file
+        if start:
+            headers["Range"] = f"bytes={start}-"
+        if self._client is None:
+            # httpx drops Authorization when a redirect leaves the hub's origin (a CDN with a signed URL).
+            self._client = httpx.Client(follow_redirects=True, timeout=httpx.Timeout(self.timeout_s, read=max(self.timeout_s, 60.0)))
+        try:
+            with self._client.stream("GET", f.locator, headers=headers) as resp:
+                if resp.status_code in (401, 403):
+                    detail = resp.headers.get("X-Error-Message") or resp.reason_phrase
+                    raise FetchError("Unauthorized", f"{self.src.raw}: {f.name}: the hub refused the credentials (HTTP {resp.status_code}: {detail}); check HF_TOKEN")
+                if resp.status_code == 404:
+                    raise FetchError("NotFound", f"{self.src.raw}: {f.name} not found at commit {f.locator.split('/resolve/')[-1].split('/')[0]}")
+                if resp.status_code == 416:
+                    raise _Transient(f"{f.name}: range {start}- not satisfiable", restart=True)
+                if resp.status_code >= 400:
+                    raise _Transient(f"{f.name}: HTTP {resp.status_code}")
+                got = start if resp.status_code == 206 else 0
+                yield Body(resp.iter_bytes(), got)  # as received: a dropped connection loses nothing already sent
+        except (httpx.TransportError, httpx.StreamError) as exc:
+            raise _Transient(f"{f.name}: {type(exc).__name__}: {exc}") from exc
+
+
+# ---- S3-compatible stores (boto3) ----
+
+_S3_AUTH = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken", "InvalidToken",
+            "AuthorizationHeaderMalformed", "InvalidClientTokenId", "AllAccessDisabled"}
+_S3_MISSING = {"NoSuchBucket", "NoSuchKey", "404", "NotFound"}
+
+
+@dataclass(frozen=True)
+class S3Credentials:
+    """Static keys (from the credentials Secret); None fields fall back to boto3's default chain unless anonymous."""
+
+    access_key_id: str | None = None
+    secret_access_key: str | None = None
+    session_token: str | None = None
+
+
+class S3Remote:
+    """s3://BUCKET/PREFIX on AWS or any S3-compatible endpoint (MinIO, Ceph, R2, ...): path-style when an endpoint is set."""
+
+    def __init__(self, src: ModelSource, *, creds: S3Credentials | None, endpoint: str | None, region: str | None,
+                 timeout_s: float, anonymous: bool = False) -> None:
+        import boto3
+        from botocore import UNSIGNED
+        from botocore.config import Config
+
+        self.src = src
+        self.anonymous = anonymous
+        self.endpoint = endpoint or None
+        cfg = Config(connect_timeout=timeout_s, read_timeout=max(timeout_s, 60.0),
+                     retries={"max_attempts": 3, "mode": "standard"},
+                     s3={"addressing_style": "path"} if self.endpoint else None,
+                     signature_version=UNSIGNED if anonymous else None)
+        c = creds or S3Credentials()
+        self.client = boto3.session.Session().client(
+            "s3", endpoint_url=self.endpoint, region_name=region or os.environ.get("AWS_REGION") or "us-east-1",
+            aws_access_key_id=c.access_key_id, aws_secret_access_key=c.secret_access_key,
+            aws_session_token=c.session_token, config=cfg)
+        self.key_prefix = f"{src.prefix}/" if src.prefix else ""
+
+    def close(self) -> None:
+        self.client.close()
+
+    def _error(self, exc: BaseException, what: str) -> Exception:
+        from botocore import exceptions as be
+
+        where = f" at {self.endpoint}" if self.endpoint else ""
+        if isinstance(exc, be.NoCredentialsError):
+            return FetchError("Unauthorized", f"{what}: no AWS credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                                              "(spec.model.credentialsSecret)")
+        if isinstance(exc, be.ClientError):
+            err = exc.response.get("Error", {})
+            code, msg = str(err.get("Code", "")), err.get("Message") or ""
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in _S3_AUTH or status in (401, 403):
+                return FetchError("Unauthorized", f"{what}: the store refused the credentials ({code or status}: {msg}){where}; "
+                                                  "check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
+            if code in _S3_MISSING or status == 404:
+                return FetchError("NotFound", f"{what}: {code or 'not found'}{where}")
+            if code in ("PreconditionFailed", "412"):
+                return _Transient(f"{what}: the object changed while it was downloaded", restart=True)
+            if code in ("InvalidRange", "416"):
+                return _Transient(f"{what}: range not satisfiable", restart=True)
+            return _Transient(f"{what}: {code or status}: {msg}")
+        if isinstance(exc, (be.EndpointConnectionError, be.ConnectTimeoutError, be.ReadTimeoutError,
+                            be.ConnectionClosedError, be.ResponseStreamingError)):
+            return _Transient(f"{what}: cannot reach the store{where} ({type(exc).__name__})")
+        return FetchError("Unreachable", f"{what}: {type(exc).__name__}: {exc}")
+
+    def listing(self) -> Listing:
+        files: list[RemoteFile] = []
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.src.bucket, Prefix=self.key_prefix):
+                for obj in page.get("Contents", []):
+                    key, size, etag = obj["Key"], int(obj["Size"]), str(obj.get("ETag", "")).strip('"')
+                    name = key[len(self.key_prefix):]
+                    if not name or name.endswith("/"):
+                        continue  # the prefix itself, or a "directory" marker
+                    # A single-part upload's ETag is the MD5 of the bytes; a multipart one ("...-N") is not.
+                    digest = f"md5:{etag}" if re.fullmatch("[0-9a-f]{32}", etag) else f"size:{size}"
+                    files.append(RemoteFile(name, size, digest, key, etag))
+        except Exception as exc:  # noqa: BLE001
+            err = self._error(exc, self.src.raw)
+            raise (err if isinstance(err, FetchError) else FetchError("Unreachable", str(err))) from exc
+        revision = hashlib.sha256("\n".join(sorted(f"{f.name} {f.etag}" for f in files)).encode()).hexdigest()[:16]
+        return Listing(revision, files)
+
+    @contextlib.contextmanager
+    def open(self, f: RemoteFile, start: int) -> Iterator[Body]:
+        kw: dict[str, Any] = {"Bucket": self.src.bucket, "Key": f.locator}
+        if f.etag:
+            kw["IfMatch"] = f'"{f.etag}"'
+        if start:
+            kw["Range"] = f"bytes={start}-"
+        try:
+            resp = self.client.get_object(**kw)
+        except Exception as exc:  # noqa: BLE001
+            raise self._error(exc, f"{self.src.raw}: {f.name}") from exc
+        body = resp["Body"]
+        # SSE-KMS and SSE-C objects carry an ETag that is not the MD5 of their bytes: verify their size only.
+        trust = resp.get("ServerSideEncryption") not in ("aws:kms", "aws:kms:dsse") and not resp.get("SSECustomerAlgorithm")
+        got = start if resp.get("ContentRange") else 0
+
+        def chunks() -> Iterator[bytes]:
+            try:
+                yield from body.iter_chunks(CHUNK_BYTES)
+            except Exception as exc:  # noqa: BLE001
+                raise self._error(exc, f"{self.src.raw}: {f.name}") from exc
+
+        try:
+            yield Body(chunks(), got, trust)
+        finally:
+            body.close()
+
+
+# ---- the transfer: state, partial files, verification, progress ----
+
+def _hasher(digest: str, size: int) -> Any:
+    kind = digest.split(":", 1)[0]
+    if kind == "sha256":
+        return hashlib.sha256()
+    if kind == "gitsha1":  # git's blob id: sha1 over "blob <size>\0" + content
+        h = hashlib.sha1()
+        h.update(b"blob %d\0" % size)
+        return h
+    if kind == "md5":
+        return hashlib.md5()
+    return None
+
+
+def _matches(hasher: Any, digest: str) -> bool:
+    return hasher is None or hasher.hexdigest() == digest.split(":", 1)[1].lower()
+
+
+def _hash_file(path: Path, digest: str, size: int) -> bool:
+    """Whether the file at `path` has `size` bytes and `digest` (read once)."""
+    if path.stat().st_size != size:
+        return False
+    h = _hasher(digest, size)
+    if h is None:
+        return True
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(CHUNK_BYTES), b""):
+            h.update(block)
+    return _matches(h, digest)
+
+
+@dataclass
+class Progress:
+    """Counts what a fetch did; logs a structured line at most every PROGRESS_EVERY_S and per file."""
+
+    files: int
+    total_bytes: int
+    started: float = field(default_factory=time.monotonic)
+    done_files: int = 0
+    done_bytes: int = 0  # bytes in place (cached + resumed + transferred)
+    transferred_bytes: int = 0  # bytes received in this run
+    cached_files: int = 0
+    resumed_files: int = 0
+    _last_log: float = 0.0
+
+    def fields(self) -> dict[str, Any]:
+        secs = time.monotonic() - self.started
+        return {"files": self.files, "files_done": self.done_files, "bytes": self.total_bytes, "bytes_done": self.done_bytes,
+                "transferred_bytes": self.transferred_bytes, "cached_files": self.cached_files,
+                "resumed_files": self.resumed_files, "seconds": round(secs, 3),
+                "mib_per_s": round(self.transferred_bytes / (1 << 20) / secs, 2) if secs > 0 else 0.0}
+
+    def add(self, n: int) -> None:
+        self.done_bytes += n
+        self.transferred_bytes += n
+        now = time.monotonic()
+        if now - self._last_log >= PROGRESS_EVERY_S:
+            self._last_log = now
+            log.info("progress", extra={"fields": self.fields()})
+
+
+@dataclass
+class Result:
+    """What `fetch` left in `dest`."""
+
+    dest: Path
+    revision: str
+    files: list[str]
+    summary: ConfigSummary | None
+    progress: Progress
+    offline: bool = False  # the source was unreachable and a complete earlier copy was used
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _locked(path: Path, what: str) -> Iterator[None]:
+    """An exclusive flock on `path`: replicas on one node fetch a model once; released when the process dies."""
+    with path.open("a+") as fh:
+        waited = 0.0
+        while True:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if waited % 30 == 0:
+                    log.info("waiting for another fetch of the same model", extra={"fields": {"model": what, "seconds": waited}})
+                time.sleep(1.0)
+                waited += 1
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _prepare(dest: Path) -> Path:
+    meta = dest / META_DIR
+    try:
+        (meta / "partial").mkdir(parents=True, exist_ok=True)
+        probe = meta / f".probe.{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise FetchError("NotWritable", (
+            f"cannot write {dest} ({exc.strerror}) as uid {os.getuid()} gid {os.getgid()}: the model cache must be "
+            f"writable by this user (a hostPath cache: create it on each node owned by that uid, "
+            f"e.g. `install -d -o {os.getuid()} -g {os.getgid()} -m 0775 /var/cache/warmfleet/models`; see docs/models.md)")) from exc
+    return meta
+
+
+def _filter(files: list[RemoteFile], patterns: Sequence[str]) -> list[RemoteFile]:
+    from fnmatch import fnmatch
+
+    return [f for f in files if any(fnmatch(f.name, p) for p in patterns)]
+
+
+def _partial_path(meta: Path, f: RemoteFile) -> Path:
+    # Named by content: an upstream change to the file never resumes onto the old bytes.
+    return meta / "partial" / (hashlib.sha256(f"{f.name}\0{f.digest}\0{f.size}".encode()).hexdigest()[:32] + ".part")
+
+
+def _download(remote: Remote, f: RemoteFile, dest: Path, meta: Path, progress: Progress, retries: int,
+              retry_delay_s: float) -> None:
+    part = _partial_path(meta, f)
+    final = dest / f.name
+    restarts = 0
+    attempt = 0
+    resumed = False
+    while True:
+        have = part.stat().st_size if part.exists() else 0
+        if have > f.size or not part.exists():
+            part.write_bytes(b"")  # also the whole of an empty file
+            have = 0
+        h = _hasher(f.digest, f.size)
+        if have and h is not None:
+            with part.open("rb") as fh:
+                for block in iter(lambda: fh.read(CHUNK_BYTES), b""):
+                    h.update(block)
+        if have:
+            progress.done_bytes += have
+            progress.resumed_files += 0 if resumed else 1
+            resumed = True
+            log.info("resuming", extra={"fields": {"file": f.name, "offset": have, "size": f.size}})
+        trust = True
+        try:
+            if have < f.size:
+                with remote.open(f, have) as body:
+                    trust = body.trust_digest
+                    if body.start != have:  # the server sent the whole file: start over
+                        progress.done_bytes -= have
+                        have, h = 0, _hasher(f.digest, f.size)
+                    with part.open("r+b") as out:
+                        out.seek(have)
+                        out.truncate()
+                        for chunk in body.chunks:
+                            out.write(chunk)
+                            if h is not None:
+                                h.update(chunk)
+                            progress.add(len(chunk))
+                        out.flush()
+                        os.fsync(out.fileno())
+            size = part.stat().st_size if part.exists() else 0
+            if size != f.size:
+                raise _Transient(f"{f.name}: got {size} of {f.size} bytes")
+        except _Transient as exc:
+            progress.done_bytes -= part.stat().st_size if part.exists() else 0
+            if exc.restart and part.exists():
+                part.unlink()
+            if attempt >= retries:
+                raise FetchError("Unreachable", f"{remote_name(remote)}: {exc} (gave up after {attempt + 1} attempts; "
+                                                "the partial file is kept and the next run resumes it)") from exc
+            attempt += 1
+            delay = min(30.0, retry_delay_s * 2 ** (attempt - 1))
+            log.warning("retrying", extra={"fields": {"file": f.name, "error": str(exc), "attempt": attempt, "delay_s": delay}})
+            time.sleep(delay)
+            continue
+        if trust and not _matches(h, f.digest):
+            got = h.hexdigest()
+            part.unlink()
+            progress.done_bytes -= f.size
+            if restarts == 0:  # corrupted in transit or on disk: one fresh download, then give up
+                restarts += 1
+                log.warning("digest mismatch, downloading again", extra={"fields": {"file": f.name, "want": f.digest, "got": got}})
+                continue
+            raise FetchError("Integrity", f"{remote_name(remote)}: {f.name}: content digest {got} does not match the "
+                                          f"published {f.digest} (downloaded twice)")
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(part, final)
+        return
+
+
+def remote_name(remote: Remote) -> str:
+    return getattr(getattr(remote, "src", None), "raw", "source")
+
+
+def fetch(remote: Remote, dest: Path, *, patterns: Sequence[str] = MODEL_PATTERNS, retries: int = DEFAULT_RETRIES,
+          retry_delay_s: float = 1.0) -> Result:
+    """Bring `dest` up to date with the remote's files matching `patterns`; raises FetchError."""
+    dest = Path(dest)
+    meta = _prepare(dest)
+    source = remote_name(remote)
+    with _locked(meta / "lock", source), contextlib.closing(remote):
+        state_path = meta / "state.json"
+        try:
+            state = json.loads(state_path.read_text()) if state_path.exists() else {}
+        except (OSError, ValueError):
+            state = {}
+        if state.get("source") != source or state.get("patterns") != list(patterns):
+            state = {"source": source, "patterns": list(patterns), "files": state.get("files", {})}
+        known: dict[str, dict[str, Any]] = state.setdefault("files", {})
+        try:
+            listing = remote.listing()
+        except FetchError as exc:
+            offline = _offline_copy(dest, state, remote, exc)
+            if offline is not None:
+                return offline
+            raise
+        wanted = _filter(listing.files, patterns)
+        if not any(f.name == CONFIG_FILE for f in wanted):
+            raise FetchError("NotFound", f"{source}: no {CONFIG_FILE} at revision {listing.revision} "
+                                         f"({len(listing.files)} files listed): not a Hugging Face-style model directory")
+        progress = Progress(files=len(wanted), total_bytes=sum(f.size for f in wanted))
+        log.info("start", extra={"fields": {"source": source, "dest": str(dest), "revision": listing.revision,
+                                            "files": progress.files, "bytes": progress.total_bytes}})
+        todo = []
+        for f in wanted:
+            entry = {"size": f.size, "digest": f.digest}
+            path = dest / f.name
+            if path.is_file() and (known.get(f.name) == entry and path.stat().st_size == f.size
+                                   or f.name not in known and _hash_file(path, f.digest, f.size)):
+                known[f.name] = entry
+                progress.cached_files += 1
+                progress.done_files += 1
+                progress.done_bytes += f.size
+            else:
+                known.pop(f.name, None)
+                todo.append(f)
+        need = sum(f.size - (_partial_path(meta, f).stat().st_size if _partial_path(meta, f).exists() else 0) for f in todo)
+        free = shutil.disk_usage(dest).free
+        if need > free:
+            raise FetchError("NoSpace", f"{source}: {need} bytes still to download, {free} free in {dest}")
+        for f in todo:
+            t0 = time.monotonic()
+            _download(remote, f, dest, meta, progress, retries, retry_delay_s)
+            known[f.name] = {"size": f.size, "digest": f.digest}
+            state.update(revision=listing.revision, complete=False)
+            _write_json(state_path, state)
+            progress.done_files += 1
+            log.info("file", extra={"fields": {"file": f.name, "bytes": f.size, "seconds": round(time.monotonic() - t0, 3),
+                                               "files_done": progress.done_files, "files": progress.files}})
+        keep = {_partial_path(meta, f).name for f in todo}
+        for stale in (meta / "partial").glob("*.part"):
+            if stale.name not in keep:
+                stale.unlink(missing_ok=True)
+        summary = _summary(dest / CONFIG_FILE, source)
+        _write_json(meta / "config-summary.json", summary.as_dict())
+        state.update(revision=listing.revision, complete=True, anonymous=remote.anonymous,
+                     files={f.name: known[f.name] for f in wanted})
+        _write_json(state_path, state)
+        log.info("done", extra={"fields": {**progress.fields(), "revision": listing.revision, **summary.as_dict()}})
+        return Result(dest, listing.revision, [f.name for f in wanted], summary, progress)
+
+
+def _offline_copy(dest: Path, state: dict[str, Any], remote: Remote, exc: FetchError) -> Result | None:
+    """A complete earlier copy when the source is unreachable; only for copies fetched without credentials,
+    so a pod without access never reads a private model another service fetched onto the node."""
+    if exc.reason != "Unreachable" or not state.get("complete") or not state.get("anonymous") or not remote.anonymous:
+        return None
+    files = state.get("files", {})
+    if not files or any(not (dest / n).is_file() or (dest / n).stat().st_size != e["size"] for n, e in files.items()):
+        return None
+    log.warning("source unreachable, using the complete copy fetched earlier",
+                extra={"fields": {"error": exc.message, "revision": state.get("revision")}})
+    progress = Progress(files=len(files), total_bytes=sum(e["size"] for e in files.values()))
+    progress.done_files, progress.done_bytes, progress.cached_files = len(files), progress.total_bytes, len(files)
+    return Result(dest, str(state.get("revision", "")), sorted(files), _summary(dest / CONFIG_FILE, remote_name(remote)),
+                  progress, offline=True)
+
+
+def _summary(path: Path, source: str) -> ConfigSummary:
+    try:
+        return summarize_config(json.loads(path.read_text()))
+    except (OSError, ValueError) as exc:
+        raise FetchError("BadConfig", f"{source}: {CONFIG_FILE} is not valid JSON: {exc}") from exc
+
+
+# ---- config.json only (the operator, `warmfleet operator render`) ----
+
+def read_config(src: ModelSource, *, hf_token: str | None = None, hub_endpoint: str | None = None,
+                s3_creds: S3Credentials | None = None, s3_endpoint: str | None = None, s3_region: str | None = None,
+                anonymous: bool = False, timeout_s: float = 10.0) -> tuple[ConfigSummary, str]:
+    """config.json of an hf:// or s3:// source, summarized, and the revision read (hub commit, S3 ETag).
+
+    Blocking (run it in a thread); raises FetchError. `anonymous` skips ambient credentials
+    (HF_TOKEN and ~/.cache/huggingface, boto3's default chain): the operator reads a source only
+    with the credentials its spec names.
+    """
+    what = f"{src.raw}: {CONFIG_FILE}"
+    if src.kind == "hf":
+        # One GET through huggingface_hub's own session, its errors mapped by hf_raise_for_status. Not
+        # hf_hub_download: on a connection error it retries with backoff for ~25 s and wants a cache directory.
+        from huggingface_hub import get_session, hf_hub_url, hf_raise_for_status
+        from huggingface_hub.utils import build_hf_headers
+
+        endpoint = (hub_endpoint or os.environ.get("HF_ENDPOINT") or HUB_ENDPOINT).rstrip("/")
+        token: str | bool | None = hf_token or (False if anonymous else None)
+        url = hf_hub_url(src.repo, CONFIG_FILE, revision=src.revision, endpoint=endpoint)
+        try:
+            resp = get_session().get(url, headers=build_hf_headers(token=token), timeout=timeout_s, follow_redirects=True)
+            hf_raise_for_status(resp)
+        except Exception as exc:  # noqa: BLE001
+            raise _hub_error(exc, what) from exc
+        raw, revision = resp.content, resp.headers.get("X-Repo-Commit") or src.revision
+    elif src.kind == "s3":
+        remote = S3Remote(src, creds=s3_creds, endpoint=s3_endpoint, region=s3_region, timeout_s=timeout_s,
+                          anonymous=anonymous and s3_creds is None)
+        key = remote.key_prefix + CONFIG_FILE
+        try:
+            resp = remote.client.get_object(Bucket=src.bucket, Key=key)
+            raw, revision = resp["Body"].read(), str(resp.get("ETag", "")).strip('"')
+        except Exception as exc:  # noqa: BLE001
+            err = remote._error(exc, what)
+            raise (err if isinstance(err, FetchError) else FetchError("Unreachable", str(err))) from exc
+    else:
+        raise ValueError(f"{src.raw}: the operator cannot read config.json of a {src.kind} source")
+    try:
+        return summarize_config(json.loads(raw)), revision
+    except ValueError as exc:
+        raise FetchError("BadConfig", f"{what}: not a JSON object ({exc})") from exc
+
+
+# ---- the command ----
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`warmfleet fetch-model` flags."""
+    p.add_argument("source", help="hf://ORG/NAME[@REVISION] or s3://BUCKET[/PREFIX].")
+    p.add_argument("--dest", required=True, help="Model directory to fill (created; resumed and verified if it exists).")
+    p.add_argument("--tokenizer-only", action="store_true",
+                   help="Configs, tokenizer files and chat templates only, no weights (what the router reads).")
+    p.add_argument("--allow", action="append", metavar="PATTERN",
+                   help=f"Fetch only files matching this glob (repeatable; default: {' '.join(MODEL_PATTERNS)}).")
+    p.add_argument("--hub-endpoint", default=None, help=f"Hub URL (default: $HF_ENDPOINT, else {HUB_ENDPOINT}). Token: $HF_TOKEN.")
+    p.add_argument("--s3-endpoint", default=None, help="S3-compatible endpoint URL (default: AWS). Keys: $AWS_ACCESS_KEY_ID, $AWS_SECRET_ACCESS_KEY.")
+    p.add_argument("--s3-region", default=None, help="S3 region (default: $AWS_REGION, else us-east-1).")
+    p.add_argument("--retries", type=int, default=DEFAULT_RETRIES, help="Retries of a failed transfer per file (resuming).")
+    p.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S, help="Connect/read timeout per request, seconds.")
+    p.add_argument("--termination-log", default=None, metavar="PATH",
+                   help="Also write the error line here on failure (Kubernetes: /dev/termination-log).")
+
+
+def remote_for(src: ModelSource, args: argparse.Namespace) -> Remote:
+    """The remote of a source, credentials from the environment."""
+    if src.kind == "hf":
+        return HubRemote(src, token=os.environ.get("HF_TOKEN"), endpoint=args.hub_endpoint, timeout_s=args.timeout_s)
+    if src.kind == "s3":
+        creds = S3Credentials(os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY"),
+                              os.environ.get("AWS_SESSION_TOKEN"))
+        return S3Remote(src, creds=creds, endpoint=args.s3_endpoint, region=args.s3_region, timeout_s=args.timeout_s)
+    raise ValueError(f"{src.raw}: fetch-model downloads hf:// and s3:// sources; a {src.kind} source is mounted, not fetched")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Fetch, log progress as structured lines; on failure one readable line on stderr and exit 1."""
+    from warmfleet.server.logging_setup import setup_logging
+
+    setup_logging("info")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    try:
+        src = parse_source(args.source)
+        remote = remote_for(src, args)
+        patterns = args.allow or (TOKENIZER_PATTERNS if args.tokenizer_only else MODEL_PATTERNS)
+        fetch(remote, Path(args.dest), patterns=patterns, retries=args.retries)
+    except (FetchError, OSError) as exc:  # OSError: the disk filled up or went away mid-write
+        line = (f"warmfleet fetch-model: error: {exc.reason}: {exc.message}" if isinstance(exc, FetchError)
+                else f"warmfleet fetch-model: error: IOError: {exc}")
+        print(line, file=sys.stderr, flush=True)
+        if args.termination_log:
+            with contextlib.suppress(OSError):
+                Path(args.termination_log).write_text(line + "\n")
+        return 1
+    return 0
