@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import re
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -469,7 +470,13 @@ def test_operator_restart_changes_nothing(e2e_cluster: Cluster, example: Example
         out["replicasets"] = replica_sets(c, example)
         return out
 
-    before = snapshot()
+    # settled and quiet: the same snapshot twice, 3 s apart (pod events from kwok may still move a condition)
+    def quiet() -> dict[str, Any] | None:
+        first = snapshot()
+        time.sleep(3)
+        return first if snapshot() == first else None
+
+    before = wait_for(quiet, 60, "the service's objects and status to stay the same for 3 s")
     local_operator.stop()
     local_operator.start()
     marker = "Handler 'make_registry.<locals>.reconcile_service' succeeded"
