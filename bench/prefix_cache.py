@@ -1,10 +1,27 @@
 """Prefix-cache benchmark: TTFT of a cold prefix vs a GPU-tier hit vs a swap-tier hit, and decode throughput.
 
-    python bench/prefix_cache.py [--quick] [--json] [--model DIR]
+    python bench/prefix_cache.py [--quick] [--json] [--model DIR] [--runs N]
+                                 [--engines warmfleet,vllm] [--vllm-python PATH] [--out DIR]
 
 Runs the engine in-process (offline `LLM`) on the `bench` checkpoint (made on first run) so the
 figures are the engine's own, without HTTP. Progress goes to stderr; the last stdout line is
 one JSON object. Ratios are measured side by side in one run; quote those, not absolute times.
+
+`--engines warmfleet,vllm` measures the same figures for `warmfleet serve` and vLLM 0.32.0
+(CPU build; the python of scripts/vllm-env.sh or --vllm-python) side by side instead: both as
+HTTP servers on loopback, same checkpoint, fp32, block size 64, a primary pool of 37 blocks (just
+over one prompt), 4,096-token steps, 16 sequences, ~2,000-token prompts sent as token ids to
+/v1/completions (TTFT = latency of a 1-token completion). Engines are interleaved per repetition
+(the first engine alternates) and medians reported with vllm/warmfleet ratios. Both compute on
+core 0 with one OMP thread: vLLM's worker through VLLM_CPU_OMP_THREADS_BIND=0 (its own binding;
+its API and engine-core processes are not pinned), warmfleet's engine-core process through
+`--engine-threads 1 --engine-cpus 0` (where `warmfleet serve` lacks those flags: its whole process
+tree under `taskset -c 0` with OMP_NUM_THREADS=1); the JSON records the commands, the
+environment, vLLM's reported binding and each process's affinity. Hits are confirmed by
+`usage.prompt_tokens_details.cached_tokens` (vLLM: --enable-prompt-tokens-details), swap-tier hits
+by the replicas' cached-token counters by tier. vLLM's CPU tier (--kv-offloading-size 1
+--kv-offloading-backend native) is tried first; where it does not start, its swap-tier figures
+are null with the reason from its log. Writes prefix_cache.json and prefix_cache.png to --out.
 """
 
 from __future__ import annotations
@@ -94,14 +111,355 @@ def transformers_throughput(model_dir: Path, batch: int, new_tokens: int) -> flo
     return float(r.stdout.strip().splitlines()[-1])
 
 
+# --- side by side: warmfleet serve and vLLM as servers (--engines) ---------------------------------
+CORE = 0  # both engines compute on this core with one OMP thread
+SWAP_GIB = 1
+ENGINE_FLAGS = ["--max-num-batched-tokens", "4096", "--max-num-seqs", "16"]
+
+
+def bench_helpers():
+    """bench/routing.py's process helpers (this folder is no package; `python -P` leaves it off sys.path)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import routing
+
+    return routing
+
+
+class Server:
+    """One engine behind its OpenAI API: how it was started, and its counters of cached tokens by tier."""
+
+    def __init__(self, name: str, base: str, proc, cmd: list[str], env: dict, log: Path):  # noqa: D107
+        self.name, self.base, self.proc, self.cmd, self.env, self.log = name, base, proc, cmd, env, log
+        self.swap_tier, self.swap_reason = name == "warmfleet", None
+
+    def cpu_cached(self, rt) -> float:
+        """Prompt tokens served from the CPU tier so far (warmfleet: by tier; vLLM: its host-sourced count)."""
+        if self.name == "warmfleet":
+            return rt.metric_sum(self.base, "warmfleet:cached_prompt_tokens_total", 'tier="cpu"')
+        return rt.metric_sum(self.base, "vllm:prompt_tokens_cached_by_source_total", 'source="host"')
+
+
+def warmfleet_pinning(rt) -> tuple[list[str], list[str], dict, str]:
+    """How to give warmfleet's engine vLLM's setting (one math thread on CORE): prefix, flags, env, a note.
+
+    With `--engine-threads`/`--engine-cpus` (newer `warmfleet serve`) only the engine-core process is
+    pinned, as vLLM pins only its worker; without them the whole process tree runs under taskset.
+    """
+    import subprocess
+
+    usage = subprocess.run(rt.EXE + ["serve", "--help"], capture_output=True, text=True, cwd=os.sep).stdout
+    if "--engine-cpus" in usage and "--engine-threads" in usage:
+        return [], ["--engine-threads", "1", "--engine-cpus", str(CORE)], {}, \
+            f"--engine-threads 1 --engine-cpus {CORE}: the engine-core process on core {CORE} with one math " \
+            "thread; its API process is not pinned (as vLLM's worker vs its API process)"
+    return ["taskset", "-c", str(CORE)], [], {"OMP_NUM_THREADS": "1"}, \
+        f"this warmfleet serve has no thread/CPU flag: its whole process tree (API and engine core) runs under " \
+        f"taskset -c {CORE} with OMP_NUM_THREADS=1"
+
+
+def start_warmfleet(rt, model_dir: Path, blocks: int, cwd: str) -> Server:
+    port = rt.free_port()
+    prefix, flags, env, note = warmfleet_pinning(rt)
+    cmd = prefix + rt.EXE + [
+        "serve", "--model", str(model_dir), "--served-model-name", "bench", "--port", str(port),
+        "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks", str(blocks), "--swap-space", str(SWAP_GIB),
+        "--log-level", "warning", *ENGINE_FLAGS, *flags]
+    log = Path(cwd) / "warmfleet.log"
+    proc = rt.start_group(cmd, dict(os.environ, **env), cwd, log)
+    server = Server("warmfleet", f"http://127.0.0.1:{port}", proc, cmd, env, log)
+    server.pinning = note
+    return server
+
+
+def start_vllm(rt, model_dir: Path, blocks: int, cwd: str, offload: bool) -> Server:
+    port = rt.free_port()
+    extra = ENGINE_FLAGS + (["--kv-offloading-size", str(SWAP_GIB), "--kv-offloading-backend", "native"]
+                            if offload else [])
+    cmd = rt.vllm_command(rt.vllm_python(), model_dir, port, BLOCK_SIZE, blocks, blocks * BLOCK_SIZE, extra)
+    env = {k: v for k, v in rt.vllm_env(CORE).items() if k.startswith(("VLLM_", "PYTHONHASHSEED"))}
+    log = Path(cwd) / f"vllm{'-offload' if offload else ''}.log"
+    proc = rt.start_group(cmd, dict(os.environ, **env), cwd, log)
+    server = Server("vllm", f"http://127.0.0.1:{port}", proc, cmd, env, log)
+    server.swap_tier = offload
+    return server
+
+
+def wait_ready(rt, server: Server) -> bool:
+    try:
+        rt.wait_http(server.base + ("/ready" if server.name == "warmfleet" else "/health"), server.proc, 600)
+        return True
+    except RuntimeError:
+        return False
+
+
+def start_servers(rt, engines: list[str], model_dir: Path, blocks: int, cwd: str) -> dict[str, Server]:
+    """Every engine at once; vLLM with its CPU offload tier first, and without it if that does not start."""
+    servers = {}
+    if "warmfleet" in engines:
+        servers["warmfleet"] = start_warmfleet(rt, model_dir, blocks, cwd)
+    if "vllm" in engines:
+        servers["vllm"] = start_vllm(rt, model_dir, blocks, cwd, offload=True)
+    for name, server in list(servers.items()):
+        if wait_ready(rt, server):
+            continue
+        if name == "vllm" and server.swap_tier:
+            reason = rt.log_error(server.log) or f"exited with {server.proc.poll()}"
+            progress(f"vLLM with --kv-offloading-size did not start ({reason}); starting it without a CPU tier")
+            rt.stop_group(server.proc)
+            servers[name] = start_vllm(rt, model_dir, blocks, cwd, offload=False)
+            servers[name].swap_reason = f"vLLM 0.32.0 (CPU build) fails to start with --kv-offloading-size " \
+                                        f"{SWAP_GIB} --kv-offloading-backend native: {reason}"
+            if wait_ready(rt, servers[name]):
+                continue
+        raise RuntimeError(f"{name} did not start: {rt.log_error(servers[name].log)} (log: {servers[name].log})")
+    return servers
+
+
+def complete(base: str, prompt, salt: str, max_tokens: int = 1) -> tuple[float, dict]:
+    """One /v1/completions request (token-id prompts; a list of them is one batch): seconds and usage."""
+    import httpx
+
+    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "cache_salt": salt}
+    t0 = time.perf_counter()
+    r = httpx.post(base + "/v1/completions", json=body, timeout=600)
+    r.raise_for_status()
+    return time.perf_counter() - t0, r.json()["usage"]
+
+
+def cached(usage: dict) -> int:
+    return (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+def ttft_round(rt, server: Server, prefix: list[int], questions: list[list[int]], filler: list[int], salt: str) -> dict:
+    """Miss, hit, and (with a CPU tier) a hit after a filler pushed the prefix out of the primary pool."""
+    out = {}
+    out["miss_s"], u = complete(server.base, prefix + questions[0], salt)
+    out["miss_cached"] = cached(u)
+    out["hit_s"], u = complete(server.base, prefix + questions[1], salt)
+    out["hit_cached"] = cached(u)
+    if server.swap_tier:
+        complete(server.base, filler, salt + "-filler")  # evicts the prefix into the CPU tier
+        cpu0 = server.cpu_cached(rt)
+        out["swap_hit_s"], u = complete(server.base, prefix + questions[2], salt)
+        out["swap_hit_cached"], out["swap_hit_cached_cpu"] = cached(u), int(server.cpu_cached(rt) - cpu0)
+    return out
+
+
+def decode_round(server: Server, prompts: list[list[int]], new_tokens: int, salt: str) -> float:
+    seconds, usage = complete(server.base, prompts, salt, new_tokens)
+    return usage["completion_tokens"] / seconds
+
+
+def process_tree(pid: int) -> list[dict]:
+    """Each process of a server: pid, command, the cores it may run on, its thread count."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop(0)
+        try:
+            argv = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
+            threads = next(int(line.split()[1]) for line in Path(f"/proc/{p}/status").read_text().splitlines()
+                           if line.startswith("Threads:"))
+            out.append({"pid": p, "cmd": " ".join(a.decode() for a in argv[:6] if a)[:160],
+                        "cpus": sorted(os.sched_getaffinity(p)), "threads": threads})
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, StopIteration):
+            continue
+    return out
+
+
+def settings(rt, server: Server) -> dict:
+    s = {"command": " ".join(server.cmd), "env": server.env, "processes": process_tree(server.proc.pid)}
+    if server.name == "vllm":
+        s["vllm_reported_binding"] = rt.vllm_binding(server.log)
+    else:
+        s["threads_note"] = server.pinning
+    return s
+
+
+def med(xs: list) -> float:
+    return round(statistics.median(xs), 4)
+
+
+def summarize_engine(rounds: list[dict], dec1: list[float], dec16: list[float], server: Server) -> dict:
+    """Medians per figure, and every request's cached_tokens (the evidence that hits were hits)."""
+    swap = server.swap_tier
+    out = {"ttft_miss_s": med([r["miss_s"] for r in rounds]), "ttft_hit_s": med([r["hit_s"] for r in rounds]),
+           "ttft_swap_hit_s": med([r["swap_hit_s"] for r in rounds]) if swap else None,
+           "swap_hit_null_reason": None if swap else server.swap_reason,
+           "cached_tokens_miss": [r["miss_cached"] for r in rounds],
+           "cached_tokens_hit": [r["hit_cached"] for r in rounds],
+           "cached_tokens_swap_hit": [r["swap_hit_cached"] for r in rounds] if swap else None,
+           "cached_tokens_swap_hit_from_cpu": [r["swap_hit_cached_cpu"] for r in rounds] if swap else None,
+           "decode_tok_s_batch1": med(dec1), "decode_tok_s_batch16": med(dec16)}
+    out["hit_over_miss"] = round(out["ttft_hit_s"] / out["ttft_miss_s"], 4)
+    out["swap_hit_over_miss"] = round(out["ttft_swap_hit_s"] / out["ttft_miss_s"], 4) if swap else None
+    return out
+
+
+def ratios(res: dict) -> dict:
+    """vllm / warmfleet for every figure both engines have."""
+    if not {"vllm", "warmfleet"} <= res.keys():
+        return {}
+    keys = ("ttft_miss_s", "ttft_hit_s", "ttft_swap_hit_s", "decode_tok_s_batch1", "decode_tok_s_batch16")
+    return {k: (round(res["vllm"][k] / res["warmfleet"][k], 3) if res["vllm"][k] and res["warmfleet"][k] else None)
+            for k in keys}
+
+
+def side_targets(res: dict, cached_prefix: int) -> dict:
+    """Booleans: the in-process targets per engine, and every hit confirmed by cached_tokens."""
+    out = {}
+    for name, r in res.items():
+        out[f"{name}_hit_over_miss_le_0.10"] = r["hit_over_miss"] <= 0.10
+        out[f"{name}_misses_cold"] = all(c == 0 for c in r["cached_tokens_miss"])
+        out[f"{name}_hits_confirmed"] = all(c >= cached_prefix for c in r["cached_tokens_hit"])
+        if r["ttft_swap_hit_s"] is not None:
+            out[f"{name}_swap_hit_over_miss_le_0.25"] = r["swap_hit_over_miss"] <= 0.25
+            out[f"{name}_swap_hits_confirmed_from_cpu"] = all(
+                c >= cached_prefix for c in r["cached_tokens_swap_hit"]) and all(
+                c > 0 for c in r["cached_tokens_swap_hit_from_cpu"])
+    return out
+
+
+def side_chart(result: dict, path: Path) -> None:
+    """TTFT (miss, hit, swap-tier hit; log scale) and decode tok/s (batch 1, 16), one bar per engine."""
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = result["engines"]
+    colors = {"warmfleet": "#2e9e5b", "vllm": "#4a7ebb"}
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
+    width = 0.8 / len(res)
+    groups = [("ttft_miss_s", "miss"), ("ttft_hit_s", "hit"), ("ttft_swap_hit_s", "swap-tier hit")]
+    for j, (name, r) in enumerate(res.items()):
+        for i, (k, _) in enumerate(groups):
+            x = i + (j - (len(res) - 1) / 2) * width
+            if r[k] is None:  # y in axes coordinates: a log axis has no 0
+                a.text(x, 0.03, f"{name}: n/a", ha="center", fontsize=7, rotation=90, color=colors.get(name),
+                       transform=a.get_xaxis_transform())
+            else:
+                a.bar(x, r[k], width, color=colors.get(name), label=name if i == 0 else None)
+                a.text(x, r[k], f"{r[k] * 1e3:.0f}", ha="center", va="bottom", fontsize=7)
+        for i, k in enumerate(("decode_tok_s_batch1", "decode_tok_s_batch16")):
+            x = i + (j - (len(res) - 1) / 2) * width
+            b.bar(x, r[k], width, color=colors.get(name), label=name if i == 0 else None)
+            b.text(x, r[k], f"{r[k]:.0f}", ha="center", va="bottom", fontsize=7)
+    a.set_yscale("log")
+    a.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1, 2, 5)))
+    a.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    a.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    a.set_ylabel("seconds (log scale)", fontsize=8)
+    a.set_xticks(range(3), [g for _, g in groups])
+    a.set_title(f"TTFT (ms on bars), {result['prefix_tokens']}+{result['question_tokens']}-token prompts", fontsize=9)
+    a.legend(fontsize=8)
+    b.set_xticks(range(2), ["batch 1", "batch 16"])
+    b.set_title(f"decode tok/s ({result['new_tokens']} new tokens)", fontsize=9)
+    b.legend(fontsize=8)
+    fig.suptitle(f"prefix cache side by side: medians of {result['runs']} interleaved runs, fp32, block "
+                 f"{BLOCK_SIZE}, compute on core {CORE} with one OMP thread", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def side_by_side(args, engines: list[str], runs: int) -> int:
+    """The same rounds on every engine as a server, interleaved per repetition; medians and ratios."""
+    import shutil
+    import tempfile
+
+    import numpy as np
+
+    rt = bench_helpers()
+    if args.vllm_python:
+        os.environ["WARMFLEET_VLLM_PYTHON"] = args.vllm_python
+    unknown = set(engines) - {"warmfleet", "vllm"}
+    if unknown:
+        raise SystemExit(f"unknown engines: {sorted(unknown)}")
+    model_dir = bench_model_dir(args.model)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    total = PREFIX_TOKENS + QUESTION_TOKENS
+    blocks = (total + 2 * BLOCK_SIZE) // BLOCK_SIZE + 2  # just over one prompt, as in-process
+    new_tokens = 16 if args.quick else 64
+    cwd = tempfile.mkdtemp(prefix="wf-prefix-")
+    load_before = os.getloadavg()
+    progress(f"starting {', '.join(engines)} on {model_dir} (pool {blocks} blocks of {BLOCK_SIZE}; logs in {cwd}, "
+             "removed after a successful run)")
+    servers = start_servers(rt, engines, model_dir, blocks, cwd)
+    try:
+        rng = np.random.default_rng(0)
+        for server in servers.values():  # warm-up: first request and first batch pay set-up costs
+            complete(server.base, tokens(rng, vocab, total), "warmup")
+            complete(server.base, [tokens(rng, vocab, 32) for _ in range(16)], "warmup", 2)
+        rounds = {n: [] for n in servers}
+        dec1, dec16 = {n: [] for n in servers}, {n: [] for n in servers}
+        for r in range(runs):
+            prefix = tokens(rng, vocab, PREFIX_TOKENS)
+            questions = [tokens(rng, vocab, QUESTION_TOKENS) for _ in range(3)]
+            filler = tokens(rng, vocab, blocks * BLOCK_SIZE - 1)
+            batch = [tokens(rng, vocab, 32) for _ in range(16)]
+            order = list(servers) if r % 2 == 0 else list(servers)[::-1]  # the first engine alternates
+            for name in order:
+                server = servers[name]
+                rounds[name].append(ttft_round(rt, server, prefix, questions, filler, f"run-{r}"))
+                dec1[name].append(decode_round(server, batch[:1], new_tokens, f"dec1-{r}"))
+                dec16[name].append(decode_round(server, batch, new_tokens, f"dec16-{r}"))
+                x = rounds[name][-1]
+                progress(f"run {r + 1}/{runs} {name}: miss {x['miss_s']:.3f}s (cached {x['miss_cached']}) "
+                         f"hit {x['hit_s']:.3f}s (cached {x['hit_cached']}) "
+                         + (f"swap-hit {x['swap_hit_s']:.3f}s (cached {x['swap_hit_cached']}, from cpu "
+                            f"{x['swap_hit_cached_cpu']}) " if "swap_hit_s" in x else "swap-hit n/a ")
+                         + f"decode {dec1[name][-1]:.0f} / {dec16[name][-1]:.0f} tok/s")
+        res = {n: summarize_engine(rounds[n], dec1[n], dec16[n], servers[n]) for n in servers}
+        how = {n: settings(rt, s) for n, s in servers.items()}
+    finally:
+        for server in servers.values():
+            rt.stop_group(server.proc)
+    shutil.rmtree(cwd, ignore_errors=True)  # kept when a run fails: the servers' logs
+    cached_prefix = PREFIX_TOKENS // BLOCK_SIZE * BLOCK_SIZE
+    result = {"benchmark": "prefix_cache_side_by_side", "command": " ".join(["python"] + sys.argv),
+              "model": str(model_dir), "runs": runs, "prefix_tokens": PREFIX_TOKENS,
+              "question_tokens": QUESTION_TOKENS, "new_tokens": new_tokens, "block_size": BLOCK_SIZE,
+              "primary_pool_blocks": blocks, "swap_gib": SWAP_GIB, "dtype": "float32",
+              "ttft_note": "latency of a 1-token /v1/completions request over loopback HTTP (prefill + 1 token)",
+              "decode_note": "completion tokens / request seconds for one request of 1 or 16 32-token prompts",
+              "engines": res, "vllm_over_warmfleet": ratios(res), "threads_and_cores": how,
+              "load_average_1_5_15_min": {"before": load_before, "after": os.getloadavg()},
+              "targets_text": "hit/miss <= 0.10 and swap-hit/miss <= 0.25 (the in-process targets), misses report "
+                              f"0 cached tokens, hits >= {cached_prefix} cached tokens (swap hits: from the CPU tier)",
+              "targets": side_targets(res, cached_prefix)}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "prefix_cache.json").write_text(json.dumps(result, indent=1))
+    side_chart(result, out / "prefix_cache.png")
+    progress(f"wrote {out / 'prefix_cache.json'} and {out / 'prefix_cache.png'}")
+    if not args.json:
+        for k in ("engines", "vllm_over_warmfleet", "targets"):
+            print(f"{k}: {json.dumps(result[k])}")
+    print(json.dumps(result))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repetitions and decode tokens")
     ap.add_argument("--json", action="store_true", help="print only the JSON summary on stdout")
     ap.add_argument("--model", help="checkpoint directory (default: the bench checkpoint, made on first run)")
     ap.add_argument("--runs", type=int, default=None, help="repetitions per measurement (default 5, quick 3)")
+    ap.add_argument("--engines", default="warmfleet",
+                    help="warmfleet (in-process, the default), or a list with vllm: each engine as a server, "
+                         "side by side")
+    ap.add_argument("--vllm-python", default=None,
+                    help="python of the vLLM CPU environment (default: $WARMFLEET_VLLM_PYTHON or scripts/vllm-env.sh)")
+    ap.add_argument("--out", default="bench/results", help="directory for prefix_cache.json/.png (--engines only)")
     args = ap.parse_args()
     runs = args.runs or (3 if args.quick else 5)
+    engines = args.engines.split(",")
+    if engines != ["warmfleet"]:
+        return side_by_side(args, engines, runs)
 
     import numpy as np
 

