@@ -19,7 +19,8 @@ token), request spread (max/mean per replica), errors, and for warmfleet the rou
 requests, decision reasons with the tokens each reason lost against the oracle, and a churn
 run (one replica killed mid-run and restarted cold). The oracle is the cached-token ratio of
 an unbounded cache that saw every earlier request. Writes `routing.json` and `routing.png`
-(bar charts per router) to --out. Needs `pip install sglang-router vllm-router`.
+(bar charts per router) to --out. Peer routers come from `pip install 'warmfleet[peers]'`; a missing
+one is skipped, said up front and recorded under "skipped_routers".
 Progress goes to stderr; with --json the last stdout line is one JSON object.
 
 Sizes: --quick is the tiny checkpoint, 2 replicas, 60 requests, one rate, one seed. The
@@ -398,13 +399,26 @@ def stop(p: subprocess.Popen) -> None:
         p.kill()
 
 
-def tool(name: str) -> str:
+PEER_TOOLS = {"sglang": "sglang-router", "vllm": "vllm-router"}
+
+
+def find_tool(name: str) -> "str | None":
     """A console script of this venv (found next to the interpreter even when the venv is not on PATH)."""
-    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    found = shutil.which(name, path=path)
+    return shutil.which(name, path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+
+
+def tool(name: str) -> str:
+    found = find_tool(name)
     if found is None:
-        raise FileNotFoundError(f"{name} not found: pip install sglang-router vllm-router")
+        raise FileNotFoundError(f"{name} not found: pip install 'warmfleet[peers]'")
     return found
+
+
+def present_routers(routers: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The routers whose programs are installed, and why each other one is skipped (checked before any run)."""
+    skipped = {r: f"{PEER_TOOLS[r]} is not installed (pip install 'warmfleet[peers]')"
+               for r in routers if r in PEER_TOOLS and find_tool(PEER_TOOLS[r]) is None}
+    return [r for r in routers if r not in skipped], skipped
 
 
 def peer_policy(kind: str, fleet: Fleet) -> list[str]:
@@ -791,7 +805,9 @@ def main() -> int:
     image_seeds = [int(x) for x in args.image_seeds.split(",")]
     # the working set does not fit one replica (vLLM: 48/80 blocks of 32 tokens = the same tokens as 96/160 of 16)
     gpu_blocks = args.gpu_blocks or ((48 if args.quick else 80) if vllm else (48 if args.quick else 160))
-    routers = args.routers.split(",")
+    routers, skipped = present_routers(args.routers.split(","))
+    for r, why in skipped.items():
+        progress(f"skipping router {r}: {why}")
     wf_args = args.warmfleet_args.split()
     variants = {"warmfleet:" + v.split("=", 1)[0]: v.split("=", 1)[1].split() for v in args.variant}
     if args.logs:
@@ -800,7 +816,7 @@ def main() -> int:
     results: dict = {"command": " ".join([Path(sys.executable).name] + sys.argv), "engine": args.engine,
                      "replicas": n, "rates": rates, "load_average_1_5_15_min": {"before": os.getloadavg()},
                      "seeds": seeds, "image_seeds": image_seeds, "targets_text": TARGETS, "warmfleet_args": wf_args,
-                     "variants": variants}
+                     "variants": variants, "skipped_routers": skipped}
     make_fleet = Fleet
     if vllm:
         if args.vllm_python:
