@@ -5,7 +5,7 @@
 hash_gbps: warmfleet's mm_hash (blake3 over raw bytes + params) on a 4-megapixel JPEG and PNG;
 baseline_gbps: FastDeploy's recipe (decode, preprocess, SHA-256 over the pixel array), both in
 raw-input GB/s. processor_hit_over_miss: processor-cache GET of a 1-megapixel JPEG's pixels over
-decoding + preprocessing it. ttft_image_hit_over_miss: TTFT of a repeated request (same text
+decoding + preprocessing it (processor_hit_read_over_miss: the GET plus one pass over the pixels). ttft_image_hit_over_miss: TTFT of a repeated request (same text
 prefix, same image, new question) over a cold one on the bench VL checkpoint (engine in-process,
 processor cache included); ttft_encoder_hit_over_miss: the same with the prefix cache off, so only
 the encoder (and processor) caches are warm.
@@ -81,10 +81,14 @@ def bench_processor_cache(proc: ImageProcessor, repeats: int) -> dict:
         client.put(key, proc(decode_image(data, "bench", 1 << 30)))
         assert client.get(key) is not None, "processor cache did not store the item"
         hit = median_time(lambda: client.get(key), repeats * 4)
+        # the same hit, then one pass over every pixel (what handing them to the engine costs at least)
+        hit_read = median_time(lambda: float(client.get(key).pixel_values.sum()), repeats * 4)
+        nbytes = client.get(key).pixel_values.nbytes
     finally:
         client.close()
         server.stop()
-    return {"miss_s": miss, "hit_s": hit, "processor_hit_over_miss": hit / miss}
+    return {"miss_s": miss, "hit_s": hit, "hit_read_s": hit_read, "pixel_bytes": nbytes,
+            "processor_hit_over_miss": hit / miss, "processor_hit_read_over_miss": hit_read / miss}
 
 
 def _progress(msg: str) -> None:
@@ -159,7 +163,7 @@ def main(argv=None) -> int:
         "ttft_image_hit_over_miss": round(ttft["prefix"]["ratio"], 4),
         "ttft_encoder_hit_over_miss": round(ttft["encoder_only"]["ratio"], 4),
         "ttft": ttft,
-        "targets": {"hash_speedup": 5.0, "processor_hit_over_miss": 0.10, "ttft_image_hit_over_miss": 0.15,
+        "targets": {"hash_speedup": 5.0, "processor_hit_over_miss": 0.05, "ttft_image_hit_over_miss": 0.15,
                     "ttft_encoder_hit_over_miss": 0.5},
         "cpu_count": os.cpu_count(),
     }

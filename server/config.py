@@ -34,6 +34,11 @@ class ModelConfig:
         default=None, metadata=_opt("--max-model-len", "Context length in tokens (default: the checkpoint's).")
     )
     seed: int = field(default=0, metadata=_opt("--seed", "Seed for sampling without a request seed."))
+    engine_threads: int = field(
+        default=1,
+        metadata=_opt("--engine-threads", "Math threads (MKL/OpenMP) of the engine-core process; the API process "
+                      "runs no math. 1 leaves the other cores to the API process, as vLLM's CPU worker does."),
+    )
 
 
 @dataclass
@@ -141,6 +146,8 @@ class EngineConfig:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {c.gpu_memory_utilization}")
         if s.max_num_batched_tokens < 1 or s.max_num_seqs < 1:
             raise ValueError("--max-num-batched-tokens and --max-num-seqs must be >= 1")
+        if self.model.engine_threads < 1:
+            raise ValueError(f"--engine-threads must be >= 1, got {self.model.engine_threads}")
         if not 0 < self.server.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.server.port}")
 

@@ -114,6 +114,18 @@ def _wait_up(client: ProcessorCacheClient) -> None:
     raise AssertionError("processor cache process did not come up")
 
 
+def _put(client: ProcessorCacheClient, key: str, img: ProcessedImage) -> None:
+    """PUT that is not dropped: a PUT never blocks, so when the send queue is full (the server is still
+    writing earlier ones) wait for a PING's round trip through the same queue, then send it again."""
+    for _ in range(20):
+        dropped = client.num_unavailable
+        client.put(key, img)
+        if client.num_unavailable == dropped:
+            return
+        assert client.ping(timeout_s=5.0)
+    raise AssertionError(f"PUT {key} kept being dropped")
+
+
 @pytest.fixture
 def cache_proc(tmp_path):
     p = ProcessorCacheProcess(f"ipc://{tmp_path}/pc.sock", capacity_bytes=1 << 20).start()
@@ -140,7 +152,8 @@ def test_server_process_roundtrip_counters_and_bad_input(cache_proc):
     assert (s.hits, s.misses, s.puts, s.entries) == (1, 1, 1, 1) and s.bad_messages == 2
     assert s.usage_bytes > img.nbytes and s.capacity_bytes == 1 << 20
     for i in range(60):  # 60 × ~28 KB overflows 1 MiB
-        client.put(f"k{i}", proc_img(6, i))
+        _put(client, f"k{i}", proc_img(6, i))
+    assert client.ping(timeout_s=5.0)  # every PUT before it has been handled
     s = client.stats()
     assert s.evictions > 0 and s.usage_bytes <= s.capacity_bytes
     client.close()
@@ -188,3 +201,42 @@ def test_preparer_hits_uuid_reuse_and_survives_cache_death(cache_proc, tok):
     assert prep.prepare(plain).num_processor_cache_hits in (0, 1)  # restarted cache starts empty (or holds the fallback's PUT)
     assert prep.prepare(plain).num_processor_cache_hits == 1
     client.close()
+
+
+def test_server_hands_pixels_over_in_shared_memory(cache_proc):
+    """A hit names a file in the server's shm directory; eviction unlinks it, a live mapping stays valid."""
+    from warmfleet.server.multimodal.processor_cache import shm_dir_for
+
+    client = ProcessorCacheClient(cache_proc.address, timeout_s=2.0)
+    _wait_up(client)
+    img = proc_img(6, 7)
+    client.put("s1", img)
+    reply = client._send([b"GET", b"s1"], expect_reply=True)
+    assert reply[0].bytes == b"HIT_SHM"
+    path = shm_dir_for(cache_proc.address) / reply[2].bytes.decode()
+    assert path.stat().st_size == img.pixel_values.nbytes
+    held = client.get("s1")
+    assert not held.pixel_values.flags.writeable  # a read-only view of the shared file, not a copy
+    np.testing.assert_array_equal(held.pixel_values, img.pixel_values)
+    for i in range(60):  # overflow the 1 MiB budget: s1 is evicted and its file unlinked
+        _put(client, f"k{i}", proc_img(6, i))
+    assert client.ping(timeout_s=5.0)  # every PUT before it has been handled
+    assert client.get("s1") is None and not path.exists()
+    np.testing.assert_array_equal(held.pixel_values, img.pixel_values)  # the mapping outlives the unlink
+    files = list(shm_dir_for(cache_proc.address).iterdir())
+    assert 0 < len(files) == client.stats().entries
+    cache_proc.stop()
+    assert not shm_dir_for(cache_proc.address).exists()
+    client.close()
+
+
+def test_pixels_stay_in_memory_when_no_file_can_be_written(tmp_path):
+    from warmfleet.server.multimodal.processor_cache import PixelFiles
+
+    files = PixelFiles(tmp_path / "shm")
+    files.write = lambda data: None  # e.g. /dev/shm full
+    store = LRUStore(1 << 20)
+    h, buf = entry(proc_img(4, 1))
+    assert handle(store, [b"1", b"PUT", b"k", h, buf], files) is None
+    reply = handle(store, [b"2", b"GET", b"k"], files)
+    assert reply[1] == b"HIT" and reply[3] == buf

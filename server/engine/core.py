@@ -18,12 +18,13 @@ from ..multimodal.mrope import mrope_positions
 from ..multimodal.wire import from_msgpack
 from .attention import CpuPagedAttention
 from .block_pool import BlockPool
+from .cpu import configure as configure_cpu
 from .encoder_cache import EncoderCache
 from .kv_cache_manager import KVCacheManager
 from .model_runner import ModelRunner, kv_layout, log_sizes, num_blocks_for
 from .protocol import EngineStats, GenerateRequest, read_model_info
 from .request import Request, RequestOutput
-from .sampler import sample, token_logprobs
+from .sampler import sample_step
 from .scheduler import Scheduler
 
 log = logging.getLogger("warmfleet.engine")
@@ -38,6 +39,7 @@ class EngineCore:
         self.info = read_model_info(cfg)
         self.publisher = publisher
         self.replica_id = publisher.replica_id if publisher else replica_id(cfg.server)
+        configure_cpu(cfg.model.engine_threads)  # before the first matmul
         paddle.seed(cfg.model.seed)
         t0 = time.monotonic()
         backend = CpuPagedAttention()
@@ -85,7 +87,7 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         try:
-            logits = self.runner.execute(out, self.encoder_cache)
+            step = self.runner.execute(out, self.encoder_cache)
         except Exception as exc:  # a model failure fails this step's requests, not the engine
             log.exception("step failed; aborting its %d requests", len(out.scheduled))
             ids = [s.request.request_id for s in out.scheduled]
@@ -98,13 +100,12 @@ class EngineCore:
             self._publish()
             return results
         sampled, lps = {}, {}
-        for s in out.scheduled:
-            rid = s.request.request_id
-            if rid in logits:
-                sp = s.request.sampling_params
-                tok = sample(logits[rid], sp, s.request.generator or self.runner.rng)
-                sampled[rid] = tok
-                lps[rid] = token_logprobs(logits[rid], tok, sp.logprobs)
+        if step.requests:
+            tokens, logprobs = sample_step(step.logits, [r.sampling_params for r in step.requests],
+                                           [r.generator or self.runner.rng for r in step.requests])
+            for r, tok, lp in zip(step.requests, tokens, logprobs):
+                sampled[r.request_id] = tok
+                lps[r.request_id] = lp
         results = self.scheduler.update(out, sampled, lps)
         self._release_finished(results)
         self.num_steps += 1

@@ -27,6 +27,14 @@ DEFAULT_CPU_KV_GIB = 1.0
 
 
 @dataclass
+class StepLogits:
+    """What a step hands the sampler: one logits row per sampling request, still a device tensor."""
+
+    requests: list[Request]  # the requests that sample this step, in row order
+    logits: Optional[paddle.Tensor]  # float32 [len(requests), vocab]; None when nobody samples
+
+
+@dataclass
 class KVLayout:
     num_layers: int
     num_kv_heads: int
@@ -94,15 +102,15 @@ class ModelRunner:
 
     # ---- forward --------------------------------------------------------------------------
     @paddle.no_grad()
-    def execute(self, out: SchedulerOutput, encoder_cache: Optional[EncoderCache] = None) -> dict[str, np.ndarray]:
-        """Run the step; returns float32 logits of the last position of every request that samples."""
+    def execute(self, out: SchedulerOutput, encoder_cache: Optional[EncoderCache] = None) -> StepLogits:
+        """Run the step; returns the float32 logits of the last position of every request that samples."""
         with dense_transposes():
             return self._execute(out, encoder_cache)
 
-    def _execute(self, out: SchedulerOutput, encoder_cache: Optional[EncoderCache]) -> dict[str, np.ndarray]:
+    def _execute(self, out: SchedulerOutput, encoder_cache: Optional[EncoderCache]) -> StepLogits:
         self.apply_swaps(out.swap)
         if not out.scheduled:
-            return {}
+            return StepLogits([], None)
         vl = hasattr(self.model, "encode_images")
         ids, pos, batch, last_rows, sampling = [], [], [], [], []
         pieces: list[tuple[int, Any]] = []
@@ -120,19 +128,21 @@ class ModelRunner:
             row += n
             if s.samples:
                 last_rows.append(row - 1)
-                sampling.append(r.request_id)
-        meta = AttentionMetadata.build(self.layout.block_size, batch)
+                sampling.append(r)
+        # Only the sampling rows continue past the last layer's K/V write (AttentionMetadata.sampled).
+        meta = AttentionMetadata.build(self.layout.block_size, batch, [s.samples for s in out.scheduled])
+        sample_rows = paddle.to_tensor(np.asarray(last_rows, dtype=np.int64))
         input_ids = paddle.to_tensor(np.asarray(ids, dtype=np.int64))
         if vl:
             positions = paddle.to_tensor(np.concatenate(pos, axis=1))
             embeds = self.model.embed_with_images(input_ids, pieces)
-            hidden = self.model(None, positions, self.caches, meta, inputs_embeds=embeds)
+            hidden = self.model(None, positions, self.caches, meta, inputs_embeds=embeds, sample_rows=sample_rows)
         else:
-            hidden = self.model(input_ids, paddle.to_tensor(np.asarray(pos, dtype=np.int64)), self.caches, meta)
+            hidden = self.model(input_ids, paddle.to_tensor(np.asarray(pos, dtype=np.int64)), self.caches, meta,
+                                sample_rows=sample_rows)
         if not sampling:
-            return {}
-        logits = self.model.compute_logits(paddle.gather(hidden, paddle.to_tensor(last_rows))).numpy()
-        return dict(zip(sampling, logits.astype(np.float32)))
+            return StepLogits([], None)
+        return StepLogits(sampling, self.model.compute_logits(hidden))
 
     def _image_pieces(self, r: Request, start: int, n: int, row: int,
                       cache: Optional[EncoderCache]) -> list[tuple[int, Any]]:

@@ -1,11 +1,15 @@
 """Qwen2 / Qwen2.5 / Llama decoder in Paddle over the paged KV cache; attribute names mirror HF tensor names.
 
-Parameters keep the checkpoint's layout (a linear weight is [out, in], applied with
-`transpose_y`), so `dict(model.named_parameters())` is keyed and shaped exactly like the
-safetensors files and loading is `param.set_value(tensor)` per name. The model never sees
-block tables: the attention backend owns the cache (server/engine/attention.py).
+Parameters are keyed exactly like the safetensors files (linear weights kept as [in, out], the
+transpose of the checkpoint's [out, in], see `Linear`), so loading is `param.set_value(tensor)`
+per name. The model never sees block tables: the attention backend owns the cache
+(server/engine/attention.py).
 
-    forward(input_ids [T], positions [T], caches, meta) -> hidden [T, H] (after the final norm)
+q/k/v and gate/up stay separate matmuls: merged ([512, 1024] instead of 512 + 256 + 256) they
+ran 1.4-1.5x slower on MKL for 16-64 rows on the bench checkpoint (docs/performance.md).
+
+    forward(input_ids [T], positions [T], caches, meta, sample_rows=None)
+        -> hidden [T, H] after the final norm, or [N, H] for the N rows of `sample_rows`
     compute_logits(hidden [N, H]) -> logits [N, vocab] float32
 """
 
@@ -16,6 +20,7 @@ from typing import Any, Optional
 
 import numpy as np
 import paddle
+import paddle.incubate.nn.functional as IF
 import paddle.nn.functional as F
 from paddle import nn
 
@@ -71,6 +76,23 @@ class RMSNorm(nn.Layer):
         return self.weight * x32.astype(x.dtype)
 
 
+class ResidualRMSNorm(RMSNorm):
+    """The decoder's pre-norms: residual += x, then RMSNorm(residual); one fused op in float32.
+
+    forward(x, residual) -> (normed, new residual); a None residual starts the stream at x.
+    The fused kernel is used for float32 only, where it equals HF's (fp32 throughout); other
+    dtypes keep HF's cast order.
+    """
+
+    def forward(self, x: paddle.Tensor, residual: Optional[paddle.Tensor] = None):
+        if x.dtype == paddle.float32:
+            if residual is None:
+                return IF.fused_rms_norm(x, self.weight, None, self.eps, 1)[0], x
+            return IF.fused_rms_norm(x, self.weight, None, self.eps, 1, residual=residual)
+        residual = x if residual is None else residual + x
+        return super().forward(residual), residual
+
+
 def rope_inv_freq(config: dict[str, Any], head_dim: int) -> np.ndarray:
     """Inverse frequencies [head_dim/2] float32 for rope types default, linear and llama3."""
     params = dict(config.get("rope_scaling") or {})
@@ -111,12 +133,45 @@ class RotaryEmbedding(nn.Layer):
         angles = positions.astype("float32").unsqueeze(-1) * self.inv_freq.unsqueeze(0)
         return paddle.cos(angles).unsqueeze(1), paddle.sin(angles).unsqueeze(1)
 
+    def tables(self, positions: paddle.Tensor) -> "RopeTables":
+        """The step's rotation, shared by every layer (see `RopeTables`)."""
+        cos, sin = self.cos_sin(positions)
+        return RopeTables(paddle.concat([cos, cos], axis=-1), paddle.concat([-sin, sin], axis=-1))
+
     @staticmethod
     def apply(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> paddle.Tensor:
         """x [T, H, D] -> rotated x, computed in fp32 and cast back."""
         x32 = x.astype("float32")
         x1, x2 = paddle.chunk(x32, 2, axis=-1)
         return paddle.concat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class RopeTables:
+    """Full-width rotation tables: rotate-half RoPE as x * cos + roll(x, D/2) * sin_signed.
+
+        cos        [T, 1, D] = [cos | cos]
+        sin_signed [T, 1, D] = [-sin | sin]
+        roll(x, D/2) = [x2 | x1], so the halves are x1*cos - x2*sin and x2*cos + x1*sin,
+        bit for bit what `RotaryEmbedding.apply` computes, in 4 ops instead of 10.
+
+    NOTE: the tables are expanded to [T, H, D] once per step and head count: Paddle's CPU
+    multiply is ~10x slower when it broadcasts (4 ns vs 0.4 ns per element).
+    """
+
+    def __init__(self, cos: paddle.Tensor, sin_signed: paddle.Tensor):
+        self.cos, self.sin_signed = cos, sin_signed
+        self._by_heads: dict[int, tuple[paddle.Tensor, paddle.Tensor]] = {}
+
+    def apply(self, x: paddle.Tensor) -> paddle.Tensor:
+        """x [T, H, D] -> rotated x, in fp32 and cast back."""
+        heads = x.shape[1]
+        if heads not in self._by_heads:
+            shape = [x.shape[0], heads, x.shape[2]]
+            self._by_heads[heads] = paddle.expand(self.cos, shape), paddle.expand(self.sin_signed, shape)
+        cos, sin = self._by_heads[heads]
+        x32 = x if x.dtype == paddle.float32 else x.astype("float32")
+        out = x32 * cos + paddle.roll(x32, x.shape[-1] // 2, axis=-1) * sin
+        return out if x.dtype == paddle.float32 else out.astype(x.dtype)
 
 
 class Qwen2Attention(nn.Layer):
@@ -136,15 +191,18 @@ class Qwen2Attention(nn.Layer):
         self.v_proj = Linear(h, self.num_kv_heads * self.head_dim, qkv_bias, dtype)
         self.o_proj = Linear(self.num_heads * self.head_dim, h, o_bias, dtype)
 
-    def forward(self, x, cos, sin, cache: LayerCache, meta: AttentionMetadata):
+    def forward(self, x, rope: RopeTables, cache: LayerCache, meta: AttentionMetadata,
+                sample_rows: Optional[paddle.Tensor] = None):
+        """x [T, H] -> [T, H]; with `sample_rows` (the last layer) K/V of all T rows are written
+        but only those rows attend (`meta.sampled`), -> [N, H]."""
         t = x.shape[0]
-        q = self.q_proj(x).reshape([t, self.num_heads, self.head_dim])
-        k = self.k_proj(x).reshape([t, self.num_kv_heads, self.head_dim])
+        q = rope.apply(self.q_proj(x).reshape([t, self.num_heads, self.head_dim]))
+        k = rope.apply(self.k_proj(x).reshape([t, self.num_kv_heads, self.head_dim]))
         v = self.v_proj(x).reshape([t, self.num_kv_heads, self.head_dim])
-        q = RotaryEmbedding.apply(q, cos, sin)
-        k = RotaryEmbedding.apply(k, cos, sin)
-        out = self.backend.forward(q, k, v, cache, meta, self.scale)  # [T, Hq, D]
-        return self.o_proj(out.reshape([t, self.num_heads * self.head_dim]))
+        if sample_rows is not None:
+            q, meta = paddle.gather(q, sample_rows), meta.sampled
+        out = self.backend.forward(q, k, v, cache, meta, self.scale)  # [T or N, Hq, D]
+        return self.o_proj(out.reshape([out.shape[0], self.num_heads * self.head_dim]))
 
 
 class Qwen2MLP(nn.Layer):
@@ -166,14 +224,23 @@ class Qwen2DecoderLayer(nn.Layer):
     def __init__(self, config: dict[str, Any], backend: AttentionBackend, dtype: str, biases: tuple[bool, bool]):
         super().__init__()
         eps = float(config.get("rms_norm_eps", 1e-6))
-        self.input_layernorm = RMSNorm(config["hidden_size"], eps, dtype)
+        self.input_layernorm = ResidualRMSNorm(config["hidden_size"], eps, dtype)
         self.self_attn = Qwen2Attention(config, backend, dtype, biases)
-        self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps, dtype)
+        self.post_attention_layernorm = ResidualRMSNorm(config["hidden_size"], eps, dtype)
         self.mlp = Qwen2MLP(config, dtype)
 
-    def forward(self, x, cos, sin, cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, cache, meta, sample_rows=None):
+        """(x, residual) -> (mlp output, residual): the residual add is left to the next norm.
+
+        With `sample_rows`, only those rows continue after attention (their K/V and everyone's
+        are still written), so both outputs have N rows.
+        """
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, rope, cache, meta, sample_rows)
+        if sample_rows is not None:
+            residual = paddle.gather(residual, sample_rows)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class Qwen2Model(nn.Layer):
@@ -183,7 +250,7 @@ class Qwen2Model(nn.Layer):
         self.layers = nn.LayerList(
             [Qwen2DecoderLayer(config, backend, dtype, biases) for _ in range(config["num_hidden_layers"])]
         )
-        self.norm = RMSNorm(config["hidden_size"], float(config.get("rms_norm_eps", 1e-6)), dtype)
+        self.norm = ResidualRMSNorm(config["hidden_size"], float(config.get("rms_norm_eps", 1e-6)), dtype)
 
 
 class Qwen2ForCausalLM(nn.Layer):
@@ -220,22 +287,32 @@ class Qwen2ForCausalLM(nn.Layer):
 
     @paddle.no_grad()
     def forward(self, input_ids: Optional[paddle.Tensor], positions: paddle.Tensor, caches: list[LayerCache],
-                meta: AttentionMetadata, inputs_embeds: Optional[paddle.Tensor] = None) -> paddle.Tensor:
-        """Hidden states [T, hidden] after the final norm; `inputs_embeds` overrides `input_ids`."""
+                meta: AttentionMetadata, inputs_embeds: Optional[paddle.Tensor] = None,
+                sample_rows: Optional[paddle.Tensor] = None) -> paddle.Tensor:
+        """Hidden states [T, hidden] after the final norm; `inputs_embeds` overrides `input_ids`.
+
+        `sample_rows` (int64 [N], with `meta` built with the same rows): only those rows are
+        computed past the last layer's K/V write and returned, [N, hidden]; the logits of the
+        other rows are never needed when they do not sample.
+        """
         if len(caches) != self.num_layers:
             raise ValueError(f"got {len(caches)} layer caches for {self.num_layers} layers")
         x = inputs_embeds if inputs_embeds is not None else self.embed(input_ids)
-        cos, sin = self.rotary.cos_sin(positions)
-        for layer, cache in zip(self.model.layers, caches):
-            x = layer(x, cos, sin, cache, meta)
-        return self.model.norm(x)
+        rope = self.rotary.tables(positions)
+        residual = None
+        last = len(caches) - 1
+        for i, (layer, cache) in enumerate(zip(self.model.layers, caches)):
+            x, residual = layer(x, residual, rope, cache, meta, sample_rows if i == last else None)
+        return self.model.norm(x, residual)[0]
 
     @paddle.no_grad()
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""
         if self.lm_head is None:  # tied: the [vocab, hidden] embedding table is the output projection
-            return paddle.matmul(hidden, self.model.embed_tokens.weight, transpose_y=True).astype("float32")
-        return self.lm_head(hidden).astype("float32")
+            logits = paddle.matmul(hidden, self.model.embed_tokens.weight, transpose_y=True)
+        else:
+            logits = self.lm_head(hidden)
+        return logits if logits.dtype == paddle.float32 else logits.astype("float32")
 
     def checkpoint_parameters(self) -> dict[str, paddle.Tensor]:
         """Checkpoint tensor name -> parameter to fill (names already match HF's)."""

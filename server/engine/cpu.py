@@ -1,0 +1,66 @@
+"""Math-library setup of the process that runs the model (engine core, offline LLM); imports paddle only inside `configure`.
+
+Call `configure` before the first matmul of the process:
+
+- MKL code path. Paddle's CPU wheel links MKL 2019 (mklml), which runs a generic, ~3x slower
+  sgemm on CPUs whose vendor is not Intel; `MKL_DEBUG_CPU_TYPE=5` selects its AVX2 kernels
+  (docs/performance.md). MKL reads the variable at its first call, so setting it here, after
+  `import paddle`, still counts. A value set by the user is left alone.
+- Math threads (MKL and OpenMP): `--engine-threads`, default 1, as Paddle's own default and as
+  vLLM's CPU worker. The API process does no math and starts no math pool.
+- Allocator: a prefill step allocates and frees tens of megabytes per layer. glibc serves
+  blocks above 128 KiB (a threshold it adapts) with mmap and hands freed heap back to the
+  kernel, so every step pays page faults to get the same memory again; keeping blocks up to
+  32 MiB (glibc's maximum) in the heap and not trimming it cut a 2k-token prefill's CPU time
+  by ~14% (docs/performance.md). The process keeps its peak heap instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+log = logging.getLogger("warmfleet.engine")
+
+MKL_AVX2 = "5"  # MKL_DEBUG_CPU_TYPE value that selects MKL's AVX2 code path
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's largest allowed value on 64-bit
+TRIM_THRESHOLD_BYTES = 1 << 30
+
+
+def cpu_vendor() -> Optional[str]:
+    """`vendor_id` of /proc/cpuinfo (e.g. AuthenticAMD, GenuineIntel); None where there is none."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def configure(threads: int = 1) -> dict:
+    """Apply the settings above to this process; returns what was applied (for the start-up log)."""
+    if threads < 1:
+        raise ValueError(f"--engine-threads must be >= 1, got {threads}")
+    if "MKL_DEBUG_CPU_TYPE" not in os.environ and cpu_vendor() == "AuthenticAMD":
+        os.environ["MKL_DEBUG_CPU_TYPE"] = MKL_AVX2
+    import paddle
+
+    paddle.base.core.set_num_threads(threads)
+    applied = {"threads": threads, "mkl_debug_cpu_type": os.environ.get("MKL_DEBUG_CPU_TYPE"),
+               "malloc_tuned": tune_malloc()}
+    log.info("engine math: %s", applied)
+    return applied
+
+
+def tune_malloc() -> bool:
+    """Keep freed blocks up to 32 MiB in glibc's heap (see the module docstring); False where there is no glibc."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt  # the running process's libc
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
