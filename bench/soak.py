@@ -50,7 +50,7 @@ sys.path.insert(0, str(REPO / "tests"))  # one process harness with tests/reliab
 
 from images import data_uri, image_bytes  # noqa: E402
 from reliability.load import Outcome, question, send_chat, tenant_systems  # noqa: E402
-from reliability.procs import EXE, LiveFleet, Proc, Replica, tree_pids  # noqa: E402
+from procs import EXE, LiveFleet, Proc, Replica, tree_pids  # noqa: E402
 
 T0 = time.monotonic()
 

@@ -1,10 +1,10 @@
 """KV events from a real engine: sequence numbers, contract-1 hashes, tiers, snapshot agreement."""
 
-import socket
 import time
 
 import zmq
 
+from procs import free_port
 from warmfleet.server.config import CacheConfig, EngineConfig, ModelConfig, ServerConfig
 from warmfleet.server.engine.core import EngineCore
 from warmfleet.server.engine.protocol import GenerateRequest
@@ -13,10 +13,6 @@ from warmfleet.server.events import CPU, GPU, BlockRemoved, BlockStored, EventPu
 from warmfleet.server.hashing import block_hashes, model_fingerprint
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def drain(sub, until, timeout_s=10.0):

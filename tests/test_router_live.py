@@ -2,39 +2,21 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
+
+from procs import free_port, wait_for
 
 pytestmark = pytest.mark.slow
 
 SYSTEM = "You are the warmfleet assistant. Answer briefly and precisely about caches and routing. " * 6
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-def wait_for(pred, what: str, procs: list, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        for p in procs:
-            if p.poll() is not None:
-                raise AssertionError(f"a process exited with {p.returncode} while waiting for {what}")
-        try:
-            if pred():
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")

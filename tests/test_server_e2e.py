@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,15 +15,13 @@ import httpx
 import openai
 import pytest
 
+from procs import free_port
+
 pytestmark = pytest.mark.slow
 
 START_TIMEOUT_S = 180.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Replica:

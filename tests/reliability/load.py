@@ -16,7 +16,7 @@ from typing import Optional
 
 import httpx
 
-from .procs import MODEL_NAME
+from procs import MODEL_NAME
 
 WORDS = "cache block prefix replica router token engine swap tier image tenant stream batch fault kill".split()
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from .load import Outcome, SteadyLoad, send_chat, tenant_systems
-from .procs import MODEL_NAME, apoll
+from procs import MODEL_NAME, apoll
 
 pytestmark = pytest.mark.slow
 

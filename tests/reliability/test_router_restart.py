@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from .load import SteadyLoad, cached_ratio
-from .procs import apoll
+from procs import apoll
 
 pytestmark = pytest.mark.slow
 

@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from .load import Outcome, send_chat, tenant_systems
-from .procs import MODEL_NAME, apoll, metric
+from procs import MODEL_NAME, apoll, metric
 
 pytestmark = pytest.mark.slow
 

@@ -16,16 +16,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import httpx
 import pytest
+
+from procs import free_port, wait_for
 
 BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
 STARTUP_S = 300.0
@@ -76,26 +76,8 @@ def substitute(args: list[str], flag: str, value: Optional[str]) -> list[str]:
     return args[:i] + args[i + 2:] if value is None else args[:i + 1] + [value] + args[i + 2:]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-def wait_for(pred, what: str, procs: list, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        for p in procs:
-            if p.poll() is not None:
-                raise AssertionError(f"a process exited with {p.returncode} while waiting for {what}")
-        try:
-            if pred():
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(0.2)
 
 
 @dataclass

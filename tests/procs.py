@@ -165,21 +165,24 @@ class Router(Proc):
                  "router healthy and synced with every replica", [self], timeout_s)
 
 
-def wait_for(pred: Callable[[], bool], what: str, procs: list[Proc], timeout_s: float, poll_s: float = 0.05) -> float:
-    """Poll `pred` until true; returns the seconds it took. Fails early when a process exits (quoting its log)."""
+def wait_for(pred: Callable[[], bool], what: str, procs: list, timeout_s: float = 120.0, poll_s: float = 0.05) -> float:
+    """Poll `pred` until true; returns the seconds it took. Fails early when one of `procs` (Proc objects or
+    plain Popen) exits, quoting its log when it keeps one."""
     t0 = time.monotonic()
     while True:
         for p in procs:
-            if p.popen is not None and p.popen.poll() is not None:
-                raise AssertionError(f"{p.name} exited with {p.popen.returncode} while waiting for {what}:\n"
-                                     f"{p.log_tail()}")
+            popen = getattr(p, "popen", p)
+            if popen is not None and popen.poll() is not None:
+                tail = f":\n{p.log_tail()}" if hasattr(p, "log_tail") else ""
+                raise AssertionError(f"{getattr(p, 'name', 'a process')} exited with {popen.returncode} "
+                                     f"while waiting for {what}{tail}")
         try:
             if pred():
                 return time.monotonic() - t0
         except (httpx.HTTPError, ValueError, StopIteration):
             pass
         if time.monotonic() - t0 > timeout_s:
-            tails = "\n".join(f"[{p.name}]\n{p.log_tail(15)}" for p in procs)
+            tails = "\n".join(f"[{p.name}]\n{p.log_tail(15)}" for p in procs if hasattr(p, "log_tail"))
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}\n{tails}")
         time.sleep(poll_s)
 
