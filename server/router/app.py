@@ -49,6 +49,7 @@ class RouterSettings:
     vllm_hash_seed: Optional[str] = "0"  # vLLM replicas' PYTHONHASHSEED (None: unset there)
     predicted_capacity_blocks: int = 16_384  # FastDeploy: blocks per replica in the predicted cache
     predicted_ttl_s: float = 600.0  # FastDeploy: age after which a predicted block is forgotten
+    index_max_blocks: Optional[int] = None  # KV-index entries per replica before least-recently-used ones go
     warmup: WarmupConfig = field(default_factory=WarmupConfig)  # hot-prefix replay into joining replicas
 
 
@@ -167,7 +168,8 @@ def _lifespan(settings: RouterSettings, metrics: RouterMetrics, state: dict):
                       health_failures=settings.health_failures, model_fingerprint=settings.hash_cfg.model_fingerprint,
                       block_size=settings.hash_cfg.block_size, upstream_headers=upstream,
                       dialect=dialect_for(settings.engine, settings.vllm_hash_seed, settings.predicted_capacity_blocks,
-                                          settings.predicted_ttl_s), warmup=settings.warmup)
+                                          settings.predicted_ttl_s), warmup=settings.warmup,
+                      index_max_blocks=settings.index_max_blocks)
         state["fleet"] = app.state.fleet = fleet
         session = upstream_session()
         state["proxy"] = Proxy(fleet, settings.renderer, settings.hash_cfg, metrics, settings.policy, settings.proxy,
@@ -222,7 +224,8 @@ def _add_status_routes(app: FastAPI, state: dict, metrics: RouterMetrics) -> Non
                         "engine_requests": fleet.engine_load(r.id), "synced": bool(st and st.synced),
                         "gpu_blocks": len(st.gpu) if st else 0, "cpu_blocks": len(st.cpu) if st else 0,
                         "last_error": r.last_error})
-        return JSONResponse({"replicas": out, "index_blocks": fleet.index.num_blocks(), "engine": fleet.dialect.kind,
+        return JSONResponse({"replicas": out, "index_blocks": fleet.index.num_blocks(),
+                             "index_evicted_blocks": fleet.index.evicted, "engine": fleet.dialect.kind,
                              "contract": fleet.dialect.contract, "hash_check": fleet.dialect.hash_check()})
 
 

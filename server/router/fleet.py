@@ -37,11 +37,11 @@ class Fleet:
     def __init__(self, http: httpx.AsyncClient, metrics: RouterMetrics, *, health_interval_s: float = 0.2,
                  health_timeout_s: float = 0.5, health_failures: int = 2, model_fingerprint: Optional[str] = None,
                  block_size: Optional[int] = None, upstream_headers: Optional[dict] = None, dialect=None,
-                 warmup: WarmupConfig = WarmupConfig()):
+                 warmup: WarmupConfig = WarmupConfig(), index_max_blocks: Optional[int] = None):
         self.http = http
         self.dialect = dialect or WarmfleetDialect()  # how this fleet's engine names blocks, speaks events, resyncs
         self.metrics = metrics
-        self.index = KVIndex()
+        self.index = KVIndex(index_max_blocks)  # None: unbounded (mirrors the replicas' pools)
         self.registry = Registry(on_down=self._on_down, on_up=self._on_up)
         self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
         self.health_failures = max(1, health_failures)

@@ -13,11 +13,20 @@ No single message can wipe a replica's state: a frame with a wild sequence numbe
 foreign publisher, a replayed capture) only costs a snapshot fetch, and the index keeps
 predicting from what it knew until the snapshot says otherwise. Only `purge` (the replica is
 down) or an `AllBlocksCleared` event in order forgets blocks.
+
+Memory bound (`max_blocks_per_replica`, `warmfleet route --index-max-blocks`): the index mirrors
+the replicas' pools, so it is as large as they are (about 250 bytes per (block, replica) entry,
+docs/scale.md), unless a replica's events say it holds more than the cap. Then the index forgets
+that replica's least recently used entries, CPU tier first: "used" is stored (a BlockStored) or
+the prefix of a request this router sent it (`touch`). A forgotten block only costs a predicted
+hit (the router may send that prefix elsewhere), never a wrong one; its later BlockRemoved is a
+no-op. Unset (the default), the index is unbounded as before.
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
@@ -31,6 +40,37 @@ _TIER_BITS = {GPU: 1, CPU: 2}
 MAX_PENDING_BATCHES = 10_000  # buffered while waiting for a snapshot; beyond this the oldest are dropped
 
 
+class BlockSet(dict):
+    """A set of block hashes that remembers order (oldest first), for the per-replica cap; compares equal to sets."""
+
+    __slots__ = ()
+
+    def add(self, h: bytes) -> None:
+        self[h] = None
+
+    def discard(self, h: bytes) -> None:
+        self.pop(h, None)
+
+    def refresh(self, h: bytes) -> None:
+        """Make `h` the newest entry (it was just stored again or used)."""
+        if h in self:
+            del self[h]
+            self[h] = None
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (set, frozenset)):
+            return self.keys() == other
+        return dict.__eq__(self, other)
+
+    def __ne__(self, other) -> bool:
+        return not self == other
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"BlockSet({list(self)!r})"
+
+
 class Applied(enum.Enum):
     OK = "ok"  # applied in order
     BUFFERED = "buffered"  # replica is waiting for a snapshot; kept for replay
@@ -42,8 +82,8 @@ class Applied(enum.Enum):
 class ReplicaKV:
     """What one replica's cache holds, as far as its events tell."""
 
-    gpu: set = field(default_factory=set)  # block hashes in the primary pool
-    cpu: set = field(default_factory=set)  # block hashes in the swap tier
+    gpu: BlockSet = field(default_factory=BlockSet)  # block hashes in the primary pool (oldest first)
+    cpu: BlockSet = field(default_factory=BlockSet)  # block hashes in the swap tier (oldest first)
     encoder: set = field(default_factory=set)  # mm hashes in the encoder cache
     seq: Optional[int] = None  # last applied sequence number; None while unsynced
     pending: list = field(default_factory=list)  # EventBatch buffered while unsynced
@@ -70,12 +110,19 @@ class PrefixMatch:
         return self.gpu_blocks + self.cpu_blocks
 
 
+NO_MATCH = PrefixMatch(0, 0)
+
+
 class KVIndex:
     """hash → {replica: tier bits} plus per-replica sets, so a purge costs the replica's size only."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_blocks_per_replica: Optional[int] = None) -> None:
+        if max_blocks_per_replica is not None and max_blocks_per_replica < 1:
+            raise ValueError("max_blocks_per_replica must be >= 1 (or None: unbounded)")
         self._where: dict[bytes, dict[str, int]] = {}
         self.replicas: dict[str, ReplicaKV] = {}
+        self.max_blocks_per_replica = max_blocks_per_replica
+        self.evicted = 0  # entries forgotten for the cap (warmfleet_router_index_evicted_blocks_total)
 
     # --- membership -----------------------------------------------------------------------
     def state(self, replica: str) -> ReplicaKV:
@@ -166,11 +213,43 @@ class KVIndex:
 
     def _add(self, replica: str, st: ReplicaKV, hashes: Iterable[bytes], medium: str) -> None:
         bit, tier = _TIER_BITS.get(medium, 1), self._tier_set(st, medium)
+        capped = self.max_blocks_per_replica is not None
         for h in hashes:
             h = bytes(h)
-            tier.add(h)
+            if capped and h in tier:
+                tier.refresh(h)
+            else:
+                tier.add(h)
             owners = self._where.setdefault(h, {})
             owners[replica] = owners.get(replica, 0) | bit
+        if capped:
+            self._enforce_cap(replica, st)
+
+    def _enforce_cap(self, replica: str, st: ReplicaKV) -> None:
+        """Forget the replica's least recently used entries beyond the cap, CPU tier first."""
+        over = len(st.gpu) + len(st.cpu) - self.max_blocks_per_replica  # type: ignore[operator]
+        if over <= 0:
+            return
+        for tier, medium in ((st.cpu, CPU), (st.gpu, GPU)):
+            if over <= 0:
+                break
+            victims = list(itertools.islice(tier, over))
+            self._discard(replica, st, victims, medium)
+            over -= len(victims)
+            self.evicted += len(victims)
+
+    def touch(self, replica: str, hashes: Iterable[bytes]) -> None:
+        """The router sent `replica` a request over these blocks: they are its most recently used (cap only)."""
+        if self.max_blocks_per_replica is None:
+            return
+        st = self.replicas.get(replica)
+        if st is None:
+            return
+        for h in hashes:
+            if h in st.gpu:
+                st.gpu.refresh(h)
+            elif h in st.cpu:
+                st.cpu.refresh(h)
 
     def _discard(self, replica: str, st: ReplicaKV, hashes: Iterable[bytes], medium: str) -> None:
         bit, tier = _TIER_BITS.get(medium, 1), self._tier_set(st, medium)
@@ -201,24 +280,35 @@ class KVIndex:
 
     # --- queries --------------------------------------------------------------------------
     def match(self, hashes: Sequence[bytes], replicas: Iterable[str]) -> dict[str, PrefixMatch]:
-        """Longest cached prefix of `hashes` on each replica, split by tier (a block in both tiers counts GPU)."""
-        counts = {r: [0, 0] for r in replicas}
-        alive = set(counts)
+        """Longest cached prefix of `hashes` on each replica, split by tier (a block in both tiers counts GPU).
+
+        Work per block is over the replicas still holding the prefix (a block's owners), not over
+        the fleet: replicas that hold nothing share one NO_MATCH (0.47 ms -> a few us per lookup at
+        128 replicas; docs/scale.md).
+        """
+        replicas = list(replicas)
+        counts: dict[str, list[int]] = {}
+        alive: Optional[list[str]] = None
         for h in hashes:
-            if not alive:
-                break
             owners = self._where.get(h)
             if not owners:
                 break
-            for r in list(alive):
-                bits = owners.get(r, 0)
+            if alive is None:
+                wanted = set(replicas)
+                alive = [r for r in owners if r in wanted]
+                for r in alive:
+                    counts[r] = [0, 0]
+            else:
+                alive = [r for r in alive if r in owners]
+            if not alive:
+                break
+            for r in alive:
+                bits = owners[r]
                 if bits & 1:
                     counts[r][0] += 1
-                elif bits & 2:
-                    counts[r][1] += 1
                 else:
-                    alive.discard(r)
-        return {r: PrefixMatch(g, c) for r, (g, c) in counts.items()}
+                    counts[r][1] += 1
+        return {r: (PrefixMatch(*counts[r]) if r in counts else NO_MATCH) for r in replicas}
 
     def encoder_hits(self, replica: str, mm_hashes: Iterable[str]) -> set:
         st = self.replicas.get(replica)

@@ -25,6 +25,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fastdeploy: KV blocks per replica in the router's predicted cache (set to the replicas' pool).")
     p.add_argument("--predicted-ttl-s", type=float, default=600.0,
                    help="fastdeploy: seconds after which a predicted block is forgotten.")
+    p.add_argument("--index-max-blocks", type=int, default=None,
+                   help="Cap on KV-index entries per replica (blocks, GPU + CPU tier); beyond it the index forgets "
+                        "that replica's least recently stored or routed-to blocks, CPU tier first (about 250 bytes "
+                        "an entry; default: unbounded, the index mirrors the replicas' pools).")
     p.add_argument("--kv-replay-port", type=int, default=None,
                    help="vLLM: event replay (ROUTER) port of every replica without replay=...; with discovery, "
                         "used when the EndpointSlice names no 'kv-replay' port.")
@@ -121,6 +125,8 @@ def settings_from_args(args: argparse.Namespace):
         raise ValueError("--warm-slack, --warm-min-tokens, --share-slack-tokens and --max-share-slack must be >= 0")
     if args.warmup_budget_tokens < 0 or args.warmup_budget_s < 0:
         raise ValueError("--warmup-budget-tokens and --warmup-budget-s must be >= 0")
+    if args.index_max_blocks is not None and args.index_max_blocks < 1:
+        raise ValueError("--index-max-blocks must be >= 1")
     if args.predicted_capacity_blocks < 1 or args.predicted_ttl_s <= 0:
         raise ValueError("--predicted-capacity-blocks must be >= 1 and --predicted-ttl-s > 0")
     if args.queue_weight < 0 or args.load_weight < 0:
@@ -161,6 +167,7 @@ def settings_from_args(args: argparse.Namespace):
         vllm_hash_seed=None if args.vllm_hash_seed == "unset" else args.vllm_hash_seed,
         predicted_capacity_blocks=args.predicted_capacity_blocks,
         predicted_ttl_s=args.predicted_ttl_s,
+        index_max_blocks=args.index_max_blocks,
         warmup=WarmupConfig(enabled=not args.no_warmup, budget_tokens=args.warmup_budget_tokens,
                             budget_s=args.warmup_budget_s),
     )

@@ -120,6 +120,10 @@ class Proxy:
         cold_key = hashes[min(len(hashes), self.cfg.cold_key_blocks) - 1] if hashes else None
         num_tokens = prompt.num_tokens if prompt else 0
         decision = choose(cands, block_size=bs, num_prompt_tokens=num_tokens, cold_key=cold_key, cfg=self.policy)
+        if self.fleet.index.max_blocks_per_replica is not None and decision.order:  # capped index: LRU by use
+            used = matches.get(decision.order[0])
+            if used is not None and used.blocks:
+                self.fleet.index.touch(decision.order[0], hashes[:used.blocks])
         if prompt is not None and not prompt.mm_items:  # remembered for warming replicas that join later
             self.fleet.warmer.hot.observe(prompt.token_ids, hashes, bs, body.get("cache_salt"), body.get("model"),
                                           cold_key, time.monotonic())

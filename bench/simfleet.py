@@ -1,0 +1,722 @@
+"""A fleet of simulated replicas in one process, for benchmarks and tests (not a serving mode).
+
+    python -P bench/simfleet.py --model DIR --replicas 64 [--block-size 16] [--gpu-blocks 1024]
+                                [--cpu-blocks 0] [--time-model calibrated|zero|FILE.json] [--ready-file PATH]
+
+Each simulated replica speaks the HTTP surface of `warmfleet serve` that a router uses
+(POST /v1/completions and /v1/chat/completions, with SSE streaming and
+`usage.prompt_tokens_details.cached_tokens`; GET /health, /ready, /v1/models, /v1/kv/snapshot;
+POST /tokenize in vLLM's shape) and publishes the same KV events on its own ZMQ PUB socket
+(`server/events.EventPublisher`). So the router under test is the real `warmfleet route`,
+unchanged, and peer routers see an ordinary OpenAI backend.
+
+What is real and what is modelled:
+
+* real: the engine's own scheduler, KV cache manager and block pool (`server/engine/scheduler.py`,
+  `kv_cache_manager.py`, `block_pool.py`): contract-1 block hashes (`server/hashing.block_hashes`),
+  prefix lookup capped at the last prompt token, paged LRU eviction of free hashed blocks, the
+  CPU swap tier with its own LRU, chunked prefill under `max_num_batched_tokens`, preemption,
+  and the events those produce, byte for byte the engine's. Only the model runner is replaced.
+* modelled: the time a step takes (`TimeModel`): a fixed cost per step, a cost per prefilled
+  (uncached) token, a cost per decoding sequence (batch-dependent decode), a cost per block copied
+  between tiers. Queueing is the scheduler's own (waiting queue, token budget, max_num_seqs).
+  Constants come from the real engine (`calibrate`, from bench/prefix_cache.py's figures);
+  `--time-model zero` answers as fast as the process can (router throughput tests).
+* sampled tokens are deterministic pseudo-random ids; text is one word per token.
+
+One asyncio (uvloop) process serves every replica: one listening socket per replica on a small
+HTTP/1.1 server over httptools (keep-alive, chunked SSE, headers sent with the first token as
+`warmfleet serve` does), and a control port (`GET /sim/stats`, `GET /sim/log`) for the bench.
+A replica's step loop runs only while it has work, so 64 idle replicas cost nothing.
+Streaming answers carry the first token as soon as the model produces it and the rest of the
+tokens in one chunk when the request finishes (per-token chunks would only add relay load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import sys
+import time
+import uuid
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import httptools
+
+from warmfleet.server import rendering
+from warmfleet.server.config import SchedulerConfig
+from warmfleet.server.engine.block_pool import BlockPool
+from warmfleet.server.engine.kv_cache_manager import KVCacheManager
+from warmfleet.server.engine.request import Request
+from warmfleet.server.engine.sampling_params import SamplingParams
+from warmfleet.server.engine.scheduler import Scheduler, SchedulerOutput
+from warmfleet.server.events import EventPublisher, Load, Snapshot
+from warmfleet.server.hashing import model_fingerprint
+
+HERE = Path(__file__).resolve().parent
+CALIBRATION = HERE / "sim_calibration.json"
+MODEL_NAME = "bench"
+LOAD_PUBLISH_INTERVAL_S = 0.25  # as server/engine/core_proc.py; unchanged load is re-sent every 1 s
+LAG_TOLERANCE_S = 0.05  # a step loop woken later than this restarts the model clock at "now"
+
+
+# --- time model -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TimeModel:
+    """Seconds one engine step takes: step_s + prefill tokens, decoding sequences and tier copies."""
+
+    step_s: float = 0.0  # fixed cost of any step (kernel launches, sampling, bookkeeping)
+    prefill_s_per_token: float = 0.0  # per uncached prompt token computed in the step
+    decode_s_per_seq: float = 0.0  # per sequence decoding one token in the step
+    swap_s_per_block: float = 0.0  # per block copied between the GPU pool and the CPU tier
+    max_num_batched_tokens: int = 2048  # the engine's defaults (server/config.SchedulerConfig)
+    max_num_seqs: int = 64
+    source: str = "zero"
+
+    @property
+    def zero(self) -> bool:
+        return not (self.step_s or self.prefill_s_per_token or self.decode_s_per_seq or self.swap_s_per_block)
+
+    def step_seconds(self, out: SchedulerOutput) -> float:
+        if self.zero:
+            return 0.0
+        prefill = decode = 0
+        for s in out.scheduled:
+            if s.num_computed_before >= s.request.num_prompt_tokens:
+                decode += 1
+            else:
+                prefill += s.num_tokens
+        copies = len(out.swap.swap_in) + len(out.swap.swap_out)
+        return (self.step_s + prefill * self.prefill_s_per_token + decode * self.decode_s_per_seq
+                + copies * self.swap_s_per_block)
+
+    def scaled(self, speedup: float) -> "TimeModel":
+        """The same engine `speedup` times faster (every time constant divided by it)."""
+        if speedup == 1.0:
+            return self
+        k = 1.0 / speedup
+        return TimeModel(self.step_s * k, self.prefill_s_per_token * k, self.decode_s_per_seq * k,
+                         self.swap_s_per_block * k, self.max_num_batched_tokens, self.max_num_seqs,
+                         f"{self.source}, / {speedup:g}")
+
+    @classmethod
+    def load(cls, spec: str) -> "TimeModel":
+        """'zero', 'calibrated' (bench/sim_calibration.json) or a JSON file with a 'time_model' object."""
+        if spec == "zero":
+            return cls()
+        path = CALIBRATION if spec == "calibrated" else Path(spec)
+        d = json.loads(path.read_text())
+        d = d.get("time_model", d)
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+
+def fit_time_model(pc: dict, block_size: int) -> dict:
+    """Time-model constants from bench/prefix_cache.py's JSON (the engine's own figures, no HTTP).
+
+    prefix_cache runs P = prefix_tokens + Q = question_tokens prompts: a cold miss (P + Q prefilled),
+    a GPU hit (Q prefilled over P cached) and a swap hit (P/64 blocks copied back, then Q), and decode
+    tok/s at batch 1 and 16. So: prefill per token = (miss - hit) / P; step = hit - Q x that;
+    swap per block (of `block_size` tokens) = (swap_hit - hit) / P x block_size; decode step at
+    batch b = b / tok_s(b), linear in b.
+    """
+    p_tokens = pc["prefix_tokens"]
+    per_token = (pc["ttft_miss_s"] - pc["ttft_hit_s"]) / p_tokens
+    d1 = 1.0 / pc["decode_tok_s_batch1"]
+    d16 = 16.0 / pc["decode_tok_s_batch16"]
+    per_seq = max(0.0, (d16 - d1) / 15)
+    step = max(0.0, d1 - per_seq)
+    swap = max(0.0, (pc["ttft_swap_hit_s"] - pc["ttft_hit_s"]) / p_tokens * block_size)
+    return {"step_s": round(step, 6), "prefill_s_per_token": round(per_token, 7),
+            "decode_s_per_seq": round(per_seq, 6), "swap_s_per_block": round(swap, 7),
+            "max_num_batched_tokens": SchedulerConfig().max_num_batched_tokens,
+            "max_num_seqs": SchedulerConfig().max_num_seqs,
+            "source": "bench/prefix_cache.py --quick --json on the bench checkpoint (fit_time_model)"}
+
+
+# --- one replica ------------------------------------------------------------------------------
+@dataclass
+class SimRequest:
+    request_id: str
+    tag: str  # the client's `user` field or x-request-id, for the bench's log
+    arrival: float
+    first: asyncio.Future
+    done: asyncio.Future
+    tokens: list[int] = field(default_factory=list)
+    first_time: Optional[float] = None
+    finish_reason: Optional[str] = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    cached_tokens_cpu: int = 0
+
+
+class SimReplica:
+    """The engine core of one replica with the model runner replaced by a time model."""
+
+    def __init__(self, rid: str, fingerprint: str, block_size: int, gpu_blocks: int, cpu_blocks: int,
+                 tm: TimeModel, vocab: int, events_endpoint: Optional[str] = None, max_model_len: int = 1 << 20,
+                 hash_algo: str = "blake3"):
+        self.rid, self.fingerprint, self.block_size, self.tm, self.vocab = rid, fingerprint, block_size, tm, vocab
+        self.pool = BlockPool(gpu_blocks, cpu_blocks, True, block_size)
+        self.kv = KVCacheManager(self.pool, block_size, fingerprint, hash_algo)
+        self.sched = Scheduler(SchedulerConfig(tm.max_num_batched_tokens, tm.max_num_seqs), self.kv, max_model_len)
+        self.publisher = EventPublisher(rid, events_endpoint) if events_endpoint else None
+        self.events_endpoint = events_endpoint
+        self.live: dict[str, SimRequest] = {}
+        self.log: list[dict] = []
+        self.wake = asyncio.Event()
+        self.task: Optional[asyncio.Task] = None
+        self.steps = 0
+        self.busy_s = 0.0
+        self.max_lag_s = 0.0
+        self.lag_restarts = 0
+        self._last_load: Optional[tuple] = None
+        self._last_load_t = 0.0
+
+    # --- intake -----------------------------------------------------------------------------
+    def submit(self, tokens: list[int], max_tokens: int, cache_salt: Optional[str], tag: str) -> SimRequest:
+        """Queue a request; raises ValueError for what the engine would refuse (too long for the pool)."""
+        loop = asyncio.get_running_loop()
+        rid = uuid.uuid4().hex
+        sp = SamplingParams(max_tokens=max(1, max_tokens), temperature=0.0, ignore_eos=True)
+        req = Request(rid, list(tokens), sp, (), cache_salt, arrival_time=time.monotonic())
+        self.sched.add_request(req)  # validates length against the pool and context, hashes the blocks
+        h = SimRequest(rid, tag, req.arrival_time, loop.create_future(), loop.create_future(),
+                       prompt_tokens=len(tokens))
+        self.live[rid] = h
+        self.wake.set()
+        return h
+
+    def abort(self, h: SimRequest) -> None:
+        if h.request_id in self.live:
+            self.sched.abort([h.request_id])
+            self.sched.update(SchedulerOutput(), {})  # drain the abort's output
+            self.live.pop(h.request_id, None)
+            self._publish()
+
+    # --- the engine loop --------------------------------------------------------------------
+    async def run(self) -> None:
+        prev_end: Optional[float] = None
+        while True:
+            if not self.sched.has_work:
+                self.wake.clear()
+                await self.wake.wait()
+                prev_end = None
+            now = time.monotonic()
+            if prev_end is None:
+                start = now
+            else:
+                lag = now - prev_end
+                self.max_lag_s = max(self.max_lag_s, lag)
+                start = prev_end if lag <= LAG_TOLERANCE_S else now
+                self.lag_restarts += lag > LAG_TOLERANCE_S
+            out = self.sched.schedule()
+            dt = self.tm.step_seconds(out)
+            end = start + dt
+            if dt > 0:
+                await asyncio.sleep(max(0.0, end - time.monotonic()))
+            else:
+                await asyncio.sleep(0)  # zero time model: still let the loop breathe between steps
+            self.busy_s += dt
+            self.steps += 1
+            sampled = {s.request.request_id: self._token(s.request) for s in out.scheduled
+                       if s.num_computed_before + s.num_tokens == s.request.num_tokens}
+            results = self.sched.update(out, sampled)
+            self._publish()
+            for r in results:
+                h = self.live.get(r.request_id)
+                if h is None:
+                    continue
+                h.tokens.extend(r.new_token_ids)
+                if h.first_time is None and (r.new_token_ids or r.finished):
+                    h.first_time = end
+                    h.prompt_tokens = r.num_prompt_tokens or h.prompt_tokens
+                    h.cached_tokens, h.cached_tokens_cpu = r.num_cached_tokens, r.num_cached_tokens_cpu
+                    if not h.first.done():
+                        h.first.set_result(end)
+                if r.finished:
+                    h.finish_reason = r.finish_reason or "length"
+                    self.live.pop(r.request_id, None)
+                    self.log.append({"tag": h.tag, "replica": self.rid, "arrival": round(h.arrival, 6),
+                                     "ttft_model_s": round(max(end if h.first_time is None else h.first_time,
+                                                               h.arrival) - h.arrival, 6),
+                                     "e2e_model_s": round(end - h.arrival, 6), "prompt": h.prompt_tokens,
+                                     "cached": h.cached_tokens, "cached_cpu": h.cached_tokens_cpu,
+                                     "output": len(h.tokens)})
+                    if not h.first.done():
+                        h.first.set_result(end)
+                    if not h.done.done():
+                        h.done.set_result(end)
+            prev_end = end if self.sched.has_work else None
+
+    def _token(self, req: Request) -> int:
+        """A deterministic pseudo-random output token (never special: ids 10 .. vocab-10)."""
+        x = (int(req.request_id[:12], 16) * 2654435761 + req.num_tokens * 40503) & 0xFFFFFFFF
+        return 10 + x % (self.vocab - 20)
+
+    # --- events, load, snapshot -------------------------------------------------------------
+    def load(self) -> Load:
+        s = self.sched
+        return Load(len(s.running), len(s.waiting), self.pool.num_free_blocks, self.pool.num_gpu_blocks)
+
+    def _publish(self) -> None:
+        events = self.pool.take_events()
+        if self.publisher is not None and events:
+            self.publisher.publish(events)
+
+    def publish_load(self, now: float) -> None:
+        if self.publisher is None:
+            return
+        load = self.load()
+        key = (load.num_running, load.num_waiting, load.free_gpu_blocks)
+        if key != self._last_load or now - self._last_load_t >= 1.0:
+            self.publisher.publish([load])
+            self._last_load, self._last_load_t = key, now
+
+    def snapshot(self) -> Snapshot:
+        self._publish()
+        gpu, cpu = self.pool.snapshot()
+        return Snapshot(self.rid, self.publisher.seq if self.publisher else 0, self.block_size, self.fingerprint,
+                        gpu, cpu, [], self.load())
+
+    def stats(self) -> dict:
+        c = self.pool.counters
+        return {"id": self.rid, "requests": len(self.log), "prompt_tokens": sum(r["prompt"] for r in self.log),
+                "cached_tokens": sum(r["cached"] for r in self.log),
+                "cached_tokens_cpu": sum(r["cached_cpu"] for r in self.log), "steps": self.steps,
+                "busy_model_s": round(self.busy_s, 3), "preemptions": self.sched.num_preemptions,
+                "evicted_gpu_blocks": c.evicted_gpu_blocks, "evicted_cpu_blocks": c.evicted_cpu_blocks,
+                "swap_in_blocks": c.swap_in_blocks, "swap_out_blocks": c.swap_out_blocks,
+                "gpu_cached_blocks": len(self.pool.cached),
+                "cpu_cached_blocks": self.pool.cpu.num_used if self.pool.cpu else 0,
+                "max_loop_lag_s": round(self.max_lag_s, 4), "lag_restarts": self.lag_restarts,
+                "events_seq": self.publisher.seq if self.publisher else 0}
+
+
+# --- a small HTTP/1.1 server (httptools) ------------------------------------------------------
+REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 500: "Internal Server Error",
+           503: "Service Unavailable"}
+
+
+class HttpReply:
+    """What a handler writes: one whole response, or a chunked stream whose headers leave with its first chunk."""
+
+    def __init__(self, conn: "HttpConn", keep_alive: bool):
+        self.conn, self.keep_alive = conn, keep_alive
+        self.started = False
+        self.finished = False
+
+    def _head(self, status: int, headers: list[tuple[str, str]], extra: str) -> bytes:
+        lines = [f"HTTP/1.1 {status} {REASONS.get(status, 'OK')}"]
+        lines += [f"{k}: {v}" for k, v in headers]
+        lines.append(extra)
+        if not self.keep_alive:
+            lines.append("connection: close")
+        return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+    def send(self, status: int, body: bytes, headers: list[tuple[str, str]] = (),
+             content_type: str = "application/json") -> None:
+        head = self._head(status, [("content-type", content_type), *headers], f"content-length: {len(body)}")
+        self.conn.write(head + body)
+        self.finished = True
+
+    def stream_start(self, status: int, headers: list[tuple[str, str]], first: bytes) -> None:
+        head = self._head(status, [("content-type", "text/event-stream"), ("cache-control", "no-cache"), *headers],
+                          "transfer-encoding: chunked")
+        self.conn.write(head + b"%x\r\n%s\r\n" % (len(first), first))
+        self.started = True
+
+    def stream(self, data: bytes) -> None:
+        if data:
+            self.conn.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+    def stream_end(self, data: bytes = b"") -> None:
+        self.conn.write((b"%x\r\n%s\r\n" % (len(data), data) if data else b"") + b"0\r\n\r\n")
+        self.finished = True
+
+
+class HttpConn(asyncio.Protocol):
+    """One client connection: parses requests with httptools, runs them one at a time (pipelining kept in order)."""
+
+    def __init__(self, app: "SimFleet", target: Any):
+        self.app, self.target = app, target
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: Optional[asyncio.Transport] = None
+        self.queue: deque = deque()
+        self.busy = False
+        self.closed = False
+        self._url = b""
+        self._body: list[bytes] = []
+        self._headers: dict[bytes, bytes] = {}
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.write(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            self.transport.close()
+
+    def write(self, data: bytes) -> None:
+        if not self.closed:
+            self.transport.write(data)
+
+    # httptools callbacks
+    def on_message_begin(self) -> None:
+        self._url, self._body, self._headers = b"", [], {}
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers[name.lower()] = value
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        msg = (self.parser.get_method().decode(), self._url.decode().split("?", 1)[0], b"".join(self._body),
+               self._headers, self.parser.should_keep_alive())
+        self.queue.append(msg)
+        if not self.busy:
+            self.busy = True
+            asyncio.ensure_future(self._serve())
+
+    async def _serve(self) -> None:
+        try:
+            while self.queue and not self.closed:
+                method, path, body, headers, keep_alive = self.queue.popleft()
+                reply = HttpReply(self, keep_alive)
+                try:
+                    await self.app.handle(self.target, method, path, body, headers, reply, self)
+                except Exception as exc:  # a handler bug answers 500, never kills the server
+                    if not reply.started and not reply.finished:
+                        reply.send(500, json.dumps({"error": {"message": repr(exc)}}).encode())
+                    elif not reply.finished:
+                        reply.stream_end()
+                if not keep_alive and self.transport is not None:
+                    self.transport.close()
+                    return
+        finally:
+            self.busy = False
+
+
+def error(message: str, status: int = 400) -> bytes:
+    return json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": status}}).encode()
+
+
+def sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+# --- the fleet --------------------------------------------------------------------------------
+class SimFleet:
+    """N replicas, one tokenizer, one listening socket per replica plus a control socket."""
+
+    def __init__(self, model: str, n: int, *, block_size: int = 16, gpu_blocks: int = 1024, cpu_blocks: int = 0,
+                 tm: TimeModel = TimeModel(), host: str = "127.0.0.1", events: bool = True,
+                 max_model_len: int = 1 << 20, calibration: Optional[dict] = None):
+        from warmfleet.server.tokenizer import Tokenizer
+
+        self.model, self.n, self.host = model, n, host
+        self.block_size, self.gpu_blocks, self.cpu_blocks, self.tm = block_size, gpu_blocks, cpu_blocks, tm
+        self.events, self.max_model_len, self.calibration = events, max_model_len, calibration
+        self.tokenizer = Tokenizer(model)
+        self.vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+        self.fingerprint = model_fingerprint(model)
+        self.replicas: list[SimReplica] = []
+        self.urls: list[str] = []
+        self.servers: list[asyncio.AbstractServer] = []
+        self.control_url = ""
+        self._load_task: Optional[asyncio.Task] = None
+        self.started = time.time()
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        for i in range(self.n):
+            sock = _listen(self.host)
+            port = sock.getsockname()[1]
+            ev = f"tcp://{self.host}:{_free_port(self.host)}" if self.events else None
+            rep = SimReplica(f"s{i}", self.fingerprint, self.block_size, self.gpu_blocks, self.cpu_blocks, self.tm,
+                             self.vocab, ev, self.max_model_len)
+            rep.task = asyncio.create_task(rep.run())
+            self.replicas.append(rep)
+            self.urls.append(f"http://{self.host}:{port}")
+            self.servers.append(await loop.create_server(lambda r=rep: HttpConn(self, r), sock=sock, backlog=1024))
+        sock = _listen(self.host)
+        self.control_url = f"http://{self.host}:{sock.getsockname()[1]}"
+        self.servers.append(await loop.create_server(lambda: HttpConn(self, None), sock=sock))
+        self._load_task = asyncio.create_task(self._load_loop())
+
+    async def stop(self) -> None:
+        for s in self.servers:
+            s.close()
+        tasks = [r.task for r in self.replicas if r.task] + ([self._load_task] if self._load_task else [])
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for r in self.replicas:
+            if r.publisher is not None:
+                r.publisher.close()
+
+    async def _load_loop(self) -> None:
+        while True:
+            await asyncio.sleep(LOAD_PUBLISH_INTERVAL_S)
+            now = time.monotonic()
+            for r in self.replicas:
+                r.publish_load(now)
+
+    def describe(self) -> dict:
+        return {"replicas": [{"id": r.rid, "url": u, "events": r.events_endpoint} for r, u in zip(self.replicas, self.urls)],
+                "control": self.control_url, "model": self.model, "model_fingerprint": self.fingerprint,
+                "block_size": self.block_size, "gpu_blocks": self.gpu_blocks, "cpu_blocks": self.cpu_blocks,
+                "time_model": asdict(self.tm), "pid": os.getpid()}
+
+    def stats(self) -> dict:
+        return {**self.describe(), "per_replica": [r.stats() for r in self.replicas],
+                "calibration": self.calibration, "cpu_s": round(sum(os.times()[:2]), 3)}
+
+    # --- HTTP ----------------------------------------------------------------------------------
+    async def handle(self, rep: Optional[SimReplica], method: str, path: str, body: bytes, headers: dict,
+                     reply: HttpReply, conn: HttpConn) -> None:
+        if rep is None:  # control port
+            if path == "/sim/stats":
+                return reply.send(200, json.dumps(self.stats()).encode())
+            if path == "/sim/log":
+                return reply.send(200, json.dumps([x for r in self.replicas for x in r.log]).encode())
+            return reply.send(404, error("not found", 404))
+        hdr = [("x-warmfleet-replica", rep.rid)]
+        if method == "GET":
+            if path in ("/health", "/ready"):
+                return reply.send(200, b'{"status":"ok"}', hdr)
+            if path == "/v1/models":
+                return reply.send(200, json.dumps({"object": "list", "data": [
+                    {"id": MODEL_NAME, "object": "model", "owned_by": "warmfleet-sim",
+                     "max_model_len": self.max_model_len}]}).encode(), hdr)
+            if path == "/v1/kv/snapshot":
+                return reply.send(200, json.dumps(rep.snapshot().to_json()).encode(), hdr)
+            return reply.send(404, error("not found", 404), hdr)
+        if method != "POST":
+            return reply.send(405, error("method not allowed", 405), hdr)
+        try:
+            req = json.loads(body) if body else {}
+            if not isinstance(req, dict):
+                raise ValueError("body must be a JSON object")
+        except ValueError as exc:
+            return reply.send(400, error(f"bad JSON: {exc}"), hdr)
+        if path == "/tokenize":
+            try:
+                ids = self._prompt_ids(req, "messages" in req)
+            except ValueError as exc:
+                return reply.send(400, error(str(exc)), hdr)
+            return reply.send(200, json.dumps({"count": len(ids), "max_model_len": self.max_model_len,
+                                               "tokens": ids}).encode(), hdr)
+        if path in ("/v1/completions", "/v1/chat/completions"):
+            return await self._generate(rep, req, path == "/v1/chat/completions", headers, reply, conn, hdr)
+        return reply.send(404, error("not found", 404), hdr)
+
+    def _prompt_ids(self, req: dict, chat: bool) -> list[int]:
+        if chat:
+            msgs = req.get("messages")
+            if not isinstance(msgs, list) or not msgs:
+                raise ValueError("messages must be a non-empty list")
+            return rendering.chat_ids(self.tokenizer, msgs, bool(req.get("add_generation_prompt", True)))
+        p = req.get("prompt")
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (list, str)):
+            p = p[0]
+        if isinstance(p, str):
+            ids = rendering.completion_ids(self.tokenizer, p)
+        elif isinstance(p, list) and p and all(isinstance(t, int) for t in p):
+            if any(t < 0 or t >= self.vocab for t in p):
+                raise ValueError(f"token ids must be in [0, {self.vocab})")
+            ids = list(p)
+        else:
+            raise ValueError("prompt must be a string, or a list of token ids (one prompt)")
+        if not ids:
+            raise ValueError("prompt is empty")
+        return ids
+
+    async def _generate(self, rep: SimReplica, req: dict, chat: bool, headers: dict, reply: HttpReply,
+                        conn: HttpConn, hdr: list) -> None:
+        if req.get("n", 1) != 1:
+            return reply.send(400, error("n must be 1 in the simulator"), hdr)
+        try:
+            ids = self._prompt_ids(req, chat)
+            max_tokens = req.get("max_completion_tokens") or req.get("max_tokens") or 16
+            tag = str(req.get("user") or headers.get(b"x-request-id", b"").decode() or "")
+            h = rep.submit(ids, int(max_tokens), req.get("cache_salt"), tag)
+        except (ValueError, TypeError) as exc:
+            return reply.send(400, error(str(exc)), hdr)
+        stream = bool(req.get("stream"))
+        include_usage = bool((req.get("stream_options") or {}).get("include_usage"))
+        rid = ("chatcmpl-" if chat else "cmpl-") + h.request_id
+        meta = {"id": rid, "created": int(time.time()), "model": req.get("model") or MODEL_NAME}
+        try:
+            if not stream:
+                await h.done
+                if conn.closed:
+                    return
+                text = self._text(h.tokens)
+                choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": h.finish_reason}
+                          if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": h.finish_reason})
+                obj = {**meta, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
+                       "usage": self._usage(h)}
+                return reply.send(200, json.dumps(obj).encode(), hdr + self._sim_headers(h))
+            await h.first
+            if conn.closed:
+                return rep.abort(h)
+            obj = "chat.completion.chunk" if chat else "text_completion"
+            extra = {"usage": None} if include_usage else {}
+
+            def chunk(text: str, finish: Optional[str] = None, role: bool = False) -> bytes:
+                if chat:
+                    delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+                    c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                else:
+                    c = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+                return sse({**meta, "object": obj, "choices": [c], **extra})
+
+            first_tok = h.tokens[:1]
+            done_now = h.done.done()
+            head = (chunk("", role=True) if chat else b"") + chunk(self._text(first_tok),
+                                                                   h.finish_reason if done_now and len(h.tokens) <= 1 else None)
+            reply.stream_start(200, hdr + self._sim_headers(h), head)
+            await h.done
+            if conn.closed:
+                return
+            tail = b""
+            rest = h.tokens[1:]
+            if rest or not (done_now and len(h.tokens) <= 1):
+                tail += chunk(self._text(rest), h.finish_reason)
+            if include_usage:
+                tail += sse({**meta, "object": obj, "choices": [], "usage": self._usage(h)})
+            reply.stream_end(tail + b"data: [DONE]\n\n")
+        except asyncio.CancelledError:
+            rep.abort(h)
+            raise
+
+    def _text(self, tokens: list[int]) -> str:
+        return "".join(f" t{t}" for t in tokens)
+
+    def _usage(self, h: SimRequest) -> dict:
+        return {"prompt_tokens": h.prompt_tokens, "completion_tokens": len(h.tokens),
+                "total_tokens": h.prompt_tokens + len(h.tokens),
+                "prompt_tokens_details": {"cached_tokens": h.cached_tokens}}
+
+    def _sim_headers(self, h: SimRequest) -> list:
+        return [("x-sim-ttft-ms", f"{((h.first_time or h.arrival) - h.arrival) * 1e3:.3f}")]
+
+
+def _listen(host: str) -> socket.socket:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, 0))
+    s.listen(1024)
+    s.setblocking(False)
+    return s
+
+
+_PORTS: set[int] = set()
+
+
+def _free_port(host: str) -> int:
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            p = s.getsockname()[1]
+        if p not in _PORTS:
+            _PORTS.add(p)
+            return p
+
+
+# --- calibration ------------------------------------------------------------------------------
+def calibrate(block_size: int, out: Path, prefix_cache_json: Optional[Path] = None) -> dict:
+    """Run bench/prefix_cache.py --quick --json (or read its saved output) and fit the time model."""
+    import subprocess
+
+    if prefix_cache_json is not None:
+        raw = prefix_cache_json.read_text()
+    else:
+        r = subprocess.run([sys.executable, "-P", str(HERE / "prefix_cache.py"), "--quick", "--json"],
+                           capture_output=True, text=True, check=True)
+        raw = r.stdout
+    pc = json.loads(raw.strip().splitlines()[-1])
+    res = {"time_model": fit_time_model(pc, block_size), "block_size": block_size,
+           "prefix_cache": {k: pc[k] for k in ("ttft_miss_s", "ttft_hit_s", "ttft_swap_hit_s", "prefix_tokens",
+                                                "question_tokens", "decode_tok_s_batch1", "decode_tok_s_batch16",
+                                                "model") if k in pc},
+           "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "loadavg_1m": os.getloadavg()[0]}
+    out.write_text(json.dumps(res, indent=1) + "\n")
+    return res
+
+
+# --- CLI ---------------------------------------------------------------------------------------
+async def serve(args) -> None:
+    tm = TimeModel.load(args.time_model).scaled(args.engine_speedup)
+    cal = json.loads(CALIBRATION.read_text()) if CALIBRATION.exists() and args.time_model == "calibrated" else None
+    fleet = SimFleet(args.model, args.replicas, block_size=args.block_size, gpu_blocks=args.gpu_blocks,
+                     cpu_blocks=args.cpu_blocks, tm=tm, events=not args.no_events, calibration=cal)
+    await fleet.start()
+    desc = json.dumps(fleet.describe())
+    if args.ready_file:
+        tmp = Path(args.ready_file + ".tmp")
+        tmp.write_text(desc)
+        tmp.rename(args.ready_file)
+    print(desc, flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await fleet.stop()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd")
+    cal = sub.add_parser("calibrate", help="Fit the time model from bench/prefix_cache.py and write it.")
+    cal.add_argument("--block-size", type=int, default=16)
+    cal.add_argument("--prefix-cache-json", default=None, help="Saved output of bench/prefix_cache.py --json.")
+    cal.add_argument("--out", default=str(CALIBRATION))
+    ap.add_argument("--model", help="Checkpoint directory (tokenizer, vocab, fingerprint; no weights are read).")
+    ap.add_argument("--replicas", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--gpu-blocks", type=int, default=1024, help="Primary KV pool per replica, in blocks.")
+    ap.add_argument("--cpu-blocks", type=int, default=0, help="CPU swap tier per replica, in blocks.")
+    ap.add_argument("--time-model", default="calibrated", help="'calibrated', 'zero' or a JSON file.")
+    ap.add_argument("--engine-speedup", type=float, default=1.0,
+                    help="Divide every time constant by this (an engine this many times faster than the calibration).")
+    ap.add_argument("--no-events", action="store_true", help="Publish no KV events.")
+    ap.add_argument("--ready-file", default=None, help="Write the fleet's description (JSON) here when it listens.")
+    args = ap.parse_args()
+    if args.cmd == "calibrate":
+        res = calibrate(args.block_size, Path(args.out), Path(args.prefix_cache_json) if args.prefix_cache_json else None)
+        print(json.dumps(res))
+        return 0
+    if not args.model:
+        ap.error("--model is required")
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    random.seed(0)
+    asyncio.run(serve(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

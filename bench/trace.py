@@ -1,0 +1,615 @@
+"""Trace replay: a production trace (Mooncake) through each router into a simulated fleet of 16-128 replicas.
+
+    python -P bench/trace.py [--trace FILE] [--replicas 16,64] [--time-scale X] [--requests N]
+                             [--routers rr,sglang,vllm,warmfleet] [--gpu-blocks 512] [--cpu-blocks 512]
+                             [--engine-speedup S] [--prompt-format text|tokens] [--quick] [--json] [--out DIR]
+
+The replicas are `bench/simfleet.py` (one process, N replicas, the engine's real scheduler and
+block pool, a time model calibrated on the real engine, real KV events), the routers are the
+real processes: `warmfleet route` unchanged, SGLang's and vllm-router's `cache_aware`, and
+round-robin (the client cycles over the replicas, no router process). Every router gets a fresh
+fleet (empty caches), the same requests and the same arrival times.
+
+Requests. Trace line i arrives at `timestamp / X` seconds (X = --time-scale). Each 512-token
+block id becomes a fixed pseudo-random run of B words (B = the engine block size, 16), each word
+one token of the tiny checkpoint's vocabulary with its leading space, so the prompt's text
+tokenizes to exactly the planned ids and two requests sharing k block ids share k engine blocks
+(verified on the first requests). The prompt is ceil(input_length x B / 512) tokens long (the
+trace scaled by B/512 = 1/32: one engine block per trace block), the output
+ceil(output_length x B / 512) tokens (--output-scale). Requests go as streamed /v1/completions with
+a *text* prompt: sglang-router 0.3.2 refuses token-id prompts (422, its CompletionRequest takes
+strings only), so text is the one form every router accepts; every router therefore pays its
+own tokenization (warmfleet: the checkpoint's tokenizer; vllm-router: its own with
+VLLM_ROUTER_TOKENIZER; SGLang routes on characters). `--prompt-format tokens` sends token ids
+(peers that refuse them count errors).
+
+Reported per fleet size and router: cached-token ratio (the simulator's `cached_tokens`, GPU and
+CPU tier, over prompt tokens), simulated TTFT p50/p90 (the model's: arrival at the replica to the
+step that produced the first token, queueing included), client TTFT p50/p90 (wall clock, router
+and machine included), spread (max / mean requests per replica over all N replicas), router CPU
+seconds per 1,000 requests (utime + stime of the router's process tree from /proc, over the
+replay; its idle rate before the replay separately), errors; for warmfleet its decision reasons.
+Bounds as bench/routing.py computes them: the oracle (one unbounded cache that saw every
+earlier request) and one LRU cache as large as the whole fleet (N x (gpu + cpu blocks), no
+prefix held twice). Targets (booleans): warmfleet >= 0.95 x the fleet-sized LRU bound; ahead of
+every other router on cached ratio and on simulated TTFT p90; spread <= 1.25.
+
+--quick: the committed 600-request excerpt (bench/traces/), 16 replicas, time scale 10, under 5
+minutes. Writes trace.json and trace.png to --out; progress on stderr; with --json the last
+stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+EXCERPT = HERE / "traces" / "mooncake_conversation_head600.jsonl"
+TRACE_BLOCK = 512  # tokens per Mooncake hash id
+EXE = [sys.executable, "-P", "-m", "warmfleet.cli"]
+PEERS = ("rr", "sglang", "vllm")
+
+
+def progress(msg: str) -> None:
+    print(f"[trace {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def load_module(name: str, path: Path):
+    """A sibling bench script as a module (bench/ is not a package and must not shadow the stdlib)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def tiny_model() -> Path:
+    out = Path(os.environ.get("WARMFLEET_CACHE", Path.home() / ".cache" / "warmfleet")) / "models" / "tiny-qwen2"
+    if not (out / "config.json").exists():
+        progress(f"writing the tiny checkpoint to {out}")
+        subprocess.run(EXE + ["make-tiny-model", str(out), "--arch", "qwen2", "--size", "tiny"], check=True,
+                       cwd=tempfile.gettempdir(), stdout=subprocess.DEVNULL)
+    return out
+
+
+# --- requests from the trace ----------------------------------------------------------------
+def read_trace(path: Path, limit: int | None = None) -> list[dict]:
+    out = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                out.append(json.loads(line))
+                if limit and len(out) >= limit:
+                    break
+    return out
+
+
+class Words:
+    """Single-token words (with their leading space) of a tokenizer, and the run of B of them per hash id."""
+
+    def __init__(self, tokenizer, block: int, seed: int = 0):
+        import re
+
+        vocab = tokenizer._tok.get_vocab()
+        cands = sorted(k for k in vocab if re.fullmatch("\u0120[a-z]{2,12}", k))
+        words = []
+        for k in cands:
+            w = " " + k[1:]
+            if tokenizer.encode(w, add_special_tokens=False) == [vocab[k]]:
+                words.append((w, vocab[k]))
+        if len(words) < 32:
+            raise RuntimeError(f"only {len(words)} single-token words in this vocabulary")
+        self.words, self.block, self.seed = words, block, seed
+        self._runs: dict[int, list[int]] = {}
+
+    def run(self, hash_id: int) -> list[int]:
+        """Indices into self.words of hash id's run: the same id always gives the same run."""
+        r = self._runs.get(hash_id)
+        if r is None:
+            rng = random.Random(hash_id * 1_000_003 + self.seed)
+            r = self._runs[hash_id] = [rng.randrange(len(self.words)) for _ in range(self.block)]
+        return r
+
+    def prompt(self, hash_ids: list[int], n_tokens: int) -> tuple[list[int], str]:
+        idx = [i for h in hash_ids for i in self.run(h)][:n_tokens]
+        return [self.words[i][1] for i in idx], "".join(self.words[i][0] for i in idx)
+
+
+def scaled(n: int, block: int, scale: float | None = None) -> int:
+    return max(1, math.ceil(n * (scale if scale is not None else block / TRACE_BLOCK)))
+
+
+def build_requests(trace: list[dict], words: Words, block: int, output_scale: float | None) -> list[dict]:
+    reqs = []
+    for i, r in enumerate(trace):
+        n = min(scaled(r["input_length"], block), len(r["hash_ids"]) * block)
+        ids, text = words.prompt(r["hash_ids"], n)
+        reqs.append({"i": i, "t": r["timestamp"] / 1000.0, "ids": ids, "text": text,
+                     "max_tokens": scaled(r["output_length"], block, output_scale)})
+    return reqs
+
+
+def check_tokenization(tokenizer, reqs: list[dict], k: int = 20) -> None:
+    """The text of a prompt must tokenize (as a replica does for a completion) to exactly its planned ids."""
+    from warmfleet.server import rendering
+
+    for r in reqs[:k]:
+        got = rendering.completion_ids(tokenizer, r["text"])
+        if got != r["ids"]:
+            raise RuntimeError(f"request {r['i']}: text does not tokenize to the planned ids")
+
+
+def bound_hits(reqs: list[dict], block: int, fingerprint: str, capacity: int | None = None,
+               hashes: list | None = None) -> list[tuple[int, int]]:
+    """bench/routing.py's oracle_hits on token ids: per request (cached, prompt) for one cache of `capacity` blocks
+    (None: unbounded) that saw every earlier request; hit = leading blocks present, capped at the last token."""
+    from warmfleet.server.hashing import block_hashes
+    from warmfleet.server.router.policy import cacheable_tokens
+
+    seen: OrderedDict = OrderedDict()
+    out = []
+    for k, r in enumerate(reqs):
+        hs = hashes[k] if hashes is not None else block_hashes(r["ids"], [], block, fingerprint)
+        hit = next((i for i, h in enumerate(hs) if h not in seen), len(hs))
+        out.append((min(hit * block, cacheable_tokens(len(r["ids"]), block)), len(r["ids"])))
+        for h in hs:
+            seen[h] = None
+            seen.move_to_end(h)
+        while capacity is not None and len(seen) > capacity:
+            seen.popitem(last=False)
+    return out
+
+
+def ratio(hits: list[tuple[int, int]]) -> float:
+    return round(sum(c for c, _ in hits) / max(1, sum(t for _, t in hits)), 4)
+
+
+# --- processes --------------------------------------------------------------------------------
+_HANDED_OUT: set[int] = set()
+
+
+def free_port() -> int:
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+
+
+def tool(name: str) -> str:
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    found = shutil.which(name, path=path)
+    if found is None:
+        raise FileNotFoundError(f"{name} not found: pip install sglang-router==0.3.2 vllm-router==0.1.17")
+    return found
+
+
+def stop(p: subprocess.Popen | None) -> None:
+    if p is None or p.poll() is not None:
+        return
+    p.send_signal(signal.SIGTERM)
+    try:
+        p.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait(timeout=10)
+
+
+def wait_for(check, what: str, proc: subprocess.Popen | None, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what}: process exited with {proc.returncode}")
+        try:
+            if check():
+                return
+        except Exception:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{what}: not ready after {timeout_s} s")
+
+
+def start_sim(model: Path, n: int, args, cwd: str, time_model: str) -> tuple[subprocess.Popen, dict]:
+    ready = Path(cwd) / f"sim-{time.monotonic_ns()}.json"
+    cmd = [sys.executable, "-P", str(HERE / "simfleet.py"), "--model", str(model), "--replicas", str(n),
+           "--block-size", str(args.block_size), "--gpu-blocks", str(args.gpu_blocks),
+           "--cpu-blocks", str(args.cpu_blocks), "--time-model", time_model,
+           "--engine-speedup", str(args.engine_speedup), "--ready-file", str(ready)]
+    log = open(Path(cwd) / "sim.log", "ab")
+    p = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=log)
+    wait_for(ready.exists, "simulated fleet", p, 120)
+    return p, json.loads(ready.read_text())
+
+
+def router_command(kind: str, model: Path, sim: dict, port: int, block: int, extra: list[str] = ()) -> tuple[list, dict]:
+    urls = [r["url"] for r in sim["replicas"]]
+    env = dict(os.environ)
+    if kind.startswith("warmfleet"):
+        cmd = EXE + ["route", "--model", str(model), "--port", str(port), "--block-size", str(block),
+                     "--log-level", "warning", *extra]
+        for r in sim["replicas"]:
+            cmd += ["--replica", f"{r['url']},events={r['events']}"]
+    elif kind == "sglang":
+        cmd = [tool("sglang-router"), "launch", "--worker-urls", *urls, "--policy", "cache_aware",
+               "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port()), *extra]
+    elif kind == "vllm":
+        cmd = [tool("vllm-router"), "--worker-urls", *urls, "--policy", "cache_aware",
+               "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port()), *extra]
+        env["VLLM_ROUTER_TOKENIZER"] = str(model)
+    else:
+        raise ValueError(f"unknown router {kind!r}")
+    return cmd, env
+
+
+def start_router(kind: str, model: Path, sim: dict, block: int, cwd: str, extra: list[str] = (),
+                 taskset: str | None = None) -> tuple[str, subprocess.Popen]:
+    import httpx
+
+    port = free_port()
+    cmd, env = router_command(kind, model, sim, port, block, extra)
+    if taskset:
+        cmd = ["taskset", "-c", taskset, *cmd]
+    log = open(Path(cwd) / f"router-{kind.replace(':', '-')}.log", "ab")
+    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    wait_for(lambda: httpx.get(base + "/health", timeout=2).status_code == 200, f"router {kind}", p, 120)
+    if kind.startswith("warmfleet"):
+        def synced() -> bool:
+            view = httpx.get(base + "/v1/router/replicas", timeout=5).json()["replicas"]
+            return len(view) == len(sim["replicas"]) and all(r["healthy"] and r["synced"] for r in view)
+        wait_for(synced, f"router {kind} in sync", p, 120)
+    # one request shorter than a block (caches nothing) proves the router forwards
+    body = {"model": "bench", "prompt": " hello", "max_tokens": 1}
+    wait_for(lambda: httpx.post(base + "/v1/completions", json=body, timeout=10).status_code == 200,
+             f"router {kind} forwarding", p, 120)
+    return base, p
+
+
+def proc_tree_cpu(pid: int) -> float:
+    """utime + stime (s) of a process and all its descendants, from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats, children = {}, {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{d}/stat").read_text()
+        except OSError:
+            continue
+        f = raw[raw.rfind(")") + 2:].split()
+        stats[int(d)] = (int(f[11]) + int(f[12])) / tick
+        children.setdefault(int(f[1]), []).append(int(d))
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += stats.get(p, 0.0)
+        todo += children.get(p, [])
+    return total
+
+
+# --- driving ------------------------------------------------------------------------------------
+async def one(session, base: str, r: dict, fmt: str, rec: list, t_start: float) -> None:
+    import aiohttp
+
+    body = {"model": "bench", "prompt": r["text"] if fmt == "text" else r["ids"], "max_tokens": r["max_tokens"],
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "user": f"r{r['i']}"}
+    t0 = time.perf_counter()
+    ttft, cached, prompt, replica, route, err = None, None, None, None, None, None
+    try:
+        async with session.post(base + "/v1/completions", json=body) as resp:
+            replica = resp.headers.get("x-warmfleet-replica")
+            route = resp.headers.get("x-warmfleet-route")
+            if resp.status != 200:
+                err = f"HTTP {resp.status}"
+                await resp.read()
+            else:
+                buf = b""
+                async for chunk in resp.content.iter_any():
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    buf += chunk
+                for line in buf.split(b"\n"):
+                    if line.startswith(b"data: {"):
+                        ev = json.loads(line[6:])
+                        if "error" in ev:
+                            err = "stream error"
+                        if ev.get("usage"):
+                            prompt = ev["usage"].get("prompt_tokens")
+                            cached = (ev["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        err = type(exc).__name__
+    rec.append({"i": r["i"], "sent": round(t0 - t_start, 4), "ttft_client_s": ttft, "cached": cached,
+                "prompt": prompt, "replica": replica, "route": route, "error": err})
+
+
+async def drive(bases: list[str], reqs: list[dict], time_scale: float, fmt: str) -> list[dict]:
+    """Open loop: request i at trace time / time_scale; several bases = round-robin over them."""
+    import aiohttp
+
+    rec: list[dict] = []
+    conn = aiohttp.TCPConnector(limit=0, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=1800)
+    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+        t_start = time.perf_counter()
+        tasks = []
+        t0_trace = reqs[0]["t"] if reqs else 0.0
+        for k, r in enumerate(reqs):
+            delay = (r["t"] - t0_trace) / time_scale - (time.perf_counter() - t_start)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(session, bases[k % len(bases)], r, fmt, rec, t_start)))
+        await asyncio.gather(*tasks)
+    return rec
+
+
+def quantile(xs: list[float], p: float) -> float | None:
+    xs = sorted(x for x in xs if x is not None)
+    return round(xs[min(len(xs) - 1, int(p * len(xs)))], 4) if xs else None
+
+
+def summarize(rec: list[dict], simlog: list[dict], n: int, cpu_s: float | None, wall_s: float,
+              oracle: list[tuple[int, int]] | None = None) -> dict:
+    by_tag = {x["tag"]: x for x in simlog}
+    ok = [r for r in rec if not r["error"]]
+    sim = [by_tag[f"r{r['i']}"] for r in ok if f"r{r['i']}" in by_tag]
+    per: dict[str, int] = {}
+    for x in sim:
+        per[x["replica"]] = per.get(x["replica"], 0) + 1
+    prompt = sum(x["prompt"] for x in sim)
+    out = {"requests": len(rec), "errors": len(rec) - len(ok),
+           "cached_ratio": round(sum(x["cached"] for x in sim) / prompt, 4) if prompt else None,
+           "cpu_tier_share": round(sum(x["cached_cpu"] for x in sim) / max(1, sum(x["cached"] for x in sim)), 4),
+           "ttft_p50_s": quantile([x["ttft_model_s"] for x in sim], 0.5),
+           "ttft_p90_s": quantile([x["ttft_model_s"] for x in sim], 0.9),
+           "ttft_client_p50_s": quantile([r["ttft_client_s"] for r in ok], 0.5),
+           "ttft_client_p90_s": quantile([r["ttft_client_s"] for r in ok], 0.9),
+           "spread": round(max(per.values()) / (len(sim) / n), 3) if sim else None,
+           "replicas_used": len(per),
+           "router_cpu_s_per_1k": round(cpu_s / len(rec) * 1000, 3) if cpu_s is not None and rec else None,
+           "replay_wall_s": round(wall_s, 1)}
+    # the simulator's usage and the client's agree (a router that altered answers would show here)
+    mism = sum(1 for r in ok if f"r{r['i']}" in by_tag and r["cached"] is not None
+               and r["cached"] != by_tag[f"r{r['i']}"]["cached"])
+    out["usage_mismatches"] = mism
+    if any(r["route"] for r in ok):  # warmfleet: decisions by reason, tokens lost against the oracle, mispredictions
+        reasons: dict = {}
+        for r in ok:
+            reason = (r["route"] or "none").split(";")[0]
+            predicted = int((r["route"] or "=0").rsplit("=", 1)[1])
+            actual = by_tag.get(f"r{r['i']}", {}).get("cached", 0)
+            d = reasons.setdefault(reason, {"requests": 0, "lost_vs_oracle": 0, "mispredicted": 0})
+            d["requests"] += 1
+            d["mispredicted"] += abs(predicted - actual)
+            if oracle is not None:
+                d["lost_vs_oracle"] += max(0, oracle[r["i"]][0] - actual)
+        out["reasons"] = reasons
+    return out
+
+
+def run_one(kind: str, n: int, reqs: list[dict], model: Path, args, cwd: str, extra: list[str],
+            oracle: list[tuple[int, int]] | None = None) -> dict:
+    import httpx
+
+    t0 = time.monotonic()
+    sim_proc, sim = start_sim(model, n, args, cwd, args.time_model)
+    proc = None
+    try:
+        if kind == "rr":
+            bases = [r["url"] for r in sim["replicas"]]
+        else:
+            base, proc = start_router(kind, model, sim, args.block_size, cwd, extra)
+            bases = [base]
+        idle = None
+        if proc is not None:
+            c0 = proc_tree_cpu(proc.pid)
+            time.sleep(args.idle_s)
+            idle = round((proc_tree_cpu(proc.pid) - c0) / args.idle_s, 4)
+        progress(f"{kind} x {n}: fleet and router up in {time.monotonic() - t0:.0f} s; replaying {len(reqs)} requests")
+        c0 = proc_tree_cpu(proc.pid) if proc is not None else None
+        sim_c0 = proc_tree_cpu(sim_proc.pid)
+        w0 = time.monotonic()
+        rec = asyncio.run(drive(bases, reqs, args.time_scale, args.prompt_format))
+        wall = time.monotonic() - w0
+        cpu = proc_tree_cpu(proc.pid) - c0 if proc is not None else None
+        sim_cpu = proc_tree_cpu(sim_proc.pid) - sim_c0
+        stats = httpx.get(sim["control"] + "/sim/stats", timeout=60).json()
+        simlog = httpx.get(sim["control"] + "/sim/log", timeout=60).json()
+        out = summarize(rec, simlog, n, cpu, wall, oracle)
+        busy = [r["busy_model_s"] for r in stats["per_replica"]]
+        out.update(router_idle_cpu_s_per_s=idle, sim_cpu_s=round(sim_cpu, 1),
+                   sim_busy_mean=round(statistics.mean(busy) / wall, 3), sim_busy_max=round(max(busy) / wall, 3),
+                   sim_max_loop_lag_s=max(r["max_loop_lag_s"] for r in stats["per_replica"]),
+                   preemptions=sum(r["preemptions"] for r in stats["per_replica"]))
+        errs = [r["error"] for r in rec if r["error"]]
+        if errs:
+            out["error_kinds"] = {e: errs.count(e) for e in set(errs)}
+        return out
+    finally:
+        stop(proc)
+        stop(sim_proc)
+
+
+# --- verdict and chart --------------------------------------------------------------------------
+def verdict(res: dict, fleet_lru: float) -> dict:
+    wf = res.get("warmfleet")
+    if not wf or wf.get("cached_ratio") is None:
+        return {}
+    others = {k: v for k, v in res.items() if k != "warmfleet" and not k.startswith("warmfleet:")
+              and v.get("cached_ratio") is not None}
+    out = {"ratio_vs_fleet_lru": round(wf["cached_ratio"] / fleet_lru, 3) if fleet_lru else None,
+           "ratio_ok_fleet_lru": bool(fleet_lru and wf["cached_ratio"] >= 0.95 * fleet_lru),
+           "spread_ok": wf["spread"] is not None and wf["spread"] <= 1.25,
+           "errors_ok": wf["errors"] == 0}
+    if others:
+        out["ratio_ahead_of_every_peer"] = all(wf["cached_ratio"] > v["cached_ratio"] for v in others.values())
+        out["ttft_p90_ahead_of_every_peer"] = all(
+            wf["ttft_p90_s"] is not None and v["ttft_p90_s"] is not None and wf["ttft_p90_s"] < v["ttft_p90_s"]
+            for v in others.values())
+    return out
+
+
+def chart(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [s for s in results["fleets"]]
+    fig, axes = plt.subplots(len(sizes), 4, figsize=(17, 3.8 * len(sizes)), squeeze=False)
+    colors = {"rr": "#999999", "sglang": "#d9822b", "vllm": "#4a7ebb", "warmfleet": "#2e9e5b"}
+    for row, n in zip(axes, sizes):
+        f = results["fleets"][n]
+        res = f["routers"]
+        names = list(res)
+        c = [colors.get(k.split(":")[0], "#555555") for k in names]
+        row[0].bar(names, [res[k]["cached_ratio"] or 0 for k in names], color=c)
+        row[0].axhline(f["oracle_cached_ratio"], ls="--", color="k", lw=1, label="oracle (unbounded)")
+        row[0].axhline(f["fleet_lru_cached_ratio"], ls="-.", color="#7a3b9e", lw=1, label="one LRU of the fleet's size")
+        row[0].axhline(0.95 * f["fleet_lru_cached_ratio"], ls=":", color="#7a3b9e", lw=1, label="0.95 x that")
+        row[0].set_title(f"{n} replicas: cached-token ratio", fontsize=9)
+        row[0].legend(fontsize=7)
+        x = range(len(names))
+        row[1].bar([i - 0.2 for i in x], [res[k]["ttft_p50_s"] or 0 for k in names], 0.4, color=c, alpha=0.5)
+        row[1].bar([i + 0.2 for i in x], [res[k]["ttft_p90_s"] or 0 for k in names], 0.4, color=c)
+        row[1].set_xticks(list(x), names)
+        row[1].set_title(f"{n}: simulated TTFT (s), p50 light / p90 dark", fontsize=9)
+        row[2].bar(names, [res[k]["spread"] or 0 for k in names], color=c)
+        row[2].axhline(1.25, ls="--", color="k", lw=1)
+        row[2].set_title(f"{n}: spread (max/mean requests per replica)", fontsize=9)
+        row[3].bar(names, [res[k].get("router_cpu_s_per_1k") or 0 for k in names], color=c)
+        row[3].set_title(f"{n}: router CPU s per 1,000 requests (rr: none)", fontsize=9)
+        for ax in row:
+            ax.tick_params(axis="x", labelsize=7, labelrotation=20)
+    fig.suptitle(f"trace replay: {results['trace_name']} ({results['requests']} requests, time scale "
+                 f"{results['time_scale']}), simulated replicas", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", default=None, help=f"Mooncake-format JSONL (default: the excerpt {EXCERPT.name}).")
+    ap.add_argument("--replicas", default=None, help="Fleet sizes, comma-separated (default 16,64; quick 16).")
+    ap.add_argument("--time-scale", type=float, default=None, help="Replay X times faster than recorded (default 10).")
+    ap.add_argument("--requests", type=int, default=None, help="Only the first N requests (quick: 600).")
+    ap.add_argument("--routers", default="rr,sglang,vllm,warmfleet")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                    help="A warmfleet variant run as router 'warmfleet:NAME' with these extra flags.")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--gpu-blocks", type=int, default=512, help="Primary KV pool per simulated replica (blocks).")
+    ap.add_argument("--cpu-blocks", type=int, default=512, help="CPU tier per simulated replica (blocks).")
+    ap.add_argument("--time-model", default="calibrated", help="'calibrated' (bench/sim_calibration.json), 'zero', or a file.")
+    ap.add_argument("--engine-speedup", type=float, default=10.0,
+                    help="Simulated engine this many times faster than the calibration (default 10).")
+    ap.add_argument("--output-scale", type=float, default=None,
+                    help="Output tokens per trace output token (default: the prompt's, block / 512).")
+    ap.add_argument("--prompt-format", choices=("text", "tokens"), default="text")
+    ap.add_argument("--idle-s", type=float, default=3.0, help="Seconds of router idle CPU measured before a replay.")
+    ap.add_argument("--quick", action="store_true", help="The committed excerpt, 16 replicas, 600 requests.")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--logs", default=None, help="Keep simulator and router logs here.")
+    args = ap.parse_args()
+    trace_path = Path(args.trace) if args.trace else EXCERPT
+    sizes = [int(x) for x in (args.replicas or ("16" if args.quick else "16,64")).split(",")]
+    args.time_scale = args.time_scale or 10.0
+    limit = args.requests or (600 if args.quick else None)
+    routers = args.routers.split(",")
+    variants = {"warmfleet:" + v.split("=", 1)[0]: v.split("=", 1)[1].split() for v in args.variant}
+
+    from warmfleet.server.hashing import block_hashes, model_fingerprint
+    from warmfleet.server.tokenizer import Tokenizer
+
+    model = tiny_model()
+    tok = Tokenizer(str(model))
+    words = Words(tok, args.block_size)
+    trace = read_trace(trace_path, limit)
+    reqs = build_requests(trace, words, args.block_size, args.output_scale)
+    if args.prompt_format == "text":
+        check_tokenization(tok, reqs)
+    fp = model_fingerprint(model)
+    hashes = [block_hashes(r["ids"], [], args.block_size, fp) for r in reqs]
+    oracle_per = bound_hits(reqs, args.block_size, fp, None, hashes)
+    oracle = ratio(oracle_per)
+    sim_mod = load_module("wf_simfleet", HERE / "simfleet.py")
+    tm = sim_mod.TimeModel.load(args.time_model)
+    results: dict = {
+        "command": " ".join([Path(sys.executable).name] + sys.argv), "trace": str(trace_path),
+        "trace_name": trace_path.name, "requests": len(reqs), "trace_span_s": round(reqs[-1]["t"] - reqs[0]["t"], 1),
+        "time_scale": args.time_scale, "replay_span_s": round((reqs[-1]["t"] - reqs[0]["t"]) / args.time_scale, 1),
+        "prompt_format": args.prompt_format, "block_size": args.block_size,
+        "scaling": f"one engine block of {args.block_size} tokens per 512-token trace block (x{args.block_size}/512); "
+                   f"output x{args.output_scale or args.block_size / TRACE_BLOCK:g}",
+        "mean_prompt_tokens": round(statistics.mean(len(r["ids"]) for r in reqs), 1),
+        "mean_output_tokens": round(statistics.mean(r["max_tokens"] for r in reqs), 1),
+        "gpu_blocks_per_replica": args.gpu_blocks, "cpu_blocks_per_replica": args.cpu_blocks,
+        "time_model_calibrated": vars(tm) if hasattr(tm, "__dict__") else None,
+        "engine_speedup": args.engine_speedup,
+        "time_model_effective": vars(tm.scaled(args.engine_speedup)),
+        "calibration": json.loads(sim_mod.CALIBRATION.read_text()) if sim_mod.CALIBRATION.exists() else None,
+        "oracle_cached_ratio": oracle, "routers": routers, "variants": variants,
+        "cores": len(os.sched_getaffinity(0)), "loadavg_start": os.getloadavg(), "fleets": {}}
+    progress(f"{len(reqs)} requests over {results['trace_span_s']} s of trace, replayed in "
+             f"{results['replay_span_s']} s; oracle {oracle}")
+    if args.logs:
+        Path(args.logs).mkdir(parents=True, exist_ok=True)
+    cwd = tempfile.mkdtemp(prefix="wf-trace-", dir=args.logs)
+    for n in sizes:
+        cap = n * (args.gpu_blocks + args.cpu_blocks)
+        lru = ratio(bound_hits(reqs, args.block_size, fp, cap, hashes))
+        fleet = {"replicas": n, "oracle_cached_ratio": oracle, "fleet_lru_cached_ratio": lru,
+                 "fleet_lru_capacity_blocks": cap, "routers": {}}
+        results["fleets"][n] = fleet
+        progress(f"{n} replicas: fleet-sized LRU bound {lru} ({cap} blocks)")
+        for kind in routers:
+            try:
+                res = run_one(kind, n, reqs, model, args, cwd, variants.get(kind, []), oracle_per)
+            except Exception as exc:  # one router failing to start must not lose the others' figures
+                progress(f"{kind} x {n} failed: {exc!r}")
+                res = {"failed": repr(exc), "cached_ratio": None, "ttft_p50_s": None, "ttft_p90_s": None,
+                       "spread": None, "errors": None}
+            fleet["routers"][kind] = res
+            progress(f"{kind} x {n}: { {k: v for k, v in res.items() if k != 'reasons'} }")
+        fleet["targets"] = verdict(fleet["routers"], lru)
+        progress(f"{n} replicas targets: {fleet['targets']}")
+    results["loadavg_end"] = os.getloadavg()
+    results["targets"] = {str(n): f["targets"] for n, f in results["fleets"].items()}
+    if not args.logs:
+        shutil.rmtree(cwd, ignore_errors=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "trace.json").write_text(json.dumps(results, indent=1))
+    chart(results, out / "trace.png")
+    progress(f"wrote {out / 'trace.json'} and {out / 'trace.png'}")
+    if args.json:
+        print(json.dumps(results))
+    else:
+        for n, f in results["fleets"].items():
+            print(f"{n} replicas (oracle {f['oracle_cached_ratio']}, fleet LRU {f['fleet_lru_cached_ratio']})")
+            for k, v in f["routers"].items():
+                print(f"  {k:12s} {v}")
+            print(f"  targets {f['targets']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,308 @@
+"""The replica simulator (bench/simfleet.py) and the trace replay's helpers (bench/trace.py).
+
+The simulator runs the engine's own scheduler, KV cache manager and block pool with the model
+replaced by a time model. These tests check its cache model against the real engine on the same
+small cases (the offline LLM on the tiny checkpoint: identical cached_tokens, GPU and CPU tier,
+through hits, LRU eviction and swap), its time model on hand-computed cases, its HTTP surface, and
+that the real router accepts its events and snapshots (index in sync, prefix_hit decisions whose
+prediction equals the cached_tokens the simulator reports).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import socket
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+BLOCK = 16
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+sim = _load("wf_test_simfleet", BENCH / "simfleet.py")
+trace = _load("wf_test_trace", BENCH / "trace.py")
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def ids(seed: int, n: int) -> list[int]:
+    """n pseudo-random token ids of the tiny vocabulary; ids(s, n) is a prefix of ids(s, m) for m > n."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(10, 1014) for _ in range(n)]
+
+
+# --- cache model: the same answers as the real engine ------------------------------------------
+SCRIPT = [  # (prompt, what it exercises); pool: 8 GPU blocks of 16 tokens, a few CPU blocks
+    (ids(0, 40), "cold"),
+    (ids(0, 40), "repeat: 2 full blocks hit (the last token is always recomputed)"),
+    (ids(0, 32) + ids(500, 20), "shared 32-token prefix, new tail"),
+    (ids(0, 33), "33 tokens: 2 blocks cacheable"),
+    (ids(0, 32), "32 tokens: only 1 block (cap at the last prompt token)"),
+    (ids(100, 100), "6 new blocks: evicts the prefix to the CPU tier"),
+    (ids(0, 40), "prefix back from the CPU tier"),
+    (ids(200, 110), "fills GPU and pushes the CPU tier"),
+    (ids(300, 110), "again: the oldest CPU entries go"),
+    (ids(0, 40), "prefix gone or partly in CPU, as the engine decides"),
+    (ids(100, 100), "an older prompt, partly still somewhere"),
+]
+
+
+def sim_answers(gpu: int, cpu: int, fingerprint: str) -> list[tuple[int, int]]:
+    async def go():
+        rep = sim.SimReplica("s0", fingerprint, BLOCK, gpu, cpu, sim.TimeModel(), 1024)
+        task = asyncio.create_task(rep.run())
+        out = []
+        for prompt, _ in SCRIPT:
+            h = rep.submit(prompt, 1, None, "")
+            await h.done
+            out.append((h.cached_tokens, h.cached_tokens_cpu))
+        task.cancel()
+        return out, rep
+
+    return run(go())
+
+
+def test_cache_model_matches_the_real_engine(tiny_model_dir):
+    from warmfleet import LLM, SamplingParams
+    from warmfleet.server.hashing import model_fingerprint
+
+    llm = LLM(str(tiny_model_dir), block_size=BLOCK, num_gpu_blocks=8, swap_space=0.00005)
+    cpu_blocks = llm.engine.pool.cpu.num_blocks
+    assert 2 <= cpu_blocks <= 16
+    sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    real = []
+    for prompt, _ in SCRIPT:
+        o = llm.generate(prompt, sp)[0]
+        real.append((o.num_cached_tokens, o.num_cached_tokens_cpu))
+    simulated, rep = sim_answers(8, cpu_blocks, model_fingerprint(tiny_model_dir))
+    assert simulated == real, list(zip([w for _, w in SCRIPT], simulated, real))
+    # the script did exercise hits, the cap at the last token, the CPU tier and eviction from it
+    assert real[1] == (32, 0) and real[3] == (32, 0) and real[4] == (16, 0)
+    assert real[6][1] > 0
+    assert rep.pool.counters.evicted_cpu_blocks > 0 and rep.pool.counters.swap_in_blocks > 0
+    # and the same blocks are cached at the end, in each tier
+    gpu_real, cpu_real = llm.engine.pool.snapshot()
+    gpu_sim, cpu_sim = rep.pool.snapshot()
+    assert len(gpu_sim) == len(gpu_real) and len(cpu_sim) == len(cpu_real)
+
+
+def test_lru_eviction_keeps_the_recently_used_prefix(tiny_model_dir):
+    from warmfleet.server.hashing import model_fingerprint
+
+    async def go():
+        rep = sim.SimReplica("s0", model_fingerprint(tiny_model_dir), BLOCK, 6, 0, sim.TimeModel(), 1024)
+        task = asyncio.create_task(rep.run())
+        got = {}
+        for name, prompt in [("a", ids(0, 33)), ("b", ids(100, 33)), ("a2", ids(0, 33)), ("c", ids(200, 33)),
+                             ("a3", ids(0, 33)), ("b2", ids(100, 33))]:
+            h = rep.submit(prompt, 1, None, name)
+            await h.done
+            got[name] = h.cached_tokens
+        task.cancel()
+        return got
+
+    got = run(go())
+    # 6 blocks: using `a` again keeps it, so `c` evicts from `b`, the least recently used (tail block first,
+    # as the engine frees a request's blocks tail first)
+    assert got["a2"] == 32 and got["a3"] == 32 and got["b2"] < 32
+
+
+# --- time model ----------------------------------------------------------------------------------
+def test_fit_time_model_from_prefix_cache_figures():
+    pc = {"prefix_tokens": 2000, "question_tokens": 64, "ttft_miss_s": 2.1, "ttft_hit_s": 0.1,
+          "ttft_swap_hit_s": 0.3, "decode_tok_s_batch1": 50.0, "decode_tok_s_batch16": 400.0}
+    tm = sim.fit_time_model(pc, 16)
+    assert tm["prefill_s_per_token"] == pytest.approx(0.001)
+    assert tm["decode_s_per_seq"] == pytest.approx((0.04 - 0.02) / 15, rel=1e-3)
+    assert tm["step_s"] == pytest.approx(0.02 - tm["decode_s_per_seq"], rel=1e-3)
+    assert tm["swap_s_per_block"] == pytest.approx(0.2 / 2000 * 16)
+    assert sim.TimeModel(**{k: v for k, v in tm.items() if k != "source"}).scaled(10).prefill_s_per_token == \
+        pytest.approx(0.0001)
+
+
+def test_time_model_prefill_decode_hits_and_queueing(tiny_model_dir):
+    from warmfleet.server.hashing import model_fingerprint
+
+    tm = sim.TimeModel(step_s=0.01, prefill_s_per_token=0.0001, decode_s_per_seq=0.002, max_num_batched_tokens=2048)
+
+    async def go():
+        rep = sim.SimReplica("s0", model_fingerprint(tiny_model_dir), BLOCK, 512, 0, tm, 1024)
+        task = asyncio.create_task(rep.run())
+        h = rep.submit(ids(0, 1000), 3, None, "cold")
+        await h.done
+        h = rep.submit(ids(0, 1000), 1, None, "hit")
+        await h.done
+        a = rep.submit(ids(2000, 1500), 2, None, "a")  # 1500 + 548 fill the first step's 2048-token budget
+        b = rep.submit(ids(4000, 1500), 2, None, "b")
+        await asyncio.gather(a.done, b.done)
+        task.cancel()
+        return {x["tag"]: x for x in rep.log}
+
+    log = run(go())
+    tol = sim.LAG_TOLERANCE_S
+    cold = 0.01 + 1000 * 0.0001  # one step: the whole prompt, then the first token
+    assert cold <= log["cold"]["ttft_model_s"] <= cold + tol
+    assert log["cold"]["e2e_model_s"] == pytest.approx(log["cold"]["ttft_model_s"] + 2 * (0.01 + 0.002), abs=tol)
+    hit = 0.01 + (1000 - 992) * 0.0001  # 62 cached blocks: 8 tokens to compute
+    assert log["hit"]["cached"] == 992 and hit <= log["hit"]["ttft_model_s"] <= hit + tol
+    # chunked prefill: b's 1500 tokens split over two steps behind a's, so its first token comes a step later
+    step1 = 0.01 + 2048 * 0.0001
+    step2 = 0.01 + 952 * 0.0001 + 0.002  # b's remaining 952 tokens and a's decode
+    assert step1 <= log["a"]["ttft_model_s"] <= step1 + tol
+    assert step1 + step2 <= log["b"]["ttft_model_s"] <= step1 + step2 + 2 * tol
+
+
+# --- HTTP surface and KV events ----------------------------------------------------------------------
+def test_http_surface_streams_usage_snapshot_and_tokenize(tiny_model_dir):
+    from warmfleet.server.events import Snapshot
+    from warmfleet.server.hashing import model_fingerprint
+
+    async def go():
+        fleet = sim.SimFleet(str(tiny_model_dir), 2, block_size=BLOCK, gpu_blocks=64, events=False)
+        await fleet.start()
+        try:
+            async with httpx.AsyncClient(timeout=10) as c:
+                u = fleet.urls[1]
+                assert (await c.get(u + "/ready")).status_code == 200
+                assert (await c.get(u + "/health")).status_code == 200
+                body = {"model": "bench", "prompt": ids(0, 40), "max_tokens": 3, "stream": True,
+                        "stream_options": {"include_usage": True}}
+                for expect in (0, 32):
+                    async with c.stream("POST", u + "/v1/completions", json=body) as r:
+                        assert r.headers["x-warmfleet-replica"] == "s1"
+                        events = [json.loads(line[6:]) async for line in r.aiter_lines() if line.startswith("data: {")]
+                    text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+                    assert len(text.split()) == 3 and events[-1]["usage"]["prompt_tokens"] == 40
+                    assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == expect
+                chat = {"model": "bench", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 2}
+                r = (await c.post(u + "/v1/chat/completions", json=chat)).json()
+                assert r["object"] == "chat.completion" and r["usage"]["completion_tokens"] == 2
+                tok = (await c.post(u + "/tokenize", json={"prompt": "hello world"})).json()
+                assert tok["count"] == len(tok["tokens"]) > 0
+                assert (await c.post(u + "/v1/completions", json={"prompt": [5000]})).status_code == 400
+                snap = Snapshot.from_json((await c.get(u + "/v1/kv/snapshot")).json())
+                assert snap.model_fingerprint == model_fingerprint(tiny_model_dir) and snap.block_size == BLOCK
+                assert len(snap.gpu) >= 2 and snap.load is not None
+                logs = (await c.get(fleet.control_url + "/sim/log")).json()
+                assert [x["cached"] for x in logs if x["prompt"] == 40] == [0, 32]
+        finally:
+            await fleet.stop()
+
+    run(go())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_real_router_follows_the_simulated_fleet(tiny_model_dir):
+    """Events and snapshots of the simulator are accepted by the real router: index in sync, exact predictions."""
+    import uvicorn
+
+    from warmfleet.server.hashing import model_fingerprint
+    from warmfleet.server.router.app import RouterSettings, build_app
+    from warmfleet.server.router.prompt import HashConfig, PromptRenderer
+    from warmfleet.server.router.registry import ReplicaSpec
+
+    async def until(cond, what, timeout=15.0):
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while loop.time() < end:
+            if cond():
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    async def go():
+        fleet = sim.SimFleet(str(tiny_model_dir), 3, block_size=BLOCK, gpu_blocks=64, cpu_blocks=8)
+        await fleet.start()
+        specs = [ReplicaSpec(u, r.events_endpoint) for u, r in zip(fleet.urls, fleet.replicas)]
+        settings = RouterSettings(hash_cfg=HashConfig(BLOCK, model_fingerprint(tiny_model_dir)), replicas=specs,
+                                  renderer=PromptRenderer(str(tiny_model_dir)), health_interval_s=0.1)
+        app = build_app(settings)
+        port = _free_port()
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        task = asyncio.create_task(server.serve())
+        try:
+            await until(lambda: server.started, "router start")
+            index = app.state.fleet.index
+            await until(lambda: all(index.is_synced(u) for u in fleet.urls), "initial snapshot resync")
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as c:
+                seen = []
+                for k in range(4):  # four prefixes, each asked three times with a different tail
+                    for j in range(3):
+                        body = {"model": "bench", "prompt": ids(1000 * k, 64) + ids(1000 * k + 500 + j, 7),
+                                "max_tokens": 2}
+                        r = await c.post("/v1/completions", json=body)
+                        assert r.status_code == 200
+                        reason, predicted = r.headers["x-warmfleet-route"].split("; predicted_cached_tokens=")
+                        seen.append((k, r.headers["x-warmfleet-replica"], reason, int(predicted),
+                                     r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]))
+                        url = fleet.urls[int(r.headers["x-warmfleet-replica"][1:])]
+                        await until(lambda: len(index.state(url).gpu) >= 4, "the replica's BlockStored events")
+            for k in range(4):
+                reps = {s[1] for s in seen if s[0] == k}
+                assert len(reps) == 1, seen  # each prefix stayed on one replica
+                warm = [s for s in seen if s[0] == k][1:]
+                assert all(s[2] == "prefix_hit" and s[3] == s[4] == 64 for s in warm), seen
+            for u, rep in zip(fleet.urls, fleet.replicas):  # the index equals each replica's pool, per tier
+                gpu, cpu = rep.pool.snapshot()
+                await until(lambda: index.state(u).gpu == set(gpu) and index.state(u).cpu == set(cpu), "index == pool")
+            view = (await httpx.AsyncClient().get(f"http://127.0.0.1:{port}/v1/router/replicas")).json()
+            assert all(r["synced"] for r in view["replicas"])
+        finally:
+            server.should_exit = True
+            await task
+            await fleet.stop()
+
+    run(go())
+
+
+# --- trace replay helpers ---------------------------------------------------------------------------
+def test_trace_prompts_tokenize_exactly_and_bounds_are_consistent(tiny_model_dir):
+    from warmfleet.server.hashing import model_fingerprint
+    from warmfleet.server.tokenizer import Tokenizer
+
+    tok = Tokenizer(str(tiny_model_dir))
+    words = trace.Words(tok, BLOCK)
+    rows = trace.read_trace(trace.EXCERPT, 80)
+    assert len(rows) == 80
+    reqs = trace.build_requests(rows, words, BLOCK, None)
+    trace.check_tokenization(tok, reqs, 20)  # the text is exactly the planned token ids
+    for row, r in zip(rows, reqs):
+        assert len(r["ids"]) == -(-row["input_length"] * BLOCK // 512)
+    # two requests sharing k hash ids share k engine blocks
+    a, b = rows[0]["hash_ids"], rows[1]["hash_ids"]
+    k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert reqs[0]["ids"][:k * BLOCK] == reqs[1]["ids"][:k * BLOCK]
+    assert reqs[0]["ids"][k * BLOCK:(k + 1) * BLOCK] != reqs[1]["ids"][k * BLOCK:(k + 1) * BLOCK]
+    fp = model_fingerprint(tiny_model_dir)
+    oracle = trace.ratio(trace.bound_hits(reqs, BLOCK, fp))
+    assert trace.ratio(trace.bound_hits(reqs, BLOCK, fp, 10**9)) == oracle > 0
+    assert trace.ratio(trace.bound_hits(reqs, BLOCK, fp, 30)) < oracle
+    summary = trace.summarize(
+        [{"i": 0, "error": None, "ttft_client_s": 0.1, "cached": 16, "route": None},
+         {"i": 1, "error": "HTTP 502", "ttft_client_s": None, "cached": None, "route": None}],
+        [{"tag": "r0", "replica": "s0", "prompt": 40, "cached": 16, "cached_cpu": 0, "ttft_model_s": 0.05}],
+        4, 1.5, 10.0)
+    assert summary["errors"] == 1 and summary["cached_ratio"] == 0.4 and summary["spread"] == 4.0
+    assert summary["router_cpu_s_per_1k"] == 750.0 and summary["usage_mismatches"] == 0
