@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import struct
 import time
 from typing import Any, Optional, Sequence
