@@ -106,9 +106,11 @@ async def test_replica_sigkill_under_load_loses_no_request(fleet):
     for o in failed:
         assert o.error == "stream error" and o.replica == victim.name and o.t_start < t_kill, o
         assert o.tail[-1] == "[DONE]" and isinstance(o.tail[-2], dict) and "error" in o.tail[-2], o.tail
-    # A request sent to the dead replica was retried on the survivor, invisibly to its client.
+    # Whether a non-streaming request was in flight on the victim at the kill depends on where bounded load
+    # sent the "pinned" ones (it may spill them to the survivor); when one was, it was retried there, and
+    # either way none failed (asserted above). The retry path itself is covered deterministically by
+    # tests/test_router_proxy.py::test_retry_on_next_replica_before_first_byte.
     retried = [o for o in pinned_out + outcomes if not o.stream and (o.route or "").startswith("retry")]
-    assert retried, "no non-streaming request was in flight on the killed replica"
     print(f"\nreplica kill: {len(outcomes) + len(pinned_out)} requests, {len(after_kill)} ended after the kill, "
           f"{len(failed)} streams cut with error+[DONE], {len(retried)} non-streaming retried, "
           f"out of rotation {out_of_rotation_s:.3f} s after SIGKILL, back in rotation {back_s:.2f} s after /ready")
