@@ -50,7 +50,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -181,25 +180,8 @@ def ratio(hits: list[tuple[int, int]]) -> float:
 
 
 # --- processes --------------------------------------------------------------------------------
-_HANDED_OUT: set[int] = set()
-
-
-def free_port() -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
-
-
-def tool(name: str) -> str:
-    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    found = shutil.which(name, path=path)
-    if found is None:
-        raise FileNotFoundError(f"{name} not found: pip install sglang-router==0.3.2 vllm-router==0.1.17")
-    return found
+_routing = load_module("wf_bench_routing", HERE / "routing.py")
+free_port, tool = _routing.free_port, _routing.tool  # one port registry and one peer lookup for all benches
 
 
 def stop(p: subprocess.Popen | None) -> None:
