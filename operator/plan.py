@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from warmfleet.operator import manifests as m
-from warmfleet.operator.nodes import NodeInfo, derive_pools
+from warmfleet.operator.nodes import NodeInfo, Pool, derive_pools
 from warmfleet.operator.sizing import assign_replicas, size_pool
-from warmfleet.operator.spec import EngineKind, InferenceServiceSpec, PoolShape, PoolStatus
+from warmfleet.operator.spec import EngineKind, InferenceServiceSpec, PoolBounds, PoolShape, PoolStatus
 
 
 @dataclass(frozen=True)
@@ -31,10 +31,22 @@ def make_plan(owner: m.Owner, spec: InferenceServiceSpec, nodes: list[NodeInfo],
     """Derive pools from nodes, size each, split the replicas and build every child object."""
     sized = [(pool, size_pool(spec, pool)) for pool in derive_pools(spec, nodes)]
     caps = [sizing.capacity_per_node * len(pool.nodes) for pool, sizing in sized]
+    floors = None
+    if spec.autoscaling is not None and spec.autoscaling.pools:  # per-pool bounds: floors, and caps lowered to maxima
+        bounds = [pool_bounds(spec, pool) for pool, _ in sized]
+        floors = [b.min_replicas if b else 0 for b in bounds]
+        caps = [min(c, b.max_replicas) if b and b.max_replicas is not None else c for c, b in zip(caps, bounds)]
     desired = spec.desired_replicas()
-    split = assign_replicas(desired, caps)
+    split = assign_replicas(desired, caps, floors)
+    desired = max(desired, sum(split))  # per-pool minima raise the total
     planned = [m.PlannedPool(pool, sizing, n) for (pool, sizing), n in zip(sized, split)]
     return Plan(planned, desired, sum(caps), m.build_children(owner, spec, images, planned), spec.engine.kind)
+
+
+def pool_bounds(spec: InferenceServiceSpec, pool: Pool) -> PoolBounds | None:
+    """The autoscaling bounds of `pool`: by its own name, else by the spec.pools name it belongs to (per shape)."""
+    bounds = {b.name: b for b in (spec.autoscaling.pools if spec.autoscaling else [])}
+    return bounds.get(pool.name) or (bounds.get(pool.named) if pool.named else None)
 
 
 def pool_status(p: m.PlannedPool, ready: int, engine: EngineKind) -> PoolStatus:

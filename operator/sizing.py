@@ -158,17 +158,19 @@ def sizes_hash(swap_gib: float, encoder_tokens: int | None, processor_gib: float
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
-def assign_replicas(desired: int, capacities: list[int]) -> list[int]:
+def assign_replicas(desired: int, capacities: list[int], floors: list[int] | None = None) -> list[int]:
     """Split `desired` replicas across pools in proportion to capacity, capped by capacity.
 
-    Replicas are handed out one at a time, each to the pool with the highest priority
+    Each pool first gets its floor (autoscaling per-pool minReplicas, capped by its capacity);
+    the rest are handed out one at a time, each to the pool with the highest priority
     capacity / (2 * assigned + 1) that still has room (Sainte-Lague), ties to the earlier pool.
     Handing out one at a time makes the split monotone: one more replica never takes one from
     another pool, so scaling out never restarts pods elsewhere (the largest-remainder rule did:
-    capacities [1, 3, 3] split 3 as [1, 1, 1] and 4 as [0, 2, 2]).
+    capacities [1, 3, 3] split 3 as [1, 1, 1] and 4 as [0, 2, 2]). Floors count towards `desired`,
+    which is raised to their sum when it is below.
     """
-    out = [0] * len(capacities)
-    for _ in range(min(max(desired, 0), sum(capacities))):
+    out = [min(f, c) for f, c in zip(floors, capacities)] if floors else [0] * len(capacities)
+    for _ in range(min(max(desired, 0), sum(capacities)) - sum(out)):
         best = max((i for i, c in enumerate(capacities) if out[i] < c),
                    key=lambda i: (capacities[i] / (2 * out[i] + 1), -i))
         out[best] += 1

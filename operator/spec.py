@@ -204,16 +204,69 @@ class ServerSpec:
 
 
 @dataclass(kw_only=True)
-class Autoscaling:
-    """Replica bounds for an external autoscaler acting on the scale subresource."""
+class PoolBounds:
+    """Replica bounds of one node pool under autoscaling."""
 
-    min_replicas: int = prop(1, doc="Fewest replicas.", minimum=0)
-    max_replicas: int = prop(doc="Most replicas.", minimum=1)
+    name: str = prop(doc="A spec.pools name (bounds each of its node shapes) or a pool name from status.pools.",
+                     pattern=DNS_LABEL, maxLength=63)
+    min_replicas: int = prop(0, doc="Fewest replicas in the pool.", minimum=0)
+    max_replicas: Optional[int] = prop(None, doc="Most replicas in the pool (default: what its nodes can host).", minimum=0)
+
+    RULES: ClassVar[list[Rule]] = [
+        ("!has(self.maxReplicas) || self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas",
+         lambda s: s.max_replicas is None or s.min_replicas <= s.max_replicas),
+    ]
+
+
+@dataclass(kw_only=True)
+class Autoscaling:
+    """Replica bounds for spec.replicas (kubectl scale, the scale subresource); with a target, the operator scales itself."""
+
+    min_replicas: int = prop(1, doc="Fewest replicas; spec.replicas below it is raised to it.", minimum=0)
+    max_replicas: int = prop(doc="Most replicas; spec.replicas above it is lowered to it.", minimum=1)
+    target_queued_prefill_tokens: Optional[int] = prop(
+        None, doc=("Target uncached prompt tokens waiting for their first token per replica, as the routers count them; "
+                   "the operator sets spec.replicas to keep the fleet's average near it (docs/autoscaling.md)."),
+        minimum=1,
+    )
+    target_ttft_p90_seconds: Optional[float] = prop(
+        None, doc="Target 90th-percentile time to first token of streamed requests, seconds, from the routers' histogram.",
+        minimum=0.001, maximum=600,
+    )
+    protect_hit_ratio: bool = prop(
+        True, doc="No scale-in while the fleet's cached-token ratio is falling (removing a replica would drop more cache).",
+    )
+    hit_ratio_drop: float = prop(
+        0.02, doc="A fall of the cached-token ratio by more than this (absolute, over the metrics window) counts as falling.",
+        minimum=0, maximum=1,
+    )
+    metrics_window_seconds: int = prop(60, doc="Window over which queued tokens are averaged and TTFT p90 and the hit ratio are computed.",
+                                       minimum=10, maximum=3600)
+    scale_up_stabilization_seconds: int = prop(
+        0, doc="Scale out to the lowest recommendation of this window (0: at once).", minimum=0, maximum=3600,
+    )
+    scale_down_stabilization_seconds: int = prop(
+        300, doc="Scale in only to the highest recommendation of this window, so a dip does not remove warm caches.",
+        minimum=0, maximum=3600,
+    )
+    pools: list[PoolBounds] = prop([], doc="Per-pool bounds where pools differ; the total is split over pools within them.",
+                                   maxItems=16)
 
     RULES: ClassVar[list[Rule]] = [
         ("self.minReplicas <= self.maxReplicas", "minReplicas must be <= maxReplicas",
          lambda s: s.min_replicas <= s.max_replicas),
+        ("!has(self.pools) || self.pools.all(p, self.pools.exists_one(q, q.name == p.name))",
+         "autoscaling pool names must be unique", lambda s: len({p.name for p in s.pools}) == len(s.pools)),
     ]
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the operator scales by itself (a target is set), not only clamps spec.replicas."""
+        return self.target_queued_prefill_tokens is not None or self.target_ttft_p90_seconds is not None
+
+    def clamp(self, replicas: int) -> int:
+        """`replicas` within [minReplicas, maxReplicas]."""
+        return max(self.min_replicas, min(self.max_replicas, replicas))
 
 
 @dataclass(kw_only=True)
@@ -273,8 +326,10 @@ class InferenceServiceSpec:
     model: ModelSpec = prop(doc="The checkpoint to serve.")
     engine: EngineSpec = prop(EngineSpec(), doc="The inference engine of the replicas.")
     server: ServerSpec = prop(ServerSpec(), doc="Server pods.")
-    replicas: Optional[int] = prop(None, doc="Server replicas across all pools (default 1); exclusive with autoscaling.", minimum=0, maximum=4096)
-    autoscaling: Optional[Autoscaling] = prop(None, doc="Replica bounds instead of a fixed count; exclusive with replicas.")
+    replicas: Optional[int] = prop(
+        None, doc="Server replicas across all pools (default 1, or autoscaling.minReplicas); with autoscaling, clamped to its bounds (the scale subresource writes it).",
+        minimum=0, maximum=4096)
+    autoscaling: Optional[Autoscaling] = prop(None, doc="Replica bounds, and the operator's cache-aware autoscaler when a target is set.")
     node_selector: dict[str, str] = prop({}, doc="Labels a node must carry to host servers.")
     pools: list[NamedPool] = prop([], doc="Optional named pools; without them every selected node shape is a pool.", maxItems=16)
     cache: CacheSpec = prop(CacheSpec(), doc="Cache sizes.")
@@ -282,18 +337,16 @@ class InferenceServiceSpec:
     disruption: DisruptionSpec = prop(DisruptionSpec(), doc="Disruption and startup.")
 
     RULES: ClassVar[list[Rule]] = [
-        ("!(has(self.replicas) && has(self.autoscaling))", "replicas and autoscaling are mutually exclusive",
-         lambda s: s.replicas is None or s.autoscaling is None),
         ("!has(self.pools) || self.pools.all(p, self.pools.exists_one(q, q.name == p.name))", "pool names must be unique",
          lambda s: len({p.name for p in s.pools}) == len(s.pools)),
     ]
 
     def desired_replicas(self) -> int:
-        """Replicas to run: spec.replicas, else autoscaling.minReplicas, else 1."""
+        """Replicas to run: spec.replicas (within the autoscaling bounds), else autoscaling.minReplicas, else 1."""
+        if self.autoscaling is not None:
+            return self.autoscaling.clamp(self.replicas if self.replicas is not None else self.autoscaling.min_replicas)
         if self.replicas is not None:
             return self.replicas
-        if self.autoscaling is not None:
-            return self.autoscaling.min_replicas
         return 1
 
 
@@ -424,6 +477,31 @@ class ModelConfigStatus:
 
 
 @dataclass(kw_only=True)
+class WarmupStatus:
+    """The routers' warm-up state of the server replicas (their /v1/router/replicas), summed over routers."""
+
+    warming: int = prop(0, doc="Replicas being warmed (hot prefixes replayed into them; no traffic yet).")
+    warm: int = prop(0, doc="Replicas routable for traffic.")
+    down: int = prop(0, doc="Replicas known to the routers but failing health checks.")
+    warmed_replicas: int = prop(0, doc="Replicas that went through a warm-up (their last one is summed below).")
+    replayed_prefixes: int = prop(0, doc="Hot prefixes replayed in those warm-ups.", format="int64")
+    replayed_tokens: int = prop(0, doc="Prompt tokens replayed in those warm-ups.", format="int64")
+    longest_seconds: float = prop(0.0, doc="The longest of those warm-ups, seconds.")
+
+
+@dataclass(kw_only=True)
+class AutoscalingStatus:
+    """The operator's last autoscaling decision (written when it changes, not on every scrape)."""
+
+    desired_replicas: int = prop(0, doc="Replicas the autoscaler asked for (spec.replicas).")
+    pools: dict[str, int] = prop({}, doc="Their split over pools.")
+    reason: str = prop("", doc="CamelCase reason: ScaleOut, ScaleIn, HitRatioFalling, Stabilizing, WithinTarget, NoMetrics, ...")
+    message: str = prop("", doc="The figures the decision came from.")
+    last_scale_time: Optional[str] = prop(None, doc="When the autoscaler last changed spec.replicas (RFC 3339).",
+                                          format="date-time")
+
+
+@dataclass(kw_only=True)
 class InferenceServiceStatus:
     """Observed state of an InferenceService."""
 
@@ -438,6 +516,8 @@ class InferenceServiceStatus:
     model: str = prop("", doc="Served model name.")
     pools: list[PoolStatus] = prop([], doc="Node pools and their sizes.")
     model_config: Optional[ModelConfigStatus] = prop(None, doc="Model facts (hidden size, dtype, config.json) and their origin.")
+    warmup: Optional[WarmupStatus] = prop(None, doc="Warm-up state of the replicas, as the routers report it.")
+    autoscaling: Optional[AutoscalingStatus] = prop(None, doc="The autoscaler's last decision (spec.autoscaling with a target).")
 
 
 def parse_spec(data: Any) -> InferenceServiceSpec:

@@ -57,7 +57,7 @@ def test_defaults_enums_ranges_and_cel():
     assert p["cache"]["properties"]["swapSpace"]["properties"]["mode"]["enum"] == ["Auto", "Fixed"]
     assert p["server"]["properties"]["gpusPerReplica"]["minimum"] == 1
     rules = {r["rule"] for r in spec["x-kubernetes-validations"]}
-    assert "!(has(self.replicas) && has(self.autoscaling))" in rules
+    assert not any("autoscaling" in r for r in rules)  # replicas beside autoscaling: the scale subresource writes it
     swap_rules = {r["rule"] for r in p["cache"]["properties"]["swapSpace"]["x-kubernetes-validations"]}
     assert "self.mode != 'Fixed' || has(self.size)" in swap_rules
     assert any("oldSelf.servedName" in r["rule"] for r in p["model"]["x-kubernetes-validations"])
@@ -124,9 +124,20 @@ def test_parse_applies_defaults():
     assert parse_spec({"model": {"path": "/m"}, "autoscaling": {"minReplicas": 2, "maxReplicas": 5}}).desired_replicas() == 2
 
 
+@pytest.mark.parametrize("replicas,want", [(None, 2), (1, 2), (4, 4), (9, 5), (0, 2)])
+def test_replicas_beside_autoscaling_are_clamped_to_the_bounds(replicas, want):
+    spec = {"model": {"path": "/m"}, "autoscaling": {"minReplicas": 2, "maxReplicas": 5}}
+    if replicas is not None:
+        spec["replicas"] = replicas
+    assert parse_spec(spec).desired_replicas() == want
+
+
 @pytest.mark.parametrize("spec,needle", [
     ({}, "spec.model: is required"),
-    ({"model": {"path": "/m"}, "replicas": 1, "autoscaling": {"maxReplicas": 2}}, "mutually exclusive"),
+    ({"model": {"path": "/m"}, "autoscaling": {"maxReplicas": 2, "pools": [{"name": "a"}, {"name": "a"}]}},
+     "autoscaling pool names must be unique"),
+    ({"model": {"path": "/m"}, "autoscaling": {"maxReplicas": 2, "pools": [{"name": "a", "minReplicas": 2, "maxReplicas": 1}]}},
+     "spec.autoscaling.pools[0]: minReplicas must be <= maxReplicas"),
     ({"model": {"path": "/m"}, "autoscaling": {"minReplicas": 3, "maxReplicas": 2}}, "minReplicas must be <= maxReplicas"),
     ({"model": {"path": "/m"}, "cache": {"swapSpace": {"mode": "Fixed"}}}, "spec.cache.swapSpace: size is required"),
     ({"model": {"path": "/m"}, "cache": {"encoderCache": {"min": 10, "max": 5}}}, "min must be <= max"),

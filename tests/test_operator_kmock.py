@@ -206,10 +206,10 @@ async def test_node_removed_prunes_its_pool(cluster):
 
 async def test_bad_spec_is_a_condition_and_an_event_not_a_crash(cluster):
     seed(cluster, h200("h1"))
-    seed(cluster, service(spec={"replicas": 1, "autoscaling": {"maxReplicas": 3}}), res=ISVC)
+    seed(cluster, service(spec={"replicas": 1, "autoscaling": {"minReplicas": 4, "maxReplicas": 3}}), res=ISVC)
     async with operator(cluster):
         cond = await eventually(lambda: condition(cluster, "InvalidSpec").get("status") == "True" and condition(cluster, "InvalidSpec"), "InvalidSpec")
-        assert "mutually exclusive" in cond["message"]
+        assert "minReplicas must be <= maxReplicas" in cond["message"]
         assert server_deployments(cluster) == {}
         events = await eventually(lambda: [o.raw for (r, _, _), o in cluster.objects.items()
                                            if r.plural == "events" and not o.deleted and o.raw.get("reason") == "InvalidSpec"], "an Event")

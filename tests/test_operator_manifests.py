@@ -253,11 +253,11 @@ def test_render_reports_a_bad_spec(tmp_path, capsys):
     from warmfleet.cli import main
 
     bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump(service(spec={"replicas": 2, "autoscaling": {"maxReplicas": 4}})))
+    bad.write_text(yaml.safe_dump(service(spec={"replicas": 2, "autoscaling": {"minReplicas": 5, "maxReplicas": 4}})))
     nodes = tmp_path / "nodes.yaml"
     nodes.write_text(yaml.safe_dump(h200()))
     assert main(["operator", "render", "-f", str(bad), "--nodes", str(nodes)]) == 2
-    assert "mutually exclusive" in capsys.readouterr().err
+    assert "minReplicas must be <= maxReplicas" in capsys.readouterr().err
 
 
 # ---- engines: vLLM and FastDeploy rendered from their descriptions ----
