@@ -52,6 +52,8 @@ from .processor import ProcessedImage
 log = logging.getLogger("warmfleet.processor_cache")
 
 DEFAULT_TIMEOUT_S = 0.5
+CRASH_LOOP_S = 2.0  # a cache process that exits sooner than this after its start is restarted after a pause
+MAX_BACKOFF_S = 5.0
 _FILE_NAME = re.compile(r"[0-9a-f]{1,32}")
 
 
@@ -406,12 +408,18 @@ class ProcessorCacheProcess:
         return self
 
     def _watch(self) -> None:
+        backoff_s = 0.0
         while not self._stopping.is_set():
-            proc = self.process
+            proc, started = self.process, time.monotonic()
             code = proc.wait()
             if self._stopping.is_set():
                 return
-            log.warning("processor cache process exited with %s; restarting", code)
+            # a process that dies at once (bad address, no memory) is retried with a growing pause, not in a spin
+            backoff_s = 0.0 if time.monotonic() - started > CRASH_LOOP_S else min(max(2 * backoff_s, 0.1), MAX_BACKOFF_S)
+            log.warning("processor cache process exited with %s; restarting in %.1f s "
+                        "(requests are preprocessed by the frontend meanwhile)", code, backoff_s)
+            if self._stopping.wait(backoff_s):
+                return
             self.num_restarts += 1
             self._spawn()
 
