@@ -26,6 +26,12 @@ class RouterMetrics:
             registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens_total", "Prompt tokens of routed requests (router's count).",
                                      registry=r)
+        self.usage_prompt_tokens = Counter(
+            p + "usage_prompt_tokens_total", "Prompt tokens (router's count) of the requests whose replica reported "
+            "usage: the denominator of actual_cached_tokens_total for the cached-token ratio.", registry=r)
+        self.ttft = Histogram(p + "ttft_seconds", "Time from a streamed request's arrival to the replica's first byte "
+                              "(the operator's autoscaler reads its p90).",
+                              buckets=(0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 5, 7.5, 10, 20, 40), registry=r)
         self.prediction_error = Histogram(
             p + "prediction_error_tokens", "actual - predicted cached tokens per request.",
             buckets=(-4096, -1024, -256, -64, -1, 0, 64, 256, 1024, 4096), registry=r)

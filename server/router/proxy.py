@@ -138,6 +138,7 @@ class Proxy:
     async def forward(self, path: str, kind: str, body: dict, client_headers: dict,
                       raw: Optional[bytes] = None) -> Response:
         """Route and relay; `raw` is the client's body when `body` is still exactly it (no re-serialising)."""
+        t_arrival = time.perf_counter()
         replicas = self.fleet.routable()
         if not replicas:
             return self._count(error_response(503, "no healthy replica", "service_unavailable"))
@@ -175,6 +176,7 @@ class Proxy:
                 if stream and resp.status == 200:
                     chunks = resp.content.iter_any()
                     first = await anext(chunks, b"")  # a replica streams its first byte with the first token
+                    self.metrics.ttft.observe(time.perf_counter() - t_arrival)
                     self._prefilled(rep, queued)
                     queued = 0
                     released = True  # from here the relay owns the in-flight count
@@ -310,5 +312,6 @@ class Proxy:
             return
         predicted = decision.predicted_for(rid)
         self.metrics.actual_cached_tokens.inc(actual)
+        self.metrics.usage_prompt_tokens.inc(decision.num_prompt_tokens)
         self.metrics.predicted_cached_tokens.inc(predicted)
         self.metrics.prediction_error.observe(actual - predicted)
