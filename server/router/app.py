@@ -19,6 +19,7 @@ from .auth import ConcurrencyLimiter, Tenants
 from .engines import dialect_for
 from .fleet import Fleet
 from .metrics import RouterMetrics
+from .peers import PeerLoad, add_peer_route
 from .policy import PolicyConfig
 from .prompt import HashConfig, PromptRenderer
 from .proxy import Proxy, ProxyConfig, error_response, upstream_session
@@ -51,6 +52,8 @@ class RouterSettings:
     predicted_ttl_s: float = 600.0  # FastDeploy: age after which a predicted block is forgotten
     index_max_blocks: Optional[int] = None  # KV-index entries per replica before least-recently-used ones go
     warmup: WarmupConfig = field(default_factory=WarmupConfig)  # hot-prefix replay into joining replicas
+    peers: list[str] = field(default_factory=list)  # peer routers' base URLs: load and client limits shared (peers.py)
+    peer_interval_s: float = 0.1  # how often peers are polled
 
 
 async def json_body(request: Request, max_bytes: int) -> tuple[dict, bytes] | Response:
@@ -156,7 +159,7 @@ class FastPath:
         await resp(scope, receive, send)
 
 
-def _lifespan(settings: RouterSettings, metrics: RouterMetrics, state: dict):
+def _lifespan(settings: RouterSettings, metrics: RouterMetrics, state: dict, peers: Optional[PeerLoad] = None):
     """Start the fleet (health checks, event feeds, discovery) and the proxy with the app; stop them with it."""
     upstream = {"authorization": f"Bearer {settings.replica_api_key}"} if settings.replica_api_key else {}
 
@@ -174,12 +177,17 @@ def _lifespan(settings: RouterSettings, metrics: RouterMetrics, state: dict):
         session = upstream_session()
         state["proxy"] = Proxy(fleet, settings.renderer, settings.hash_cfg, metrics, settings.policy, settings.proxy,
                                upstream, session)
+        state["proxy"].peers = peers
         await fleet.set_members(settings.replicas)
         await fleet.start()
         disc = asyncio.create_task(settings.discovery(fleet)) if settings.discovery else None
+        gossip = asyncio.create_task(peers.run()) if peers else None
         try:
             yield
         finally:
+            if gossip is not None:
+                gossip.cancel()
+                await asyncio.gather(gossip, return_exceptions=True)
             if disc is not None:
                 disc.cancel()
                 await asyncio.gather(disc, return_exceptions=True)
@@ -231,12 +239,14 @@ def _add_status_routes(app: FastAPI, state: dict, metrics: RouterMetrics) -> Non
 
 def build_app(settings: RouterSettings) -> FastAPI:
     metrics = RouterMetrics()
-    limiter = ConcurrencyLimiter(settings.max_concurrent_per_client)
+    peers = PeerLoad(settings.peers, interval_s=settings.peer_interval_s) if settings.peers else None
+    limiter = ConcurrencyLimiter(settings.max_concurrent_per_client, remote=peers.client_open if peers else None)
     state: dict = {}  # "fleet" and "proxy", set by the lifespan
     front = Frontend(settings, limiter, state)
-    app = FastAPI(title="warmfleet router", lifespan=_lifespan(settings, metrics, state))
+    app = FastAPI(title="warmfleet router", lifespan=_lifespan(settings, metrics, state, peers))
     app.state.metrics = metrics
     app.state.limiter = limiter
+    app.state.peers = peers
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -259,4 +269,5 @@ def build_app(settings: RouterSettings) -> FastAPI:
         return await front.plain(request, "POST", "/detokenize")
 
     _add_status_routes(app, state, metrics)
+    add_peer_route(app, state, lambda: limiter.open, peers)
     return FastPath(app, front)  # type: ignore[return-value]  # an ASGI app that forwards attributes to `app`

@@ -11,7 +11,7 @@ import hashlib
 import hmac
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 DEFAULT_SALT_SECRET = "warmfleet-cache-salt-v1"
 
@@ -60,17 +60,26 @@ class Tenants:
 
 
 class ConcurrencyLimiter:
-    """At most `limit` open requests per client (0 = unlimited); `try_acquire` / `release`."""
+    """At most `limit` open requests per client (0 = unlimited) across every router; `try_acquire` / `release`.
 
-    def __init__(self, limit: int):
+    The limit is fleet-wide: with peer routers (`--peers`), `remote(client)` gives the client's open
+    requests on the other routers (their last report, peers.PeerLoad), and a request is admitted only
+    while this router's count plus theirs stays under the limit. Not `limit / routers` per router: a
+    plain L4 balancer pins a client's keep-alive connection to one router, which would then allow that
+    client only a fraction of its limit. Overshoot is bounded by what peers admitted since their last
+    report (one polling interval).
+    """
+
+    def __init__(self, limit: int, remote: Optional[Callable[[str], int]] = None):
         if limit < 0:
             raise ValueError("--max-concurrent-per-client must be >= 0")
         self.limit = limit
+        self.remote = remote
         self.open: dict[str, int] = {}
 
     def try_acquire(self, client: str) -> bool:
         n = self.open.get(client, 0)
-        if self.limit and n >= self.limit:
+        if self.limit and n + (self.remote(client) if self.remote is not None else 0) >= self.limit:
             return False
         self.open[client] = n + 1
         return True

@@ -100,6 +100,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Prompt tokens replayed into one joining replica before it takes traffic, at most.")
     p.add_argument("--warmup-budget-s", type=float, default=30.0,
                    help="Seconds a warm-up may take before the replica takes traffic anyway.")
+    p.add_argument("--peers", default=None, metavar="URL,URL,...",
+                   help="Other router processes in front of the same fleet (base URLs; this router's own URL may be "
+                        "listed too). Their in-flight load per replica and open requests per client are polled and "
+                        "added to this router's, so balancing and --max-concurrent-per-client hold fleet-wide.")
+    p.add_argument("--peer-interval-s", type=float, default=0.1, help="How often peer routers are polled, seconds.")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -111,6 +116,7 @@ def settings_from_args(args: argparse.Namespace):
     from .policy import PolicyConfig
     from .prompt import HashConfig, PromptRenderer
     from .proxy import ProxyConfig
+    from .peers import parse_peers
     from .warmup import WarmupConfig
     from .registry import parse_replica
 
@@ -133,6 +139,8 @@ def settings_from_args(args: argparse.Namespace):
         raise ValueError("--queue-weight and --load-weight must be >= 0")
     if args.balance_epsilon < 0 or args.cold_key_blocks < 1 or args.max_attempts < 1 or args.health_failures < 1:
         raise ValueError("--balance-epsilon must be >= 0, --cold-key-blocks, --max-attempts and --health-failures >= 1")
+    if args.peer_interval_s <= 0:
+        raise ValueError("--peer-interval-s must be > 0")
     keys = list(args.api_key)
     if os.environ.get("WARMFLEET_API_KEY"):
         keys.append(os.environ["WARMFLEET_API_KEY"])
@@ -170,6 +178,8 @@ def settings_from_args(args: argparse.Namespace):
         index_max_blocks=args.index_max_blocks,
         warmup=WarmupConfig(enabled=not args.no_warmup, budget_tokens=args.warmup_budget_tokens,
                             budget_s=args.warmup_budget_s),
+        peers=parse_peers(args.peers),
+        peer_interval_s=args.peer_interval_s,
     )
 
 

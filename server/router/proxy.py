@@ -79,6 +79,8 @@ def upstream_session() -> aiohttp.ClientSession:
 
 
 class Proxy:
+    peers = None  # peers.PeerLoad when other routers share the fleet: their load is added to this router's
+
     def __init__(self, fleet: Fleet, renderer: Optional[PromptRenderer], hash_cfg: HashConfig,
                  metrics: RouterMetrics, policy: PolicyConfig = PolicyConfig(), cfg: ProxyConfig = ProxyConfig(),
                  upstream_headers: Optional[dict] = None, session: Optional[aiohttp.ClientSession] = None):
@@ -108,15 +110,22 @@ class Proxy:
         hashes = self.fleet.dialect.block_hashes(prompt, body.get("cache_salt"), self.hash_cfg) if prompt else []
         matches = self.fleet.index.match(hashes, [r.id for r in replicas])
         cands = []
+        peer_load = self.peers.replica_load if self.peers is not None else None
         for r in replicas:
             m = matches[r.id]
             warm = 0
             if prompt and prompt.mm_items:
                 hits = self.fleet.index.encoder_hits(r.id, [i.mm_hash for i in prompt.mm_items])
                 warm = sum(i.length for i in prompt.mm_items if i.mm_hash in hits and i.offset >= m.blocks * bs)
-            cands.append(Candidate(r.id, m.gpu_blocks, m.cpu_blocks, warm,
-                                   load=max(r.in_flight, self.fleet.engine_load(r.id)),
-                                   queued_tokens=r.queued_tokens, sent=r.sent))
+            if peer_load is None:
+                cands.append(Candidate(r.id, m.gpu_blocks, m.cpu_blocks, warm,
+                                       load=max(r.in_flight, self.fleet.engine_load(r.id)),
+                                       queued_tokens=r.queued_tokens, sent=r.sent))
+            else:  # every router's load on it: ours exact, the peers' as of their last report
+                p_in, p_queued, p_sent = peer_load(r.id)
+                cands.append(Candidate(r.id, m.gpu_blocks, m.cpu_blocks, warm,
+                                       load=max(r.in_flight + p_in, self.fleet.engine_load(r.id)),
+                                       queued_tokens=r.queued_tokens + p_queued, sent=r.sent + p_sent))
         cold_key = hashes[min(len(hashes), self.cfg.cold_key_blocks) - 1] if hashes else None
         num_tokens = prompt.num_tokens if prompt else 0
         decision = choose(cands, block_size=bs, num_prompt_tokens=num_tokens, cold_key=cold_key, cfg=self.policy)

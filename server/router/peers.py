@@ -1,0 +1,195 @@
+"""Active-active routers: this router's load per replica and open requests per client, shared with peer routers.
+
+Several `warmfleet route` processes behind a plain load balancer each follow every replica's KV
+events, so their prefix decisions agree; what each one knows only for itself is the load it put
+on the replicas. Each router serves its own figures at `GET /v1/router/peer-load` (JSON) and
+polls every peer given with `--peers` every `interval_s` (100 ms):
+
+    router A ── GET /v1/router/peer-load ──▶ router B   {"router": id, "replicas": {url: [in_flight,
+             ◀── B's own figures ──────────            queued_tokens, sent]}, "clients": {digest: open}}
+
+The policy then scores replicas on A's own figures plus the sums of its fresh peers' (in flight,
+queued prefill tokens, recent share), and the per-client limit counts a client's open requests on
+every router. Why polling router figures rather than the replicas' own queue gauges: the gauges
+(`Load` in KV events) count only what reached the engine, carry no queued prefill tokens and no
+recent share, and an engine without events (FastDeploy) has none; the router figures exist for
+every engine kind and are exact at the moment they are read. What polling gives up: a peer's
+decisions of the last interval are unseen (at 100 ms and 34 requests/s over 3 routers, about one
+request per peer), so a burst can overshoot a bound by that much.
+
+A peer that has not answered for `stale_s` is left out of the sums (a dead router holds no
+requests; a partitioned one is then counted as zero, so a limit can be exceeded by what it
+holds). A URL that answers with this router's own id is itself (one `--peers` list for every
+router, e.g. a headless Service) and is not polled again. No pickle: JSON both ways.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+PEER_LOAD_PATH = "/v1/router/peer-load"
+ZERO = (0, 0, 0.0)
+
+
+def client_digest(client: str) -> str:
+    """A client's name as peers see it: API keys and addresses never leave the router in clear."""
+    return hashlib.blake2b(client.encode(), digest_size=12).hexdigest()
+
+
+def parse_peers(text: Optional[str]) -> list[str]:
+    """`--peers http://a:8080,http://b:8080` → base URLs (no trailing slash); raises ValueError on junk."""
+    out = []
+    for part in (text or "").split(","):
+        url = part.strip().rstrip("/")
+        if not url:
+            continue
+        if not url.startswith(("http://", "https://")) or "://" == url[-3:]:
+            raise ValueError(f"--peers takes http(s)://host:port URLs separated by commas, got {part!r}")
+        out.append(url)
+    return out
+
+
+@dataclass
+class PeerState:
+    """What one peer router last told us."""
+
+    url: str
+    router: Optional[str] = None  # its id (None until it answered)
+    replicas: Optional[dict] = None  # replica id -> (in_flight, queued_tokens, sent)
+    clients: Optional[dict] = None  # client digest -> open requests
+    seen: float = 0.0  # monotonic time of its last good answer
+    is_self: bool = False  # the URL reaches this very router
+    failures: int = 0  # polls failed in a row
+    last_error: str = ""
+
+
+class PeerLoad:
+    """Polls peer routers and sums their fresh figures; `replica_load` and `client_open` are O(1) lookups."""
+
+    def __init__(self, peers: Iterable[str], *, interval_s: float = 0.1, stale_s: float = 1.0,
+                 timeout_s: float = 0.5, router_id: Optional[str] = None):
+        self.router_id = router_id or secrets.token_hex(8)  # random per process: a restarted router is a new peer
+        self.peers = {u: PeerState(u) for u in peers}
+        self.interval_s, self.stale_s, self.timeout_s = interval_s, stale_s, timeout_s
+        self._replicas: dict[str, tuple[int, int, float]] = {}  # sums over fresh peers
+        self._clients: dict[str, int] = {}
+        self._session: Optional[aiohttp.ClientSession] = None
+
+    # --- what the policy and the limiter read -------------------------------------------------
+    def replica_load(self, rid: str) -> tuple[int, int, float]:
+        """(in flight, queued prefill tokens, recent share) that fresh peers have on replica `rid`."""
+        return self._replicas.get(rid, ZERO)
+
+    def client_open(self, client: str) -> int:
+        """Requests `client` has open on fresh peers."""
+        return self._clients.get(client_digest(client), 0) if self._clients else 0
+
+    def live_peers(self) -> int:
+        now = time.monotonic()
+        return sum(1 for p in self.peers.values() if not p.is_self and p.seen and now - p.seen <= self.stale_s)
+
+    # --- what this router tells its peers -------------------------------------------------------
+    def local_report(self, replicas: Iterable, open_by_client: dict[str, int]) -> dict:
+        """This router's own figures (never the sums: a peer adds every router once)."""
+        return {"router": self.router_id,
+                "replicas": {r.id: [r.in_flight, r.queued_tokens, round(r.sent, 3)] for r in replicas},
+                "clients": {client_digest(c): n for c, n in open_by_client.items() if n > 0}}
+
+    def view(self) -> list[dict]:
+        now = time.monotonic()
+        return [{"url": p.url, "router": p.router, "self": p.is_self,
+                 "age_s": round(now - p.seen, 3) if p.seen else None,
+                 "fresh": bool(p.seen) and now - p.seen <= self.stale_s, "last_error": p.last_error}
+                for p in self.peers.values()]
+
+    # --- polling -----------------------------------------------------------------------------------
+    def apply(self, peer: PeerState, report: dict, now: float) -> None:
+        """Take one peer's answer (validated: a malformed one is an error, never a crash)."""
+        router, reps, clients = report.get("router"), report.get("replicas"), report.get("clients")
+        if not isinstance(router, str) or not isinstance(reps, dict) or not isinstance(clients, dict):
+            raise ValueError("peer-load answer needs router (str), replicas and clients (objects)")
+        if router == self.router_id:
+            peer.is_self = True
+            return
+        parsed = {}
+        for rid, v in reps.items():
+            if not (isinstance(v, list) and len(v) == 3 and all(isinstance(x, (int, float)) and x >= 0 for x in v)):
+                raise ValueError(f"peer-load replica {rid!r}: expected [in_flight, queued_tokens, sent] >= 0")
+            parsed[rid] = (int(v[0]), int(v[1]), float(v[2]))
+        if not all(isinstance(n, int) and n >= 0 for n in clients.values()):
+            raise ValueError("peer-load clients: expected non-negative integers")
+        peer.router, peer.replicas, peer.clients, peer.seen = router, parsed, dict(clients), now
+        peer.failures, peer.last_error = 0, ""
+
+    def recompute(self, now: float) -> None:
+        """Sums over the peers heard from within `stale_s`; called after every polling round."""
+        reps: dict[str, list] = {}
+        clients: dict[str, int] = {}
+        for p in self.peers.values():
+            if p.is_self or not p.seen or now - p.seen > self.stale_s:
+                continue
+            for rid, (n, q, s) in p.replicas.items():
+                acc = reps.setdefault(rid, [0, 0, 0.0])
+                acc[0] += n
+                acc[1] += q
+                acc[2] += s
+            for c, n in p.clients.items():
+                clients[c] = clients.get(c, 0) + n
+        self._replicas = {rid: (a[0], a[1], a[2]) for rid, a in reps.items()}
+        self._clients = clients
+
+    async def poll(self, peer: PeerState) -> None:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=None))
+        try:
+            async with self._session.get(peer.url + PEER_LOAD_PATH,
+                                         timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as resp:
+                if resp.status != 200:
+                    raise ValueError(f"HTTP {resp.status}")
+                self.apply(peer, await resp.json(content_type=None), time.monotonic())
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+            peer.failures += 1
+            peer.last_error = f"{type(exc).__name__}: {exc}"[:200]
+            if peer.failures == max(1, round(self.stale_s / self.interval_s)):  # once, as it goes stale
+                log.warning("peer router %s not answering %s (%s); its load is left out of routing and client "
+                            "limits until it answers; check that --peers lists routers' own URLs",
+                            peer.url, PEER_LOAD_PATH, peer.last_error)
+
+    async def poll_once(self) -> None:
+        await asyncio.gather(*(self.poll(p) for p in self.peers.values() if not p.is_self))
+        self.recompute(time.monotonic())
+
+    async def run(self) -> None:
+        """Poll every peer each interval until cancelled."""
+        try:
+            while True:
+                await self.poll_once()
+                await asyncio.sleep(self.interval_s)
+        finally:
+            if self._session is not None:
+                await self._session.close()
+
+
+def add_peer_route(app, state: dict, open_by_client: Callable[[], dict], peers: Optional[PeerLoad]) -> None:
+    """`GET /v1/router/peer-load`: this router's own figures (served even without --peers, so others can poll it)."""
+    from starlette.responses import JSONResponse
+
+    local = peers or PeerLoad([])
+
+    @app.get(PEER_LOAD_PATH)
+    async def peer_load() -> JSONResponse:
+        fleet = state.get("fleet")
+        reps = fleet.registry.replicas.values() if fleet is not None else []
+        out = local.local_report(reps, open_by_client())
+        out["peers"] = local.view()
+        return JSONResponse(out)

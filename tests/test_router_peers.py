@@ -1,0 +1,216 @@
+"""Active-active routers: two real router apps on loopback share in-flight load and per-client limits (peers.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Optional
+
+import httpx
+import pytest
+import uvicorn
+
+from test_router_proxy import BLOCK, FakeReplica, FakeSharedFailures, Served, until
+from warmfleet.server.hashing import model_fingerprint
+from warmfleet.server.router.app import RouterSettings, build_app
+from warmfleet.server.router.auth import ConcurrencyLimiter
+from warmfleet.server.router.peers import PeerLoad, client_digest, parse_peers
+from warmfleet.server.router.prompt import HashConfig, PromptRenderer
+from warmfleet.server.router.registry import Replica, ReplicaSpec
+from warmfleet.server.tokenizer import Tokenizer
+
+SHORT = {"model": "tiny", "prompt": "hi", "max_tokens": 1, "stream": True}  # shorter than a block: routed by load
+
+
+class Bound:
+    """A uvicorn server on a socket bound before its app exists (routers must know each other's URL first)."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.task: Optional[asyncio.Task] = None
+
+    async def start(self, app) -> None:
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
+        await until(lambda: self.server.started, "router start")
+
+    async def stop(self) -> None:
+        if self.task is not None and not self.task.done():
+            self.server.should_exit = self.server.force_exit = True
+            await self.task
+
+
+class TwoRouters:
+    """Two fake replicas and two routers in front of them, each router given both routers' URLs."""
+
+    def __init__(self, model_dir, *, peers: bool = True, max_concurrent_per_client: int = 0,
+                 failures: Optional[FakeSharedFailures] = None):
+        self.tok = Tokenizer(model_dir)
+        self.fp = model_fingerprint(model_dir)
+        self.failures = failures or FakeSharedFailures()
+        self.replicas = [FakeReplica(f"r{i}", self.tok, self.fp, self.failures) for i in range(2)]
+        self.model_dir, self.peers, self.limit = model_dir, peers, max_concurrent_per_client
+
+    async def __aenter__(self) -> "TwoRouters":
+        self.served = [await Served(r.app).start() for r in self.replicas]
+        self.bound = [Bound(), Bound()]
+        urls = [b.url for b in self.bound]
+        self.apps = []
+        for b in self.bound:
+            settings = RouterSettings(
+                hash_cfg=HashConfig(BLOCK, self.fp),
+                replicas=[ReplicaSpec(s.url, r.events) for s, r in zip(self.served, self.replicas)],
+                renderer=PromptRenderer(str(self.model_dir), tokenizer=self.tok), health_interval_s=0.1,
+                max_concurrent_per_client=self.limit, peers=urls if self.peers else [], peer_interval_s=0.05)
+            app = build_app(settings)
+            await b.start(app)
+            self.apps.append(app)
+        for app in self.apps:
+            await until(lambda: all(app.state.fleet.index.is_synced(s.url) for s in self.served), "initial resync")
+        self.clients = [httpx.AsyncClient(base_url=b.url, timeout=10) for b in self.bound]
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for c in self.clients:
+            await c.aclose()
+        for b in self.bound:
+            await b.stop()
+        for s in self.served:
+            await s.stop()
+        for r in self.replicas:
+            r.close()
+
+    def release(self) -> None:
+        for r in self.replicas:
+            r.release.set()
+
+
+async def held_on_router_a(t: TwoRouters):
+    """Open a stream on router A that its replica holds; returns (task, replica id it went to)."""
+    task = asyncio.create_task(t.clients[0].post("/v1/completions", json=SHORT))
+    await until(lambda: any(r.received for r in t.replicas), "the held request reaching a replica")
+    held = next(s.url for s, r in zip(t.served, t.replicas) if r.received)
+    return task, held
+
+
+async def test_a_peer_routers_in_flight_request_steers_this_routers_choice(tiny_model_dir):
+    async with TwoRouters(tiny_model_dir, failures=FakeSharedFailures(1, "hold")) as t:
+        task, held = await held_on_router_a(t)
+        # by load alone both replicas tie on router B; the tie-break (replica id) is what router A just used,
+        # so without router A's figures router B would pick the same, busy replica
+        assert held == min(s.url for s in t.served)
+        peers_b = t.apps[1].state.peers
+        await until(lambda: peers_b.replica_load(held)[0] == 1, "router B to see router A's open request")
+        r = await t.clients[1].post("/v1/completions", json={**SHORT, "stream": False})
+        assert r.status_code == 200
+        other = next(s.url for s in t.served if s.url != held)
+        assert t.replicas[[s.url for s in t.served].index(other)].received  # went to the idle replica
+        t.release()
+        assert (await task).status_code == 200
+        await until(lambda: peers_b.replica_load(held)[:2] == (0, 0), "router A's request gone from router B's view")
+
+
+async def test_each_router_finds_itself_in_the_shared_peer_list(tiny_model_dir):
+    async with TwoRouters(tiny_model_dir) as t:
+        for i, app in enumerate(t.apps):
+            peers: PeerLoad = app.state.peers
+            await until(lambda: peers.live_peers() == 1, "the other router answering")
+            assert peers.peers[t.bound[i].url].is_self and not peers.peers[t.bound[1 - i].url].is_self
+        view = (await t.clients[0].get("/v1/router/peer-load")).json()
+        assert view["router"] == t.apps[0].state.peers.router_id
+        assert set(view["replicas"]) == {s.url for s in t.served}
+
+
+async def test_per_client_limit_holds_across_routers(tiny_model_dir):
+    async with TwoRouters(tiny_model_dir, max_concurrent_per_client=1, failures=FakeSharedFailures(1, "hold")) as t:
+        task, _ = await held_on_router_a(t)
+        peers_b = t.apps[1].state.peers
+        await until(lambda: peers_b.client_open("127.0.0.1") == 1, "router B to see the client's open request")
+        r = await t.clients[1].post("/v1/completions", json={**SHORT, "stream": False})
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+        t.release()
+        assert (await task).status_code == 200
+        await until(lambda: peers_b.client_open("127.0.0.1") == 0, "the slot freed on router A, seen by B")
+        assert (await t.clients[1].post("/v1/completions", json={**SHORT, "stream": False})).status_code == 200
+
+
+async def test_without_peers_each_router_limits_only_its_own_requests(tiny_model_dir):
+    """The control for the test above: the same scene with no --peers admits the second request."""
+    async with TwoRouters(tiny_model_dir, peers=False, max_concurrent_per_client=1,
+                          failures=FakeSharedFailures(1, "hold")) as t:
+        task, _ = await held_on_router_a(t)
+        assert t.apps[1].state.peers is None
+        assert (await t.clients[1].post("/v1/completions", json={**SHORT, "stream": False})).status_code == 200
+        t.release()
+        await task
+
+
+async def test_a_stopped_peer_is_left_out_of_the_sums(tiny_model_dir):
+    async with TwoRouters(tiny_model_dir, failures=FakeSharedFailures(1, "hold")) as t:
+        task, held = await held_on_router_a(t)
+        peers_b = t.apps[1].state.peers
+        await until(lambda: peers_b.replica_load(held)[0] == 1, "router B to see router A's open request")
+        t.release()
+        await task
+        await t.bound[0].stop()  # router A is gone
+        await until(lambda: peers_b.live_peers() == 0, "router A to go stale on router B", timeout_s=10)
+        # the sums are recomputed after the next polling round: nothing of router A's counts any more
+        await until(lambda: peers_b.replica_load(held) == (0, 0, 0.0), "router A's figures dropped")
+        assert peers_b.peers[t.bound[0].url].last_error
+
+
+# --- PeerLoad and the limiter without sockets ------------------------------------------------------
+def test_sums_cover_fresh_peers_only_and_skip_itself():
+    pl = PeerLoad(["http://a", "http://b", "http://me"], stale_s=1.0, router_id="me-id")
+    pl.apply(pl.peers["http://a"], {"router": "A", "replicas": {"r0": [2, 100, 3.5]}, "clients": {"d": 1}}, now=10.0)
+    pl.apply(pl.peers["http://b"], {"router": "B", "replicas": {"r0": [1, 0, 1.0], "r1": [4, 8, 2.0]},
+                                    "clients": {"d": 2}}, now=9.5)
+    pl.apply(pl.peers["http://me"], {"router": "me-id", "replicas": {"r0": [9, 9, 9]}, "clients": {}}, now=10.0)
+    assert pl.peers["http://me"].is_self
+    pl.recompute(now=10.2)
+    assert pl.replica_load("r0") == (3, 100, 4.5) and pl.replica_load("r1") == (4, 8, 2.0)
+    assert pl.replica_load("r9") == (0, 0, 0.0)
+    assert pl._clients == {"d": 3}
+    pl.recompute(now=10.7)  # B last heard at 9.5: stale
+    assert pl.replica_load("r0") == (2, 100, 3.5) and pl.replica_load("r1") == (0, 0, 0.0)
+
+
+@pytest.mark.parametrize("report", [
+    {"router": 1, "replicas": {}, "clients": {}},
+    {"router": "A", "replicas": {"r0": [1, 2]}, "clients": {}},
+    {"router": "A", "replicas": {"r0": [-1, 0, 0]}, "clients": {}},
+    {"router": "A", "replicas": {}, "clients": {"d": "x"}},
+    {"router": "A", "replicas": []},
+])
+def test_a_malformed_peer_report_is_rejected(report):
+    pl = PeerLoad(["http://a"])
+    with pytest.raises(ValueError):
+        pl.apply(pl.peers["http://a"], report, now=1.0)
+    assert pl.peers["http://a"].seen == 0.0
+
+
+def test_local_report_names_clients_by_digest_only():
+    pl = PeerLoad([])
+    rep = Replica(ReplicaSpec("http://r0"), in_flight=2, queued_tokens=30, sent=1.23456)
+    out = pl.local_report([rep], {"key:secret-api-key": 2, "gone": 0})
+    assert out["replicas"] == {"http://r0": [2, 30, 1.235]}
+    assert out["clients"] == {client_digest("key:secret-api-key"): 2}
+    assert "secret-api-key" not in str(out)
+
+
+def test_limiter_counts_peers_open_requests():
+    remote = {"c": 2}
+    lim = ConcurrencyLimiter(3, remote=lambda c: remote.get(c, 0))
+    assert lim.try_acquire("c") and not lim.try_acquire("c")  # 1 here + 2 elsewhere = 3
+    assert lim.try_acquire("other") and lim.try_acquire("other")
+    remote["c"] = 0
+    assert lim.try_acquire("c") and lim.try_acquire("c") and not lim.try_acquire("c")
+
+
+def test_parse_peers():
+    assert parse_peers("http://a:1, http://b:2/,") == ["http://a:1", "http://b:2"]
+    assert parse_peers(None) == []
+    with pytest.raises(ValueError):
+        parse_peers("a:1")
