@@ -295,6 +295,9 @@ def node_affinity(spec: InferenceServiceSpec, pool: Pool) -> dict[str, Any]:
     return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": exprs}]}}}
 
 
+ENGINE_SIGTERM_DRAIN_S = 30  # what an engine gives in-flight requests after SIGTERM (warmfleet serve's default)
+
+
 def server_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, planned: PlannedPool,
                       fetch_image: str | None = None) -> dict[str, Any]:
     """One pool's server Deployment; the pod template carries the sizing hash so only changed pools roll.
@@ -330,7 +333,8 @@ def server_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, plan
         },
         "readinessProbe": {"httpGet": {"path": engine.probes.readiness, "port": "http"}, "periodSeconds": 5, "failureThreshold": 2},
         "livenessProbe": {"httpGet": {"path": engine.probes.liveness, "port": "http"}, "periodSeconds": 10, "failureThreshold": 3, "timeoutSeconds": 5},
-        # Readiness drops as soon as the pod terminates; the sleep lets the router notice and in-flight requests finish.
+        # Drain (docs/router.md): the endpoint turns terminating at once and the router stops sending new requests;
+        # during this sleep in-flight ones finish, whatever the engine. SIGTERM then gets the engine's own drain.
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(d.drain_seconds)]}}},
         "securityContext": _container_security(),
         "volumeMounts": [
@@ -360,7 +364,8 @@ def server_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, plan
                     }],
                     "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
                     "securityContext": _server_pod_security(spec),
-                    "terminationGracePeriodSeconds": d.drain_seconds + 30,
+                    # preStop, then the engine's SIGTERM drain (`warmfleet serve --drain-timeout-s`, 30 s), then its exit
+                    "terminationGracePeriodSeconds": d.drain_seconds + ENGINE_SIGTERM_DRAIN_S + 15,
                     **_init_containers(spec, fetch_image or image, MODEL_CACHE_VOLUME),
                     "containers": [container],
                     "volumes": [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ class RouterSettings:
     predicted_ttl_s: float = 600.0  # FastDeploy: age after which a predicted block is forgotten
     index_max_blocks: Optional[int] = None  # KV-index entries per replica before least-recently-used ones go
     warmup: WarmupConfig = field(default_factory=WarmupConfig)  # hot-prefix replay into joining replicas
+    admin_key: Optional[str] = None  # Bearer key of the admin routes (drain); None: open only if tenants are off
     peers: list[str] = field(default_factory=list)  # peer routers' base URLs: load and client limits shared (peers.py)
     peer_interval_s: float = 0.1  # how often peers are polled
 
@@ -226,15 +228,64 @@ def _add_status_routes(app: FastAPI, state: dict, metrics: RouterMetrics) -> Non
         out = []
         for r in fleet.registry.replicas.values():
             st = fleet.index.replicas.get(r.id)
-            phase = "warming" if r.warming else "ready" if r.healthy else "down"
-            out.append({"id": r.id, "state": phase, "events": r.spec.events, "healthy": r.healthy,
-                        "in_flight": r.in_flight, "last_warmup": r.last_warmup,
+            out.append({"id": r.id, "state": _phase(r), "events": r.spec.events, "healthy": r.healthy,
+                        "in_flight": r.in_flight, "last_warmup": r.last_warmup, "draining": r.draining,
+                        "drain_trigger": r.drain_trigger, "last_handoff": r.last_handoff,
                         "engine_requests": fleet.engine_load(r.id), "synced": bool(st and st.synced),
                         "gpu_blocks": len(st.gpu) if st else 0, "cpu_blocks": len(st.cpu) if st else 0,
                         "last_error": r.last_error})
         return JSONResponse({"replicas": out, "index_blocks": fleet.index.num_blocks(),
                              "index_evicted_blocks": fleet.index.evicted, "engine": fleet.dialect.kind,
                              "contract": fleet.dialect.contract, "hash_check": fleet.dialect.hash_check()})
+
+
+def _phase(r) -> str:
+    """A replica's state in the replicas view: draining (requests still in flight), drained, warming, ready, down."""
+    if r.draining:
+        return "draining" if r.in_flight else "drained"
+    return "warming" if r.warming else "ready" if r.healthy else "down"
+
+
+def _add_admin_routes(app: FastAPI, settings: RouterSettings, state: dict) -> None:
+    """Drain for static fleets and scripted rolling updates: POST starts it, DELETE ends it.
+
+    The replica id is its base URL as `/v1/router/replicas` lists it (percent-encode it:
+    `/v1/router/replicas/http%3A%2F%2F10.0.0.7%3A8000/drain`). With `--admin-key` the call needs
+    `Authorization: Bearer KEY`; without one it is open only while the router checks no API keys.
+    """
+
+    def denied(request: Request) -> Optional[Response]:
+        if settings.admin_key:
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                     settings.admin_key.encode()):
+                return error_response(401, "admin routes need `Authorization: Bearer <admin key>`",
+                                      "authentication_error")
+        elif settings.tenants.enabled:
+            return error_response(403, "this router checks API keys: start it with --admin-key (or "
+                                  "WARMFLEET_ADMIN_KEY) to use its admin routes", "permission_error")
+        return None
+
+    async def drain_call(request: Request, rid: str, start: bool) -> Response:
+        refused = denied(request)
+        if refused is not None:
+            return refused
+        fleet: Fleet = state["fleet"]
+        rid = rid.rstrip("/")
+        if not (fleet.drain(rid, "admin") if start else fleet.undrain(rid)):
+            known = ", ".join(sorted(fleet.registry.replicas)) or "none"
+            return error_response(404, f"no replica {rid!r} in this router (members: {known})",
+                                  "invalid_request_error")
+        r = fleet.registry.replicas[rid]
+        return JSONResponse({"id": rid, "state": _phase(r), "draining": r.draining, "in_flight": r.in_flight})
+
+    @app.post("/v1/router/replicas/{rid:path}/drain")
+    async def drain(request: Request, rid: str) -> Response:
+        return await drain_call(request, rid, True)
+
+    @app.delete("/v1/router/replicas/{rid:path}/drain")
+    async def undrain(request: Request, rid: str) -> Response:
+        return await drain_call(request, rid, False)
 
 
 def build_app(settings: RouterSettings) -> FastAPI:
@@ -269,5 +320,6 @@ def build_app(settings: RouterSettings) -> FastAPI:
         return await front.plain(request, "POST", "/detokenize")
 
     _add_status_routes(app, state, metrics)
+    _add_admin_routes(app, settings, state)
     add_peer_route(app, state, lambda: limiter.open, peers)
     return FastPath(app, front)  # type: ignore[return-value]  # an ASGI app that forwards attributes to `app`

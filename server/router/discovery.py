@@ -2,8 +2,10 @@
 
 Membership is always recomputed from the whole set of slices, so a watch that missed
 events (expired resourceVersion, dropped connection) cannot leave a stale replica behind:
-the re-list replaces everything. Only endpoints whose `ready` condition is true (or unset,
-which Kubernetes defines as ready) count.
+the re-list replaces everything. Endpoints whose `ready` condition is true (or unset,
+which Kubernetes defines as ready) are members; a `terminating` one (its pod is being deleted:
+scale-in, rolling update) stays a member marked draining, so the router stops sending it new
+requests while the pod's preStop hook holds it up and hands its hot prefixes over.
 """
 
 from __future__ import annotations
@@ -36,7 +38,12 @@ def replicas_from_slices(slices: Iterable[Any], port_name: str, events_port_name
                          default_events_port: Optional[int], scheme: str = "http",
                          default_replay_port: Optional[int] = None,
                          default_metrics_port: Optional[int] = None) -> list[ReplicaSpec]:
-    """Ready endpoints of all slices as replica specs (pure; slices are kubernetes V1EndpointSlice objects)."""
+    """Ready and terminating endpoints of all slices as replica specs, the terminating ones `draining`.
+
+    Pure; slices are kubernetes V1EndpointSlice objects. A terminating endpoint counts whether or
+    not it is still `serving` (it may already fail readiness while requests finish on it); one
+    that is neither ready nor terminating (still starting) is left out.
+    """
     out: dict[str, ReplicaSpec] = {}
     for s in slices:
         port = _port(s, port_name)
@@ -47,14 +54,16 @@ def replicas_from_slices(slices: Iterable[Any], port_name: str, events_port_name
         mport = _port(s, METRICS_PORT_NAME) or default_metrics_port
         for ep in s.endpoints or []:
             cond = ep.conditions
-            if cond is not None and (cond.ready is False or cond.terminating is True):
+            terminating = cond is not None and cond.terminating is True
+            if cond is not None and cond.ready is False and not terminating:
                 continue
             for addr in (ep.addresses or [])[:1]:  # all addresses of one endpoint are the same pod
                 host = f"[{addr}]" if ":" in addr else addr
                 spec = ReplicaSpec(f"{scheme}://{host}:{port}", f"tcp://{host}:{eport}" if eport else None,
                                    f"tcp://{host}:{rport}" if rport else None,
-                                   f"{scheme}://{host}:{mport}" if mport else None)
-                out[spec.id] = spec
+                                   f"{scheme}://{host}:{mport}" if mport else None, draining=terminating)
+                if spec.id not in out or out[spec.id].draining:  # one live copy wins over a terminating one
+                    out[spec.id] = spec
     return sorted(out.values(), key=lambda s: s.id)
 
 

@@ -7,6 +7,12 @@ connections (a health check or a request that cannot connect: the process is gon
 busy replica is not death: purging its index for it would send its warm prefixes elsewhere). Its
 index entries are purged when it leaves (it may come back cold). When it passes a check again it
 is routable, and a snapshot resync rebuilds what it holds.
+
+Drain: a replica that is going away (its EndpointSlice endpoint turned terminating, or an admin
+call for a static fleet) stays a member but takes no new requests; those in flight, streams
+included, finish on it, and its hot prefixes are handed to the replicas that own them without it
+(`Warmer.handoff`). Draining replicas are routed only when no other replica is healthy, as
+Kubernetes itself uses terminating-but-serving endpoints.
 """
 
 from __future__ import annotations
@@ -79,6 +85,7 @@ class Fleet:
 
     async def set_members(self, specs: Iterable[ReplicaSpec]) -> None:
         """Make the fleet exactly `specs` (static flags or a discovery update)."""
+        specs = list(specs)
         added, removed = self.registry.set_members(specs)
         for rid in removed:
             task = self._subscribers.pop(rid, None)
@@ -86,7 +93,7 @@ class Fleet:
                 await cancel(task)
             self.index.remove(rid)
             m = self.metrics
-            for gauge in (m.replica_healthy, m.replica_in_flight, m.replica_queued_tokens):
+            for gauge in (m.replica_healthy, m.replica_in_flight, m.replica_queued_tokens, m.replica_draining):
                 try:
                     gauge.remove(rid)
                 except KeyError:
@@ -96,14 +103,49 @@ class Fleet:
             log.info("replica %s joined the fleet (events: %s)", spec.id, spec.events or "none")
             if spec.events:
                 self._subscribers[spec.id] = asyncio.create_task(self._subscribe(spec))
+        for spec in specs:  # endpoints that turned terminating drain; the drain of a terminating one ends
+            rep = self.registry.get(spec.id)
+            if rep is None:
+                continue
+            if spec.draining:
+                self.drain(spec.id, "terminating")
+            elif rep.draining and rep.drain_trigger == "terminating":
+                self.undrain(spec.id)
         if added:
             await asyncio.gather(*(self._check(self.registry.replicas[s.id]) for s in added))
 
+    # --- drain ------------------------------------------------------------------------------
+    def drain(self, rid: str, trigger: str) -> bool:
+        """Stop sending `rid` new requests and hand its hot prefixes over; False if it is no member."""
+        rep = self.registry.get(rid)
+        if rep is None:
+            return False
+        if self.registry.begin_drain(rid, trigger):
+            self.warmer.cancel(rid)  # warming a replica that is leaving is wasted work
+            self.metrics.replica_draining.labels(rid).set(1)
+            self.metrics.drains.labels(trigger).inc()
+            log.info("replica %s is draining (%s): no new requests, %d in flight finish", rid, trigger, rep.in_flight)
+            self.warmer.handoff(self, rep)
+        return True
+
+    def undrain(self, rid: str) -> bool:
+        """Route to `rid` again (warming it first if it came back cold); False if it is no member."""
+        rep = self.registry.get(rid)
+        if rep is None:
+            return False
+        if self.registry.end_drain(rid):
+            self.metrics.replica_draining.labels(rid).set(0)
+            log.info("replica %s drain ended", rid)
+            if rep.healthy:
+                self.warmer.begin(self, rep)
+        return True
+
     # --- routing view -----------------------------------------------------------------------
     def routable(self) -> list[Replica]:
-        """Healthy replicas not warming up; the warming ones too if nothing else is healthy."""
+        """Healthy replicas neither warming up nor draining; failing those, the warming ones, then the draining."""
         healthy = self.registry.healthy()
-        return [r for r in healthy if not r.warming] or healthy
+        serving = [r for r in healthy if not r.draining]
+        return [r for r in serving if not r.warming] or serving or healthy
 
     def engine_load(self, rid: str, max_age_s: float = 2.0) -> int:
         """Running + waiting requests from the replica's latest Load event, if fresh."""

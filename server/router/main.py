@@ -93,6 +93,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="HMAC secret for derived salts (env WARMFLEET_SALT_SECRET); same on every router.")
     p.add_argument("--replica-api-key", default=None,
                    help="Key sent to replicas as Bearer (env WARMFLEET_REPLICA_API_KEY).")
+    p.add_argument("--admin-key", default=None,
+                   help="Bearer key of the admin routes (POST/DELETE /v1/router/replicas/ID/drain; env "
+                        "WARMFLEET_ADMIN_KEY). Without it they are open only while the router checks no API keys.")
     p.add_argument("--no-warmup", action="store_true",
                    help="Route to a joining or restarted replica at once, cold (default: replay the router's hottest "
                         "prefixes into it first, within the budgets below).")
@@ -167,6 +170,7 @@ def settings_from_args(args: argparse.Namespace):
         max_concurrent_per_client=args.max_concurrent_per_client,
         max_request_bytes=args.max_request_bytes,
         replica_api_key=args.replica_api_key or os.environ.get("WARMFLEET_REPLICA_API_KEY"),
+        admin_key=args.admin_key or os.environ.get("WARMFLEET_ADMIN_KEY"),
         health_interval_s=args.health_interval_s,
         health_timeout_s=args.health_timeout_s,
         health_failures=args.health_failures,

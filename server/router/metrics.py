@@ -58,6 +58,14 @@ class RouterMetrics:
                                        ["replica"], registry=r)
         self.warmup_tokens = Counter(p + "warmup_tokens_total", "Prompt tokens replayed into joining replicas.",
                                      ["replica"], registry=r)
+        self.replica_draining = Gauge(p + "replica_draining", "1 while the replica drains (going away: no new "
+                                      "requests, in-flight ones finish).", ["replica"], registry=r)
+        self.drains = Counter(p + "drains_total", "Drains begun, by trigger (terminating endpoint or admin call).",
+                              ["trigger"], registry=r)
+        self.handoff_prefixes = Counter(p + "handoff_prefixes_total", "Hot prefixes of draining replicas replayed "
+                                        "into their new owners.", registry=r)
+        self.handoff_tokens = Counter(p + "handoff_tokens_total", "Prompt tokens of those hand-off replays.",
+                                      registry=r)
         self.route_seconds = Histogram(p + "route_seconds", "Time to render, tokenize, hash and score one request.",
                                        buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05), registry=r)
 

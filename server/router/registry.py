@@ -1,9 +1,9 @@
-"""Replica registry: the fleet's members, their health and the load this router put on them; no I/O."""
+"""Replica registry: the fleet's members, their health, drain state and the load this router put on them; no I/O."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Optional
 from urllib.parse import urlsplit
 
@@ -16,11 +16,16 @@ class ReplicaSpec:
     events: Optional[str] = None  # ZMQ endpoint of its KV events, e.g. tcp://10.0.0.7:5557; None = no events
     replay: Optional[str] = None  # ZMQ endpoint of its event replay socket (vLLM), e.g. tcp://10.0.0.7:5558
     metrics: Optional[str] = None  # base URL of its Prometheus endpoint when load comes from there (FastDeploy)
+    draining: bool = False  # going away (its EndpointSlice endpoint is terminating): no new requests
 
     @property
     def id(self) -> str:
         """Stable name used in the index, metrics and rendezvous hashing: the base URL."""
         return self.url
+
+    def same_place(self, other: "ReplicaSpec") -> bool:
+        """The same endpoints (a change of `draining` alone is not a new member)."""
+        return replace(self, draining=False) == replace(other, draining=False)
 
 
 def parse_replica(text: str, default_events_port: Optional[int] = None,
@@ -66,6 +71,10 @@ class Replica:
     failed_checks: int = 0  # active health checks failed in a row (timeouts, non-200)
     warming: bool = False  # joined or restarted: hot prefixes are being replayed into it; not routed meanwhile
     last_warmup: Optional[dict] = None  # figures of its last warm-up (prefixes, tokens, seconds, budgets)
+    draining: bool = False  # going away: takes no new requests, the ones in flight finish
+    drain_trigger: Optional[str] = None  # "terminating" (EndpointSlice) | "admin" (POST .../drain)
+    drain_since: Optional[float] = None  # monotonic time the drain began
+    last_handoff: Optional[dict] = None  # figures of the hand-off of its hot prefixes when it began draining
     down_since: Optional[float] = None  # monotonic time it was marked down
     last_error: str = ""
 
@@ -83,7 +92,11 @@ class Registry:
         self._on_down, self._on_up = on_down, on_up
 
     def set_members(self, specs: Iterable[ReplicaSpec]) -> tuple[list[ReplicaSpec], list[str]]:
-        """Make the membership exactly `specs`; returns (added specs, removed ids)."""
+        """Make the membership exactly `specs`; returns (added specs, removed ids).
+
+        A spec that differs from the member's only in `draining` updates the member in place
+        (the caller starts or ends its drain): it is the same pod, terminating.
+        """
         wanted = {s.id: s for s in specs}
         removed = [rid for rid in self.replicas if rid not in wanted]
         for rid in removed:
@@ -91,7 +104,9 @@ class Registry:
         added = []
         for rid, spec in wanted.items():
             cur = self.replicas.get(rid)
-            if cur is None or cur.spec != spec:
+            if cur is not None and cur.spec.same_place(spec):
+                cur.spec = spec
+            else:
                 if cur is not None:
                     removed.append(rid)
                 self.replicas[rid] = Replica(spec)
@@ -103,6 +118,26 @@ class Registry:
 
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas.values() if r.healthy]
+
+    def serving(self) -> list[Replica]:
+        """Healthy and not draining: the members that will own traffic from now on."""
+        return [r for r in self.replicas.values() if r.healthy and not r.draining]
+
+    def begin_drain(self, rid: str, trigger: str) -> bool:
+        """Mark `rid` draining; True if it was not already (the caller hands its prefixes over)."""
+        r = self.replicas.get(rid)
+        if r is None or r.draining:
+            return False
+        r.draining, r.drain_trigger, r.drain_since = True, trigger, time.monotonic()
+        return True
+
+    def end_drain(self, rid: str) -> bool:
+        """Make `rid` routable again (a static replica back after its update); True if it was draining."""
+        r = self.replicas.get(rid)
+        if r is None or not r.draining:
+            return False
+        r.draining, r.drain_trigger, r.drain_since = False, None, None
+        return True
 
     def mark_down(self, rid: str, error: str) -> None:
         r = self.replicas.get(rid)

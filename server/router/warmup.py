@@ -13,6 +13,11 @@ prefixes whose cold key the replica would own by rendezvous hashing over the new
 (the ones the policy would now place there), hottest first; then the fleet's hottest others.
 Each goes as `POST /v1/completions {"prompt": [ids], "max_tokens": 1, "cache_salt": salt}`, so
 the salt of the tenant it came from is kept and nothing crosses tenants.
+
+Hand-off of a replica that begins draining (scale-in, rolling update): its hot prefixes (those
+the index says it holds, or that it owned by rendezvous) are replayed into the replicas that
+own them by rendezvous over the members that stay, within the same budgets, hottest first;
+a prefix another staying replica already holds in full is skipped (the policy will go there).
 """
 
 from __future__ import annotations
@@ -95,6 +100,31 @@ class HotPrefixes:
             used += len(e.token_ids)
         return out
 
+    def select_handoff(self, leaving: str, staying: Sequence[str], held_by, budget_tokens: int,
+                       now: float) -> list[tuple[HotPrefix, str]]:
+        """(prefix, new owner) pairs to replay when `leaving` drains, hottest first, within the budget.
+
+        `held_by(key)` is the set of replicas whose cache holds the prefix's last block. A prefix
+        is the leaving replica's if it holds it or owned it by rendezvous over `staying` + it; its
+        new owner is the rendezvous winner over `staying`; one that a staying replica holds is skipped.
+        """
+        staying = [m for m in staying if m != leaving]
+        if not staying:
+            return []
+        ranked = sorted(self.entries.values(), key=lambda e: -e.score(now, self.cfg.half_life_s))
+        out, used = [], 0
+        for e in ranked:
+            holders = held_by(e.key)
+            owner = max(staying, key=lambda m: rendezvous_weight(e.cold_key, m))
+            was_owner = rendezvous_weight(e.cold_key, leaving) > rendezvous_weight(e.cold_key, owner)
+            if leaving not in holders and not was_owner:
+                continue
+            if any(m in holders for m in staying) or used + len(e.token_ids) > budget_tokens:
+                continue
+            out.append((e, owner))
+            used += len(e.token_ids)
+        return out
+
     def _drop(self, key: bytes) -> Optional[HotPrefix]:
         e = self.entries.pop(key, None)
         if e is not None:
@@ -118,16 +148,24 @@ class Warmer:
     def __init__(self, cfg: WarmupConfig, http, metrics, headers: dict):
         self.cfg, self.http, self.metrics, self.headers = cfg, http, metrics, headers
         self.hot = HotPrefixes(cfg)
-        self.tasks: dict[str, "asyncio.Task"] = {}
+        self.tasks: dict[str, "asyncio.Task"] = {}  # warm-ups, by joining replica
+        self.handoffs: dict[str, "asyncio.Task"] = {}  # hand-offs, by draining replica
 
     def begin(self, fleet, rep) -> None:
         """Warm `rep` if there is anything to replay and another replica can serve meanwhile."""
-        others = [r for r in fleet.registry.healthy() if r.id != rep.id and not r.warming]
-        if not self.cfg.enabled or not self.hot.entries or not others or rep.id in self.tasks:
+        others = [r for r in fleet.registry.serving() if r.id != rep.id and not r.warming]
+        if (not self.cfg.enabled or not self.hot.entries or not others or rep.id in self.tasks
+                or rep.draining):
             return
         rep.warming = True
         self.metrics.replica_warming.labels(rep.id).set(1)
         self.tasks[rep.id] = asyncio.create_task(self._run(fleet, rep))
+
+    def handoff(self, fleet, rep) -> None:
+        """`rep` began draining: replay its hot prefixes into their new owners (in the background)."""
+        if not self.cfg.enabled or not self.hot.entries or rep.id in self.handoffs:
+            return
+        self.handoffs[rep.id] = asyncio.create_task(self._handoff(fleet, rep))
 
     def cancel(self, rid: str) -> None:
         task = self.tasks.pop(rid, None)
@@ -135,37 +173,71 @@ class Warmer:
             task.cancel()
 
     async def stop(self) -> None:
-        for rid in list(self.tasks):
-            task = self.tasks.pop(rid)
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        for tasks in (self.tasks, self.handoffs):
+            for rid in list(tasks):
+                task = tasks.pop(rid)
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    async def _replay(self, url: str, e: HotPrefix, deadline: float, sem: asyncio.Semaphore) -> bool:
+        """One prefill-only request of `e` to `url` before `deadline` (monotonic); True if it was served."""
+        async with sem:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            body = {"prompt": e.token_ids, "max_tokens": 1}
+            if e.model is not None:
+                body["model"] = e.model
+            if e.salt is not None:
+                body["cache_salt"] = e.salt
+            try:
+                resp = await self.http.post(url + "/v1/completions", json=body, timeout=left, headers=self.headers)
+            except Exception as exc:  # timeouts, a replica gone: this replay is lost, the rest go on
+                log.info("replay request to %s failed: %s", url, type(exc).__name__)
+                return False
+            return resp.status_code == 200
+
+    async def _handoff(self, fleet, rep) -> None:
+        t0 = time.monotonic()
+        staying = [r for r in fleet.registry.serving() if r.id != rep.id]
+        urls = {r.id: r.spec.url for r in staying}
+
+        def held_by(key: bytes) -> set:
+            return {rid for rid, st in fleet.index.replicas.items() if key in st.gpu or key in st.cpu}
+
+        chosen = self.hot.select_handoff(rep.id, list(urls), held_by, self.cfg.budget_tokens, t0)
+        sem = asyncio.Semaphore(self.cfg.concurrency * max(1, len(urls)))
+        deadline = t0 + self.cfg.budget_s
+        done = {"prefixes": 0, "tokens": 0}
+
+        async def one(e: HotPrefix, owner: str) -> None:
+            if await self._replay(urls[owner], e, deadline, sem):
+                done["prefixes"] += 1
+                done["tokens"] += len(e.token_ids)
+
+        try:
+            await asyncio.gather(*(one(e, owner) for e, owner in chosen))
+        finally:
+            took = time.monotonic() - t0
+            self.handoffs.pop(rep.id, None)
+            self.metrics.handoff_prefixes.inc(done["prefixes"])
+            self.metrics.handoff_tokens.inc(done["tokens"])
+            rep.last_handoff = {"prefixes": done["prefixes"], "tokens": done["tokens"], "seconds": round(took, 3),
+                                "planned": len(chosen), "to": sorted({o for _, o in chosen})}
+            log.info("replica %s draining: handed %d hot prefixes (%d tokens) to %d replicas in %.2f s", rep.id,
+                     done["prefixes"], done["tokens"], len({o for _, o in chosen}), took)
 
     async def _run(self, fleet, rep) -> None:
         t0 = time.monotonic()
-        members = [r.id for r in fleet.registry.healthy()]
+        members = [r.id for r in fleet.registry.serving()]  # the membership that owns traffic from now on
         chosen = self.hot.select(rep.id, members, self.cfg.budget_tokens, time.monotonic())
         sem = asyncio.Semaphore(self.cfg.concurrency)
         done = {"prefixes": 0, "tokens": 0}
 
         async def replay(e: HotPrefix) -> None:
-            async with sem:
-                left = self.cfg.budget_s - (time.monotonic() - t0)
-                if left <= 0:
-                    return
-                body = {"prompt": e.token_ids, "max_tokens": 1}
-                if e.model is not None:
-                    body["model"] = e.model
-                if e.salt is not None:
-                    body["cache_salt"] = e.salt
-                try:
-                    resp = await self.http.post(rep.spec.url + "/v1/completions", json=body, timeout=left,
-                                                headers=self.headers)
-                except Exception as exc:  # timeouts, a replica gone again: the warm-up ends, routing resumes
-                    log.info("warm-up request to %s failed: %s", rep.id, type(exc).__name__)
-                    return
-                if resp.status_code == 200:
-                    done["prefixes"] += 1
-                    done["tokens"] += len(e.token_ids)
+            if await self._replay(rep.spec.url, e, t0 + self.cfg.budget_s, sem):
+                done["prefixes"] += 1
+                done["tokens"] += len(e.token_ids)
 
         try:
             await asyncio.gather(*(replay(e) for e in chosen))
