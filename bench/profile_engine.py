@@ -207,7 +207,6 @@ class Timers:
 
 def instrument(core) -> Timers:
     """Timers on engine stages and on every model sublayer (labels without the layer index)."""
-    from warmfleet.server.engine import attention
     import warmfleet.server.engine.core as core_mod
 
     t = Timers()
@@ -219,7 +218,7 @@ def instrument(core) -> Timers:
     t.wrap(core.kv, "find_prefix", "engine.schedule.find_prefix")
     t.wrap(core.kv, "allocate", "engine.schedule.allocate")
     t.wrap(core.kv, "cache_computed_blocks", "engine.update.cache_computed_blocks")
-    t.wrap(attention.AttentionMetadata, "build", "execute.metadata")
+    t.wrap(core.runner.backend, "build_metadata", "execute.metadata")
     model = core.model
     t.wrap(model, "forward", "execute.model_forward")
     t.wrap(model, "compute_logits", "execute.compute_logits")

@@ -11,6 +11,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .attention import registry as attention_backends
+
 GiB = 1 << 30
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20  # also the router's default
 
@@ -38,6 +40,10 @@ class ModelConfig:
         default=1,
         metadata=_opt("--engine-threads", "Math threads (MKL/OpenMP) of the engine-core process; the API process "
                       "runs no math. 1 leaves the other cores to the API process, as vLLM's CPU worker does."),
+    )
+    attention_backend: str = field(
+        default=attention_backends.DEFAULT,
+        metadata=_opt("--attention-backend", "Attention backend by name (registered in server/attention/registry.py)."),
     )
 
 
@@ -148,6 +154,7 @@ class EngineConfig:
             raise ValueError("--max-num-batched-tokens and --max-num-seqs must be >= 1")
         if self.model.engine_threads < 1:
             raise ValueError(f"--engine-threads must be >= 1, got {self.model.engine_threads}")
+        attention_backends.check(self.model.attention_backend)
         if not 0 < self.server.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.server.port}")
 

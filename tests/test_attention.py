@@ -1,17 +1,29 @@
-"""CPU paged attention: tiled causal attention over a scattered block table equals dense SDPA."""
+"""Attention backends: the CPU backend equals dense SDPA; a second one, chosen by name, runs the engine."""
+
+import collections
+import contextlib
 
 import numpy as np
 import paddle
 import paddle.nn.functional as F
 import pytest
 
-from warmfleet.server.engine.attention import QUERY_CHUNK, AttentionMetadata, CpuPagedAttention
+from warmfleet import LLM, SamplingParams
+from warmfleet.server.attention import registry
+from warmfleet.server.attention.cpu import QUERY_CHUNK, STRIDE_KERNEL_FLAG, CpuPagedAttention
+from warmfleet.server.attention.interface import KVLayout, LayerCache
+from warmfleet.server.config import EngineConfig, ModelConfig
 
 
 def dense(q, k, v):
     rep = q.shape[1] // k.shape[1]
     k, v = paddle.repeat_interleave(k, rep, axis=1), paddle.repeat_interleave(v, rep, axis=1)
     return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True)[0]
+
+
+def one_layer_cache(backend, num_blocks, block_size):
+    (cache,) = backend.allocate(KVLayout(1, 2, 8, block_size, "float32"), num_blocks)
+    return cache
 
 
 @pytest.mark.parametrize("split", [None, 300])
@@ -21,16 +33,17 @@ def test_multi_tile_prefill_matches_dense(split):
     q, k, v = paddle.randn([n, 4, 8]), paddle.randn([n, 2, 8]), paddle.randn([n, 2, 8])
     backend = CpuPagedAttention()
     num_blocks = -(-n // bs)
-    cache = backend.allocate(num_blocks + 3, bs, 2, 8, "float32")
+    cache = one_layer_cache(backend, num_blocks + 3, bs)
     table = list(np.random.default_rng(0).permutation(num_blocks + 3)[:num_blocks])  # scattered blocks
-    if split is None:
-        out = backend.forward(q, k, v, cache, AttentionMetadata.build(bs, [(table, 0, n)]), 8 ** -0.5)
-    else:  # chunked prefill: second chunk attends to the first chunk's cached keys
-        a = backend.forward(q[:split], k[:split], v[:split], cache,
-                            AttentionMetadata.build(bs, [(table, 0, split)]), 8 ** -0.5)
-        b = backend.forward(q[split:], k[split:], v[split:], cache,
-                            AttentionMetadata.build(bs, [(table, split, n - split)]), 8 ** -0.5)
-        out = paddle.concat([a, b])
+    with backend.step():
+        if split is None:
+            out = backend.forward(q, k, v, cache, backend.build_metadata(bs, [(table, 0, n)]), 8 ** -0.5)
+        else:  # chunked prefill: second chunk attends to the first chunk's cached keys
+            a = backend.forward(q[:split], k[:split], v[:split], cache,
+                                backend.build_metadata(bs, [(table, 0, split)]), 8 ** -0.5)
+            b = backend.forward(q[split:], k[split:], v[split:], cache,
+                                backend.build_metadata(bs, [(table, split, n - split)]), 8 ** -0.5)
+            out = paddle.concat([a, b])
     np.testing.assert_allclose(out.numpy(), dense(q, k, v).numpy(), atol=2e-5)
 
 
@@ -41,16 +54,162 @@ def test_mixed_step_with_padded_decode_batch_matches_dense():
     news = [1, 5, 1]  # decode, prefill chunk, decode
     seqs = [(paddle.randn([n, 4, 8]), paddle.randn([n, 2, 8]), paddle.randn([n, 2, 8])) for n in lens]
     backend = CpuPagedAttention()
-    cache = backend.allocate(16, bs, 2, 8, "float32")
+    cache = one_layer_cache(backend, 16, bs)
     tables = [[0, 1, 2], [3, 4], [5, 6, 7, 8]]
-    for (q, k, v), table, n, new in zip(seqs, tables, lens, news):  # fill the already-cached part
-        backend.forward(q[: n - new], k[: n - new], v[: n - new], cache,
-                        AttentionMetadata.build(bs, [(table, 0, n - new)]), 8 ** -0.5)
-    meta = AttentionMetadata.build(bs, [(t, n - new, new) for t, n, new in zip(tables, lens, news)])
-    assert meta.decode is not None and len(meta.seqs) == 1
-    out = backend.forward(paddle.concat([q[n - new:] for (q, _, _), n, new in zip(seqs, lens, news)]),
-                          paddle.concat([k[n - new:] for (_, k, _), n, new in zip(seqs, lens, news)]),
-                          paddle.concat([v[n - new:] for (_, _, v), n, new in zip(seqs, lens, news)]),
-                          cache, meta, 8 ** -0.5)
+    with backend.step():
+        for (q, k, v), table, n, new in zip(seqs, tables, lens, news):  # fill the already-cached part
+            backend.forward(q[: n - new], k[: n - new], v[: n - new], cache,
+                            backend.build_metadata(bs, [(table, 0, n - new)]), 8 ** -0.5)
+        meta = backend.build_metadata(bs, [(t, n - new, new) for t, n, new in zip(tables, lens, news)])
+        assert meta.decode is not None and len(meta.seqs) == 1
+        out = backend.forward(paddle.concat([q[n - new:] for (q, _, _), n, new in zip(seqs, lens, news)]),
+                              paddle.concat([k[n - new:] for (_, k, _), n, new in zip(seqs, lens, news)]),
+                              paddle.concat([v[n - new:] for (_, _, v), n, new in zip(seqs, lens, news)]),
+                              cache, meta, 8 ** -0.5)
     expected = paddle.concat([dense(q, k, v)[n - new:] for (q, k, v), n, new in zip(seqs, lens, news)])
     np.testing.assert_allclose(out.numpy(), expected.numpy(), atol=2e-5)
+
+
+def stride_kernels_on() -> bool:
+    return paddle.get_flags([STRIDE_KERNEL_FLAG])[STRIDE_KERNEL_FLAG]
+
+
+def test_cpu_step_turns_stride_kernels_off_for_the_whole_step_and_restores_them():
+    backend = CpuPagedAttention()
+    assert stride_kernels_on()  # Paddle's default, which safetensors loading needs
+    with backend.step():
+        with backend.step():  # nested (e.g. a test's step around the runner's): the outer one still holds
+            assert not stride_kernels_on()
+        assert not stride_kernels_on()
+    assert stride_kernels_on()
+
+
+def test_cpu_swap_copies_move_whole_blocks_between_tiers():
+    backend = CpuPagedAttention()
+    layout = KVLayout(2, 2, 8, 4, "float32")
+    primary, swap = backend.allocate(layout, 6), backend.allocate_swap(layout, 3)
+    for i, c in enumerate(primary):
+        c.key.set_value(paddle.randn(c.key.shape))
+        c.value.set_value(paddle.randn(c.value.shape) + i)
+    before = [(c.key.numpy().copy(), c.value.numpy().copy()) for c in primary]
+    backend.copy_blocks(primary, [4, 1], swap, [0, 2], layout.block_size)  # swap out blocks 4 and 1
+    for c in primary:
+        c.key.set_value(paddle.zeros(c.key.shape))
+        c.value.set_value(paddle.zeros(c.value.shape))
+    backend.copy_blocks(swap, [2, 0], primary, [3, 5], layout.block_size)  # swap them in elsewhere
+    bs = layout.block_size
+    for c, (k, v) in zip(primary, before):
+        np.testing.assert_array_equal(c.key.numpy()[3 * bs:4 * bs], k[1 * bs:2 * bs])
+        np.testing.assert_array_equal(c.value.numpy()[5 * bs:6 * bs], v[4 * bs:5 * bs])
+        assert not c.key.numpy()[:3 * bs].any()  # nothing else was written
+
+
+# ---- selection by name --------------------------------------------------------------------------------
+
+
+def test_unknown_backend_name_fails_with_one_line_naming_the_choices(tiny_model_dir):
+    with pytest.raises(ValueError) as exc:
+        registry.create("flash-nope")
+    msg = str(exc.value)
+    assert "\n" not in msg and "'flash-nope'" in msg and "registered backends: cpu" in msg
+    with pytest.raises(ValueError, match="unknown --attention-backend 'flash-nope'"):
+        EngineConfig(ModelConfig(model="/m", attention_backend="flash-nope")).validate()
+    with pytest.raises(ValueError, match="unknown --attention-backend"):  # before any model is loaded
+        LLM(str(tiny_model_dir), attention_backend="flash-nope")
+
+
+def test_default_backend_is_the_cpu_one():
+    assert ModelConfig().attention_backend == registry.DEFAULT == "cpu"
+    assert isinstance(registry.create("cpu"), CpuPagedAttention)
+
+
+class FakeBlockMajorMeta:
+    def __init__(self, block_size, writes, queries):
+        self.block_size = block_size
+        self.writes = writes  # per sequence, in row order: (block table, first new position, new tokens)
+        self.queries = queries  # per query row: (block table, its position)
+        self.sampled = None
+
+
+class FakeBlockMajorAttention:
+    """A second backend, defined outside the product: numpy K/V in its own layout ([blocks, block_size,
+    Hkv, D], not the CPU backend's slots), its own metadata, one query at a time."""
+
+    name = "fake-block-major"
+
+    def __init__(self):
+        self.calls = collections.Counter()
+
+    def allocate(self, layout, num_blocks, kind="allocate"):
+        self.calls[kind] += 1
+        shape = (num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        return [LayerCache(np.zeros(shape, np.float32), np.zeros(shape, np.float32)) for _ in range(layout.num_layers)]
+
+    def allocate_swap(self, layout, num_blocks):
+        return self.allocate(layout, num_blocks, "allocate_swap")
+
+    def copy_blocks(self, src, src_ids, dst, dst_ids, block_size):
+        self.calls["copy_blocks"] += 1
+        for a, b in zip(src, dst):
+            b.key[list(dst_ids)] = a.key[list(src_ids)]
+            b.value[list(dst_ids)] = a.value[list(src_ids)]
+
+    def build_metadata(self, block_size, spans, samples=None):
+        self.calls["build_metadata"] += 1
+        writes = [(list(t), done, new) for t, done, new in spans]
+        meta = FakeBlockMajorMeta(block_size, writes, [(t, done + i) for t, done, new in writes for i in range(new)])
+        if samples is not None:
+            meta.sampled = FakeBlockMajorMeta(block_size, writes,
+                                              [(t, done + new - 1) for (t, done, new), s in zip(writes, samples) if s])
+        return meta
+
+    def step(self):
+        self.calls["step"] += 1
+        return contextlib.nullcontext()
+
+    def forward(self, q, k, v, cache, meta, scale):
+        self.calls["forward"] += 1
+        bs, kn, vn, qn = meta.block_size, k.numpy(), v.numpy(), q.numpy()
+        row = 0
+        for table, done, new in meta.writes:
+            for p in range(done, done + new):
+                cache.key[table[p // bs], p % bs], cache.value[table[p // bs], p % bs] = kn[row], vn[row]
+                row += 1
+        rep = qn.shape[1] // kn.shape[1]
+        out = np.zeros_like(qn)
+        for i, (table, pos) in enumerate(meta.queries):
+            keys, vals = (np.repeat(x[table].reshape(-1, *x.shape[2:])[:pos + 1], rep, axis=1)
+                          for x in (cache.key, cache.value))  # [context, Hq, D]
+            scores = np.einsum("hd,chd->hc", qn[i], keys) * scale
+            probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            out[i] = np.einsum("hc,chd->hd", probs / probs.sum(axis=-1, keepdims=True), vals)
+        return paddle.to_tensor(out)
+
+
+def swap_tier_run(model_dir, **kw):
+    """The swap round trip of test_engine: a prompt, a filler that evicts it to the CPU tier, the prompt again."""
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(model_dir), block_size=16, num_gpu_blocks=12, swap_space=0.01, max_num_seqs=1, **kw)
+    p = [(i * 7) % 300 + 20 for i in range(70)]
+    first = llm.generate([p], greedy)[0]
+    llm.generate([[5] * 191], SamplingParams(max_tokens=1, ignore_eos=True))
+    again = llm.generate([p], greedy)[0]
+    assert again.num_cached_tokens_cpu == 64  # served from the swap tier
+    return llm, [first.outputs[0].token_ids, again.outputs[0].token_ids]
+
+
+def test_a_backend_registered_by_name_runs_the_engine_with_the_same_outputs(tiny_model_dir, monkeypatch):
+    """Registering a name is all it takes: metadata, both tiers, swap copies and attention go through
+    the backend, and greedy tokens equal the CPU backend's."""
+    monkeypatch.setitem(registry.BACKENDS, FakeBlockMajorAttention.name, FakeBlockMajorAttention)
+    _, reference = swap_tier_run(tiny_model_dir)
+    llm, tokens = swap_tier_run(tiny_model_dir, attention_backend="fake-block-major")
+    assert tokens == reference and reference[0] == reference[1]
+    backend = llm.engine.runner.backend
+    assert isinstance(backend, FakeBlockMajorAttention)
+    assert llm.engine.model.model.layers[0].self_attn.backend is backend
+    calls = backend.calls
+    assert calls["allocate"] == calls["allocate_swap"] == 1
+    assert calls["copy_blocks"] >= 2  # swapped out, then back in
+    assert calls["step"] >= calls["build_metadata"] >= 12  # every step runs inside step(); idle ones build nothing
+    assert calls["forward"] == calls["build_metadata"] * llm.engine.model.num_layers

@@ -13,8 +13,9 @@ import paddle
 import pytest
 from PIL import Image
 
-from warmfleet.server.engine.attention import AttentionMetadata, CpuPagedAttention
+from warmfleet.server.attention.cpu import CpuPagedAttention
 from warmfleet.server.engine.encoder_cache import image_slices
+from warmfleet.server.engine.model_runner import kv_layout
 from warmfleet.server.models import qwen2_vl
 from warmfleet.server.models.loader import load_model
 from warmfleet.server.multimodal.mrope import mrope_positions, positions_for_span
@@ -57,15 +58,14 @@ class Seq:
     """Just enough of an engine to run one sequence through the paged cache."""
 
     def __init__(self, model, num_tokens_max):
-        backend = model.model.layers[0].self_attn.backend
+        self.backend = model.model.layers[0].self_attn.backend
         nblocks = num_tokens_max // BLOCK + 2
-        self.caches = [backend.allocate(nblocks, BLOCK, model.num_kv_heads, model.head_dim, "float32")
-                       for _ in range(model.num_layers)]
+        self.caches = self.backend.allocate(kv_layout(model, BLOCK, "float32"), nblocks)
         self.blocks = list(range(nblocks))
         self.model = model
 
     def step(self, ids, start, positions, pieces=()):
-        meta = AttentionMetadata.build(BLOCK, [(self.blocks, start, len(ids))])
+        meta = self.backend.build_metadata(BLOCK, [(self.blocks, start, len(ids))])
         emb = self.model.embed_with_images(paddle.to_tensor(np.asarray(ids, dtype=np.int64)), list(pieces))
         hidden = self.model(None, paddle.to_tensor(positions), self.caches, meta, inputs_embeds=emb)
         return self.model.compute_logits(hidden).numpy()

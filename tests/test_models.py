@@ -10,7 +10,8 @@ import numpy as np
 import paddle
 import pytest
 
-from warmfleet.server.engine.attention import AttentionMetadata, CpuPagedAttention
+from warmfleet.server.attention.cpu import CpuPagedAttention
+from warmfleet.server.engine.model_runner import kv_layout
 from warmfleet.server.models.loader import load_model, register_model, MODEL_REGISTRY
 from warmfleet.server.models.tiny import make_tiny_model
 
@@ -25,9 +26,8 @@ class PagedRunner:
     def __init__(self, model, num_blocks: int = 64, block_size: int = 16):
         self.model = model
         self.block_size = block_size
-        backend = CpuPagedAttention()
-        self.caches = [backend.allocate(num_blocks, block_size, model.num_kv_heads, model.head_dim, "float32")
-                       for _ in range(model.num_layers)]
+        self.backend = model.model.layers[0].self_attn.backend
+        self.caches = self.backend.allocate(kv_layout(model, block_size, "float32"), num_blocks)
         # hand out blocks in a scrambled order so tests cover non-contiguous block tables
         self.free = list(np.random.default_rng(0).permutation(num_blocks))
         self.tables: dict[str, list[int]] = {}
@@ -45,9 +45,10 @@ class PagedRunner:
             ids += new
             positions += range(done, done + len(new))
             self.num_computed[seq] = done + len(new)
-        meta = AttentionMetadata.build(self.block_size, meta_batch)
-        hidden = self.model(paddle.to_tensor(ids, dtype="int64"), paddle.to_tensor(positions, dtype="int64"),
-                            self.caches, meta)
+        meta = self.backend.build_metadata(self.block_size, meta_batch)
+        with self.backend.step():
+            hidden = self.model(paddle.to_tensor(ids, dtype="int64"), paddle.to_tensor(positions, dtype="int64"),
+                                self.caches, meta)
         logits = self.model.compute_logits(hidden).numpy()
         out, start = [], 0
         for _, new in batch:
@@ -102,8 +103,8 @@ def test_golden_comparison_notices_wrong_positions(golden_models):
     model, gold = golden_models["qwen2_tiny"]
     ids = gold["prompt_1"].tolist()
     backend = CpuPagedAttention()
-    caches = [backend.allocate(8, 16, model.num_kv_heads, model.head_dim, "float32") for _ in range(model.num_layers)]
-    meta = AttentionMetadata.build(16, [([0, 1, 2], 0, len(ids))])
+    caches = backend.allocate(kv_layout(model, 16, "float32"), 8)
+    meta = backend.build_metadata(16, [([0, 1, 2], 0, len(ids))])
     stretched = paddle.arange(0, 2 * len(ids), 2, dtype="int64")
     logits = model.compute_logits(model(paddle.to_tensor(ids), stretched, caches, meta)).numpy()
     assert np.abs(logits - gold["full_logits"]).max() > 100 * ATOL
@@ -154,8 +155,8 @@ def test_inputs_embeds_override_input_ids(golden_models):
     results = []
     for kwargs in ({"input_ids": paddle.to_tensor(ids)},
                    {"input_ids": None, "inputs_embeds": model.embed(paddle.to_tensor(ids))}):
-        caches = [backend.allocate(4, 16, model.num_kv_heads, model.head_dim, "float32") for _ in range(model.num_layers)]
-        meta = AttentionMetadata.build(16, [([0, 1], 0, len(ids))])
+        caches = backend.allocate(kv_layout(model, 16, "float32"), 4)
+        meta = backend.build_metadata(16, [([0, 1], 0, len(ids))])
         results.append(model(positions=paddle.arange(len(ids), dtype="int64"), caches=caches, meta=meta, **kwargs).numpy())
     np.testing.assert_array_equal(results[0], results[1])
     assert results[0].shape == (len(ids), model.hidden_size)

@@ -25,6 +25,8 @@ def _cli(*args):
     (["serve", "--model", "/nonexistent", "--block-size", "48"], "--block-size must be a power of two"),
     (["serve", "--model", "/nonexistent", "--swap-space", "-1"], "--swap-space"),
     (["serve", "--model", "/nonexistent/ckpt"], "/nonexistent/ckpt"),
+    (["serve", "--model", "/nonexistent", "--attention-backend", "flash-nope"],
+     "unknown --attention-backend 'flash-nope'; registered backends: cpu"),
 ])
 def test_bad_serve_flags_exit_2_with_one_line(args, needle):
     r = _cli(*args)

@@ -12,11 +12,11 @@ from typing import Optional
 import numpy as np
 import paddle
 
+from ..attention import registry as attention_backends
 from ..config import EngineConfig, replica_id
 from ..events import EventPublisher, Load, Snapshot
 from ..multimodal.mrope import mrope_positions
 from ..multimodal.wire import from_msgpack
-from .attention import CpuPagedAttention
 from .block_pool import BlockPool
 from .cpu import configure as configure_cpu
 from .encoder_cache import EncoderCache
@@ -42,7 +42,7 @@ class EngineCore:
         configure_cpu(cfg.model.engine_threads)  # before the first matmul
         paddle.seed(cfg.model.seed)
         t0 = time.monotonic()
-        backend = CpuPagedAttention()
+        backend = attention_backends.create(cfg.model.attention_backend)
         self.model, self.hf_config = load_model(cfg.model.model, backend, cfg.model.dtype)
         self.eos_token_ids = tuple(Tokenizer(cfg.model.model).eos_token_ids)
         on_gpu = paddle.device.get_device().startswith("gpu")

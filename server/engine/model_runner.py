@@ -1,5 +1,7 @@
 """ModelRunner: owns every device tensor (weights, both KV tiers); runs one scheduled step.
 
+The attention backend (server/attention) decides how the KV tiers are laid out, allocates them,
+copies swapped blocks and builds each step's metadata; the runner decides what and when.
 Sizing is exact: bytes_per_block = 2 (K and V) × layers × block_size × kv_heads × head_dim × dtype
 bytes; primary blocks = budget ÷ bytes_per_block, swap blocks = swap_space GiB ÷ bytes_per_block.
 """
@@ -13,9 +15,9 @@ from typing import Any, Optional
 import numpy as np
 import paddle
 
-from ..config import DTYPE_BYTES, GiB, CacheConfig
+from ..attention.interface import AttentionBackend, KVLayout, LayerCache, SeqSpan
+from ..config import GiB, CacheConfig
 from ..multimodal.mrope import positions_for_span
-from .attention import AttentionBackend, AttentionMetadata, LayerCache, dense_transposes
 from .block_pool import SwapPlan
 from .encoder_cache import EncoderCache, image_slices
 from .request import Request
@@ -32,19 +34,6 @@ class StepLogits:
 
     requests: list[Request]  # the requests that sample this step, in row order
     logits: Optional[paddle.Tensor]  # float32 [len(requests), vocab]; None when nobody samples
-
-
-@dataclass
-class KVLayout:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: str
-
-    @property
-    def bytes_per_block(self) -> int:
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
 
 
 def num_blocks_for(cfg: CacheConfig, layout: KVLayout, on_gpu: bool) -> tuple[int, int]:
@@ -70,41 +59,26 @@ class ModelRunner:
         self.model = model
         self.layout = layout
         self.backend = backend
-        self.caches: list[LayerCache] = [
-            self.backend.allocate(num_gpu_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim, layout.dtype)
-            for _ in range(layout.num_layers)
-        ]
-        shape = [num_cpu_blocks * layout.block_size, layout.num_kv_heads, layout.head_dim]
-        self.cpu_caches = [LayerCache(_host_zeros(shape, layout.dtype), _host_zeros(shape, layout.dtype))
-                           for _ in range(layout.num_layers if num_cpu_blocks else 0)]
+        self.caches: list[LayerCache] = backend.allocate(layout, num_gpu_blocks)
+        self.cpu_caches: list[LayerCache] = backend.allocate_swap(layout, num_cpu_blocks) if num_cpu_blocks else []
         self.rng = np.random.default_rng(seed)
 
     # ---- swap tier ------------------------------------------------------------------------
-    def _slots(self, block_ids: list[int]) -> paddle.Tensor:
-        bs = self.layout.block_size
-        ids = np.asarray(block_ids, dtype=np.int64)[:, None] * bs + np.arange(bs, dtype=np.int64)[None, :]
-        return paddle.to_tensor(ids.reshape(-1))
-
-    def _copy(self, src: list[LayerCache], src_ids: list[int], dst: list[LayerCache], dst_ids: list[int]) -> None:
-        s, d = self._slots(src_ids), self._slots(dst_ids)
-        for a, b in zip(src, dst):
-            b.key.scatter_(d, paddle.gather(a.key, s).to(b.key.place), overwrite=True)
-            b.value.scatter_(d, paddle.gather(a.value, s).to(b.value.place), overwrite=True)
-
     def apply_swaps(self, plan: SwapPlan) -> None:
         """Swap-outs first (their source blocks may be reused by swap-ins of this same step)."""
+        bs = self.layout.block_size
         if plan.swap_out:
             g, c = zip(*plan.swap_out)
-            self._copy(self.caches, list(g), self.cpu_caches, list(c))
+            self.backend.copy_blocks(self.caches, g, self.cpu_caches, c, bs)
         if plan.swap_in:
             c, g = zip(*plan.swap_in)
-            self._copy(self.cpu_caches, list(c), self.caches, list(g))
+            self.backend.copy_blocks(self.cpu_caches, c, self.caches, g, bs)
 
     # ---- forward --------------------------------------------------------------------------
     @paddle.no_grad()
     def execute(self, out: SchedulerOutput, encoder_cache: Optional[EncoderCache] = None) -> StepLogits:
         """Run the step; returns the float32 logits of the last position of every request that samples."""
-        with dense_transposes():
+        with self.backend.step():
             return self._execute(out, encoder_cache)
 
     def _execute(self, out: SchedulerOutput, encoder_cache: Optional[EncoderCache]) -> StepLogits:
@@ -112,7 +86,7 @@ class ModelRunner:
         if not out.scheduled:
             return StepLogits([], None)
         vl = hasattr(self.model, "encode_images")
-        ids, pos, batch, last_rows, sampling = [], [], [], [], []
+        ids, pos, spans, last_rows, sampling = [], [], [], [], []
         pieces: list[tuple[int, Any]] = []
         row = 0
         for s in out.scheduled:
@@ -124,13 +98,13 @@ class ModelRunner:
                 pieces += self._image_pieces(r, start, n, row, encoder_cache)
             else:
                 pos.extend(range(start, start + n))
-            batch.append((r.block_ids, start, n))
+            spans.append(SeqSpan(r.block_ids, start, n))
             row += n
             if s.samples:
                 last_rows.append(row - 1)
                 sampling.append(r)
-        # Only the sampling rows continue past the last layer's K/V write (AttentionMetadata.sampled).
-        meta = AttentionMetadata.build(self.layout.block_size, batch, [s.samples for s in out.scheduled])
+        # Only the sampling rows continue past the last layer's K/V write (the metadata's `sampled`).
+        meta = self.backend.build_metadata(self.layout.block_size, spans, [s.samples for s in out.scheduled])
         sample_rows = paddle.to_tensor(np.asarray(last_rows, dtype=np.int64))
         input_ids = paddle.to_tensor(np.asarray(ids, dtype=np.int64))
         if vl:
@@ -173,13 +147,6 @@ class ModelRunner:
             for sl in slices:
                 cache.pin(r.request_id, sl.mm_hash)
         return [(row + sl.dst[0], embs[sl.index][sl.rows[0]:sl.rows[1]]) for sl in slices]
-
-
-def _host_zeros(shape: list[int], dtype: str) -> paddle.Tensor:
-    """Host memory for the swap tier: pinned when a GPU is present so copies can be asynchronous."""
-    if paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0:
-        return paddle.zeros(shape, dtype=dtype).pin_memory()
-    return paddle.zeros(shape, dtype=dtype)
 
 
 def kv_layout(model, block_size: int, dtype: str) -> KVLayout:

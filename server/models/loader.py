@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ..attention.interface import AttentionBackend
+
 logger = logging.getLogger("warmfleet.models")
 
 # architectures[i] in config.json -> "module:Class" (imported on first use) or a class
@@ -117,7 +119,7 @@ def load_weights(model: Any, files: list[Path], progress: Callable[[str], None] 
         raise ValueError(f"checkpoint does not match {type(model).__name__}: " + "; ".join(parts))
 
 
-def load_model(model_dir: str | Path, backend: Any, dtype: str = "float32") -> tuple[Any, dict[str, Any]]:
+def load_model(model_dir: str | Path, backend: AttentionBackend, dtype: str = "float32") -> tuple[Any, dict[str, Any]]:
     """Build the model named by config.json and fill it from the directory's safetensors; (model, config)."""
     config = read_config(model_dir)
     arch, cls = resolve_architecture(config)

@@ -2,8 +2,8 @@
 
 Parameters are keyed exactly like the safetensors files (linear weights kept as [in, out], the
 transpose of the checkpoint's [out, in], see `Linear`), so loading is `param.set_value(tensor)`
-per name. The model never sees block tables: the attention backend owns the cache
-(server/engine/attention.py).
+per name. The model never sees block tables: the attention backend owns the cache and its
+metadata; the model imports only the backend interface (server/attention/interface.py).
 
 q/k/v and gate/up stay separate matmuls: merged ([512, 1024] instead of 512 + 256 + 256) they
 ran 1.4-1.5x slower on MKL for 16-64 rows on the bench checkpoint (docs/performance.md).
@@ -25,8 +25,7 @@ import paddle.nn.functional as F
 from paddle import nn
 
 from ..config import DTYPES
-from ..engine.attention import AttentionBackend, AttentionMetadata, LayerCache
-
+from ..attention.interface import AttentionBackend, AttentionMetadata, LayerCache
 
 
 def _param(layer: nn.Layer, shape: list[int], dtype: str) -> paddle.Tensor:

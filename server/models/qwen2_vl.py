@@ -19,7 +19,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
-from ..engine.attention import AttentionBackend
+from ..attention.interface import AttentionBackend
 from .qwen2 import Linear, Qwen2ForCausalLM, RMSNorm, RotaryEmbedding, _param
 
 

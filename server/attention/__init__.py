@@ -1,0 +1,1 @@
+"""Attention backends, below `engine/` and `models/`: the interface both see, selection by name, one module each."""

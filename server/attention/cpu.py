@@ -1,0 +1,294 @@
+"""The `cpu` attention backend: paged KV cache in Paddle ops, per-step metadata, swap copies, gather + tiled attention.
+
+Cache layout per layer: `key`, `value` of shape [num_blocks * block_size, num_kv_heads, head_dim]
+("slots"); slot = block_id * block_size + offset_in_block. The swap tier has the same layout in
+host memory (pinned when a GPU is present); a swap copies a block's slots.
+
+Prefill tiles mask and take the softmax of their scores in numpy, in place on the same memory
+(DLPack, no copy): on these [heads, queries, keys] blocks Paddle's CPU broadcast add and
+softmax run 2-4x slower than numpy's vectorised loops (docs/performance.md), and the mask
+only touches a tile's own keys. Decode batches, whose scores are small, stay on Paddle ops, as
+does everything on a device.
+
+Written in plain Paddle ops, so it also runs where Paddle's device is a GPU, but unfused and
+never measured there; a GPU kernel belongs in a backend of its own name (registry.py).
+Steps run without Paddle's stride kernels (`step()`, see `dense_transposes`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Sequence
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+
+from .interface import KVLayout, LayerCache, SeqSpan
+
+QUERY_CHUNK = 128  # queries per attention tile on CPU: skips masked-out keys, keeps the scores block small
+
+
+@dataclass
+class QueryTile:
+    """Queries [start, end) of a sequence (relative to its first new token) attend to keys [0, key_end).
+
+    Causality: the tile's last (end - start) keys are its own tokens (a lower triangle is visible);
+    every key before them is visible to all of its queries.
+    """
+
+    start: int
+    end: int
+    key_end: int
+
+
+@dataclass
+class SeqAttention:
+    """One sequence's slice of a flattened step batch.
+
+        keys:    |<------------- context_len ------------->|
+                 |<-- cached (num_computed) -->|<-- new -->|
+        queries:                               |<-- new -->|   query_len rows from query_start
+    """
+
+    query_start: int  # first row of this sequence in the flattened [T, ...] step tensors
+    query_len: int  # new tokens computed this step
+    context_len: int  # tokens with KV after this step (cached + new)
+    context_slots: Optional[paddle.Tensor]  # int64 [context_len]: slot of every context token; None: the new tokens
+    tiles: list[QueryTile]
+
+
+@dataclass
+class DecodeBatch:
+    """Sequences with one query row each, attended in one padded batch instead of one by one."""
+
+    rows: Optional[paddle.Tensor]  # int64 [B]: their rows in the step tensors; None when they are rows 0..B-1 of B
+    row_ids: np.ndarray  # int64 [B]: the same rows on the host
+    slots: paddle.Tensor  # int64 [B * max_context]: each row's context slots, padded with slot 0
+    mask: Optional[paddle.Tensor]  # additive float32 [B, 1, 1, max_context]: -inf on padding; None if nothing is
+    max_context: int
+    num_seqs: int
+
+    @classmethod
+    def build(cls, rows: list[int], slots: list[np.ndarray], num_tokens: int) -> "DecodeBatch":
+        width = max(len(x) for x in slots)
+        padded = np.zeros((len(rows), width), dtype=np.int64)
+        mask = np.zeros((len(rows), width), dtype=np.float32)
+        for i, x in enumerate(slots):
+            padded[i, :len(x)] = x
+            mask[i, len(x):] = -np.inf
+        row_ids = np.asarray(rows, dtype=np.int64)
+        in_order = len(rows) == num_tokens  # then rows are 0..B-1: nothing to gather
+        ragged = any(len(x) != width for x in slots)
+        return cls(None if in_order else paddle.to_tensor(row_ids), row_ids, paddle.to_tensor(padded.reshape(-1)),
+                   paddle.to_tensor(mask[:, None, None, :]) if ragged else None, width, len(rows))
+
+
+@dataclass
+class CpuAttentionMetadata:
+    slot_mapping: paddle.Tensor  # int64 [T]: where each new token's K/V is written
+    seqs: list[SeqAttention] = field(default_factory=list)  # sequences with several new tokens (prefill)
+    decode: Optional[DecodeBatch] = None  # sequences with one new token
+    num_tokens: int = 0  # query rows: T, or N for `sampled`
+    # The last layer's view when only sampling rows continue (model.forward(sample_rows=...)):
+    # the same K/V writes, then the N sampling rows (each sequence's last) as one decode batch.
+    sampled: Optional["CpuAttentionMetadata"] = None
+
+    @classmethod
+    def build(cls, block_size: int, batch: Sequence[SeqSpan],
+              samples: Optional[Sequence[bool]] = None) -> "CpuAttentionMetadata":
+        """batch: per sequence (block table, num tokens already with KV, num new tokens).
+
+        `samples` (per sequence: does its last new row sample?) also builds `sampled`.
+        """
+        slots_all: list[np.ndarray] = []
+        seqs: list[SeqAttention] = []
+        decode_rows: list[int] = []
+        decode_slots: list[np.ndarray] = []
+        sample_slots: list[np.ndarray] = []
+        start = 0
+        for i, (block_table, num_computed, num_new) in enumerate(batch):
+            ctx = num_computed + num_new
+            bt = np.asarray(block_table, dtype=np.int64)
+            pos = np.arange(ctx, dtype=np.int64)
+            slots = bt[pos // block_size] * block_size + pos % block_size
+            slots_all.append(slots[num_computed:])
+            if samples is not None and samples[i]:
+                sample_slots.append(slots)
+            if num_new == 1:
+                decode_rows.append(start)
+                decode_slots.append(slots)
+                start += 1
+                continue
+            tiles = [QueryTile(t0, min(num_new, t0 + QUERY_CHUNK), num_computed + min(num_new, t0 + QUERY_CHUNK))
+                     for t0 in range(0, num_new, QUERY_CHUNK)]
+            # a cold sequence's context is exactly its new K/V: no gather from the cache
+            seqs.append(SeqAttention(start, num_new, ctx, paddle.to_tensor(slots) if num_computed else None, tiles))
+            start += num_new
+        slot_mapping = paddle.to_tensor(np.concatenate(slots_all))
+        meta = cls(slot_mapping, seqs, DecodeBatch.build(decode_rows, decode_slots, start) if decode_rows else None,
+                   start)
+        if samples is not None:
+            n = len(sample_slots)
+            meta.sampled = cls(slot_mapping, [], DecodeBatch.build(list(range(n)), sample_slots, n) if n else None, n)
+        return meta
+
+
+STRIDE_KERNEL_FLAG = "FLAGS_use_stride_kernel"
+
+
+@contextlib.contextmanager
+def dense_transposes() -> Iterator[None]:
+    """Run Paddle ops without stride kernels, then restore the flag's previous value.
+
+    NOTE: with stride kernels a transpose is a view, and Paddle's CPU matmul on such views takes a
+    slow path (decode attention ~10x slower); real transposes are cheap. The flag is restored
+    because other code (safetensors loading) needs stride kernels.
+    """
+    before = paddle.get_flags([STRIDE_KERNEL_FLAG])[STRIDE_KERNEL_FLAG]
+    paddle.set_flags({STRIDE_KERNEL_FLAG: False})
+    try:
+        yield
+    finally:
+        paddle.set_flags({STRIDE_KERNEL_FLAG: before})
+
+
+class CpuPagedAttention:
+    """Writes new K/V into their slots; each prefill sequence attends tile by tile, all decodes in one batch."""
+
+    name = "cpu"
+
+    def allocate(self, layout: KVLayout, num_blocks: int) -> list[LayerCache]:
+        shape = [num_blocks * layout.block_size, layout.num_kv_heads, layout.head_dim]
+        return [LayerCache(paddle.zeros(shape, dtype=layout.dtype), paddle.zeros(shape, dtype=layout.dtype))
+                for _ in range(layout.num_layers)]
+
+    def allocate_swap(self, layout: KVLayout, num_blocks: int) -> list[LayerCache]:
+        shape = [num_blocks * layout.block_size, layout.num_kv_heads, layout.head_dim]
+        return [LayerCache(_host_zeros(shape, layout.dtype), _host_zeros(shape, layout.dtype))
+                for _ in range(layout.num_layers)]
+
+    def copy_blocks(self, src: list[LayerCache], src_ids: Sequence[int], dst: list[LayerCache],
+                    dst_ids: Sequence[int], block_size: int) -> None:
+        s, d = _block_slots(src_ids, block_size), _block_slots(dst_ids, block_size)
+        for a, b in zip(src, dst):
+            b.key.scatter_(d, paddle.gather(a.key, s).to(b.key.place), overwrite=True)
+            b.value.scatter_(d, paddle.gather(a.value, s).to(b.value.place), overwrite=True)
+
+    def build_metadata(self, block_size: int, spans: Sequence[SeqSpan],
+                       samples: Optional[Sequence[bool]] = None) -> CpuAttentionMetadata:
+        return CpuAttentionMetadata.build(block_size, spans, samples)
+
+    def step(self):
+        return dense_transposes()
+
+    def forward(self, q, k, v, cache, meta, scale):
+        """q: [T, Hq, D]; k, v: [T, Hkv, D] → [T, Hq, D]. Fast only inside `step()` (stride kernels off)."""
+        cache.key.scatter_(meta.slot_mapping, k, overwrite=True)
+        cache.value.scatter_(meta.slot_mapping, v, overwrite=True)
+        if meta.num_tokens == 0:  # only K/V to write (a prefill chunk that does not sample)
+            return q
+        num_heads, num_kv, head_dim = q.shape[1], k.shape[1], q.shape[2]
+        rep = num_heads // num_kv  # query head h reads kv head h // rep (grouped-query attention)
+        q = q * scale  # cheaper on the queries than on the [.., queries, keys] scores
+        rows, outs = [], []
+        for s in meta.seqs:
+            qs = q[s.query_start: s.query_start + s.query_len]  # [L, Hq, D]
+            # [Hkv, rep, L, D]: each kv head serves its group of query heads without copying K/V
+            qg = qs.reshape([s.query_len, num_kv, rep, head_dim]).transpose([1, 2, 0, 3])
+            if s.context_slots is None:
+                kc, vc = (x[s.query_start: s.query_start + s.query_len] for x in (k, v))
+            else:
+                kc, vc = paddle.gather(cache.key, s.context_slots), paddle.gather(cache.value, s.context_slots)
+            kh, vh = kc.transpose([1, 0, 2]), vc.transpose([1, 0, 2])  # [Hkv, C, D]
+            for t in s.tiles:
+                n = t.end - t.start
+                # a group's queries as the rows of one [rep * n, D] matrix per kv head (no broadcast matmul)
+                qt = qg[:, :, t.start:t.end].reshape([num_kv, rep * n, head_dim])
+                scores = paddle.matmul(qt, kh[:, :t.key_end], transpose_y=True)  # [Hkv, rep * n, keys]
+                o = paddle.matmul(_causal_softmax_(scores, n), vh[:, :t.key_end])  # [Hkv, rep * n, D]
+                outs.append(o.reshape([num_kv, rep, n, head_dim]).transpose([2, 0, 1, 3]).reshape([n, num_heads, head_dim]))
+            rows.append(np.arange(s.query_start, s.query_start + s.query_len))
+        d = meta.decode
+        if d is not None:
+            b = d.num_seqs
+            # a group's query heads are the rows of one matmul against its kv head: no broadcasting
+            qd = (q if d.rows is None else paddle.gather(q, d.rows)).reshape([b, num_kv, rep, head_dim])
+            # Paddle ops: a decode batch's scores are small, numpy's fixed cost per call would dominate
+            kd = paddle.gather(cache.key, d.slots).reshape([b, d.max_context, num_kv, head_dim])
+            vd = paddle.gather(cache.value, d.slots).reshape([b, d.max_context, num_kv, head_dim])
+            kd = kd.transpose([0, 2, 1, 3])  # [B, Hkv, C, D]
+            vd = vd.transpose([0, 2, 1, 3])
+            scores = paddle.matmul(qd, kd, transpose_y=True)  # [B, Hkv, rep, C]
+            probs = _softmax_fp32(scores if d.mask is None else scores + d.mask)
+            o = paddle.matmul(probs, vd).reshape([b, num_heads, head_dim])
+            if not meta.seqs:
+                return o if d.rows is None else _place(o, d.rows, meta.num_tokens)
+            outs.append(o)
+            rows.append(d.row_ids)
+        if d is None and len(meta.seqs) == 1:
+            return outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
+        order = paddle.to_tensor(np.concatenate(rows))
+        return _place(paddle.concat(outs, axis=0), order, meta.num_tokens)
+
+
+def _block_slots(block_ids: Sequence[int], block_size: int) -> paddle.Tensor:
+    """int64 [len(block_ids) * block_size]: every slot of the blocks, block by block."""
+    ids = np.asarray(block_ids, dtype=np.int64)[:, None] * block_size + np.arange(block_size, dtype=np.int64)[None, :]
+    return paddle.to_tensor(ids.reshape(-1))
+
+
+def _host_zeros(shape: list[int], dtype: str) -> paddle.Tensor:
+    """Host memory for the swap tier: pinned when a GPU is present so copies can be asynchronous."""
+    if paddle.device.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0:
+        return paddle.zeros(shape, dtype=dtype).pin_memory()
+    return paddle.zeros(shape, dtype=dtype)
+
+
+def _host_view(t: paddle.Tensor) -> Optional[np.ndarray]:
+    """Writable numpy view of a host float32 tensor's memory (DLPack, no copy); None for anything else."""
+    if t.dtype != paddle.float32 or not t.place.is_cpu_place():
+        return None
+    view = np.from_dlpack(t)
+    return view if view.flags.writeable else None
+
+
+@functools.lru_cache(maxsize=64)
+def _upper_triangle(n: int) -> np.ndarray:
+    """Additive causal mask of a tile's own keys: -inf above the diagonal."""
+    return np.triu(np.full((n, n), -np.inf, dtype=np.float32), 1)
+
+
+def _causal_softmax_(scores: paddle.Tensor, n: int) -> paddle.Tensor:
+    """Softmax over keys of [.., n queries (fastest-varying rows), keys] scores whose last n keys
+    are the queries' own tokens; in place on the host."""
+    keys = scores.shape[-1]
+    host = _host_view(scores)
+    if host is not None:
+        rows = host.reshape(-1, n, keys)
+        rows[..., keys - n:] += _upper_triangle(n)
+        _softmax_inplace(rows)
+        return scores
+    mask = np.concatenate([np.zeros((n, keys - n), np.float32), _upper_triangle(n)], axis=1)
+    return _softmax_fp32(scores.reshape([-1, n, keys]) + paddle.to_tensor(mask)).reshape(scores.shape)
+
+
+def _softmax_inplace(a: np.ndarray) -> None:
+    np.subtract(a, a.max(axis=-1, keepdims=True), out=a)
+    np.exp(a, out=a)
+    a /= a.sum(axis=-1, keepdims=True)
+
+
+def _softmax_fp32(scores: paddle.Tensor) -> paddle.Tensor:
+    """Softmax over keys in float32 (no casts when the scores already are)."""
+    if scores.dtype == paddle.float32:
+        return F.softmax(scores, axis=-1)
+    return F.softmax(scores.astype("float32"), axis=-1).astype(scores.dtype)
+
+
+def _place(values: paddle.Tensor, rows: paddle.Tensor, num_rows: int) -> paddle.Tensor:
+    """Rows `rows` of a new [num_rows, ...] tensor set to `values` (every row is covered by the caller)."""
+    out = paddle.zeros([num_rows, *values.shape[1:]], dtype=values.dtype)
+    return paddle.scatter(out, rows, values, overwrite=True)

@@ -1,0 +1,33 @@
+"""Attention backends by name (`--attention-backend`); no paddle: a backend's module is imported when it is created."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from .interface import AttentionBackend
+
+DEFAULT = "cpu"
+
+
+def _cpu() -> "AttentionBackend":
+    from .cpu import CpuPagedAttention
+
+    return CpuPagedAttention()
+
+
+# name -> zero-argument factory. A new backend adds one entry here (and its own module); the scheduler,
+# the KV cache manager and the models stay as they are.
+BACKENDS: dict[str, Callable[[], "AttentionBackend"]] = {"cpu": _cpu}
+
+
+def check(name: str) -> None:
+    """Raise ValueError (one line naming the choices) for a name no backend is registered under."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown --attention-backend {name!r}; registered backends: {', '.join(sorted(BACKENDS))}")
+
+
+def create(name: str) -> "AttentionBackend":
+    """A new backend instance of the given name."""
+    check(name)
+    return BACKENDS[name]()
