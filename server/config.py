@@ -36,6 +36,11 @@ class ModelConfig:
         default=None, metadata=_opt("--max-model-len", "Context length in tokens (default: the checkpoint's).")
     )
     seed: int = field(default=0, metadata=_opt("--seed", "Seed for sampling without a request seed."))
+    engine_cpus: Optional[str] = field(
+        default=None,
+        metadata=_opt("--engine-cpus", "CPUs the engine-core process runs on, as a list like 0 or 0-3,6 (default: "
+                      "not pinned). The API process stays unpinned, as vLLM pins only its CPU worker."),
+    )
     engine_threads: int = field(
         default=1,
         metadata=_opt("--engine-threads", "Math threads (MKL/OpenMP) of the engine-core process; the API process "
@@ -154,9 +159,22 @@ class EngineConfig:
             raise ValueError("--max-num-batched-tokens and --max-num-seqs must be >= 1")
         if self.model.engine_threads < 1:
             raise ValueError(f"--engine-threads must be >= 1, got {self.model.engine_threads}")
+        if self.model.engine_cpus is not None:
+            parse_cpu_list(self.model.engine_cpus)
         attention_backends.check(self.model.attention_backend)
         if not 0 < self.server.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.server.port}")
+
+
+def parse_cpu_list(spec: str) -> set[int]:
+    """CPU numbers of a list like "0", "0-3" or "0,2-3" (taskset's syntax); ValueError names a bad item."""
+    cpus: set[int] = set()
+    for item in spec.split(","):
+        lo, dash, hi = item.strip().partition("-")
+        if not lo.isdigit() or (dash and (not hi.isdigit() or int(hi) < int(lo))):
+            raise ValueError(f"--engine-cpus takes CPU numbers and ranges like 0 or 0-3,6, got {spec!r}")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
 
 
 GROUPS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "server": ServerConfig}

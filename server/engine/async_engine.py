@@ -24,6 +24,7 @@ from .request import RequestOutput
 log = logging.getLogger("warmfleet.engine")
 
 CALL_TIMEOUT_S = 10.0
+SHUTDOWN_SEND_TIMEOUT_S = 1.0
 
 
 class EngineDeadError(RuntimeError):
@@ -45,6 +46,7 @@ class AsyncEngine:
         self._call_ids = itertools.count()
         self._proc: Optional[subprocess.Popen] = None
         self._reader: Optional[asyncio.Task] = None
+        self._watchdog: Optional[asyncio.Task] = None
         self._ready = asyncio.get_running_loop().create_future()
         self.dead: Optional[str] = None
         self._closing = False
@@ -59,7 +61,7 @@ class AsyncEngine:
             json.dumps(config_to_dict(cfg)), f"ipc://{self._dir}/in", f"ipc://{self._dir}/out",
         ])
         self._reader = asyncio.create_task(self._read_loop())
-        watchdog = asyncio.create_task(self._watch_process())
+        self._watchdog = asyncio.create_task(self._watch_process())
         try:
             await asyncio.wait_for(asyncio.shield(self._ready), ready_timeout_s)
         except asyncio.TimeoutError:
@@ -68,7 +70,6 @@ class AsyncEngine:
         except Exception:
             await self.shutdown()
             raise
-        self._watchdog = watchdog
         return self
 
     # ---- plumbing -------------------------------------------------------------------------
@@ -169,12 +170,15 @@ class AsyncEngine:
     async def shutdown(self) -> None:
         self._closing = True
         if self._proc is not None and self._proc.poll() is None:
+            try:  # a PUSH send waits while no reader is connected: an engine exiting on its own has none
+                await asyncio.wait_for(self._in.send(serde.packb(["shutdown", None])), SHUTDOWN_SEND_TIMEOUT_S)
+            except (asyncio.TimeoutError, zmq.ZMQError):
+                pass
             try:
-                await self._in.send(serde.packb(["shutdown", None]))
                 await asyncio.wait_for(asyncio.to_thread(self._proc.wait), 5)
             except Exception:
                 self._proc.kill()
-        for t in (self._reader, getattr(self, "_watchdog", None)):
+        for t in (self._reader, self._watchdog):
             if t is not None:
                 t.cancel()
         self._in.close(0)

@@ -1,0 +1,80 @@
+"""--engine-cpus: the engine-core process (every thread) runs on the listed CPUs, the API process stays unpinned."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from procs import EXE, STARTUP_S, free_port, tree_pids
+from warmfleet.server.config import EngineConfig, ModelConfig, parse_cpu_list
+
+
+@pytest.mark.parametrize("spec, cpus", [("0", {0}), ("0-3", {0, 1, 2, 3}), ("1,3-4", {1, 3, 4}), (" 2 , 0", {0, 2})])
+def test_cpu_lists_parse_like_taskset(spec, cpus):
+    assert parse_cpu_list(spec) == cpus
+
+
+@pytest.mark.parametrize("spec", ["", "a", "3-1", "0-", "-1", "0,,1", "1.5"])
+def test_a_bad_cpu_list_is_a_config_error_that_names_the_flag(spec):
+    with pytest.raises(ValueError, match="--engine-cpus"):
+        EngineConfig(ModelConfig(model="/m", engine_cpus=spec)).validate()
+
+
+def _affinities(pid: int) -> set[frozenset[int]]:
+    """The CPU sets of every thread of a process."""
+    return {frozenset(os.sched_getaffinity(int(t))) for t in os.listdir(f"/proc/{pid}/task")}
+
+
+def _start(model_dir: Path, cwd: Path, port: int, cpus: str) -> subprocess.Popen:
+    cmd = EXE + ["serve", "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+                 "--block-size", "16", "--num-gpu-blocks", "64", "--engine-cpus", cpus, "--log-level", "info"]
+    return subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_engine_core_runs_on_the_listed_cpu_and_the_api_process_does_not(tiny_model_dir, tmp_path):
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.fail(f"this test needs two usable CPUs to tell pinned from unpinned, has {allowed}")
+    cpu = allowed[-1]
+    port = free_port()
+    proc = _start(tiny_model_dir, tmp_path, port, str(cpu))
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as http:
+            deadline = time.monotonic() + STARTUP_S
+            while True:
+                assert proc.poll() is None, proc.stderr.read()
+                try:
+                    if http.get("/ready").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, "server did not become ready"
+                time.sleep(0.5)
+            r = http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0,
+                                                   "ignore_eos": True}, timeout=60)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        core = [p for p in tree_pids(proc.pid) if p != proc.pid]
+        assert len(core) == 1, core
+        assert _affinities(core[0]) == {frozenset({cpu})}
+        assert frozenset(allowed) in _affinities(proc.pid)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_cpus_this_machine_lacks_stop_the_server_with_a_reason(tiny_model_dir, tmp_path):
+    proc = _start(tiny_model_dir, tmp_path, free_port(), "4000")
+    try:
+        _, err = proc.communicate(timeout=STARTUP_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert "--engine-cpus 4000: cannot run on those CPUs" in err, err[-2000:]
