@@ -2,6 +2,7 @@
 
     python -P bench/simfleet.py --model DIR --replicas 64 [--block-size 16] [--gpu-blocks 1024]
                                 [--cpu-blocks 0] [--time-model calibrated|zero|FILE.json] [--ready-file PATH]
+                                [--spares 0]
 
 Each simulated replica speaks the HTTP surface of `warmfleet serve` that a router uses
 (POST /v1/completions and /v1/chat/completions, with SSE streaming and
@@ -28,6 +29,15 @@ One asyncio (uvloop) process serves every replica: one listening socket per repl
 HTTP/1.1 server over httptools (keep-alive, chunked SSE, headers sent with the first token as
 `warmfleet serve` does), and a control port (`GET /sim/stats`, `GET /sim/log`) for the bench.
 A replica's step loop runs only while it has work, so 64 idle replicas cost nothing.
+
+Membership changes at runtime, for scale-out / scale-in / rolling-update benches (control port,
+POST with a JSON body `{"replica": "s3"}`): `--spares K` adds K standby slots whose ports and event
+endpoints are reserved but refuse connections (a pod not yet started); `/sim/start` starts a
+standby or stopped slot as a fresh, cold replica (a new pod on that address); `/sim/terminate` does
+what `warmfleet serve` does on SIGTERM: the listening socket closes (new connections are refused),
+/ready and new requests on open connections answer 503 with `connection: close`, idle connections
+close, requests in flight (streams included) finish, then the replica stops. Each slot's state
+(standby, serving, terminating, stopped) is in `/sim/stats`.
 Streaming answers carry the first token as soon as the model produces it and the rest of the
 tokens in one chunk when the request finishes (per-token chunks would only add relay load).
 """
@@ -174,6 +184,8 @@ class SimReplica:
         self.wake = asyncio.Event()
         self.task: Optional[asyncio.Task] = None
         self.steps = 0
+        self.terminating = False  # SIGTERM-like drain: no new requests, in-flight ones finish
+        self.generation = 0  # how many times its slot was started before this replica (restarts, rolling updates)
         self.busy_s = 0.0
         self.max_lag_s = 0.0
         self.lag_restarts = 0
@@ -244,7 +256,8 @@ class SimReplica:
                 if r.finished:
                     h.finish_reason = r.finish_reason or "length"
                     self.live.pop(r.request_id, None)
-                    self.log.append({"tag": h.tag, "replica": self.rid, "arrival": round(h.arrival, 6),
+                    self.log.append({"tag": h.tag, "replica": self.rid, "gen": self.generation,
+                                     "arrival": round(h.arrival, 6),
                                      "ttft_model_s": round(max(end if h.first_time is None else h.first_time,
                                                                h.arrival) - h.arrival, 6),
                                      "e2e_model_s": round(end - h.arrival, 6), "prompt": h.prompt_tokens,
@@ -358,9 +371,13 @@ class HttpConn(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        if self.target is not None:
+            self.app.conns.setdefault(self.target.rid, set()).add(self)
 
     def connection_lost(self, exc) -> None:
         self.closed = True
+        if self.target is not None:
+            self.app.conns.get(self.target.rid, set()).discard(self)
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -406,7 +423,8 @@ class HttpConn(asyncio.Protocol):
                         reply.send(500, json.dumps({"error": {"message": repr(exc)}}).encode())
                     elif not reply.finished:
                         reply.stream_end()
-                if not keep_alive and self.transport is not None:
+                if (not keep_alive or (self.target is not None and self.target.terminating)) \
+                        and self.transport is not None:
                     self.transport.close()
                     return
         finally:
@@ -427,7 +445,7 @@ class SimFleet:
 
     def __init__(self, model: str, n: int, *, block_size: int = 16, gpu_blocks: int = 1024, cpu_blocks: int = 0,
                  tm: TimeModel = TimeModel(), host: str = "127.0.0.1", events: bool = True,
-                 max_model_len: int = 1 << 20, calibration: Optional[dict] = None):
+                 max_model_len: int = 1 << 20, calibration: Optional[dict] = None, spares: int = 0):
         from warmfleet.server.tokenizer import Tokenizer
 
         self.model, self.n, self.host = model, n, host
@@ -438,31 +456,104 @@ class SimFleet:
         self.fingerprint = model_fingerprint(model)
         self.replicas: list[SimReplica] = []
         self.urls: list[str] = []
-        self.servers: list[asyncio.AbstractServer] = []
+        self.servers: list[asyncio.AbstractServer] = []  # the control port's
+        self.spares = spares
+        self.state: dict[str, str] = {}  # rid -> standby | serving | terminating | stopped
+        self.conns: dict[str, set] = {}  # rid -> open HttpConn
+        self._listeners: dict[str, asyncio.AbstractServer] = {}  # rid -> its listening server while it serves
+        self._held: dict[str, socket.socket] = {}  # rid -> bound, not listening socket (refuses) while not serving
+        self._tasks: set = set()
+        self.retired_log: list[dict] = []  # request log of replicas replaced by a restart of their slot
         self.control_url = ""
         self._load_task: Optional[asyncio.Task] = None
         self.started = time.time()
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        for i in range(self.n):
-            sock = _listen(self.host)
+        for i in range(self.n + self.spares):
+            sock = _bound(self.host)
             port = sock.getsockname()[1]
             ev = f"tcp://{self.host}:{_free_port(self.host)}" if self.events else None
-            rep = SimReplica(f"s{i}", self.fingerprint, self.block_size, self.gpu_blocks, self.cpu_blocks, self.tm,
-                             self.vocab, ev, self.max_model_len)
-            rep.task = asyncio.create_task(rep.run())
-            self.replicas.append(rep)
+            rid = f"s{i}"
             self.urls.append(f"http://{self.host}:{port}")
-            self.servers.append(await loop.create_server(lambda r=rep: HttpConn(self, r), sock=sock, backlog=1024))
+            self._held[rid] = sock
+            if i < self.n:
+                self.replicas.append(None)  # type: ignore[arg-type]  # set by start_replica
+                await self.start_replica(i, ev)
+            else:  # standby: the address exists, nothing listens
+                self.replicas.append(self._replica(rid, None))
+                self.replicas[i].events_endpoint = ev
+                self.state[rid] = "standby"
         sock = _listen(self.host)
         self.control_url = f"http://{self.host}:{sock.getsockname()[1]}"
         self.servers.append(await loop.create_server(lambda: HttpConn(self, None), sock=sock))
         self._load_task = asyncio.create_task(self._load_loop())
 
+    def _replica(self, rid: str, events: Optional[str]) -> SimReplica:
+        return SimReplica(rid, self.fingerprint, self.block_size, self.gpu_blocks, self.cpu_blocks, self.tm,
+                          self.vocab, events, self.max_model_len)
+
+    async def start_replica(self, i: int, events: Optional[str] = None) -> None:
+        """Start slot i as a fresh, cold replica on its address (a new pod there); it must not be serving."""
+        loop = asyncio.get_running_loop()
+        rid = f"s{i}"
+        if self.state.get(rid) in ("serving", "terminating"):
+            raise ValueError(f"replica {rid} is {self.state[rid]}")
+        old = self.replicas[i]
+        events = events or (old.events_endpoint if old is not None else None)
+        for attempt in range(50):  # the previous publisher's port may take a moment to be released
+            try:
+                rep = self._replica(rid, events)
+                break
+            except Exception:
+                if attempt == 49:
+                    raise
+                await asyncio.sleep(0.05)
+        rep.task = asyncio.create_task(rep.run())
+        if old is not None:
+            self.retired_log.extend(old.log)
+            rep.generation = old.generation + (self.state.get(rid) != "standby")
+        self.replicas[i] = rep
+        sock = self._held.pop(rid, None)
+        if sock is None:
+            port = int(self.urls[i].rsplit(":", 1)[1])
+            sock = _bound(self.host, port)
+        sock.listen(1024)
+        self._listeners[rid] = await loop.create_server(lambda r=rep: HttpConn(self, r), sock=sock, backlog=1024)
+        self.state[rid] = "serving"
+
+    async def terminate_replica(self, i: int) -> None:
+        """SIGTERM-like: refuse new connections and requests, let in-flight ones finish, then stop."""
+        rid = f"s{i}"
+        if self.state.get(rid) != "serving":
+            raise ValueError(f"replica {rid} is {self.state.get(rid)}, not serving")
+        rep = self.replicas[i]
+        rep.terminating = True
+        self.state[rid] = "terminating"
+        self._listeners.pop(rid).close()
+        for c in list(self.conns.get(rid, ())):
+            if not c.busy and c.transport is not None:
+                c.transport.close()
+        while rep.live:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # the last answers' bytes leave
+        rep.task.cancel()
+        await asyncio.gather(rep.task, return_exceptions=True)
+        if rep.publisher is not None:
+            rep.publisher.close()
+            rep.publisher = None
+        self.state[rid] = "stopped"
+
+    def slot(self, name: str) -> int:
+        if not (isinstance(name, str) and name[:1] == "s" and name[1:].isdigit() and int(name[1:]) < len(self.urls)):
+            raise ValueError(f"no replica {name!r}: s0 .. s{len(self.urls) - 1}")
+        return int(name[1:])
+
     async def stop(self) -> None:
-        for s in self.servers:
+        for s in [*self.servers, *self._listeners.values()]:
             s.close()
+        for sock in self._held.values():
+            sock.close()
         tasks = [r.task for r in self.replicas if r.task] + ([self._load_task] if self._load_task else [])
         for t in tasks:
             t.cancel()
@@ -479,7 +570,8 @@ class SimFleet:
                 r.publish_load(now)
 
     def describe(self) -> dict:
-        return {"replicas": [{"id": r.rid, "url": u, "events": r.events_endpoint} for r, u in zip(self.replicas, self.urls)],
+        return {"replicas": [{"id": r.rid, "url": u, "events": r.events_endpoint, "state": self.state.get(r.rid)}
+                             for r, u in zip(self.replicas, self.urls)],
                 "control": self.control_url, "model": self.model, "model_fingerprint": self.fingerprint,
                 "block_size": self.block_size, "gpu_blocks": self.gpu_blocks, "cpu_blocks": self.cpu_blocks,
                 "time_model": asdict(self.tm), "pid": os.getpid()}
@@ -495,9 +587,27 @@ class SimFleet:
             if path == "/sim/stats":
                 return reply.send(200, json.dumps(self.stats()).encode())
             if path == "/sim/log":
-                return reply.send(200, json.dumps([x for r in self.replicas for x in r.log]).encode())
+                return reply.send(200, json.dumps(self.retired_log + [x for r in self.replicas for x in r.log]).encode())
+            if method == "POST" and path in ("/sim/start", "/sim/terminate"):
+                try:
+                    i = self.slot((json.loads(body or b"{}") or {}).get("replica"))
+                    if path == "/sim/start":
+                        await self.start_replica(i)
+                    else:
+                        if self.state.get(f"s{i}") != "serving":
+                            raise ValueError(f"replica s{i} is {self.state.get(f's{i}')}, not serving")
+                        task = asyncio.ensure_future(self.terminate_replica(i))  # answers at once, drains behind
+                        self._tasks.add(task)
+                        task.add_done_callback(self._tasks.discard)
+                except (ValueError, AttributeError) as exc:
+                    return reply.send(400, error(str(exc)))
+                return reply.send(200, json.dumps({"replica": f"s{i}", "state": self.state[f"s{i}"],
+                                                   "url": self.urls[i]}).encode())
             return reply.send(404, error("not found", 404))
         hdr = [("x-warmfleet-replica", rep.rid)]
+        if rep.terminating and path != "/health":  # as warmfleet serve while it drains: go elsewhere
+            reply.keep_alive = False
+            return reply.send(503, error("replica is shutting down; retry on another", 503), hdr)
         if method == "GET":
             if path in ("/health", "/ready"):
                 return reply.send(200, b'{"status":"ok"}', hdr)
@@ -620,10 +730,16 @@ class SimFleet:
 
 
 def _listen(host: str) -> socket.socket:
+    s = _bound(host)
+    s.listen(1024)
+    return s
+
+
+def _bound(host: str, port: int = 0) -> socket.socket:
+    """A bound socket that does not listen yet: connections to it are refused."""
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind((host, 0))
-    s.listen(1024)
+    s.bind((host, port))
     s.setblocking(False)
     return s
 
@@ -667,7 +783,7 @@ async def serve(args) -> None:
     tm = TimeModel.load(args.time_model).scaled(args.engine_speedup)
     cal = json.loads(CALIBRATION.read_text()) if CALIBRATION.exists() and args.time_model == "calibrated" else None
     fleet = SimFleet(args.model, args.replicas, block_size=args.block_size, gpu_blocks=args.gpu_blocks,
-                     cpu_blocks=args.cpu_blocks, tm=tm, events=not args.no_events, calibration=cal)
+                     cpu_blocks=args.cpu_blocks, tm=tm, events=not args.no_events, calibration=cal, spares=args.spares)
     await fleet.start()
     desc = json.dumps(fleet.describe())
     if args.ready_file:
@@ -699,6 +815,8 @@ def main() -> int:
     ap.add_argument("--engine-speedup", type=float, default=1.0,
                     help="Divide every time constant by this (an engine this many times faster than the calibration).")
     ap.add_argument("--no-events", action="store_true", help="Publish no KV events.")
+    ap.add_argument("--spares", type=int, default=0,
+                    help="Standby slots: addresses reserved, refusing connections until POST /sim/start.")
     ap.add_argument("--ready-file", default=None, help="Write the fleet's description (JSON) here when it listens.")
     args = ap.parse_args()
     if args.cmd == "calibrate":
