@@ -57,3 +57,23 @@ def test_selection_puts_owned_prefixes_first_and_keeps_the_budget_and_salts():
     assert [e.score(1.0, 1e9) for e in owned] == sorted((e.score(1.0, 1e9) for e in owned), reverse=True)
     assert {e.salt for e in chosen} <= {"tenant-0", "tenant-1"}
     assert hot.select("http://new", members, budget_tokens=7, now=1.0) == []
+
+
+def test_handoff_moves_the_leaving_replicas_prefixes_to_their_new_owners_within_the_budget():
+    hot = HotPrefixes(WarmupConfig(half_life_s=1e9))
+    members = ["http://a", "http://b", "http://c"]
+    for k in range(30):
+        observe(hot, [200 + k] * 8, 0.0, cold=bytes([k]) * 8)
+    entries = list(hot.entries.values())
+    owner_all = {e.key: max(members, key=lambda m: rendezvous_weight(e.cold_key, m)) for e in entries}
+    held = {e.key: {owner_all[e.key]} for e in entries}  # each prefix sits where rendezvous placed it
+    extra = next(e for e in entries if owner_all[e.key] == "http://c")
+    held[extra.key] = {"http://c", "http://a"}  # one of c's prefixes is also warm on a: nothing to move
+    staying = ["http://a", "http://b"]
+    moves = hot.select_handoff("http://c", staying, lambda k: held[k], budget_tokens=10_000, now=1.0)
+    mine = {e.key for e in entries if owner_all[e.key] == "http://c"} - {extra.key}
+    assert {e.key for e, _ in moves} == mine and mine
+    for e, to in moves:  # each goes to its rendezvous owner among those that stay
+        assert to == max(staying, key=lambda m: rendezvous_weight(e.cold_key, m))
+    assert len(hot.select_handoff("http://c", staying, lambda k: held[k], budget_tokens=16, now=1.0)) == 2
+    assert hot.select_handoff("http://c", ["http://c"], lambda k: held[k], 10_000, 1.0) == []  # nobody stays
