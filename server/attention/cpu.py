@@ -10,8 +10,8 @@ softmax run 2-4x slower than numpy's vectorised loops (docs/performance.md), and
 only touches a tile's own keys. Decode batches, whose scores are small, stay on Paddle ops, as
 does everything on a device.
 
-Written in plain Paddle ops, so it also runs where Paddle's device is a GPU, but unfused and
-never measured there; a GPU kernel belongs in a backend of its own name (registry.py).
+Everything but the numpy softmax is plain Paddle ops with a device path, but this backend has
+never run on a GPU; a GPU kernel belongs in a backend of its own name (registry.py).
 Steps run without Paddle's stride kernels (`step()`, see `dense_transposes`).
 """
 
