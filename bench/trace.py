@@ -34,6 +34,12 @@ earlier request) and one LRU cache as large as the whole fleet (N x (gpu + cpu b
 prefix held twice). Targets (booleans): warmfleet >= 0.95 x the fleet-sized LRU bound; ahead of
 every other router on cached ratio and on simulated TTFT p90; spread <= 1.25.
 
+Active-active: `warmfleet@K` runs K router processes in front of the same fleet, each given all K
+URLs with --peers (they share in-flight load and client limits), `warmfleet@K-nopeers` the same
+without; the client spreads requests over them round-robin as a plain L4 balancer would
+(`--active-active K` adds both). Router CPU is then the sum over the K processes. Target: K routers'
+cached ratio within 0.02 of one router's.
+
 --quick: the committed 600-request excerpt (bench/traces/), 16 replicas, time scale 10, under 5
 minutes. Writes trace.json and trace.png to --out; progress on stderr; with --json the last
 stdout line is one JSON object.
@@ -242,14 +248,14 @@ def router_command(kind: str, model: Path, sim: dict, port: int, block: int, ext
 
 
 def start_router(kind: str, model: Path, sim: dict, block: int, cwd: str, extra: list[str] = (),
-                 taskset: str | None = None) -> tuple[str, subprocess.Popen]:
+                 taskset: str | None = None, port: int | None = None) -> tuple[str, subprocess.Popen]:
     import httpx
 
-    port = free_port()
+    port = port or free_port()
     cmd, env = router_command(kind, model, sim, port, block, extra)
     if taskset:
         cmd = ["taskset", "-c", taskset, *cmd]
-    log = open(Path(cwd) / f"router-{kind.replace(':', '-')}.log", "ab")
+    log = open(Path(cwd) / f"router-{kind.replace(':', '-')}-{port}.log", "ab")
     p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     wait_for(lambda: httpx.get(base + "/health", timeout=2).status_code == 200, f"router {kind}", p, 120)
@@ -386,37 +392,73 @@ def summarize(rec: list[dict], simlog: list[dict], n: int, cpu_s: float | None, 
     return out
 
 
+def parse_kind(kind: str) -> tuple[str, int, bool]:
+    """'warmfleet[:VARIANT]@K[-nopeers]' -> (router kind, K router processes, share load with --peers)."""
+    base, _, many = kind.partition("@")
+    if not many:
+        return kind, 1, False
+    count, _, flag = many.partition("-")
+    if not base.startswith("warmfleet") or not count.isdigit() or int(count) < 1 or flag not in ("", "nopeers"):
+        raise ValueError(f"router {kind!r}: active-active is warmfleet[:VARIANT]@K or warmfleet[:VARIANT]@K-nopeers")
+    return base, int(count), flag != "nopeers"
+
+
+def start_routers(kind: str, model: Path, sim: dict, args, cwd: str, extra: list[str]) -> tuple[list, list]:
+    """One router process, or K active-active ones (each given every router's URL with --peers unless -nopeers)."""
+    base_kind, count, peers = parse_kind(kind)
+    if count == 1:
+        base, proc = start_router(base_kind, model, sim, args.block_size, cwd, extra)
+        return [base], [proc]
+    ports = [free_port() for _ in range(count)]
+    flags = ["--peers", ",".join(f"http://127.0.0.1:{p}" for p in ports)] if peers else []
+    bases, procs = [], []
+    try:
+        for port in ports:
+            base, proc = start_router(base_kind, model, sim, args.block_size, cwd, [*extra, *flags], port=port)
+            bases.append(base)
+            procs.append(proc)
+    except BaseException:
+        for p in procs:
+            stop(p)
+        raise
+    return bases, procs
+
+
 def run_one(kind: str, n: int, reqs: list[dict], model: Path, args, cwd: str, extra: list[str],
             oracle: list[tuple[int, int]] | None = None) -> dict:
     import httpx
 
     t0 = time.monotonic()
     sim_proc, sim = start_sim(model, n, args, cwd, args.time_model)
-    proc = None
+    procs: list = []
     try:
         if kind == "rr":
             bases = [r["url"] for r in sim["replicas"]]
-        else:
-            base, proc = start_router(kind, model, sim, args.block_size, cwd, extra)
-            bases = [base]
+        else:  # several routers: the client spreads requests over them round-robin, as a plain L4 balancer
+            bases, procs = start_routers(kind, model, sim, args, cwd, extra)
+
+        def routers_cpu() -> float:
+            return sum(proc_tree_cpu(p.pid) for p in procs)
+
         idle = None
-        if proc is not None:
-            c0 = proc_tree_cpu(proc.pid)
+        if procs:
+            c0 = routers_cpu()
             time.sleep(args.idle_s)
-            idle = round((proc_tree_cpu(proc.pid) - c0) / args.idle_s, 4)
-        progress(f"{kind} x {n}: fleet and router up in {time.monotonic() - t0:.0f} s; replaying {len(reqs)} requests")
-        c0 = proc_tree_cpu(proc.pid) if proc is not None else None
+            idle = round((routers_cpu() - c0) / args.idle_s, 4)
+        progress(f"{kind} x {n}: fleet and {len(procs)} router(s) up in {time.monotonic() - t0:.0f} s; "
+                 f"replaying {len(reqs)} requests")
+        c0 = routers_cpu() if procs else None
         sim_c0 = proc_tree_cpu(sim_proc.pid)
         w0 = time.monotonic()
         rec = asyncio.run(drive(bases, reqs, args.time_scale, args.prompt_format))
         wall = time.monotonic() - w0
-        cpu = proc_tree_cpu(proc.pid) - c0 if proc is not None else None
+        cpu = routers_cpu() - c0 if procs else None
         sim_cpu = proc_tree_cpu(sim_proc.pid) - sim_c0
         stats = httpx.get(sim["control"] + "/sim/stats", timeout=60).json()
         simlog = httpx.get(sim["control"] + "/sim/log", timeout=60).json()
         out = summarize(rec, simlog, n, cpu, wall, oracle)
         busy = [r["busy_model_s"] for r in stats["per_replica"]]
-        out.update(router_idle_cpu_s_per_s=idle, sim_cpu_s=round(sim_cpu, 1),
+        out.update(router_processes=len(procs), router_idle_cpu_s_per_s=idle, sim_cpu_s=round(sim_cpu, 1),
                    sim_busy_mean=round(statistics.mean(busy) / wall, 3), sim_busy_max=round(max(busy) / wall, 3),
                    sim_max_loop_lag_s=max(r["max_loop_lag_s"] for r in stats["per_replica"]),
                    preemptions=sum(r["preemptions"] for r in stats["per_replica"]))
@@ -425,7 +467,8 @@ def run_one(kind: str, n: int, reqs: list[dict], model: Path, args, cwd: str, ex
             out["error_kinds"] = {e: errs.count(e) for e in set(errs)}
         return out
     finally:
-        stop(proc)
+        for p in procs:
+            stop(p)
         stop(sim_proc)
 
 
@@ -434,8 +477,7 @@ def verdict(res: dict, fleet_lru: float) -> dict:
     wf = res.get("warmfleet")
     if not wf or wf.get("cached_ratio") is None:
         return {}
-    others = {k: v for k, v in res.items() if k != "warmfleet" and not k.startswith("warmfleet:")
-              and v.get("cached_ratio") is not None}
+    others = {k: v for k, v in res.items() if not k.startswith("warmfleet") and v.get("cached_ratio") is not None}
     out = {"ratio_vs_fleet_lru": round(wf["cached_ratio"] / fleet_lru, 3) if fleet_lru else None,
            "ratio_ok_fleet_lru": bool(fleet_lru and wf["cached_ratio"] >= 0.95 * fleet_lru),
            "spread_ok": wf["spread"] is not None and wf["spread"] <= 1.25,
@@ -445,6 +487,11 @@ def verdict(res: dict, fleet_lru: float) -> dict:
         out["ttft_p90_ahead_of_every_peer"] = all(
             wf["ttft_p90_s"] is not None and v["ttft_p90_s"] is not None and wf["ttft_p90_s"] < v["ttft_p90_s"]
             for v in others.values())
+    for k, v in res.items():  # active-active: K routers sharing load vs one router, same fleet and requests
+        base, count, peers = parse_kind(k)
+        if base == "warmfleet" and count > 1 and peers and v.get("cached_ratio") is not None:
+            out[f"active_active_{count}_within_0.02"] = abs(v["cached_ratio"] - wf["cached_ratio"]) <= 0.02
+            out[f"active_active_{count}_spread_ok"] = v["spread"] is not None and v["spread"] <= 1.25
     return out
 
 
@@ -461,7 +508,7 @@ def chart(results: dict, path: Path) -> None:
         f = results["fleets"][n]
         res = f["routers"]
         names = list(res)
-        c = [colors.get(k.split(":")[0], "#555555") for k in names]
+        c = [colors.get(k.split(":")[0].split("@")[0], "#555555") for k in names]
         row[0].bar(names, [res[k]["cached_ratio"] or 0 for k in names], color=c)
         row[0].axhline(f["oracle_cached_ratio"], ls="--", color="k", lw=1, label="oracle (unbounded)")
         row[0].axhline(f["fleet_lru_cached_ratio"], ls="-.", color="#7a3b9e", lw=1, label="one LRU of the fleet's size")
@@ -493,7 +540,11 @@ def main() -> int:
     ap.add_argument("--replicas", default=None, help="Fleet sizes, comma-separated (default 16,64; quick 16).")
     ap.add_argument("--time-scale", type=float, default=None, help="Replay X times faster than recorded (default 10).")
     ap.add_argument("--requests", type=int, default=None, help="Only the first N requests (quick: 600).")
-    ap.add_argument("--routers", default="rr,sglang,vllm,warmfleet")
+    ap.add_argument("--routers", default="rr,sglang,vllm,warmfleet",
+                    help="Comma-separated: rr, sglang, vllm, warmfleet, warmfleet:VARIANT; warmfleet[:VARIANT]@K runs K "
+                         "router processes sharing load (--peers), @K-nopeers K that do not; requests go round-robin.")
+    ap.add_argument("--active-active", type=int, default=None, metavar="K",
+                    help="Also run warmfleet@K and warmfleet@K-nopeers (K routers, with and without shared load).")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                     help="A warmfleet variant run as router 'warmfleet:NAME' with these extra flags.")
     ap.add_argument("--block-size", type=int, default=16)
@@ -516,6 +567,10 @@ def main() -> int:
     args.time_scale = args.time_scale or 10.0
     limit = args.requests or (600 if args.quick else None)
     routers = args.routers.split(",")
+    if args.active_active and args.active_active > 1:
+        routers += [f"warmfleet@{args.active_active}", f"warmfleet@{args.active_active}-nopeers"]
+    for kind in routers:
+        parse_kind(kind)  # a typo fails here, not an hour into the run
     variants = {"warmfleet:" + v.split("=", 1)[0]: v.split("=", 1)[1].split() for v in args.variant}
 
     from warmfleet.server.hashing import block_hashes, model_fingerprint
@@ -564,7 +619,7 @@ def main() -> int:
         progress(f"{n} replicas: fleet-sized LRU bound {lru} ({cap} blocks)")
         for kind in routers:
             try:
-                res = run_one(kind, n, reqs, model, args, cwd, variants.get(kind, []), oracle_per)
+                res = run_one(kind, n, reqs, model, args, cwd, variants.get(parse_kind(kind)[0], []), oracle_per)
             except Exception as exc:  # one router failing to start must not lose the others' figures
                 progress(f"{kind} x {n} failed: {exc!r}")
                 res = {"failed": repr(exc), "cached_ratio": None, "ttft_p50_s": None, "ttft_p90_s": None,

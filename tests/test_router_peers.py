@@ -173,6 +173,8 @@ def test_sums_cover_fresh_peers_only_and_skip_itself():
     assert pl.replica_load("r0") == (3, 100, 4.5) and pl.replica_load("r1") == (4, 8, 2.0)
     assert pl.replica_load("r9") == (0, 0, 0.0)
     assert pl._clients == {"d": 3}
+    # with this router's own figures: load and queued work summed, recent share averaged over the 3 routers
+    assert pl.combined("r0", 1, 5, 1.5) == (4, 105, 2.0)
     pl.recompute(now=10.7)  # B last heard at 9.5: stale
     assert pl.replica_load("r0") == (2, 100, 3.5) and pl.replica_load("r1") == (0, 0, 0.0)
 

@@ -56,6 +56,20 @@ def test_queued_prefill_outweighs_a_short_warm_prefix_not_a_long_one():
     assert d.order[0] == "busy"
 
 
+def test_queued_prefill_weighs_fully_only_when_no_cache_is_at_stake():
+    cfg = PolicyConfig(epsilon=10, share_epsilon=10, queue_weight=0.0, cold_queue_weight=1.0)
+    # a conversation's 4 blocks on "busy" (>= warm_min_tokens more than "idle" holds): kept despite the queue
+    d = choose([Candidate("busy", gpu_blocks=4, load=1, queued_tokens=300), Candidate("idle", load=1)],
+               block_size=B, num_prompt_tokens=40 * B, cold_key=b"k", cfg=cfg)
+    assert d.order[0] == "busy" and d.reason == PREFIX_HIT
+    # a new conversation, warm everywhere on one shared block: the queue decides, in full
+    new = [Candidate("busy", gpu_blocks=1, load=1, queued_tokens=300), Candidate("idle", gpu_blocks=1, load=1)]
+    assert choose(new, block_size=B, num_prompt_tokens=40 * B, cold_key=b"k", cfg=cfg).order[0] == "idle"
+    # without the cold weight the queue weighs nothing there: equal scores, the name breaks the tie
+    flat = PolicyConfig(epsilon=10, share_epsilon=10, queue_weight=0.0)
+    assert choose(new, block_size=B, num_prompt_tokens=40 * B, cold_key=b"k", cfg=flat).order[0] == "busy"
+
+
 def test_bounded_load_spills_a_hot_prefix():
     cfg = PolicyConfig(epsilon=0.25, load_weight=0)
     cands = [Candidate("hot", gpu_blocks=8, load=4), Candidate("b", load=0), Candidate("c", load=1)]
@@ -217,7 +231,8 @@ def test_prediction_for_a_fallback_after_retry():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--queue-weight", "-1"], "--queue-weight and --load-weight must be >= 0"),
+    (["--queue-weight", "-1"], "--queue-weight, --cold-queue-weight and --load-weight must be >= 0"),
+    (["--cold-queue-weight", "-1"], "--queue-weight, --cold-queue-weight and --load-weight must be >= 0"),
     (["--cpu-tier-weight", "2"], "--cpu-tier-weight must be in [0, 1]"),
     (["--replica", "ftp://x"], "--replica needs an http(s)://host:port URL"),
 ])

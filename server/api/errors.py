@@ -64,7 +64,10 @@ def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
         return bad_request(f"request body is not valid JSON: {first.get('msg', '')}", code="invalid_json")
     if first.get("type") == "missing":
         return bad_request(f"missing required parameter: {param}", param=param, code="missing_required_parameter")
-    return bad_request(f"invalid value for {param}: {first.get('msg', 'invalid')}", param=param, code="invalid_value")
+    msg = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+    if param is None:  # a whole-body check (a model validator): its message names the field itself
+        return bad_request(f"invalid request: {msg}", code="invalid_value")
+    return bad_request(f"invalid value for {param}: {msg}", param=param, code="invalid_value")
 
 
 def install(app: FastAPI) -> None:

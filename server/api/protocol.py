@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]  # range checked here; vocabulary size checked by the app
 
@@ -13,6 +13,35 @@ TokenId = Annotated[int, Field(ge=0, lt=2**31)]  # range checked here; vocabular
 class _Request(BaseModel):
     # Unknown fields are ignored, like OpenAI and vLLM do; known-but-unsupported values are rejected.
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        """JSON may escape a lone UTF-16 surrogate ("\\ud800"); such a string is no text, and the tokenizer fails on it."""
+        bad = find_unencodable(data)
+        if bad is not None:
+            raise ValueError(f"{bad or 'body'} is not valid Unicode text (a lone surrogate escape such as \\ud800)")
+        return data
+
+
+def find_unencodable(data: Any) -> Optional[str]:
+    """Path ("messages.0.content") of the first string (value or key) with no UTF-8 encoding, else None. Iterative."""
+    todo: list[tuple[str, Any]] = [("", data)]
+    while todo:
+        path, item = todo.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path
+        elif isinstance(item, dict):
+            for k, v in item.items():
+                todo.append((f"{path}.{k}" if path else str(k), k))
+                todo.append((f"{path}.{k}" if path else str(k), v))
+        elif isinstance(item, list):
+            todo.extend((f"{path}.{i}" if path else str(i), v) for i, v in enumerate(item))
+    return None
 
 
 class StreamOptions(BaseModel):

@@ -80,7 +80,7 @@ class ServerState:
             self._image_preparer = ImageInputPreparer(
                 self.tokenizer, ImageProcessor.from_model_dir(engine.model_info.model_dir),
                 MediaLoader(MediaConfig.from_server_config(self.cfg.server)), self.processor_cache,
-                hash_algo=self.cfg.cache.prefix_hash_algo,
+                hash_algo=self.cfg.cache.prefix_hash_algo, max_image_tokens=engine.model_info.max_model_len,
             )
         return self._image_preparer
 

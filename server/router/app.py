@@ -66,7 +66,7 @@ async def json_body(request: Request, max_bytes: int) -> tuple[dict, bytes] | Re
         return error_response(413, str(exc), "invalid_request_error")
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nesting too deep
         return error_response(400, "request body is not valid JSON", "invalid_request_error")
     if not isinstance(body, dict):
         return error_response(400, "request body must be a JSON object", "invalid_request_error")

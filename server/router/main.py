@@ -55,6 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue-weight", type=float, default=1.0,
                    help="Cost, in cached tokens, of one uncached prompt token this router has queued on a replica "
                         "(requests awaiting their first token); 0 = count requests only.")
+    p.add_argument("--cold-queue-weight", type=float, default=None,
+                   help="--queue-weight for requests whose cache is not at stake (no replica holds --warm-min-tokens "
+                        "more of the prompt than another: a new conversation, a prefix every replica holds); "
+                        "default: --queue-weight.")
     p.add_argument("--balance-epsilon", type=float, default=0.25,
                    help="Bounded load: no replica above (1 + EPS) x mean load while another can take the request.")
     p.add_argument("--balance-share-epsilon", type=float, default=0.15,
@@ -138,8 +142,8 @@ def settings_from_args(args: argparse.Namespace):
         raise ValueError("--index-max-blocks must be >= 1")
     if args.predicted_capacity_blocks < 1 or args.predicted_ttl_s <= 0:
         raise ValueError("--predicted-capacity-blocks must be >= 1 and --predicted-ttl-s > 0")
-    if args.queue_weight < 0 or args.load_weight < 0:
-        raise ValueError("--queue-weight and --load-weight must be >= 0")
+    if args.queue_weight < 0 or args.load_weight < 0 or (args.cold_queue_weight or 0) < 0:
+        raise ValueError("--queue-weight, --cold-queue-weight and --load-weight must be >= 0")
     if args.balance_epsilon < 0 or args.cold_key_blocks < 1 or args.max_attempts < 1 or args.health_failures < 1:
         raise ValueError("--balance-epsilon must be >= 0, --cold-key-blocks, --max-attempts and --health-failures >= 1")
     if args.peer_interval_s <= 0:
@@ -160,7 +164,7 @@ def settings_from_args(args: argparse.Namespace):
                   for r in args.replica],
         renderer=PromptRenderer(args.model, hash_algo=args.prefix_hash_algo),
         policy=PolicyConfig(cpu_weight=args.cpu_tier_weight, load_weight=args.load_weight,
-                            queue_weight=args.queue_weight, epsilon=args.balance_epsilon, warm_slack=args.warm_slack,
+                            queue_weight=args.queue_weight, cold_queue_weight=args.cold_queue_weight, epsilon=args.balance_epsilon, warm_slack=args.warm_slack,
                             warm_min_tokens=args.warm_min_tokens, share_epsilon=args.balance_share_epsilon,
                             share_slack_tokens=args.share_slack_tokens, max_share_slack=args.max_share_slack),
         proxy=ProxyConfig(max_attempts=args.max_attempts, connect_timeout_s=args.connect_timeout_s,

@@ -8,8 +8,11 @@ polls every peer given with `--peers` every `interval_s` (100 ms):
     router A ── GET /v1/router/peer-load ──▶ router B   {"router": id, "replicas": {url: [in_flight,
              ◀── B's own figures ──────────            queued_tokens, sent]}, "clients": {digest: open}}
 
-The policy then scores replicas on A's own figures plus the sums of its fresh peers' (in flight,
-queued prefill tokens, recent share), and the per-client limit counts a client's open requests on
+The policy then scores replicas on A's own figures plus the sums of its fresh peers' in flight and
+queued prefill tokens (real load, whoever sent it), and on the mean over the routers of the recent
+share counts (`sent`, decayed per router over its own requests): the share cap's additive slack is
+in requests of one router's window, and a sum over k routers would make it k times tighter, throwing
+away warm prefixes a single router keeps. The per-client limit counts a client's open requests on
 every router. Why polling router figures rather than the replicas' own queue gauges: the gauges
 (`Load` in KV events) count only what reached the engine, carry no queued prefill tokens and no
 recent share, and an engine without events (FastDeploy) has none; the router figures exist for
@@ -83,12 +86,18 @@ class PeerLoad:
         self.interval_s, self.stale_s, self.timeout_s = interval_s, stale_s, timeout_s
         self._replicas: dict[str, tuple[int, int, float]] = {}  # sums over fresh peers
         self._clients: dict[str, int] = {}
+        self.fresh = 0  # peers (not itself) heard from within stale_s at the last recompute
         self._session: Optional[aiohttp.ClientSession] = None
 
     # --- what the policy and the limiter read -------------------------------------------------
     def replica_load(self, rid: str) -> tuple[int, int, float]:
-        """(in flight, queued prefill tokens, recent share) that fresh peers have on replica `rid`."""
+        """(in flight, queued prefill tokens, recent share) that fresh peers have on replica `rid` (sums)."""
         return self._replicas.get(rid, ZERO)
+
+    def combined(self, rid: str, in_flight: int, queued_tokens: int, sent: float) -> tuple[int, int, float]:
+        """This router's figures for `rid` with the peers': in flight and queued summed, recent share averaged."""
+        p_in, p_queued, p_sent = self._replicas.get(rid, ZERO)
+        return in_flight + p_in, queued_tokens + p_queued, (sent + p_sent) / (1 + self.fresh)
 
     def client_open(self, client: str) -> int:
         """Requests `client` has open on fresh peers."""
@@ -135,9 +144,11 @@ class PeerLoad:
         """Sums over the peers heard from within `stale_s`; called after every polling round."""
         reps: dict[str, list] = {}
         clients: dict[str, int] = {}
+        fresh = 0
         for p in self.peers.values():
             if p.is_self or not p.seen or now - p.seen > self.stale_s:
                 continue
+            fresh += 1
             for rid, (n, q, s) in p.replicas.items():
                 acc = reps.setdefault(rid, [0, 0, 0.0])
                 acc[0] += n
@@ -147,6 +158,7 @@ class PeerLoad:
                 clients[c] = clients.get(c, 0) + n
         self._replicas = {rid: (a[0], a[1], a[2]) for rid, a in reps.items()}
         self._clients = clients
+        self.fresh = fresh
 
     async def poll(self, peer: PeerState) -> None:
         if self._session is None or self._session.closed:
@@ -186,7 +198,7 @@ def add_peer_route(app, state: dict, open_by_client: Callable[[], dict], peers: 
 
     local = peers or PeerLoad([])
 
-    @app.get(PEER_LOAD_PATH)
+    @app.get(PEER_LOAD_PATH, response_model=None)  # the annotation names a local import: no schema from it
     async def peer_load() -> JSONResponse:
         fleet = state.get("fleet")
         reps = fleet.registry.replicas.values() if fleet is not None else []

@@ -7,11 +7,15 @@ For each replica r the score, in prompt tokens saved, is
              - queue_weight * queued_tokens(r)
              - load_weight * load(r)
 
-`queued_tokens` is the prompt work this router sent the replica that it has not finished: the
+`queued_tokens` is the prompt work the routers sent the replica that it has not finished: the
 uncached prompt tokens of requests still waiting for their first token. The new request waits
 behind that prefill, so a token of it costs about as much as a token the request must compute
-itself; a replica busy with a cold prompt then loses a short warm prefix to an idle one, but
-keeps a long one.
+itself: for this request's TTFT alone, `queue_weight` 1 is exact. But moving a request away from
+its prefix also makes the fleet compute that prefix again (work every later request queues behind)
+and leaves two copies of it in the fleet's caches; so when the prompt's cache is at stake (some
+replica holds at least `warm_min_tokens` more of it than another) queued tokens weigh
+`queue_weight`, and only when it is not (a new conversation, or a prefix every replica holds) do
+they weigh `cold_queue_weight`, where moving costs nothing (measured on the Mooncake trace: docs/scale.md).
 
 Bounded load (consistent hashing with bounded loads): with n replicas and total load L, a
 replica may take the request only if load(r) + 1 <= ceil((1 + epsilon) * (L + 1) / n). The
@@ -58,7 +62,9 @@ class PolicyConfig:
     cpu_weight: float = 0.5  # a swap-tier block is worth this fraction of a GPU block (it must be copied back)
     encoder_weight: float = 0.5  # an image whose encoder output is warm saves this fraction of its tokens
     load_weight: float = 32.0  # prompt tokens of cached prefix that one request of load outweighs
-    queue_weight: float = 1.0  # cost of one uncached prompt token queued ahead on the replica, in tokens saved
+    queue_weight: float = 1.0  # cost of one uncached prompt token queued ahead on the replica, in tokens saved,
+    #                            when the prompt's cache is at stake (hits differ by >= warm_min_tokens)
+    cold_queue_weight: Optional[float] = None  # the same when nothing is at stake (None: queue_weight)
     epsilon: float = 0.25  # bounded load: no replica above (1 + epsilon) x mean load while another fits
     warm_slack: int = 1  # requests above the cap a replica may take when it alone holds much of the prompt
     warm_min_tokens: int = 64  # cached tokens it must hold beyond the best replica under the cap to use the slack
@@ -137,11 +143,17 @@ def choose(cands: Sequence[Candidate], *, block_size: int, num_prompt_tokens: in
     def hit_tokens(c: Candidate) -> int:
         return min(c.gpu_blocks * block_size + c.cpu_blocks * block_size, limit)
 
+    queue_weight = cfg.queue_weight
+    if cfg.cold_queue_weight is not None:
+        hit_list = [hit_tokens(c) for c in cands]
+        if max(hit_list) - min(hit_list) < cfg.warm_min_tokens:  # nothing at stake: moving costs nothing
+            queue_weight = cfg.cold_queue_weight
+
     def score(c: Candidate) -> float:
         gpu = min(c.gpu_blocks * block_size, limit)
         cpu = min(c.cpu_blocks * block_size, limit - gpu)
         return (gpu + cfg.cpu_weight * cpu + cfg.encoder_weight * c.warm_image_tokens
-                - cfg.queue_weight * c.queued_tokens - cfg.load_weight * c.load)
+                - queue_weight * c.queued_tokens - cfg.load_weight * c.load)
 
     # Linear in the number of replicas: membership by identity, each score and rendezvous weight
     # computed once (list membership compared dataclasses field by field: 1.2 ms a request at 64

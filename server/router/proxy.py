@@ -107,25 +107,27 @@ class Proxy:
         t0 = time.perf_counter()
         prompt = self.render(kind, body)
         bs = self.hash_cfg.block_size
-        hashes = self.fleet.dialect.block_hashes(prompt, body.get("cache_salt"), self.hash_cfg) if prompt else []
+        salt = body.get("cache_salt")
+        salt = salt if isinstance(salt, str) else None  # not a string: the replica answers the 400, not a crash here
+        hashes = self.fleet.dialect.block_hashes(prompt, salt, self.hash_cfg) if prompt else []
         matches = self.fleet.index.match(hashes, [r.id for r in replicas])
         cands = []
-        peer_load = self.peers.replica_load if self.peers is not None else None
+        combined = self.peers.combined if self.peers is not None else None
         for r in replicas:
             m = matches[r.id]
             warm = 0
             if prompt and prompt.mm_items:
                 hits = self.fleet.index.encoder_hits(r.id, [i.mm_hash for i in prompt.mm_items])
                 warm = sum(i.length for i in prompt.mm_items if i.mm_hash in hits and i.offset >= m.blocks * bs)
-            if peer_load is None:
+            if combined is None:
                 cands.append(Candidate(r.id, m.gpu_blocks, m.cpu_blocks, warm,
                                        load=max(r.in_flight, self.fleet.engine_load(r.id)),
                                        queued_tokens=r.queued_tokens, sent=r.sent))
-            else:  # every router's load on it: ours exact, the peers' as of their last report
-                p_in, p_queued, p_sent = peer_load(r.id)
+            else:  # every router's load on it: ours exact, the peers' as of their last report (peers.py)
+                in_flight, queued, sent = combined(r.id, r.in_flight, r.queued_tokens, r.sent)
                 cands.append(Candidate(r.id, m.gpu_blocks, m.cpu_blocks, warm,
-                                       load=max(r.in_flight + p_in, self.fleet.engine_load(r.id)),
-                                       queued_tokens=r.queued_tokens + p_queued, sent=r.sent + p_sent))
+                                       load=max(in_flight, self.fleet.engine_load(r.id)),
+                                       queued_tokens=queued, sent=sent))
         cold_key = hashes[min(len(hashes), self.cfg.cold_key_blocks) - 1] if hashes else None
         num_tokens = prompt.num_tokens if prompt else 0
         decision = choose(cands, block_size=bs, num_prompt_tokens=num_tokens, cold_key=cold_key, cfg=self.policy)
