@@ -20,7 +20,8 @@ class _Request(BaseModel):
         """JSON may escape a lone UTF-16 surrogate ("\\ud800"); such a string is no text, and the tokenizer fails on it."""
         bad = find_unencodable(data)
         if bad is not None:
-            raise ValueError(f"{bad or 'body'} is not valid Unicode text (a lone surrogate escape such as \\ud800)")
+            where = bad.encode("utf-8", "backslashreplace").decode() or "body"  # the path may hold the surrogate itself
+            raise ValueError(f"{where} is not valid Unicode text (a lone surrogate escape such as \\ud800)")
         return data
 
 

@@ -178,6 +178,7 @@ def hand_corpus(max_model_len: int, many_parts: int = 5000) -> Iterator[tuple[st
     yield "empty data URI", "/v1/chat/completions", j(_image_chat("data:image/png;base64,")), {}
     yield "invalid UTF-8 body", "/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\xff\xfe\xc0"}]}', {}
     yield "lone surrogate escape", "/v1/chat/completions", b'{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "\\ud800"}]}', {}
+    yield "lone surrogate in a key and the model name", "/v1/chat/completions", b'{"model": "t\\udfff", "\\ud800": 1, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}', {}
     yield "NUL bytes in content", "/v1/chat/completions", j(_chat("a\u0000b" * 10)), {}
     yield "deep JSON nesting (100000)", "/v1/chat/completions", b"[" * 100000 + b"]" * 100000, {}
     yield "deep nesting inside a field", "/v1/chat/completions", j(_chat("x"))[:-1] + b', "logit_bias": ' + b"{\"a\":" * 5000 + b"1" + b"}" * 5000 + b"}", {}
