@@ -1,7 +1,8 @@
 """BlockPool: physical KV blocks of both tiers, ref counts, hash maps, LRU free lists and KV events.
 
 Mechanism only; which blocks a request gets is decided by KVCacheManager. No paddle: the
-pool records the copies a step must perform (`SwapPlan`) and the model runner executes them.
+pool records the copies a step must perform (`SwapPlan`); the model runner has the attention
+backend execute them (its `copy_blocks`), since the backend owns the cache layout.
 
 Tiers:
   primary ("GPU")  every block a running request uses lives here; free blocks that still hold
