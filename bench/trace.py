@@ -31,7 +31,9 @@ seconds per 1,000 requests (utime + stime of the router's process tree from /pro
 replay; its idle rate before the replay separately), errors; for warmfleet its decision reasons.
 Bounds as bench/routing.py computes them: the oracle (one unbounded cache that saw every
 earlier request) and one LRU cache as large as the whole fleet (N x (gpu + cpu blocks), no
-prefix held twice). Targets (booleans): warmfleet >= 0.95 x the fleet-sized LRU bound; ahead of
+prefix held twice); and, not a bound on every router but what per-replica caches give a router that
+never moves a prefix for load, per-replica LRUs with pure affinity (`affinity_hits`). Warmfleet
+routers run with WARMFLEET_HEALTH (below). Targets (booleans): warmfleet >= 0.95 x the fleet-sized LRU bound; ahead of
 every other router on cached ratio and on simulated TTFT p90; spread <= 1.25.
 
 Active-active: `warmfleet@K` runs K router processes in front of the same fleet, each given all K
@@ -68,6 +70,10 @@ HERE = Path(__file__).resolve().parent
 EXCERPT = HERE / "traces" / "mooncake_conversation_head600.jsonl"
 TRACE_BLOCK = 512  # tokens per Mooncake hash id
 EXE = [sys.executable, "-P", "-m", "warmfleet.cli"]
+# One simulator process hosts every replica, so one host stall (seen here at load average 10-14 on 2 cores) times
+# out the health checks of the whole fleet at once and the router's defaults (0.5 s, 2 in a row) take every replica
+# out: 503s and a wrecked run that measure the machine, not routing. The peers' checks are far slower to give up.
+WARMFLEET_HEALTH = ["--health-timeout-s", "2", "--health-failures", "4"]
 PEERS = ("rr", "sglang", "vllm")
 
 
@@ -181,6 +187,44 @@ def bound_hits(reqs: list[dict], block: int, fingerprint: str, capacity: int | N
     return out
 
 
+def affinity_hits(reqs: list[dict], block: int, n: int, capacity: int, hashes: list,
+                  cold_tokens: int = 64) -> tuple[list, float]:
+    """Per-replica caches with pure affinity and no load balancing: each request goes to the replica holding the
+    longest prefix of it (ties: fewest requests so far; a prefix under `cold_tokens`, such as the first block
+    every Mooncake request shares, counts as none: the request goes to the replica with the fewest requests),
+    each replica one LRU of `capacity` blocks (its GPU and CPU tiers as one). What a router that never moves a
+    prefix for load gets from per-replica caches; returns per request (cached, prompt) and the spread (max /
+    mean requests per replica) it costs."""
+    from warmfleet.server.router.policy import cacheable_tokens
+
+    caches = [OrderedDict() for _ in range(n)]
+    counts = [0] * n
+    out = []
+    for k, r in enumerate(reqs):
+        hs = hashes[k]
+        best, best_hit = 0, -1
+        for i, c in enumerate(caches):
+            hit = 0
+            for h in hs:
+                if h not in c:
+                    break
+                hit += 1
+            if hit > best_hit or (hit == best_hit and counts[i] < counts[best]):
+                best, best_hit = i, hit
+        if best_hit * block < cold_tokens:
+            best = min(range(n), key=counts.__getitem__)
+            best_hit = next((j for j, h in enumerate(hs) if h not in caches[best]), len(hs))
+        cache = caches[best]
+        counts[best] += 1
+        out.append((min(best_hit * block, cacheable_tokens(len(r["ids"]), block)), len(r["ids"])))
+        for h in hs:
+            cache[h] = None
+            cache.move_to_end(h)
+        while len(cache) > capacity:
+            cache.popitem(last=False)
+    return out, round(max(counts) / (len(reqs) / n), 3)
+
+
 def ratio(hits: list[tuple[int, int]]) -> float:
     return round(sum(c for c, _ in hits) / max(1, sum(t for _, t in hits)), 4)
 
@@ -232,7 +276,7 @@ def router_command(kind: str, model: Path, sim: dict, port: int, block: int, ext
     env = dict(os.environ)
     if kind.startswith("warmfleet"):
         cmd = EXE + ["route", "--model", str(model), "--port", str(port), "--block-size", str(block),
-                     "--log-level", "warning", *extra]
+                     "--log-level", "warning", *WARMFLEET_HEALTH, *extra]
         for r in sim["replicas"]:
             cmd += ["--replica", f"{r['url']},events={r['events']}"]
     elif kind == "sglang":
@@ -604,6 +648,7 @@ def main() -> int:
         "time_model_effective": vars(tm.scaled(args.engine_speedup)),
         "calibration": json.loads(sim_mod.CALIBRATION.read_text()) if sim_mod.CALIBRATION.exists() else None,
         "oracle_cached_ratio": oracle, "routers": routers, "variants": variants,
+        "warmfleet_health_flags": WARMFLEET_HEALTH,
         "cores": len(os.sched_getaffinity(0)), "loadavg_start": os.getloadavg(), "fleets": {}}
     progress(f"{len(reqs)} requests over {results['trace_span_s']} s of trace, replayed in "
              f"{results['replay_span_s']} s; oracle {oracle}")
@@ -613,10 +658,13 @@ def main() -> int:
     for n in sizes:
         cap = n * (args.gpu_blocks + args.cpu_blocks)
         lru = ratio(bound_hits(reqs, args.block_size, fp, cap, hashes))
+        aff, aff_spread = affinity_hits(reqs, args.block_size, n, args.gpu_blocks + args.cpu_blocks, hashes)
         fleet = {"replicas": n, "oracle_cached_ratio": oracle, "fleet_lru_cached_ratio": lru,
-                 "fleet_lru_capacity_blocks": cap, "routers": {}}
+                 "fleet_lru_capacity_blocks": cap, "affinity_lru_cached_ratio": ratio(aff),
+                 "affinity_lru_spread": aff_spread, "routers": {}}
         results["fleets"][n] = fleet
-        progress(f"{n} replicas: fleet-sized LRU bound {lru} ({cap} blocks)")
+        progress(f"{n} replicas: fleet-sized LRU bound {lru} ({cap} blocks); per-replica LRUs with pure affinity "
+                 f"{fleet['affinity_lru_cached_ratio']} at spread {aff_spread}")
         for kind in routers:
             try:
                 res = run_one(kind, n, reqs, model, args, cwd, variants.get(parse_kind(kind)[0], []), oracle_per)

@@ -40,7 +40,7 @@ def test_load_outweighs_a_short_hit():
 
 
 def test_queued_prefill_outweighs_a_short_warm_prefix_not_a_long_one():
-    cfg = PolicyConfig(epsilon=10, share_epsilon=10)  # only the score decides
+    cfg = PolicyConfig(epsilon=10, share_epsilon=10, queue_weight=1.0)  # only the score decides
     # "busy" is computing a 300-token cold prompt for this router: a 4-block hit is not worth the wait...
     d = choose([Candidate("busy", gpu_blocks=4, load=1, queued_tokens=300), Candidate("idle")],
                block_size=B, num_prompt_tokens=40 * B, cold_key=b"k", cfg=cfg)
@@ -66,7 +66,7 @@ def test_queued_prefill_weighs_fully_only_when_no_cache_is_at_stake():
     new = [Candidate("busy", gpu_blocks=1, load=1, queued_tokens=300), Candidate("idle", gpu_blocks=1, load=1)]
     assert choose(new, block_size=B, num_prompt_tokens=40 * B, cold_key=b"k", cfg=cfg).order[0] == "idle"
     # without the cold weight the queue weighs nothing there: equal scores, the name breaks the tie
-    flat = PolicyConfig(epsilon=10, share_epsilon=10, queue_weight=0.0)
+    flat = PolicyConfig(epsilon=10, share_epsilon=10, queue_weight=0.0, cold_queue_weight=None)
     assert choose(new, block_size=B, num_prompt_tokens=40 * B, cold_key=b"k", cfg=flat).order[0] == "busy"
 
 

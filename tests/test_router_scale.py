@@ -183,7 +183,8 @@ def reference_choose(cands: Sequence[Candidate], *, block_size: int, num_prompt_
 def test_choose_equals_the_reference(seed):
     rng = random.Random(seed)
     n = rng.randrange(1, 70)
-    cfg = PolicyConfig(queue_weight=rng.choice([0.0, 0.3, 1.0]), warm_slack=rng.choice([0, 1, 2]),
+    q = rng.choice([0.0, 0.3, 1.0])
+    cfg = PolicyConfig(queue_weight=q, cold_queue_weight=q, warm_slack=rng.choice([0, 1, 2]),
                        share_slack_tokens=rng.choice([0, 128]))
     for _ in range(10):
         warm = rng.random() < 0.7

@@ -52,13 +52,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Worth of a swap-tier block relative to a GPU block in scoring (0..1).")
     p.add_argument("--load-weight", type=float, default=32.0,
                    help="Cached prompt tokens that one in-flight request on a replica outweighs.")
-    p.add_argument("--queue-weight", type=float, default=1.0,
-                   help="Cost, in cached tokens, of one uncached prompt token this router has queued on a replica "
-                        "(requests awaiting their first token); 0 = count requests only.")
-    p.add_argument("--cold-queue-weight", type=float, default=None,
+    p.add_argument("--queue-weight", type=float, default=0.0,
+                   help="Cost, in cached tokens, of one uncached prompt token the routers have queued on a replica "
+                        "(requests awaiting their first token) when the prompt's cache is at stake; 0 (default) = "
+                        "a warm prefix stays where it is whatever prefill is queued there (bounded load still applies).")
+    p.add_argument("--cold-queue-weight", type=float, default=1.0,
                    help="--queue-weight for requests whose cache is not at stake (no replica holds --warm-min-tokens "
-                        "more of the prompt than another: a new conversation, a prefix every replica holds); "
-                        "default: --queue-weight.")
+                        "more of the prompt than another: a new conversation, a prefix every replica holds); 1 = a "
+                        "queued token costs as much as one the request computes itself.")
     p.add_argument("--balance-epsilon", type=float, default=0.25,
                    help="Bounded load: no replica above (1 + EPS) x mean load while another can take the request.")
     p.add_argument("--balance-share-epsilon", type=float, default=0.15,

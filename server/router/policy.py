@@ -62,9 +62,9 @@ class PolicyConfig:
     cpu_weight: float = 0.5  # a swap-tier block is worth this fraction of a GPU block (it must be copied back)
     encoder_weight: float = 0.5  # an image whose encoder output is warm saves this fraction of its tokens
     load_weight: float = 32.0  # prompt tokens of cached prefix that one request of load outweighs
-    queue_weight: float = 1.0  # cost of one uncached prompt token queued ahead on the replica, in tokens saved,
+    queue_weight: float = 0.0  # cost of one uncached prompt token queued ahead on the replica, in tokens saved,
     #                            when the prompt's cache is at stake (hits differ by >= warm_min_tokens)
-    cold_queue_weight: Optional[float] = None  # the same when nothing is at stake (None: queue_weight)
+    cold_queue_weight: Optional[float] = 1.0  # the same when nothing is at stake (None: queue_weight)
     epsilon: float = 0.25  # bounded load: no replica above (1 + epsilon) x mean load while another fits
     warm_slack: int = 1  # requests above the cap a replica may take when it alone holds much of the prompt
     warm_min_tokens: int = 64  # cached tokens it must hold beyond the best replica under the cap to use the slack
