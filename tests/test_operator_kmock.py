@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from typing import Any, AsyncIterator, Callable
 
@@ -11,6 +12,8 @@ import kmock
 import kopf
 import pytest
 
+from fakehub import FakeHub
+from operator_fixtures.kmock_apply import FakeApplyEmulator
 from operator_fixtures.shapes import GiB, TiB, a100, h200, l4, service
 from warmfleet.operator.handlers import make_registry
 from warmfleet.operator.manifests import SIZING_HASH_ANNOTATION
@@ -29,18 +32,23 @@ TIMEOUT_S = 15
 
 
 @pytest.fixture()
-def cluster(kmock: kmock.KubernetesEmulator) -> kmock.KubernetesEmulator:
-    """kmock with the discovery kopf needs and every resource the operator touches."""
+async def cluster() -> AsyncIterator[FakeApplyEmulator]:
+    """kmock (taught server-side apply) with the discovery kopf needs and every resource the operator touches."""
+    async with FakeApplyEmulator() as emulator, kmock.Server(emulator):
+        yield _declare(emulator)
+
+
+def _declare(cluster: FakeApplyEmulator) -> FakeApplyEmulator:
     everything = {"list", "watch", "get", "create", "patch", "delete"}
-    kmock.resources["v1/namespaces"] = kmock.ResourceInfo(kind="Namespace", namespaced=False, verbs={"list", "watch"})
-    kmock.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = kmock.ResourceInfo(
+    cluster.resources["v1/namespaces"] = kmock.ResourceInfo(kind="Namespace", namespaced=False, verbs={"list", "watch"})
+    cluster.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = kmock.ResourceInfo(
         kind="CustomResourceDefinition", namespaced=False, verbs={"list", "watch"})
-    kmock.resources[ISVC] = kmock.ResourceInfo(kind="InferenceService", namespaced=True, verbs=everything, subresources={"status"})
-    kmock.resources[NODES] = kmock.ResourceInfo(kind="Node", namespaced=False, verbs={"list", "watch", "get", "patch"})
+    cluster.resources[ISVC] = kmock.ResourceInfo(kind="InferenceService", namespaced=True, verbs=everything, subresources={"status"})
+    cluster.resources[NODES] = kmock.ResourceInfo(kind="Node", namespaced=False, verbs={"list", "watch", "get", "patch"})
     for res, kind in KINDS.items():
-        kmock.resources[res] = kmock.ResourceInfo(kind=kind, namespaced=True, verbs=everything)
-    kmock.objects["v1/namespaces", None, "default"] = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "default", "resourceVersion": "1"}}
-    return kmock
+        cluster.resources[res] = kmock.ResourceInfo(kind=kind, namespaced=True, verbs=everything)
+    cluster.objects["v1/namespaces", None, "default"] = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "default", "resourceVersion": "1"}}
+    return cluster
 
 
 @contextlib.asynccontextmanager
@@ -164,6 +172,34 @@ async def test_update_spec_and_restart_without_changes(cluster, caplog):
         await eventually(lambda: any("reconcile_service' succeeded" in r.getMessage() for r in caplog.records), "resume handled")
     assert writes(cluster, mark) == []
     assert any("/services/qwen" in r.url.path for r in list(cluster)[mark:])  # the children were read back
+
+
+async def test_a_field_the_operator_stops_setting_is_removed(cluster):
+    """Server-side apply: an hf:// source renders a fetch-model init container; switching to a baked path
+    drops `initContainers` from every pod template (a merge patch leaves a key it does not mention)."""
+    config = {"architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl", "hidden_size": 3584,
+              "torch_dtype": "bfloat16", "vision_config": {"embed_dim": 1280}}
+    with FakeHub() as hub:
+        hub.add("acme/m", {"config.json": json.dumps(config).encode()})
+        seed(cluster, h200("h1"))
+        seed(cluster, service(spec={"replicas": 1, "model": {"source": "hf://acme/m@main", "hub": {"endpoint": hub.url}}}),
+             res=ISVC)
+        async with operator(cluster):
+            def templates() -> list[dict[str, Any]]:
+                deps = [*server_deployments(cluster).values(), obj(cluster, DEPLOY, "qwen-router")]
+                return [d["spec"]["template"]["spec"] for d in deps if d]
+
+            await eventually(lambda: len(templates()) == 2 and all("initContainers" in t for t in templates()),
+                             "fetch-model init containers")
+            applies = cluster.applies
+            await cluster.patch(f"/apis/{ISVC.rsplit('/', 1)[0]}/namespaces/default/inferenceservices/qwen",
+                                json={"metadata": {"generation": 2},
+                                      "spec": {"model": {"source": None, "hub": None, "path": "/models/qwen"}}})
+            await eventually(lambda: status(cluster).get("observedGeneration") == 2, "generation 2 observed")
+            assert len(templates()) == 2 and not any("initContainers" in t for t in templates())
+            assert cluster.applies > applies  # removed by applying the new intent, not by deleting the Deployments
+            assert all(c["args"][c["args"].index("--model") + 1] == "/models/qwen" for t in templates()
+                       for c in t["containers"] if "--model" in c["args"])
 
 
 async def test_node_added_and_changed(cluster):

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from .registry import ReplicaSpec
 
 log = logging.getLogger(__name__)
 
 SERVICE_LABEL = "kubernetes.io/service-name"
+ENDPOINT_SLICES = {"EndpointSlice": ("discovery.k8s.io/v1", "endpointslices")}  # the one kind discovery reads
+FIELD_MANAGER = "warmfleet-router"  # it writes nothing; the client asks for one
 WATCH_TIMEOUT_S = 300  # server-side watch timeout; the watch is simply re-established (after a re-list)
 
 
@@ -68,17 +69,20 @@ def replicas_from_slices(slices: Iterable[Any], port_name: str, events_port_name
 
 
 class EndpointSliceDiscovery:
-    """Feeds `fleet.set_members` from one Service's EndpointSlices until cancelled."""
+    """Feeds `fleet.set_members` from one Service's EndpointSlices until cancelled.
+
+    List and watch go through the shared client (warmfleet.kube, the official client's asyncio
+    API, on the router's loop); `kube` replaces it in tests.
+    """
 
     def __init__(self, namespace: str, service: str, port_name: str = "http", events_port_name: str = "kv-events",
                  default_events_port: Optional[int] = None, default_replay_port: Optional[int] = None,
-                 default_metrics_port: Optional[int] = None, api: Any = None,
-                 watch_factory: Optional[Callable[[], Any]] = None, retry_delay_s: float = 1.0):
+                 default_metrics_port: Optional[int] = None, kube: Any = None, retry_delay_s: float = 1.0):
         self.namespace, self.service = namespace, service
         self.port_name, self.events_port_name = port_name, events_port_name
         self.default_events_port, self.default_replay_port = default_events_port, default_replay_port
         self.default_metrics_port = default_metrics_port
-        self._api, self._watch_factory = api, watch_factory
+        self._kube = kube
         self.retry_delay_s = retry_delay_s
         self.relists = 0  # completed full lists (the first one included)
 
@@ -93,79 +97,56 @@ class EndpointSliceDiscovery:
         return cls(ns, name, port_name, events_port_name, default_events_port, default_replay_port,
                    default_metrics_port)
 
-    def _clients(self) -> tuple[Any, Callable[[], Any]]:
-        if self._api is None:
-            from kubernetes import client, config, watch
+    async def _clients(self) -> tuple[Any, bool]:
+        """(client, whether this discovery made it and closes it)."""
+        if self._kube is not None:
+            return self._kube, False
+        from warmfleet.kube import Kube
 
-            try:
-                config.load_incluster_config()
-            except config.ConfigException:
-                config.load_kube_config()
-            self._api = client.DiscoveryV1Api()
-            self._watch_factory = watch.Watch
-        return self._api, self._watch_factory  # type: ignore[return-value]
+        return await Kube.from_environment(ENDPOINT_SLICES, field_manager=FIELD_MANAGER), True
 
     async def run(self, fleet: Any) -> None:
-        api, _ = self._clients()
-        selector = f"{SERVICE_LABEL}={self.service}"
-        while True:
-            try:
-                listed = await asyncio.to_thread(api.list_namespaced_endpoint_slice, self.namespace,
-                                                 label_selector=selector)
-                slices = {s.metadata.name: s for s in listed.items}
-                self.relists += 1
-                await fleet.set_members(self._specs(slices))
-                await self._watch(fleet, slices, selector, listed.metadata.resource_version)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("EndpointSlice discovery of %s/%s: %s; re-listing", self.namespace, self.service, exc)
-                await asyncio.sleep(self.retry_delay_s)
+        kube, owned = await self._clients()
+        selector = {SERVICE_LABEL: self.service}
+        try:
+            while True:
+                try:
+                    listed = await kube.list_object("EndpointSlice", self.namespace, selector)
+                    slices = {s.metadata.name: s for s in map(_typed, listed.get("items") or [])}
+                    self.relists += 1
+                    await fleet.set_members(self._specs(slices))
+                    await self._watch(kube, fleet, slices, selector, (listed.get("metadata") or {}).get("resourceVersion"))
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    log.warning("EndpointSlice discovery of %s/%s: %s; re-listing", self.namespace, self.service, exc)
+                    await asyncio.sleep(self.retry_delay_s)
+        finally:
+            if owned:
+                await kube.close()
 
     def _specs(self, slices: dict) -> list[ReplicaSpec]:
         return replicas_from_slices(slices.values(), self.port_name, self.events_port_name, self.default_events_port,
                                     default_replay_port=self.default_replay_port,
                                     default_metrics_port=self.default_metrics_port)
 
-    async def _watch(self, fleet: Any, slices: dict, selector: str, resource_version: str) -> None:
+    async def _watch(self, kube: Any, fleet: Any, slices: dict, selector: dict, resource_version: Optional[str]) -> None:
         """Apply watch events until the stream ends or errors (the caller then re-lists)."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        w = self._watch_factory()  # type: ignore[misc]
-        done = object()
+        async for kind, raw in kube.watch("EndpointSlice", self.namespace, selector, resource_version, WATCH_TIMEOUT_S):
+            if kind == "ERROR" or not isinstance(raw, dict) or "metadata" not in raw:
+                return  # e.g. 410 Gone: resourceVersion too old
+            obj = _typed(raw)
+            if kind == "DELETED":
+                slices.pop(obj.metadata.name, None)
+            elif kind in ("ADDED", "MODIFIED"):
+                slices[obj.metadata.name] = obj
+            else:
+                continue  # BOOKMARK
+            await fleet.set_members(self._specs(slices))
 
-        def hand_over(item: object) -> bool:
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-                return True
-            except RuntimeError:  # the loop is gone: the router is shutting down
-                return False
 
-        def pump() -> None:
-            try:
-                for ev in w.stream(self._api.list_namespaced_endpoint_slice, self.namespace, label_selector=selector,
-                                   resource_version=resource_version, timeout_seconds=WATCH_TIMEOUT_S):
-                    if not hand_over(ev):
-                        return
-            except Exception as exc:  # handed to the loop, which re-lists
-                hand_over(exc)
-            hand_over(done)
+def _typed(raw: dict) -> Any:
+    """A V1EndpointSlice from the API's JSON (what replicas_from_slices reads)."""
+    from kubernetes.client import V1EndpointSlice
 
-        threading.Thread(target=pump, name="endpointslice-watch", daemon=True).start()
-        try:
-            while True:
-                ev = await queue.get()
-                if ev is done:
-                    return
-                if isinstance(ev, Exception):
-                    raise ev
-                kind, obj = ev.get("type"), ev.get("object")
-                if kind == "ERROR" or obj is None or not hasattr(obj, "metadata"):
-                    return  # e.g. 410 Gone: resourceVersion too old
-                if kind == "DELETED":
-                    slices.pop(obj.metadata.name, None)
-                else:
-                    slices[obj.metadata.name] = obj
-                await fleet.set_members(self._specs(slices))
-        finally:
-            w.stop()
+    return V1EndpointSlice.from_dict(raw)
