@@ -7,6 +7,7 @@ from typing import Any, Awaitable, Callable
 
 import kopf
 
+from warmfleet.operator import autoscaler
 from warmfleet.operator import manifests as m
 from warmfleet.operator import modelconfig as mc
 from warmfleet.operator.diagnose import slim_pod
@@ -29,8 +30,12 @@ def default_login(**kwargs: Any) -> Any:
     return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
 
-def make_registry(*, default_image: str, login: LoginFn = default_login) -> kopf.OperatorRegistry:
-    """A registry holding every handler; `login` is replaceable so tests can point kopf at kmock."""
+def make_registry(*, default_image: str, login: LoginFn = default_login, router_url_template: str | None = None,
+                  autoscale_interval_s: float = autoscaler.DEFAULT_INTERVAL_S) -> kopf.OperatorRegistry:
+    """A registry holding every handler; `login` is replaceable so tests can point kopf at kmock.
+
+    `router_url_template` overrides where the autoscaler finds a service's routers (autoscaler.router_urls).
+    """
     registry = kopf.OperatorRegistry()
     isvc = (GROUP, VERSION, PLURAL)
 
@@ -57,18 +62,12 @@ def make_registry(*, default_image: str, login: LoginFn = default_login) -> kopf
 
     @kopf.on.login(registry=registry)
     async def authenticate(memo: kopf.Memo, **kwargs: Any) -> Any:
-        """kopf logs in (at start, after its own 401s); the operator's client logs in again through `again`."""
-        async def again() -> Any:  # a rotated token file, a renewed kubeconfig: read them anew
-            info = login(memo=memo, **kwargs)
-            return await info if hasattr(info, "__await__") else info
-
+        info = login(memo=memo, **kwargs)
+        if hasattr(info, "__await__"):
+            info = await info
         state: OperatorState = memo.state
-        info = await again()
-        state.login = again
-        if info is not None:
-            state.connection = info
-            if state.kube is not None:
-                await state.kube.use(info)
+        if info is not None and (state.connection is None or state.connection.server != info.server):
+            state.connection, state.kube = info, None
         return info
 
     @kopf.index("", "v1", "nodes", id="nodes", registry=registry)
@@ -115,6 +114,11 @@ def make_registry(*, default_image: str, login: LoginFn = default_login) -> kopf
                                  service_pods: kopf.Index, logger: Any, **_: Any) -> None:
         """While the model's config.json cannot be read (ModelConfigUnavailable), try again now and then."""
         await run(body, memo, nodes, logger, services, service_pods)
+
+    @kopf.timer(*isvc, id="autoscale", interval=autoscale_interval_s, initial_delay=autoscale_interval_s, registry=registry)
+    async def autoscale(body: kopf.Body, memo: kopf.Memo, nodes: kopf.Index, patch: kopf.Patch, **_: Any) -> None:
+        """The routers' metrics → spec.replicas (spec.autoscaling with a target), status.warmup, pod-deletion costs."""
+        await autoscaler.run_pass(memo.state, body, _node_list(nodes), patch, template=router_url_template)
 
     @kopf.on.delete(*isvc, registry=registry, optional=True)
     def forget(uid: str, memo: kopf.Memo, **_: Any) -> None:

@@ -18,6 +18,8 @@ FALLBACK_IMAGE = "ghcr.io/warmfleet/warmfleet:latest"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Subcommands run (default), render and crd."""
     parser.set_defaults(action="run", namespaces=[], liveness="http://0.0.0.0:8080/healthz", verbose=False,
+                        router_url_template=os.environ.get("WARMFLEET_ROUTER_URL_TEMPLATE") or None,
+                        autoscale_interval=float(os.environ.get("WARMFLEET_AUTOSCALE_INTERVAL_S") or 15),
                         default_image=os.environ.get(DEFAULT_IMAGE_ENV, FALLBACK_IMAGE))
     sub = parser.add_subparsers(dest="action", metavar="ACTION")
     run_p = sub.add_parser("run", help="Run the kopf operator (the default).")
@@ -28,6 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--verbose", action="store_true", help="Debug logging.")
         p.add_argument("--default-image", default=os.environ.get(DEFAULT_IMAGE_ENV, FALLBACK_IMAGE),
                        help=f"Router image, and warmfleet engine image, when spec.server.image is unset (env {DEFAULT_IMAGE_ENV}).")
+        p.add_argument("--router-url-template", default=os.environ.get("WARMFLEET_ROUTER_URL_TEMPLATE") or None,
+                       help="Where the autoscaler scrapes a service's routers, e.g. http://127.0.0.1:9000 or "
+                            "http://{service}.{namespace}.svc:{port} (env WARMFLEET_ROUTER_URL_TEMPLATE); default: "
+                            "each Ready router pod by IP.")
+        p.add_argument("--autoscale-interval", type=float, default=float(os.environ.get("WARMFLEET_AUTOSCALE_INTERVAL_S") or 15),
+                       help="Seconds between two scrapes of each service's routers (env WARMFLEET_AUTOSCALE_INTERVAL_S).")
     render_p = sub.add_parser("render", help="Print the objects the operator would apply, offline.")
     render_p.add_argument("-f", "--filename", required=True, help="YAML with one or more InferenceService objects.")
     render_p.add_argument("--nodes", required=True, help="YAML with Node objects (a List, or several documents).")
@@ -58,7 +66,8 @@ def run_operator(args: argparse.Namespace) -> int:
     from warmfleet.operator.handlers import make_registry
 
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.PLAIN)
-    registry = make_registry(default_image=args.default_image)
+    registry = make_registry(default_image=args.default_image, router_url_template=args.router_url_template,
+                             autoscale_interval_s=args.autoscale_interval)
     asyncio.run(kopf.operator(
         registry=registry, clusterwide=not args.namespaces, namespaces=args.namespaces,
         liveness_endpoint=args.liveness or None, standalone=True,

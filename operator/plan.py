@@ -7,7 +7,7 @@ from typing import Any
 
 from warmfleet.operator import manifests as m
 from warmfleet.operator.nodes import NodeInfo, Pool, derive_pools
-from warmfleet.operator.sizing import assign_replicas, size_pool
+from warmfleet.operator.sizing import PoolSizing, assign_replicas, size_pool
 from warmfleet.operator.spec import EngineKind, InferenceServiceSpec, PoolBounds, PoolShape, PoolStatus
 
 
@@ -30,17 +30,30 @@ class Plan:
 def make_plan(owner: m.Owner, spec: InferenceServiceSpec, nodes: list[NodeInfo], images: m.Images) -> Plan:
     """Derive pools from nodes, size each, split the replicas and build every child object."""
     sized = [(pool, size_pool(spec, pool)) for pool in derive_pools(spec, nodes)]
-    caps = [sizing.capacity_per_node * len(pool.nodes) for pool, sizing in sized]
-    floors = None
-    if spec.autoscaling is not None and spec.autoscaling.pools:  # per-pool bounds: floors, and caps lowered to maxima
-        bounds = [pool_bounds(spec, pool) for pool, _ in sized]
-        floors = [b.min_replicas if b else 0 for b in bounds]
-        caps = [min(c, b.max_replicas) if b and b.max_replicas is not None else c for c, b in zip(caps, bounds)]
+    caps, floors = pool_limits(spec, sized)
     desired = spec.desired_replicas()
     split = assign_replicas(desired, caps, floors)
     desired = max(desired, sum(split))  # per-pool minima raise the total
     planned = [m.PlannedPool(pool, sizing, n) for (pool, sizing), n in zip(sized, split)]
     return Plan(planned, desired, sum(caps), m.build_children(owner, spec, images, planned), spec.engine.kind)
+
+
+def pool_limits(spec: InferenceServiceSpec, sized: list[tuple[Pool, PoolSizing]]) -> tuple[list[int], list[int]]:
+    """Per pool: most replicas (what its nodes host, lowered to its autoscaling maxReplicas) and fewest (its minReplicas)."""
+    caps = [sizing.capacity_per_node * len(pool.nodes) for pool, sizing in sized]
+    floors = [0] * len(caps)
+    if spec.autoscaling is not None and spec.autoscaling.pools:
+        bounds = [pool_bounds(spec, pool) for pool, _ in sized]
+        floors = [b.min_replicas if b else 0 for b in bounds]
+        caps = [min(c, b.max_replicas) if b and b.max_replicas is not None else c for c, b in zip(caps, bounds)]
+    return caps, floors
+
+
+def planned_limits(spec: InferenceServiceSpec, plan: Plan) -> tuple[dict[str, int], dict[str, int]]:
+    """pool_limits of a plan's pools, by pool name."""
+    caps, floors = pool_limits(spec, [(p.pool, p.sizing) for p in plan.pools])
+    names = [p.pool.name for p in plan.pools]
+    return dict(zip(names, caps)), dict(zip(names, floors))
 
 
 def pool_bounds(spec: InferenceServiceSpec, pool: Pool) -> PoolBounds | None:

@@ -15,7 +15,7 @@ from warmfleet.operator import manifests as m
 from warmfleet.operator import modelconfig as mc
 from warmfleet.operator.diagnose import claims_to_check, diagnose
 from warmfleet.operator.engines import check_spec
-from warmfleet.operator.kube import Kube, KubeError, Login, connect
+from warmfleet.operator.kube import Kube, KubeError
 from warmfleet.operator.nodes import NodeInfo
 from warmfleet.operator.plan import Plan, make_plan
 from warmfleet.operator.schema import SpecError
@@ -42,20 +42,20 @@ class OperatorState:
 
     default_image: str
     connection: Any = None  # kopf ConnectionInfo from the login handler
-    login: Login | None = None  # the login handler again: fresh credentials when the client needs them
     kube: Kube | None = None
     locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     fingerprints: dict[str, str] = field(default_factory=dict)  # service uid → last applied plan digest
     pod_digests: dict[str, tuple[str | None, str]] = field(default_factory=dict)  # uid → diagnosis of the pods last reconciled
     conditions: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # uid → conditions last written (Event de-dup)
     model_configs: mc.ConfigCache = field(default_factory=mc.ConfigCache)  # config.json reads of hf:// and s3:// sources
+    autoscale: dict[str, Any] = field(default_factory=dict)  # uid → autoscale.History (samples, recommendations)
 
     def client(self) -> Kube:
         """The API client, built on first use from the login handler's connection."""
         if self.kube is None:
             if self.connection is None:
                 raise kopf.TemporaryError("not logged in yet", delay=1)
-            self.kube = connect(self.connection, self.login)
+            self.kube = Kube.from_connection(self.connection)
         return self.kube
 
     def lock(self, uid: str) -> asyncio.Lock:
@@ -68,6 +68,7 @@ class OperatorState:
         self.fingerprints.pop(uid, None)
         self.pod_digests.pop(uid, None)
         self.conditions.pop(uid, None)
+        self.autoscale.pop(uid, None)
 
 
 def pod_digest(pods: list[Mapping[str, Any]]) -> tuple[str | None, str]:

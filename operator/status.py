@@ -13,6 +13,7 @@ CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "InvalidSpec", "ModelConf
 # Ready=False reasons that are progress, not a problem: every other Ready=False reason (a pod problem,
 # NoMatchingNodes, InsufficientCapacity) is worth a Warning Event when it appears.
 PROGRESS_READY_REASONS = frozenset({STARTING, "NotReady"})
+AUTOSCALER_KEYS = ("warmup", "autoscaling")  # status keys the autoscaler's timer owns; a reconcile keeps them
 
 
 def warnings(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, str]]:
@@ -116,6 +117,8 @@ def healthy_status(
         "endpoint": endpoint,
         "model": model,
         "pools": [to_dict(p) for p in pools],
+        # written by the autoscaler's timer (autoscaler.py), carried over as they were
+        **{k: previous[k] for k in AUTOSCALER_KEYS if previous.get(k) is not None},
     }
 
 

@@ -129,15 +129,19 @@ def test_rbac_covers_exactly_what_the_operator_writes(helm):
             assert granted[(group, plural)] == {"get"}
         elif kind == "Secret":  # a GET of spec.model.credentialsSecret, to read config.json; never list or watch
             assert granted[(group, plural)] == {"get"}
+        elif kind == "Pod":  # the pod index (why not Ready), router pod IPs, and the autoscaler's pod-deletion cost
+            assert granted[(group, plural)] == {"get", "list", "watch", "patch"}
         else:
             assert granted[(group, plural)] == {"get", "create", "patch"}, kind
     assert granted[("", "nodes")] == {"list", "watch"}
     assert granted[("discovery.k8s.io", "endpointslices")] == {"get", "list", "watch"}  # re-granted to routers
-    assert granted[("", "pods")] == {"list", "watch"}  # the operator's pod index: why a service is not Ready
     assert all("*" not in v for v in granted.values())
     # without readModelCredentials the operator holds no Secret permission at all
     off = [r for d in template(helm, "operator.readModelCredentials=false") if d["kind"] == "ClusterRole" for r in d["rules"]]
     assert not any("secrets" in r["resources"] for r in off)
+    # without podDeletionCost the operator cannot patch pods: only its pod index (list, watch) remains
+    off = [r for d in template(helm, "operator.podDeletionCost=false") if d["kind"] == "ClusterRole" for r in d["rules"]]
+    assert [r["verbs"] for r in off if "pods" in r["resources"]] == [["list", "watch"]]
 
 
 def test_notes_tell_the_next_command(helm):

@@ -1,0 +1,131 @@
+"""One pass of the autoscaler for one InferenceService (the kopf timer in handlers.py runs it): scrape the
+service's routers, write spec.replicas when the decision (autoscale.decide) changes it, status.autoscaling
+and status.warmup, and the servers' pod-deletion costs."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Mapping, MutableMapping
+
+import httpx
+
+from warmfleet.operator import autoscale as a
+from warmfleet.operator import manifests as m
+from warmfleet.operator.kube import KubeError
+from warmfleet.operator.nodes import NodeInfo
+from warmfleet.operator.plan import planned_limits
+from warmfleet.operator.reconcile import OperatorState, plan_for, utcnow
+from warmfleet.operator.schema import SpecError, to_dict
+
+ROUTER_URL_TEMPLATE_ENV = "WARMFLEET_ROUTER_URL_TEMPLATE"
+INTERVAL_ENV = "WARMFLEET_AUTOSCALE_INTERVAL_S"
+DEFAULT_INTERVAL_S = 15.0
+SCALED = ("ScaleOut", "ScaleIn", "BelowMin", "AboveMax")
+
+log = logging.getLogger(__name__)
+
+
+def router_urls(template: str | None, owner: m.Owner, port: int, router_pods: list[Mapping[str, Any]]) -> list[str]:
+    """Base URLs of the service's routers: the template (tests, a proxy) with {name}, {namespace}, {service}
+    and {port}; else every Ready router pod by IP (counters stay per process); else the router Service."""
+    service = m.names(owner)["endpoint"]
+    if template:
+        return [template.format(name=owner.name, namespace=owner.namespace, service=service, port=port)]
+    urls = []
+    for pod in router_pods:
+        st = pod.get("status") or {}
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or [])
+        if st.get("podIP") and ready and not (pod.get("metadata") or {}).get("deletionTimestamp"):
+            ip = st["podIP"]
+            urls.append(f"http://{f'[{ip}]' if ':' in ip else ip}:{m.HTTP_PORT}")
+    return sorted(urls) or [f"http://{service}.{owner.namespace}.svc:{port}"]
+
+
+async def run_pass(state: OperatorState, body: Mapping[str, Any], nodes: list[NodeInfo], patch: MutableMapping[str, Any],
+                   *, template: str | None = None, http: httpx.AsyncClient | None = None,
+                   clock: Callable[[], float] = time.monotonic, now: Callable[[], str] = utcnow) -> a.Decision | None:
+    """Scrape, decide and write through `patch` (kopf's patch of this object: spec.replicas, status) and the client
+    (pod annotations). Returns the decision, or None when the service does not autoscale or no router answered."""
+    meta = body.get("metadata") or {}
+    uid = meta.get("uid") or f"{meta.get('namespace')}/{meta.get('name')}"
+    try:
+        owner, spec, plan = plan_for(body, nodes, state.default_image)
+    except SpecError:
+        return None  # the reconcile reports it
+    kube = state.client()
+    hist: a.History = state.autoscale.setdefault(uid, a.History())
+    router_sel = {m.SERVICE_LABEL: owner.name[:63], m.COMPONENT_LABEL: "router"}
+    router_pods = [] if template else await kube.list("Pod", owner.namespace, router_sel)
+    urls = router_urls(template, owner, spec.router.port, router_pods)
+    if http is None:
+        async with httpx.AsyncClient() as client:
+            metrics, views, errors = await a.scrape(client, urls)
+    else:
+        metrics, views, errors = await a.scrape(http, urls)
+    if errors and not metrics:
+        log.info("%s/%s: no router answered (%s); autoscaling holds, warm-up status and deletion costs wait",
+                 owner.namespace, owner.name, "; ".join(f"{u}: {e}" for u, e in errors.items()))
+    t = clock()
+    status = dict(body.get("status") or {})
+    if views:
+        warmup = to_dict(a.warmup_summary(views))
+        if status.get("warmup") != warmup:
+            patch.setdefault("status", {})["warmup"] = warmup
+        await _deletion_costs(kube, owner, views, hist)
+
+    cfg = spec.autoscaling
+    if cfg is None or not cfg.enabled:
+        return None
+    sample = a.make_sample(t, metrics)
+    if sample is not None:
+        hist.samples.append(sample)
+    hist.keep(t, cfg.metrics_window_seconds + max(cfg.scale_up_stabilization_seconds, cfg.scale_down_stabilization_seconds))
+    caps, floors = planned_limits(spec, plan)
+    current = {p.pool.name: p.replicas for p in plan.pools}
+    d = a.decide(current=current, capacities=caps, floors=floors, cfg=cfg, samples=hist.samples,
+                 recommendations=hist.recommendations, now=t)
+    hist.recommendations.append((t, d.recommendation))
+    previous = status.get("autoscaling") or {}
+    scaled = d.reason in SCALED and (body.get("spec") or {}).get("replicas") != d.total
+    if scaled:  # through the spec, as `kubectl scale` does: the reconcile that follows splits it over the pools
+        patch.setdefault("spec", {})["replicas"] = d.total
+    if hist.last != (d.total, d.reason) or (previous.get("desiredReplicas"), previous.get("reason")) != (d.total, d.reason):
+        entry = {"desiredReplicas": d.total, "pools": d.pools, "reason": d.reason, "message": d.message}
+        last_scale = now() if scaled else previous.get("lastScaleTime")
+        if last_scale:
+            entry["lastScaleTime"] = last_scale
+        patch.setdefault("status", {})["autoscaling"] = entry
+        hist.last = (d.total, d.reason)
+        level = logging.INFO if scaled else logging.DEBUG
+        log.log(level, "%s/%s autoscaling: %s %s", owner.namespace, owner.name, d.reason, d.message)
+    return d
+
+
+async def _deletion_costs(kube: Any, owner: m.Owner, views: list[dict[str, Any]], hist: a.History) -> None:
+    """Annotate server pods with what their loss would cost the fleet's caches (only values that changed)."""
+    if hist.costs_forbidden:
+        return
+    pods = await kube.list("Pod", owner.namespace, m.server_selector(owner))
+    costs = a.deletion_costs(views, pods)
+    by_name = {p["metadata"]["name"]: p for p in pods}
+    for name, cost in sorted(costs.items()):
+        have = ((by_name[name].get("metadata") or {}).get("annotations") or {}).get(a.DELETION_COST_ANNOTATION)
+        if have == str(cost) or hist.costs.get(name) == cost:
+            continue
+        try:
+            await kube.apply({"apiVersion": "v1", "kind": "Pod",
+                              "metadata": {"name": name, "namespace": owner.namespace,
+                                           "annotations": {a.DELETION_COST_ANNOTATION: str(cost)}}})
+        except KubeError as exc:
+            if exc.status == 403:
+                hist.costs_forbidden = True
+                log.warning("%s/%s: cannot annotate pods with %s (%s): scale-in removes arbitrary replicas. Grant "
+                            "`patch` on pods (chart value operator.podDeletionCost=true) to keep the warmest ones.",
+                            owner.namespace, owner.name, a.DELETION_COST_ANNOTATION, exc)
+                return
+            if exc.status != 404:  # a pod gone meanwhile is fine
+                raise
+        hist.costs[name] = cost
+    for gone in set(hist.costs) - set(by_name):
+        hist.costs.pop(gone, None)
