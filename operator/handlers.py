@@ -62,12 +62,18 @@ def make_registry(*, default_image: str, login: LoginFn = default_login, router_
 
     @kopf.on.login(registry=registry)
     async def authenticate(memo: kopf.Memo, **kwargs: Any) -> Any:
-        info = login(memo=memo, **kwargs)
-        if hasattr(info, "__await__"):
-            info = await info
+        """kopf logs in (at start, after its own 401s); the operator's client logs in again through `again`."""
+        async def again() -> Any:  # a rotated token file, a renewed kubeconfig: read them anew
+            info = login(memo=memo, **kwargs)
+            return await info if hasattr(info, "__await__") else info
+
         state: OperatorState = memo.state
-        if info is not None and (state.connection is None or state.connection.server != info.server):
-            state.connection, state.kube = info, None
+        info = await again()
+        state.login = again
+        if info is not None:
+            state.connection = info
+            if state.kube is not None:
+                await state.kube.use(info)
         return info
 
     @kopf.index("", "v1", "nodes", id="nodes", registry=registry)

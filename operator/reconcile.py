@@ -15,7 +15,7 @@ from warmfleet.operator import manifests as m
 from warmfleet.operator import modelconfig as mc
 from warmfleet.operator.diagnose import claims_to_check, diagnose
 from warmfleet.operator.engines import check_spec
-from warmfleet.operator.kube import Kube, KubeError
+from warmfleet.operator.kube import Kube, KubeError, Login, connect
 from warmfleet.operator.nodes import NodeInfo
 from warmfleet.operator.plan import Plan, make_plan
 from warmfleet.operator.schema import SpecError
@@ -42,6 +42,7 @@ class OperatorState:
 
     default_image: str
     connection: Any = None  # kopf ConnectionInfo from the login handler
+    login: Login | None = None  # the login handler again: fresh credentials when the client needs them
     kube: Kube | None = None
     locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     fingerprints: dict[str, str] = field(default_factory=dict)  # service uid → last applied plan digest
@@ -55,7 +56,7 @@ class OperatorState:
         if self.kube is None:
             if self.connection is None:
                 raise kopf.TemporaryError("not logged in yet", delay=1)
-            self.kube = Kube.from_connection(self.connection)
+            self.kube = connect(self.connection, self.login)
         return self.kube
 
     def lock(self, uid: str) -> asyncio.Lock:
