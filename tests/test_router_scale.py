@@ -195,3 +195,21 @@ def test_choose_equals_the_reference(seed):
         kw = dict(block_size=16, num_prompt_tokens=rng.randrange(1, 120),
                   cold_key=rng.choice([None, bytes([seed]) * 32]), cfg=cfg)
         assert choose(cands, **kw) == reference_choose(cands, **kw)
+
+
+# --- tokenizing without offsets: the same ids as the replica's encoder ------------------------------
+def test_router_completion_ids_equal_the_replicas(tiny_model_dir):
+    from warmfleet.server import rendering
+    from warmfleet.server.router.prompt import PromptRenderer, ids_encoder
+    from warmfleet.server.tokenizer import Tokenizer
+
+    tok = Tokenizer(tiny_model_dir)
+    renderer = PromptRenderer(str(tiny_model_dir), tokenizer=tok)
+    assert ids_encoder(tok) is not tok.encode  # the offset-free path is the one in use
+    rng = random.Random(0)
+    pieces = [" the", " KV", "cache", "  ", "\n", "\t", "ü", "☃", "12345", "<|im_start|>", "<|endoftext|>", ",", "."]
+    texts = ["", "x", "<|im_start|>user\nhi<|im_end|>"] + [
+        "".join(rng.choice(pieces) for _ in range(rng.randrange(1, 200))) for _ in range(50)]
+    for text in texts:
+        assert renderer.completion({"prompt": text}).token_ids == rendering.completion_ids(tok, text), text
+        assert renderer._encode(text, False) == tok.encode(text, add_special_tokens=False), text

@@ -49,6 +49,30 @@ def _as_replica_sees(message: Any) -> Any:
     return out
 
 
+def ids_encoder(tokenizer: Any) -> Callable[[str, bool], list[int]]:
+    """`encode(text, add_special_tokens)` of the tokenizer, through HF tokenizers' `encode_batch_fast` when it has it.
+
+    The fast path computes no character offsets: ~25% less CPU per request on 2,000-character
+    prompts (0.65 -> 0.50 ms; docs/scale.md). The ids are the same by construction; a probe checks it
+    and any surprise falls back to the plain encoder.
+    """
+    plain = tokenizer.encode
+    raw = getattr(tokenizer, "_tok", None)
+    batch_fast = getattr(raw, "encode_batch_fast", None)
+    if batch_fast is None:
+        return plain
+
+    def fast(text: str, add_special_tokens: bool = False) -> list[int]:
+        return batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+
+    probe = "Hello  world,\n\tthe  KV cache: 12345 ü ☃ " * 3
+    try:
+        same = all(fast(probe, a) == plain(probe, add_special_tokens=a) for a in (False, True))
+    except Exception:  # an unexpected tokenizer object: keep the plain path
+        same = False
+    return fast if same else plain
+
+
 class BoundedMemo:
     """A dict that forgets its oldest entries beyond `capacity` (FIFO; hot entries come straight back)."""
 
@@ -84,6 +108,7 @@ class SegmentEncoder:
 
     def __init__(self, tokenizer: Any, specials: dict[str, int], capacity: int = 50_000):
         self.tokenizer = tokenizer
+        self._encode = ids_encoder(tokenizer)
         self.specials = specials
         self._split = re.compile("(" + "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)) + ")")
         self.memo = BoundedMemo(capacity)
@@ -121,7 +146,7 @@ class SegmentEncoder:
                 continue
             ids = self.memo.get(piece)
             if ids is None:
-                ids = tuple(self.tokenizer.encode(piece, add_special_tokens=False))
+                ids = tuple(self._encode(piece, False))
                 self.memo.put(piece, ids)
             out.extend(ids)
         return out
@@ -146,12 +171,13 @@ class PromptRenderer:
         self._processor_cfg: Any = None
         self._image_pad_ids = {i for i in (tokenizer.token_to_id(t) for t in IMAGE_PAD_TOKENS) if i is not None}
         self.segments = SegmentEncoder.for_tokenizer(tokenizer)
+        self._encode = ids_encoder(tokenizer)
         self.images = BoundedMemo(4096)  # data: URI -> ImageInfo (multimodal.prompt.render's memo)
 
     def _encode_chat(self, text: str) -> list[int]:
         if self.segments is not None:
             return self.segments.encode(text)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self._encode(text, False)
 
     def chat(self, body: dict) -> Prompt:
         messages = body.get("messages")
@@ -183,7 +209,7 @@ class PromptRenderer:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
             prompt = prompt[0]  # a batch goes where its first prompt is warm
         if isinstance(prompt, str):
-            ids = rendering.completion_ids(self.tokenizer, prompt)
+            ids = self._encode(prompt, True)  # = rendering.completion_ids (encode with special tokens), faster
         elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             ids = list(prompt)
         else:
