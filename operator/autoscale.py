@@ -241,10 +241,14 @@ def decide(*, current: Mapping[str, int], capacities: Mapping[str, int], floors:
             return result(cur, "Stabilizing", f"{why} asks {rec}, held by the scale-up window; {message}", rec)
         return result(desired, "ScaleOut", f"{why}: {cur} -> {desired}; {message}", rec)
     if rec < cur:
-        down = [r for t, r in seen if t >= now - cfg.scale_down_stabilization_seconds]
+        window_s = cfg.scale_down_stabilization_seconds
+        down = [r for t, r in seen if t >= now - window_s]
         desired = min(cur, max(down))
-        if desired == cur:
-            return result(cur, "Stabilizing", f"metrics ask {rec}, held by the scale-down window; {message}", rec)
+        # a window the operator has not watched whole (it just started) may have held a higher recommendation
+        covered = window_s == 0 or any(t <= now - window_s for t, _ in recommendations)
+        if desired == cur or not covered:
+            why_held = "the scale-down window" if covered else "the scale-down window (not yet watched whole)"
+            return result(cur, "Stabilizing", f"metrics ask {rec}, held by {why_held}; {message}", rec)
         trend = hit_ratio_trend(start + window) if cfg.protect_hit_ratio else None
         if trend is not None and trend[1] < trend[0] - cfg.hit_ratio_drop:
             return result(cur, "HitRatioFalling", f"metrics ask {desired}, but the cached-token ratio fell "

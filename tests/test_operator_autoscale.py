@@ -103,11 +103,14 @@ def test_both_targets_take_the_larger_recommendation():
 
 def test_scale_down_stabilisation_keeps_the_highest_recent_recommendation():
     c = cfg(scaleDownStabilizationSeconds=300)
-    d = decide(4, [sample(100, queued=0)], c=c, recs=[(50, 4), (90, 3)])
+    d = decide(4, [sample(100, queued=0)], c=c, recs=[(-250, 1), (50, 4), (90, 3)])  # -250: watched the whole window
     assert (d.total, d.reason) == (4, "Stabilizing")
-    d = decide(4, [sample(100, queued=0)], c=c, recs=[(50, 3), (90, 2)])
+    d = decide(4, [sample(100, queued=0)], c=c, recs=[(-250, 1), (50, 3), (90, 2)])
     assert (d.total, d.reason) == (3, "ScaleIn")
     assert decide(4, [sample(500, queued=0)], c=c, recs=[(50, 4)], now=500).total == 1  # outside the window
+    # an operator that just started has not seen the whole window: no scale-in yet
+    d = decide(4, [sample(500, queued=0)], c=c, recs=[(450, 1)], now=500)
+    assert (d.total, d.reason) == (4, "Stabilizing") and "not yet watched whole" in d.message
 
 
 def test_scale_up_stabilisation_keeps_the_lowest_recent_recommendation():
