@@ -1,6 +1,6 @@
 """Engine profile: step times for prefill, prefix hit and decode, then where a step's time goes.
 
-    python -P bench/profile_engine.py [--model DIR] [--runs 5] [--sections prefill,hit,tail,decode1,decode16]
+    python -P bench/profile_engine.py [--model DIR] [--runs 5] [--sections prefill,hit,tail,decode1,decode16,decode64]
                                       [--detail layers,ops,cprofile] [--threads 1,2]
 
 Runs EngineCore in-process on the `bench` checkpoint (fp32, block size 64; made on first run).
@@ -11,6 +11,7 @@ Sections, each a median over --runs of one engine step:
     tail      a cold 64-token prompt: what the hit's uncached tail costs on its own
     decode1   one decode step at batch 1 (32-token prompts, context grows while measuring)
     decode16  one decode step at batch 16
+    decode64  one decode step at batch 64
 
 Details (per section, from extra steps after the timed ones):
 
@@ -45,7 +46,7 @@ PREFIX_TOKENS = 2048
 QUESTION_TOKENS = 64
 BLOCK_SIZE = 64
 DECODE_PROMPT_TOKENS = 32
-SECTIONS = ("prefill", "hit", "tail", "decode1", "decode16")
+SECTIONS = ("prefill", "hit", "tail", "decode1", "decode16", "decode64")
 
 
 def progress(msg: str) -> None:

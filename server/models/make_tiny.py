@@ -13,7 +13,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", help="Output directory (created if missing).")
     parser.add_argument("--arch", choices=ARCHS + VL_ARCHS, default="qwen2", help="Model architecture.")
     parser.add_argument("--size", choices=tuple(SIZES), default="tiny",
-                        help="tiny: 2 layers, hidden 64 (tests); bench: 4 layers, hidden 512 (CPU benchmarks).")
+                        help="tiny: 2 layers, hidden 64 (tests); bench: 4 layers, hidden 512 (CPU benchmarks); "
+                             "qwen2.5-0.5b: Qwen2.5-0.5B's shape (24 layers, hidden 896, 14 query / 2 KV heads, "
+                             "MLP 4864, vocab 151,936; Qwen ties its embeddings: add --tie-word-embeddings).")
     parser.add_argument("--seed", type=int, default=0, help="Weight seed; same seed, same bytes.")
     parser.add_argument("--tie-word-embeddings", action="store_true", help="Share embed_tokens with lm_head.")
 

@@ -52,6 +52,9 @@ SIZES: dict[str, dict[str, Any]] = {
                  num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1),
     "bench": dict(vocab=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
                   num_attention_heads=8, num_key_value_heads=4, initializer_range=0.02),
+    # Qwen2.5-0.5B's shape and vocabulary size (its tokenizer trains in ~45 s; weights ~2.5 GB in fp32).
+    "qwen2.5-0.5b": dict(vocab=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, initializer_range=0.02),
 }
 ARCHS = ("qwen2", "llama")
 MAX_POSITION_EMBEDDINGS = 4096
