@@ -1,9 +1,10 @@
 """Sampler: logits → next token per request (greedy, temperature, top-k, top-p, seeds, logprobs); numpy.
 
-NOTE: on CPU a step's logits are read in place through DLPack: copying them out (`Tensor.numpy()`)
-cost ~50 ms per step at batch 16 with Qwen2.5's 151,936-token vocabulary, the zero-copy view and one
-argmax over the batch ~0.2 ms (docs/performance.md). Taking greedy argmaxes on the Paddle tensor was
-slower still on CPU; on a GPU (no host view) the logits are copied, and an argmax there would save that.
+NOTE: on CPU a step's logits are read in place through DLPack. With Qwen2.5's 151,936-token vocabulary,
+copying them out (`Tensor.numpy()`) and taking per-row argmaxes cost 1.2 ms of CPU per step at batch 16
+and 24 ms at batch 64 (39 MB, past the allocator's mmap threshold); the view and one argmax over the
+batch 0.17 and 1.2 ms (docs/performance.md). Greedy argmaxes on the Paddle tensor were slower on CPU;
+on a GPU (no host view) the logits are copied, and an argmax there would save that copy.
 """
 
 from __future__ import annotations
