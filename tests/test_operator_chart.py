@@ -168,3 +168,12 @@ def test_values_schema_describes_every_property():
             walk(sub, f"{path}{key}.")
 
     walk(schema, "")
+
+
+def test_autoscale_interval_reaches_the_operator(helm):
+    def args(*sets: str) -> list[str]:
+        (dep,) = [d for d in template(helm, *sets) if d["kind"] == "Deployment"]
+        return dep["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    assert "--autoscale-interval=15" in args()
+    assert "--autoscale-interval=5" in args("operator.autoscaleIntervalSeconds=5")
