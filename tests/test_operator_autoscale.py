@@ -180,6 +180,63 @@ def test_parse_metrics_reads_what_the_real_router_exports():
     assert s.queued_tokens == 4000 and dict(s.ttft_buckets)[math.inf] == 6 and s.sources == {"r1", "r2"}
 
 
+async def test_the_real_router_exports_what_the_autoscaler_reads(tiny_model_dir):
+    """Router on bench/simfleet.py replicas (the engine's scheduler and KV manager): TTFT of streamed requests,
+    the cached-token ratio's two counters, and /v1/router/replicas in the shape deletion_costs reads."""
+    import importlib.util
+    import random
+    import sys
+    from pathlib import Path
+
+    import httpx
+    import uvicorn
+
+    from procs import free_port
+    from warmfleet.server.hashing import model_fingerprint
+    from warmfleet.server.router.app import RouterSettings, build_app
+    from warmfleet.server.router.prompt import HashConfig, PromptRenderer
+    from warmfleet.server.router.registry import ReplicaSpec
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "simfleet.py"
+    spec = importlib.util.spec_from_file_location("wf_test_autoscale_simfleet", path)
+    sim = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = sim
+    spec.loader.exec_module(sim)  # type: ignore[union-attr]
+
+    fleet = sim.SimFleet(str(tiny_model_dir), 2, block_size=16, gpu_blocks=256, tm=sim.TimeModel(step_s=0.01))
+    await fleet.start()
+    specs = [ReplicaSpec(u, r.events_endpoint) for u, r in zip(fleet.urls, fleet.replicas)]
+    app = build_app(RouterSettings(hash_cfg=HashConfig(16, model_fingerprint(str(tiny_model_dir))), replicas=specs,
+                                   renderer=PromptRenderer(str(tiny_model_dir)), health_interval_s=0.1))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (server.started and all(app.state.fleet.index.is_synced(u) for u in fleet.urls)):
+            assert time.monotonic() < deadline, "router start and initial resync"
+            await asyncio.sleep(0.02)
+        prompt = [random.Random(7).randrange(5, 900) for _ in range(200)]
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            for stream in (False, False, True, True, True):  # the same prompt: every repeat hits the cache
+                body = {"model": "m", "prompt": prompt, "max_tokens": 2, "stream": stream}
+                if stream:
+                    body["stream_options"] = {"include_usage": True}
+                r = await client.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+            got = a.parse_metrics((await client.get("/metrics")).text)
+            views = [(await client.get("/v1/router/replicas")).json()]
+        assert got["buckets"][math.inf] == 3  # one TTFT observation per streamed request, none for the others
+        assert got["usage_prompt"] == 5 * 200 and 0 < got["cached"] < got["usage_prompt"]
+        pods = [pod(f"p{i}", httpx.URL(u).host) for i, u in enumerate(fleet.urls)]
+        costs = a.deletion_costs(views, pods)
+        assert set(costs) == {"p0", "p1"} and max(costs.values()) >= 200 // 16  # the prompt's blocks, on its replica
+    finally:
+        server.should_exit = True
+        await task
+        await fleet.stop()
+
+
 # ---- deletion cost and warm-up summary ----
 
 def pod(name: str, ip: str, annotations: dict[str, str] | None = None) -> dict[str, Any]:
