@@ -460,6 +460,9 @@ def side_by_side(args, engines: list[str], runs: int) -> int:
     progress(f"starting {', '.join(engines)} on {model_dir} (pool {blocks} blocks of {BLOCK_SIZE}; logs in {cwd}, "
              "removed after a successful run)")
     servers = start_servers(rt, engines, model_dir, blocks, cwd, args.vllm_cpu_tier)
+    if not args.swap_hit:
+        for server in servers.values():
+            server.swap_tier, server.swap_reason = False, "not measured (--no-swap-hit)"
     try:
         rng = np.random.default_rng(0)
         for server in servers.values():  # warm-up: first request and first batch pay set-up costs
@@ -538,6 +541,8 @@ def main() -> int:
                     help="python of the vLLM CPU environment (default: $WARMFLEET_VLLM_PYTHON or scripts/vllm-env.sh)")
     ap.add_argument("--vllm-cpu-tier", action=argparse.BooleanOptionalAction, default=True,
                     help="try vLLM with its CPU KV tier first (its 0.32.0 CPU build refuses it after ~2 min of start-up)")
+    ap.add_argument("--swap-hit", action=argparse.BooleanOptionalAction, default=True,
+                    help="measure the swap-tier hit (its filler prefills ~9k tokens per run: minutes on a large model)")
     ap.add_argument("--out", default="bench/results", help="directory for prefix_cache.json/.png (--engines only)")
     args = ap.parse_args()
     runs = args.runs or (3 if args.quick else 5)

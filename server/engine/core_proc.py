@@ -147,7 +147,10 @@ def step_loop(core, link: Link) -> None:
         for kind, payload in link.receive(0 if core.has_work else IDLE_POLL_MS):
             if kind == "shutdown":
                 return
-            handle(core, link, kind, payload)
+            try:
+                handle(core, link, kind, payload)
+            except Exception as exc:  # a message that does not decode as its kind never stops the engine
+                log.warning("dropping engine message %r: %s: %s", kind, type(exc).__name__, exc)
         if core.has_work:
             outputs = core.step()
             if outputs:
@@ -168,6 +171,9 @@ def handle(core, link: Link, kind: str, payload) -> None:
             core.add_request(req)
         except ValueError as exc:
             link.send_outputs([_failed(req.request_id, str(exc))])
+        except Exception as exc:  # the request fails, not the engine
+            log.exception("request %s could not be added", req.request_id)
+            link.send_outputs([_failed(req.request_id, f"{type(exc).__name__}: {exc}")])
     elif kind == "abort":
         core.abort(payload)
     elif kind == "call":

@@ -1,0 +1,74 @@
+"""The engine-core process's step loop: one outputs message per step, bad messages and failing adds never stop it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from warmfleet.server.engine import serde
+from warmfleet.server.engine.core_proc import step_loop
+from warmfleet.server.engine.protocol import EngineStats, GenerateRequest
+from warmfleet.server.engine.request import RequestOutput
+from warmfleet.server.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class FakeLink:
+    """Hands the loop one batch of messages per receive() call; records what it sends."""
+
+    batches: list[list[tuple]]
+    sent: list[tuple] = field(default_factory=list)
+
+    def receive(self, timeout_ms: int):
+        yield from (self.batches.pop(0) if self.batches else [("shutdown", None)])
+
+    def send(self, kind: str, payload) -> None:
+        self.sent.append((kind, payload))
+
+    def send_outputs(self, outputs: list) -> None:
+        self.send("outputs", [serde.output_to_wire(o) for o in outputs])
+
+
+class FakeCore:
+    """Adds requests (or refuses some), and finishes every running request in one step."""
+
+    def __init__(self, refuse: dict[str, Exception]):
+        self.refuse = refuse
+        self.running: list[str] = []
+        self.steps = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running)
+
+    def add_request(self, req: GenerateRequest) -> None:
+        if req.request_id in self.refuse:
+            raise self.refuse[req.request_id]
+        self.running.append(req.request_id)
+
+    def step(self) -> list[RequestOutput]:
+        self.steps += 1
+        done, self.running = self.running, []
+        return [RequestOutput(rid, [7], True, "length", 2) for rid in done]
+
+    def stats(self) -> EngineStats:
+        return EngineStats(num_running=len(self.running))
+
+    def publish_load(self) -> None:
+        pass
+
+
+def add(rid: str) -> tuple:
+    return ("add", serde.request_to_wire(GenerateRequest(rid, [1, 2], SamplingParams(max_tokens=1))))
+
+
+def test_a_steps_outputs_go_out_as_one_message_and_failures_stay_with_their_request():
+    core = FakeCore({"bad-value": ValueError("prompt too long"), "bad-bug": RuntimeError("boom")})
+    link = FakeLink([[add("a"), add("bad-value"), ("add", {"request_id": "x"}), add("b"), add("bad-bug"),
+                      ("call", [3, "stats"]), ("nonsense", 1)]])
+    step_loop(core, link)
+    outputs = [p for k, p in link.sent if k == "outputs"]
+    errors = {o[0]: o[8] for batch in outputs for o in batch if o[8]}
+    assert errors == {"bad-value": "prompt too long", "bad-bug": "RuntimeError: boom"}
+    steps = [batch for batch in outputs if not any(o[8] for o in batch)]
+    assert core.steps == 1 and [[o[0] for o in batch] for batch in steps] == [["a", "b"]]
+    assert ("reply", [3, {**EngineStats(num_running=2).__dict__}]) in link.sent
