@@ -167,13 +167,14 @@ def test_operator_runs_under_the_charts_service_account(e2e_cluster: Cluster, re
                       ("create", "deployments.apps"), ("delete", "deployments.apps"), ("create", "events"),
                       ("create", "poddisruptionbudgets.policy"), ("create", "roles.rbac.authorization.k8s.io"),
                       ("watch", "endpointslices.discovery.k8s.io"), ("list", "pods"), ("watch", "pods"),
+                      ("get", "pods"), ("patch", "pods"),  # the autoscaler's pod-deletion cost (operator.podDeletionCost)
                       ("get", "persistentvolumeclaims"), ("get", "secrets")]:
         assert can(verb, res), f"the chart's RBAC lacks {verb} {res}"
     # why-not-Ready reads pods through a watch and GETs claims by name; Secrets are named by the kubelet,
     # and only GET by name (spec.model.credentialsSecret, to read a private model's config.json)
     for verb, res in [("list", "secrets"), ("watch", "secrets"), ("delete", "configmaps"),
                       ("delete", "inferenceservices.serving.warmfleet.io"), ("create", "clusterroles.rbac.authorization.k8s.io"),
-                      ("create", "pods"), ("get", "pods"), ("delete", "pods"), ("patch", "pods/status"),
+                      ("create", "pods"), ("delete", "pods"), ("patch", "pods/status"),
                       ("list", "persistentvolumeclaims"), ("patch", "nodes")]:
         assert not can(verb, res), f"the chart's RBAC grants more than needed: {verb} {res}"
     log = local_operator.log()

@@ -74,6 +74,7 @@ class History:
     last: tuple[int, str] | None = None  # (total, reason) last written to status
     costs: dict[str, int] = field(default_factory=dict)  # pod name → deletion cost last written
     costs_forbidden: bool = False  # the API refused the pod patch (RBAC): said once, not retried
+    failure: str | None = None  # why no router answered, as last logged
 
     def keep(self, now: float, seconds: float) -> None:
         """Forget what is older than `seconds` (one sample before the window is kept as its start)."""

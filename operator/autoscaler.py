@@ -63,9 +63,15 @@ async def run_pass(state: OperatorState, body: Mapping[str, Any], nodes: list[No
             metrics, views, errors = await a.scrape(client, urls)
     else:
         metrics, views, errors = await a.scrape(http, urls)
-    if errors and not metrics:
-        log.info("%s/%s: no router answered (%s); autoscaling holds, warm-up status and deletion costs wait",
-                 owner.namespace, owner.name, "; ".join(f"{u}: {e}" for u, e in errors.items()))
+    failure = "; ".join(f"{u}: {e}" for u, e in errors.items()) if errors and not metrics else None
+    if failure != hist.failure:  # said when it starts or changes, not on every pass
+        if failure:
+            log.info("%s/%s: no router answered (%s); autoscaling holds, warm-up status and deletion costs wait. "
+                     "Check that the operator reaches the router pods (NetworkPolicy) or set --router-url-template.",
+                     owner.namespace, owner.name, failure)
+        else:
+            log.info("%s/%s: the routers answer again", owner.namespace, owner.name)
+        hist.failure = failure
     t = clock()
     status = dict(body.get("status") or {})
     if views:
