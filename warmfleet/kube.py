@@ -1,21 +1,11 @@
 """The Kubernetes client of the operator and the router: server-side apply, refreshed credentials; no kopf import.
 
-It is the official `kubernetes` package's asyncio client (`kubernetes.aio`, shipped in the same
-distribution since 37): its ApiClient does transport, TLS, auth headers and errors, its
-DynamicClient the verbs (`server_side_apply`, `patch`, `get`, `delete`). Being async, it runs
-on kopf's and the router's event loop with no thread pool in between (the synchronous client
-would need `asyncio.to_thread` around every call and a thread per watch). lightkube and kr8s
-would do as well but add a second client next to the official one the router already used;
-kubernetes_asyncio is the project `kubernetes.aio` grew from. Kinds are looked up in a static
-table (kind → apiVersion, plural) instead of API discovery: we know every kind we touch, and
-discovery costs requests at start and writes a cache file to /tmp.
-
-Writes are server-side apply under one field manager: the API server tracks which fields each
-manager set, so a field the operator stops setting is removed (merge patch cannot do that). An
-object whose `APPLIED_DIGEST_ANNOTATION` equals the digest of the intent and which still holds
-every field of the intent is not written at all, so a reconcile that changes nothing issues reads
-only. Credentials: a `login` coroutine (kopf's login handler for the operator) is asked again
-every `REFRESH_S` seconds, before the credentials' own expiry, and after a 401.
+The official `kubernetes` package's asyncio API (`kubernetes.aio`): its ApiClient does transport, TLS,
+auth and errors, its DynamicClient the verbs; it runs on kopf's and the router's loop, no threads. Kinds
+come from a static table, not API discovery. Writes are server-side apply under one field manager, so a
+field we stop setting is removed; an object carrying the digest of the same intent and still holding
+every field of it is not written. `login` is asked again every REFRESH_S, before expiry and after a 401.
+Why this client and not another: docs/kubernetes-client.md.
 """
 
 from __future__ import annotations
