@@ -243,3 +243,16 @@ def test_bad_router_flag_is_one_line_and_exit_2(tiny_model_dir, capsys, flags, m
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("warmfleet route: error: ") and message in err and "\n" not in err
+
+
+def test_tie_noise_reorders_equal_replicas_but_not_the_share_cap():
+    """Routers sharing one view (peers.py) draw `tie` at random so that they do not all pick the same replica."""
+    cands = [Candidate("a", sent=1.0), Candidate("b", sent=1.5)]
+    assert choose(cands, block_size=B, num_prompt_tokens=4, cold_key=None).order[0] == "a"
+    noisy = [Candidate("a", sent=1.0, tie=1.0), Candidate("b", sent=1.5)]
+    assert choose(noisy, block_size=B, num_prompt_tokens=4, cold_key=None).order[0] == "b"
+    warm = [Candidate("a", gpu_blocks=1, sent=1.0, tie=1.0), Candidate("b", gpu_blocks=1, sent=1.5)]
+    assert choose(warm, block_size=B, num_prompt_tokens=4 * B, cold_key=b"k").order[0] == "b"
+    # the share cap reads `sent` alone: a huge tie on an under-cap replica does not push it over
+    capped = [Candidate("a", gpu_blocks=3, sent=0.0, tie=100.0), Candidate("b", gpu_blocks=1, sent=0.0)]
+    assert choose(capped, block_size=B, num_prompt_tokens=8 * B, cold_key=b"k").order[0] == "a"

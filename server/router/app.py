@@ -56,6 +56,7 @@ class RouterSettings:
     admin_key: Optional[str] = None  # Bearer key of the admin routes (drain); None: open only if tenants are off
     peers: list[str] = field(default_factory=list)  # peer routers' base URLs: load and client limits shared (peers.py)
     peer_interval_s: float = 0.1  # how often peers are polled
+    peer_jitter: float = 4.0  # random tie-break noise with peers, in recent requests (peers.py: herding)
 
 
 async def json_body(request: Request, max_bytes: int) -> tuple[dict, bytes] | Response:
@@ -290,7 +291,8 @@ def _add_admin_routes(app: FastAPI, settings: RouterSettings, state: dict) -> No
 
 def build_app(settings: RouterSettings) -> FastAPI:
     metrics = RouterMetrics()
-    peers = PeerLoad(settings.peers, interval_s=settings.peer_interval_s) if settings.peers else None
+    peers = (PeerLoad(settings.peers, interval_s=settings.peer_interval_s, jitter=settings.peer_jitter)
+             if settings.peers else None)
     limiter = ConcurrencyLimiter(settings.max_concurrent_per_client, remote=peers.client_open if peers else None)
     state: dict = {}  # "fleet" and "proxy", set by the lifespan
     front = Frontend(settings, limiter, state)

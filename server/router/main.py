@@ -113,6 +113,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "listed too). Their in-flight load per replica and open requests per client are polled and "
                         "added to this router's, so balancing and --max-concurrent-per-client hold fleet-wide.")
     p.add_argument("--peer-interval-s", type=float, default=0.1, help="How often peer routers are polled, seconds.")
+    p.add_argument("--peer-jitter", type=float, default=4.0,
+                   help="With --peers: random tie-break noise between equally loaded replicas, in recent requests, so "
+                        "routers sharing one view do not all pick the same replica between two polls (0: off).")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -147,8 +150,8 @@ def settings_from_args(args: argparse.Namespace):
         raise ValueError("--queue-weight, --cold-queue-weight and --load-weight must be >= 0")
     if args.balance_epsilon < 0 or args.cold_key_blocks < 1 or args.max_attempts < 1 or args.health_failures < 1:
         raise ValueError("--balance-epsilon must be >= 0, --cold-key-blocks, --max-attempts and --health-failures >= 1")
-    if args.peer_interval_s <= 0:
-        raise ValueError("--peer-interval-s must be > 0")
+    if args.peer_interval_s <= 0 or args.peer_jitter < 0:
+        raise ValueError("--peer-interval-s must be > 0 and --peer-jitter >= 0")
     keys = list(args.api_key)
     if os.environ.get("WARMFLEET_API_KEY"):
         keys.append(os.environ["WARMFLEET_API_KEY"])
@@ -189,6 +192,7 @@ def settings_from_args(args: argparse.Namespace):
                             budget_s=args.warmup_budget_s),
         peers=parse_peers(args.peers),
         peer_interval_s=args.peer_interval_s,
+        peer_jitter=args.peer_jitter,
     )
 
 

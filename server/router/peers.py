@@ -20,6 +20,13 @@ every engine kind and are exact at the moment they are read. What polling gives 
 decisions of the last interval are unseen (at 100 ms and 34 requests/s over 3 routers, about one
 request per peer), so a burst can overshoot a bound by that much.
 
+Herding: routers that share one view also share its argmin. Between two reports every router
+sends its new conversations to the same least-loaded replica (its own requests are counted at once,
+the others' only at their next report), and the queue that piles up there spills that replica's warm
+conversations. So with peers each candidate's tie-break (never its share cap) gets a random
+`jitter` of up to that many recent requests: equally loaded replicas are then picked at random,
+differently by each router.
+
 A peer that has not answered for `stale_s` is left out of the sums (a dead router holds no
 requests; a partitioned one is then counted as zero, so a limit can be exceeded by what it
 holds). A URL that answers with this router's own id is itself (one `--peers` list for every
@@ -80,10 +87,11 @@ class PeerLoad:
     """Polls peer routers and sums their fresh figures; `replica_load` and `client_open` are O(1) lookups."""
 
     def __init__(self, peers: Iterable[str], *, interval_s: float = 0.1, stale_s: float = 1.0,
-                 timeout_s: float = 0.5, router_id: Optional[str] = None):
+                 timeout_s: float = 0.5, router_id: Optional[str] = None, jitter: float = 4.0):
         self.router_id = router_id or secrets.token_hex(8)  # random per process: a restarted router is a new peer
         self.peers = {u: PeerState(u) for u in peers}
         self.interval_s, self.stale_s, self.timeout_s = interval_s, stale_s, timeout_s
+        self.jitter = jitter  # tie-break noise, in recent requests (see the module docstring: herding)
         self._replicas: dict[str, tuple[int, int, float]] = {}  # sums over fresh peers
         self._clients: dict[str, int] = {}
         self.fresh = 0  # peers (not itself) heard from within stale_s at the last recompute

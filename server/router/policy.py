@@ -84,6 +84,7 @@ class Candidate:
     load: float = 0.0  # requests in flight or queued on the replica
     queued_tokens: int = 0  # uncached prompt tokens this router sent it that still await their first token
     sent: float = 0.0  # requests this router sent it recently (decayed count): share cap and last tie-break
+    tie: float = 0.0  # added to `sent` in the tie-break only: routers sharing one stale view draw it at random
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,7 @@ def choose(cands: Sequence[Candidate], *, block_size: int, num_prompt_tokens: in
     scores = {id(c): score(c) for c in cands}
 
     def rank(c: Candidate) -> tuple:
-        return (-scores[id(c)], c.load, c.sent, c.replica)
+        return (-scores[id(c)], c.load, c.sent + c.tie, c.replica)
 
     def by_score(cs: list[Candidate]) -> list[Candidate]:
         return sorted(cs, key=rank)
@@ -200,7 +201,7 @@ def choose(cands: Sequence[Candidate], *, block_size: int, num_prompt_tokens: in
         top_any = max(cands, key=lambda c: weight[c.replica])
         reason = COLD_HASH if ranked[0] is top_any else LOAD_SPILL
     else:  # shorter than one block: nothing to cache, spread by load
-        ranked = sorted(cands, key=lambda c: (c.load, c.sent, c.replica))
+        ranked = sorted(cands, key=lambda c: (c.load, c.sent + c.tie, c.replica))
         reason = LEAST_LOAD
     return Decision([c.replica for c in ranked], reason, hit_tokens(ranked[0]),
                     {c.replica: hit_tokens(c) for c in cands}, num_prompt_tokens)
