@@ -358,7 +358,7 @@ def chart(res: dict, path: Path) -> None:
     for ax, title in ((axes[0], "cached-token ratio per window"), (axes[1], "TTFT p90 per window (model s)")):
         ax.set_xticks(range(len(wins)), wins, fontsize=8)
         ax.set_title(title, fontsize=9)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="lower left")
     axes[2].set_xticks(range(len(names)), names, fontsize=8)
     axes[2].set_title("joiner's first 100 requests: cached ratio (-- 0.8 x steady)", fontsize=9)
     fig.suptitle(f"scale-out / scale-in / rolling update under load: {res['replicas']} simulated replicas, "

@@ -179,39 +179,47 @@ class Warmer:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
 
-    async def _replay(self, url: str, e: HotPrefix, deadline: float, sem: asyncio.Semaphore) -> bool:
-        """One prefill-only request of `e` to `url` before `deadline` (monotonic); True if it was served."""
+    async def _replay(self, target, e: HotPrefix, deadline: float, sem: asyncio.Semaphore) -> bool:
+        """One prefill-only request of `e` to replica `target` before `deadline` (monotonic); True if served.
+
+        Its prompt counts as queued work on the target meanwhile (`queued_tokens`, which the policy
+        weighs), so live traffic steers around a serving replica busy with hand-off replays.
+        """
         async with sem:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
+            url = target.spec.url
             body = {"prompt": e.token_ids, "max_tokens": 1}
             if e.model is not None:
                 body["model"] = e.model
             if e.salt is not None:
                 body["cache_salt"] = e.salt
+            target.queued_tokens += len(e.token_ids)
             try:
                 resp = await self.http.post(url + "/v1/completions", json=body, timeout=left, headers=self.headers)
             except Exception as exc:  # timeouts, a replica gone: this replay is lost, the rest go on
                 log.info("replay request to %s failed: %s", url, type(exc).__name__)
                 return False
+            finally:
+                target.queued_tokens -= len(e.token_ids)
             return resp.status_code == 200
 
     async def _handoff(self, fleet, rep) -> None:
         t0 = time.monotonic()
         staying = [r for r in fleet.registry.serving() if r.id != rep.id]
-        urls = {r.id: r.spec.url for r in staying}
+        reps = {r.id: r for r in staying}
 
         def held_by(key: bytes) -> set:
             return {rid for rid, st in fleet.index.replicas.items() if key in st.gpu or key in st.cpu}
 
-        chosen = self.hot.select_handoff(rep.id, list(urls), held_by, self.cfg.budget_tokens, t0)
-        sem = asyncio.Semaphore(self.cfg.concurrency * max(1, len(urls)))
+        chosen = self.hot.select_handoff(rep.id, list(reps), held_by, self.cfg.budget_tokens, t0)
+        sem = asyncio.Semaphore(self.cfg.concurrency)  # as a warm-up: the targets serve live traffic meanwhile
         deadline = t0 + self.cfg.budget_s
         done = {"prefixes": 0, "tokens": 0}
 
         async def one(e: HotPrefix, owner: str) -> None:
-            if await self._replay(urls[owner], e, deadline, sem):
+            if await self._replay(reps[owner], e, deadline, sem):
                 done["prefixes"] += 1
                 done["tokens"] += len(e.token_ids)
 
@@ -235,7 +243,7 @@ class Warmer:
         done = {"prefixes": 0, "tokens": 0}
 
         async def replay(e: HotPrefix) -> None:
-            if await self._replay(rep.spec.url, e, t0 + self.cfg.budget_s, sem):
+            if await self._replay(rep, e, t0 + self.cfg.budget_s, sem):
                 done["prefixes"] += 1
                 done["tokens"] += len(e.token_ids)
 
