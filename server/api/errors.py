@@ -57,8 +57,9 @@ def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
     errors = exc.errors()
     if not errors:
         return bad_request("invalid request")
-    first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    first = _most_specific(errors)
+    # union members name their branch in the location ("list[constrained-int]"): not a field, leave it out
+    loc = [str(p) for p in first.get("loc", ()) if p not in _NOT_FIELDS and not (isinstance(p, str) and "[" in p)]
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return bad_request(f"request body is not valid JSON: {first.get('msg', '')}", code="invalid_json")
@@ -68,6 +69,19 @@ def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
     if param is None:  # a whole-body check (a model validator): its message names the field itself
         return bad_request(f"invalid request: {msg}", code="invalid_value")
     return bad_request(f"invalid value for {param}: {msg}", param=param, code="invalid_value")
+
+
+_NOT_FIELDS = ("body", "str", "int", "float", "bool", "dict", "list", "constrained-int")  # FastAPI's root, union tags
+
+
+def _most_specific(errors: list) -> dict:
+    """For a value matching no member of a union, pydantic reports one error per member, a type mismatch for
+    most; the one that is not a mere type mismatch says what is wrong (`[10**20]` as a prompt: "less than
+    2147483648", not "should be a valid string")."""
+    for e in errors:
+        if not str(e.get("type", "")).endswith("_type"):
+            return e
+    return errors[0]
 
 
 def install(app: FastAPI) -> None:

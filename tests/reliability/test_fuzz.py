@@ -44,6 +44,7 @@ def test_hand_corpus_gets_openai_errors_naming_the_problem(vl_fleet, server):
     assert "512" in cases["prompt one token over the context"][1] and "513" in cases["prompt one token over the context"][1]
     assert "Unicode" in cases["lone surrogate escape"][1]
     assert "JSON" in cases["deep JSON nesting (100000)"][1]
+    assert "prompt.0" in cases["huge token id"][1] and "less than" in cases["huge token id"][1]  # not "a valid string"
     # thousands of images are refused once they outgrow the context, before the rest are decoded
     assert "content[" in cases["5000 image parts"][1] and "context" in cases["5000 image parts"][1]
     # a 400-megapixel PNG is refused without being decoded: the API process stays small
