@@ -217,3 +217,17 @@ async def test_only_draining_replicas_left_still_serve():
         rep.healthy = True
         assert fleet.drain(spec.id, "admin") and fleet.routable() == [rep]
         await fleet.stop()
+
+
+def test_the_server_pods_grace_period_covers_the_engines_own_sigterm_drain():
+    """terminationGracePeriodSeconds = preStop + ENGINE_SIGTERM_DRAIN_S + margin: that constant must cover
+    what `warmfleet serve` gives in-flight requests after SIGTERM by default, or the kubelet kills it mid-drain."""
+    import argparse
+
+    from warmfleet.operator import manifests
+    from warmfleet.server.api.serve import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    default_drain_s = getattr(p.parse_args(["--model", "m"]), "serve.drain_timeout_s")
+    assert manifests.ENGINE_SIGTERM_DRAIN_S >= default_drain_s > 0
