@@ -55,3 +55,5 @@ def test_switching_to_a_baked_path_removes_the_fetch_init_container(
         d = c.kubectl_json("-n", namespace, "get", "deployment", name, "--show-managed-fields")
         appliers = {f["manager"] for f in d["metadata"]["managedFields"] if f["operation"] == "Apply"}
         assert appliers == {FIELD_MANAGER}, appliers
+    # gone before the namespace: a reconcile into a terminating namespace is refused (403) and logged
+    c.kubectl("-n", namespace, "delete", "inferenceservice", ex.name, "--wait=true", "--timeout=60s")
