@@ -3,7 +3,6 @@ a conflict logged then forced, no write when the intent is unchanged, errors wit
 
 from __future__ import annotations
 
-import json
 import logging
 
 import kmock as kmock_lib  # the module; `kmock` is kmock's pytest fixture (a server)
