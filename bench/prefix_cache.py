@@ -1,20 +1,24 @@
 """Prefix-cache benchmark: TTFT of a cold prefix vs a GPU-tier hit vs a swap-tier hit, and decode throughput.
 
     python bench/prefix_cache.py [--quick] [--json] [--model DIR | --size bench|qwen2.5-0.5b] [--runs N]
-                                 [--engines warmfleet,vllm] [--vllm-python PATH] [--out DIR]
+                                 [--engines warmfleet,vllm] [--vllm-python PATH] [--no-vllm-cpu-tier]
+                                 [--no-swap-hit] [--out DIR]
 
 Runs the engine in-process (offline `LLM`) on the `bench` checkpoint (or --size qwen2.5-0.5b: the
 shape of Qwen2.5-0.5B; made on first run) so the figures are the engine's own, without HTTP.
 Decode figures are batch 1, 16 and 64 (32-token prompts); the primary pool holds the batch-64
-decode, and the swap-tier filler is as many prompts as it takes to push the prefix out of it. Progress goes to stderr; the last stdout line is
-one JSON object. Ratios are measured side by side in one run; quote those, not absolute times.
+decode, and the swap-tier filler is as many prompts as it takes to push the prefix out of it.
+Progress goes to stderr; the last stdout line is one JSON object. Ratios are measured side by side
+in one run; quote those, not absolute times.
 
 `--engines warmfleet,vllm` measures the same figures for `warmfleet serve` and vLLM 0.32.0
 (CPU build; the python of scripts/vllm-env.sh or --vllm-python) side by side instead: both as
 HTTP servers on loopback, same checkpoint, fp32, block size 64, the same primary pool, 4,096-token
 steps, 64 sequences, ~2,000-token prompts sent as token ids to /v1/completions (TTFT = latency of a
-1-token completion). Engines are interleaved per repetition
-(the first engine alternates) and medians reported with vllm/warmfleet ratios. Both compute on
+1-token completion). Engines are interleaved per repetition (the first engine alternates); medians
+are reported with warmfleet-over-vLLM speed ratios on wall time and on the CPU seconds of each
+server's processes, and issue #13's targets (>= 1.0x at batch 16 and 64, >= 0.8x for one request)
+as booleans under `targets`. Both compute on
 core 0 with one OMP thread: vLLM's worker through VLLM_CPU_OMP_THREADS_BIND=0 (its own binding;
 its API and engine-core processes are not pinned), warmfleet's engine-core process through
 `--engine-threads 1 --engine-cpus 0` (where `warmfleet serve` lacks those flags: its whole process
@@ -22,8 +26,9 @@ tree under `taskset -c 0` with OMP_NUM_THREADS=1); the JSON records the commands
 environment, vLLM's reported binding and each process's affinity. Hits are confirmed by
 `usage.prompt_tokens_details.cached_tokens` (vLLM: --enable-prompt-tokens-details), swap-tier hits
 by the replicas' cached-token counters by tier. vLLM's CPU tier (--kv-offloading-size 1
---kv-offloading-backend native) is tried first; where it does not start, its swap-tier figures
-are null with the reason from its log. Writes prefix_cache.json and prefix_cache.png to --out.
+--kv-offloading-backend native) is tried first (--no-vllm-cpu-tier: not tried); where it does not
+start, its swap-tier figures are null with the reason from its log. Writes prefix_cache.json and
+prefix_cache.png to --out.
 """
 
 from __future__ import annotations
