@@ -136,7 +136,16 @@ class Frontend:
             method, path, raw, self.client_headers(request)))
 
 
-FAST_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+# route name → (method, path, request kind): chat and completions are routed by cache (FastPath serves them
+# first), the others go to any healthy replica (kind None)
+OPENAI_ROUTES = {
+    "chat": ("POST", "/v1/chat/completions", "chat"),
+    "completions": ("POST", "/v1/completions", "completion"),
+    "models": ("GET", "/v1/models", None),
+    "tokenize": ("POST", "/tokenize", None),
+    "detokenize": ("POST", "/detokenize", None),
+}
+FAST_PATHS = {path: kind for _, path, kind in OPENAI_ROUTES.values() if kind}
 
 
 class FastPath:
@@ -160,6 +169,26 @@ class FastPath:
             return await self.inner(scope, receive, send)
         resp = await self.frontend.generate(Request(scope, receive), scope["path"], kind)
         await resp(scope, receive, send)
+
+
+def _add_openai_routes(app: FastAPI, front: Frontend) -> None:
+    """The OpenAI routes of OPENAI_ROUTES, each handed to the frontend."""
+    for name, (method, path, kind) in OPENAI_ROUTES.items():
+        app.add_api_route(path, _openai_endpoint(front, method, path, kind), methods=[method], name=name)
+
+
+def _openai_endpoint(front: Frontend, method: str, path: str,
+                     kind: Optional[str]) -> Callable[[Request], Awaitable[Response]]:
+    if kind is not None:
+        async def generate(request: Request) -> Response:
+            return await front.generate(request, path, kind)
+
+        return generate
+
+    async def plain(request: Request) -> Response:
+        return await front.plain(request, method, path)
+
+    return plain
 
 
 def _lifespan(settings: RouterSettings, metrics: RouterMetrics, state: dict, peers: Optional[PeerLoad] = None):
@@ -300,27 +329,7 @@ def build_app(settings: RouterSettings) -> FastAPI:
     app.state.metrics = metrics
     app.state.limiter = limiter
     app.state.peers = peers
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await front.generate(request, "/v1/chat/completions", "chat")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await front.generate(request, "/v1/completions", "completion")
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        return await front.plain(request, "GET", "/v1/models")
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        return await front.plain(request, "POST", "/tokenize")
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        return await front.plain(request, "POST", "/detokenize")
-
+    _add_openai_routes(app, front)
     _add_status_routes(app, state, metrics)
     _add_admin_routes(app, settings, state)
     add_peer_route(app, state, lambda: limiter.open, peers)
