@@ -250,7 +250,9 @@ def image_size(data: bytes, where: str, max_pixels: int) -> tuple[int, int]:
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as im:
                 w, h = im.size
-    except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning):
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise _too_many_pixels(where, max_pixels, exc) from None
+    except UnidentifiedImageError:
         raise MediaError(where, "data is not a supported image (png, jpeg, webp, gif, bmp, tiff)") from None
     except (OSError, SyntaxError, ValueError) as exc:
         raise MediaError(where, f"cannot read image header: {exc}") from None
@@ -265,6 +267,11 @@ def _check_pixels(w: int, h: int, where: str, max_pixels: int) -> None:
         raise MediaError(where, f"image has {w}x{h} pixels, more than the limit of {max_pixels}")
 
 
+def _too_many_pixels(where: str, max_pixels: int, exc: Exception) -> MediaError:
+    """Pillow's own bomb check fires at open, before ours, for images past twice its limit."""
+    return MediaError(where, f"image has more pixels than the limit of {max_pixels} (a decompression bomb?): {exc}")
+
+
 def decode_image(data: bytes, where: str, max_pixels: int) -> Image.Image:
     """Fully decoded image; refuses oversize, truncated and non-image data before/while decoding."""
     try:
@@ -275,7 +282,9 @@ def decode_image(data: bytes, where: str, max_pixels: int) -> Image.Image:
             im.load()
     except MediaError:
         raise
-    except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning):
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise _too_many_pixels(where, max_pixels, exc) from None
+    except UnidentifiedImageError:
         raise MediaError(where, "data is not a supported image (png, jpeg, webp, gif, bmp, tiff)") from None
     except (OSError, SyntaxError, ValueError, EOFError) as exc:
         raise MediaError(where, f"image data is truncated or corrupt: {exc}") from None

@@ -41,6 +41,7 @@ def test_hand_corpus_gets_openai_errors_naming_the_problem(vl_fleet, server):
     # the messages name the problem (and the part), not just "bad request"
     assert "truncated" in cases["truncated PNG"][1] and "content[0]" in cases["truncated PNG"][1]
     assert "not a supported image" in cases["HTML as an image"][1]
+    assert "more pixels than the limit" in cases["decompression bomb (20000x20000 PNG, 400 MP)"][1]
     assert "512" in cases["prompt one token over the context"][1] and "513" in cases["prompt one token over the context"][1]
     assert "Unicode" in cases["lone surrogate escape"][1]
     assert "JSON" in cases["deep JSON nesting (100000)"][1]
