@@ -40,19 +40,28 @@ def build_app(engine: Optional[EngineClient], tokenizer: Any, cfg: EngineConfig)
     app.state.wf = state
     errors.install(app)
     app.add_middleware(ResponseObserver, replica_id=state.replica_id, state=state)
+    app.include_router(_api_routes())
+    _add_probe_routes(app)
+    return app
 
-    def get_state(request: Request) -> ServerState:
-        return request.app.state.wf
 
-    def require_key(request: Request) -> None:
-        key = state.api_key
-        if not key:
-            return
-        auth = request.headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
-            raise APIError(401, "invalid or missing API key (send `Authorization: Bearer KEY`)", code="invalid_api_key")
+def get_state(request: Request) -> ServerState:
+    return request.app.state.wf
 
+
+def require_key(request: Request) -> None:
+    """The API key check of every API route (none when the server has no key)."""
+    key = get_state(request).api_key
+    if not key:
+        return
+    auth = request.headers.get("authorization", "")
+    scheme, _, token = auth.partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError(401, "invalid or missing API key (send `Authorization: Bearer KEY`)", code="invalid_api_key")
+
+
+def _api_routes() -> APIRouter:
+    """The routes behind the API key: OpenAI generation and models, tokenize/detokenize, the KV snapshot."""
     api = APIRouter(dependencies=[Depends(require_key)])
 
     @api.post("/v1/chat/completions")
@@ -80,25 +89,7 @@ def build_app(engine: Optional[EngineClient], tokenizer: Any, cfg: EngineConfig)
         body = await parse_body(request, TokenizeRequest, s)
         s.check_model(body.model)
         engine = s.require_engine()
-        if (body.prompt is None) == (body.messages is None):
-            raise bad_request("give exactly one of `prompt` or `messages`", param="prompt")
-        if body.messages is not None:
-            if not body.messages:
-                raise bad_request("messages must not be empty", param="messages", code="invalid_value")
-            messages = [message_dict(m, i) for i, m in enumerate(body.messages)]
-            if rendering.has_images(body.messages):  # pads expanded exactly as a chat request would send them
-                images = await prepare_images(s, body.messages, messages, body.add_generation_prompt)
-                tokens = images.prompt_token_ids
-                return JSONResponse({"count": len(tokens), "max_model_len": engine.model_info.max_model_len,
-                                     "tokens": tokens})
-            try:
-                tokens = await s.run_sync(rendering.chat_ids, s.tokenizer, messages, body.add_generation_prompt)
-            except ChatTemplateError as exc:
-                raise bad_request(str(exc), param="messages", code="invalid_messages") from None
-        elif body.add_special_tokens:
-            tokens = await s.run_sync(rendering.completion_ids, s.tokenizer, body.prompt)
-        else:  # vLLM's /tokenize flag: the raw text's ids, no special tokens added
-            tokens = await s.run_sync(s.tokenizer.encode, body.prompt, False)
+        tokens = await _tokenize_ids(s, body)
         return JSONResponse({"count": len(tokens), "max_model_len": engine.model_info.max_model_len, "tokens": tokens})
 
     @api.post("/detokenize")
@@ -119,7 +110,32 @@ def build_app(engine: Optional[EngineClient], tokenizer: Any, cfg: EngineConfig)
             log.warning("snapshot failed: %s", exc)
             raise APIError(503, f"engine snapshot unavailable: {exc}", code="engine_unavailable") from None
 
-    app.include_router(api)
+    return api
+
+
+async def _tokenize_ids(s: ServerState, body: TokenizeRequest) -> list[int]:
+    """/tokenize: the prompt's ids, or the chat's as a chat request would send them (image pads expanded)."""
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of `prompt` or `messages`", param="prompt")
+    if body.messages is not None:
+        if not body.messages:
+            raise bad_request("messages must not be empty", param="messages", code="invalid_value")
+        messages = [message_dict(m, i) for i, m in enumerate(body.messages)]
+        if rendering.has_images(body.messages):  # pads expanded exactly as a chat request would send them
+            images = await prepare_images(s, body.messages, messages, body.add_generation_prompt)
+            return images.prompt_token_ids
+        try:
+            return await s.run_sync(rendering.chat_ids, s.tokenizer, messages, body.add_generation_prompt)
+        except ChatTemplateError as exc:
+            raise bad_request(str(exc), param="messages", code="invalid_messages") from None
+    if body.add_special_tokens:
+        return await s.run_sync(rendering.completion_ids, s.tokenizer, body.prompt)
+    # vLLM's /tokenize flag: the raw text's ids, no special tokens added
+    return await s.run_sync(s.tokenizer.encode, body.prompt, False)
+
+
+def _add_probe_routes(app: FastAPI) -> None:
+    """Liveness, readiness and Prometheus metrics: open, outside the API key."""
 
     @app.get("/health")
     async def _health(request: Request) -> Response:
@@ -150,8 +166,6 @@ def build_app(engine: Optional[EngineClient], tokenizer: Any, cfg: EngineConfig)
                 log.warning("engine stats unavailable", exc_info=True)
         pc_view = await s.run_sync(s.processor_cache_view) if s.processor_cache is not None else None
         return Response(s.metrics.render(stats, pc_view), media_type=CONTENT_TYPE)
-
-    return app
 
 
 def attach_engine(app: FastAPI, engine: EngineClient, tokenizer: Any) -> None:
