@@ -308,43 +308,10 @@ def server_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, plan
     pool, sizing = planned.pool, planned.sizing
     assert sizing.sizes is not None
     sz = sizing.sizes
-    pod_labels = labels(owner, "server", pool.name)
     match = {**server_selector(owner), POOL_LABEL: pool.name}
     d = spec.disruption
-    mem = format_bytes(sz.memory_bytes)
-    resources = {
-        "requests": {"cpu": str(spec.server.cpus), "memory": mem, GPU_RESOURCE: str(spec.server.gpus_per_replica)},
-        "limits": {"cpu": str(spec.server.cpus), "memory": mem, GPU_RESOURCE: str(spec.server.gpus_per_replica)},
-    }
     engine = engine_of(spec)
     model_vols, model_mounts = _model_volume(spec)
-    container = {
-        "name": "server",
-        "image": image,
-        "imagePullPolicy": spec.server.image_pull_policy,
-        "command": list(engine.command),
-        "args": server_args(owner, spec, sizing),
-        "env": _engine_env(spec, engine),
-        "ports": [{"name": p.name, "containerPort": p.number, "protocol": "TCP"} for p in engine.ports],
-        "resources": resources,
-        "startupProbe": {
-            "httpGet": {"path": engine.probes.startup, "port": "http"},
-            "periodSeconds": 10, "failureThreshold": max(1, -(-d.startup_timeout_seconds // 10)),
-        },
-        "readinessProbe": {"httpGet": {"path": engine.probes.readiness, "port": "http"}, "periodSeconds": 5, "failureThreshold": 2},
-        "livenessProbe": {"httpGet": {"path": engine.probes.liveness, "port": "http"}, "periodSeconds": 10, "failureThreshold": 3, "timeoutSeconds": 5},
-        # Drain (docs/router.md): the endpoint turns terminating at once and the router stops sending new requests;
-        # during this sleep in-flight ones finish, whatever the engine. SIGTERM then gets the engine's own drain.
-        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(d.drain_seconds)]}}},
-        "securityContext": _container_security(),
-        "volumeMounts": [
-            {"name": "dshm", "mountPath": "/dev/shm"},
-            {"name": "tmp", "mountPath": "/tmp"},
-            *model_mounts,
-        ],
-    }
-    if engine.working_dir:
-        container["workingDir"] = engine.working_dir
     surge = 0 if d.max_unavailable > 0 else 1  # GPUs are scarce: surge only when nothing may be unavailable
     return {
         "apiVersion": "apps/v1",
@@ -355,19 +322,16 @@ def server_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, plan
             "selector": {"matchLabels": match},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": d.max_unavailable, "maxSurge": surge}},
             "template": {
-                "metadata": {"labels": pod_labels, "annotations": {SIZING_HASH_ANNOTATION: sz.hash}},
+                "metadata": {"labels": labels(owner, "server", pool.name), "annotations": {SIZING_HASH_ANNOTATION: sz.hash}},
                 "spec": {
                     "affinity": node_affinity(spec, pool),
-                    "topologySpreadConstraints": [{
-                        "maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
-                        "whenUnsatisfiable": "ScheduleAnyway", "labelSelector": {"matchLabels": match},
-                    }],
+                    "topologySpreadConstraints": _spread_over_nodes(match),
                     "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
                     "securityContext": _server_pod_security(spec),
                     # preStop, then the engine's SIGTERM drain (`warmfleet serve --drain-timeout-s`, 30 s), then its exit
                     "terminationGracePeriodSeconds": d.drain_seconds + ENGINE_SIGTERM_DRAIN_S + 15,
                     **_init_containers(spec, fetch_image or image, MODEL_CACHE_VOLUME),
-                    "containers": [container],
+                    "containers": [_server_container(owner, spec, image, sizing, model_mounts)],
                     "volumes": [
                         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": format_bytes(sz.shm_bytes)}},
                         {"name": "tmp", "emptyDir": {"sizeLimit": f"{engine.tmp_gib}Gi"}},
@@ -376,6 +340,58 @@ def server_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, plan
                 },
             },
         },
+    }
+
+
+def _spread_over_nodes(match: dict[str, str]) -> list[dict[str, Any]]:
+    """Pods matching `match` spread over nodes where they can be (never unschedulable for it)."""
+    return [{
+        "maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+        "whenUnsatisfiable": "ScheduleAnyway", "labelSelector": {"matchLabels": match},
+    }]
+
+
+def _server_container(owner: Owner, spec: InferenceServiceSpec, image: str, sizing: PoolSizing,
+                      model_mounts: list[dict]) -> dict[str, Any]:
+    """The engine's container: its command and rendered arguments, GPU resources, probes, preStop drain."""
+    assert sizing.sizes is not None
+    engine = engine_of(spec)
+    mem = format_bytes(sizing.sizes.memory_bytes)
+    amounts = {"cpu": str(spec.server.cpus), "memory": mem, GPU_RESOURCE: str(spec.server.gpus_per_replica)}
+    container = {
+        "name": "server",
+        "image": image,
+        "imagePullPolicy": spec.server.image_pull_policy,
+        "command": list(engine.command),
+        "args": server_args(owner, spec, sizing),
+        "env": _engine_env(spec, engine),
+        "ports": [{"name": p.name, "containerPort": p.number, "protocol": "TCP"} for p in engine.ports],
+        "resources": {"requests": dict(amounts), "limits": dict(amounts)},
+        **_server_probes(engine, spec.disruption.startup_timeout_seconds),
+        # Drain (docs/router.md): the endpoint turns terminating at once and the router stops sending new requests;
+        # during this sleep in-flight ones finish, whatever the engine. SIGTERM then gets the engine's own drain.
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(spec.disruption.drain_seconds)]}}},
+        "securityContext": _container_security(),
+        "volumeMounts": [
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "tmp", "mountPath": "/tmp"},
+            *model_mounts,
+        ],
+    }
+    if engine.working_dir:
+        container["workingDir"] = engine.working_dir
+    return container
+
+
+def _server_probes(engine: Engine, startup_timeout_seconds: int) -> dict[str, Any]:
+    """Startup (as long as the model may take to load), readiness and liveness probes on the engine's paths."""
+    return {
+        "startupProbe": {
+            "httpGet": {"path": engine.probes.startup, "port": "http"},
+            "periodSeconds": 10, "failureThreshold": max(1, -(-startup_timeout_seconds // 10)),
+        },
+        "readinessProbe": {"httpGet": {"path": engine.probes.readiness, "port": "http"}, "periodSeconds": 5, "failureThreshold": 2},
+        "livenessProbe": {"httpGet": {"path": engine.probes.liveness, "port": "http"}, "periodSeconds": 10, "failureThreshold": 3, "timeoutSeconds": 5},
     }
 
 
@@ -435,10 +451,7 @@ def router_deployment(owner: Owner, spec: InferenceServiceSpec, image: str) -> d
                 "spec": {
                     "serviceAccountName": n["router"],
                     "securityContext": _pod_security(),
-                    "topologySpreadConstraints": [{
-                        "maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
-                        "whenUnsatisfiable": "ScheduleAnyway", "labelSelector": {"matchLabels": match},
-                    }],
+                    "topologySpreadConstraints": _spread_over_nodes(match),
                     **_init_containers(spec, image, "model", tokenizer_only=True),
                     "containers": [{
                         "name": "router",
