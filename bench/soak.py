@@ -1,6 +1,6 @@
 """Soak: mixed text and image chat traffic through `warmfleet route` into 2 replicas, with periodic faults.
 
-    python bench/soak.py --minutes N [--quick] [--json] [--clients C] [--fault-every-s S]
+    python bench/soak.py --minutes N [--quick] [--json] [--clients C] [--fault-every-s S] [--faults LIST]
                          [--image-share F] [--model DIR] [--out FILE]
 
 Starts two real `warmfleet serve` replicas of a tiny Qwen2-VL checkpoint (made on first run
@@ -12,7 +12,9 @@ failure the router lets through is counted; a client waits 0.25 s after a refuse
 
 Every `--fault-every-s` seconds the next fault of the cycle runs: SIGKILL replica r0 (and its
 engine-core and processor-cache processes), restart it on the same ports 2 s later; SIGKILL
-the router and start it again on the same port; the same for r1; the router again.
+the router and start it again on the same port; the same for r1; the router again (`--faults`
+names another cycle; `r0-pc` / `r1-pc` SIGKILL only that replica's processor-cache process, which
+its API server restarts, and any error after it is counted as a bug, cause "none").
 
 Reports (JSON, the last stdout line with --json; progress on stderr every 10 s):
   requests, ok, errors by class ("http 5xx", "stream error" = a stream cut by a dying replica
@@ -36,6 +38,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -50,7 +53,7 @@ sys.path.insert(0, str(REPO / "tests"))  # one process harness with tests/reliab
 
 from images import data_uri, image_bytes  # noqa: E402
 from reliability.load import Outcome, question, send_chat, tenant_systems  # noqa: E402
-from procs import EXE, LiveFleet, Proc, Replica, tree_pids  # noqa: E402
+from procs import EXE, LiveFleet, Proc, Replica, metric, tree_pids  # noqa: E402
 
 T0 = time.monotonic()
 
@@ -142,6 +145,37 @@ async def kill_replica(fleet: LiveFleet, rep: Replica, down_s: float, sampler: "
             "out_of_rotation_s": out,
             "restarted_after_s": round(t_start - t_kill, 2), "ready_after_restart_s": ready,
             "back_in_rotation_after_ready_s": back}
+
+
+PC_SUFFIX = "-pc"
+
+
+async def kill_processor_cache(fleet: LiveFleet, rep: Replica, sampler: "RssSampler") -> dict:
+    """SIGKILL the replica's processor-cache process; its API server restarts it (counted in its metrics)."""
+    def pc_pid() -> int | None:
+        for pid in tree_pids(rep.popen.pid):
+            try:
+                if b"processor_cache" in Path(f"/proc/{pid}/cmdline").read_bytes() and pid != rep.popen.pid:
+                    return pid
+            except OSError:
+                continue
+        return None
+
+    async def restarted(c) -> bool:
+        new = pc_pid()
+        text = (await c.get(rep.url + "/metrics")).text
+        return new not in (None, old) and metric(text, "warmfleet:processor_cache_up") == 1
+
+    sampler.sample()
+    old = pc_pid()
+    if old is None:
+        return {"fault": f"SIGKILL {rep.name}{PC_SUFFIX}", "t_kill": time.monotonic(), "skipped": "no processor cache"}
+    t_kill = time.monotonic()
+    os.kill(old, signal.SIGKILL)
+    async with httpx.AsyncClient(timeout=5) as c:
+        back = await _until(lambda: restarted(c), 60)
+    return {"fault": f"SIGKILL {rep.name}{PC_SUFFIX}", "t_kill": t_kill, "at_s": round(t_kill - T0, 1),
+            "cache_back_after_s": back}
 
 
 async def restart_router(fleet: LiveFleet, sampler: "RssSampler") -> dict:
@@ -254,8 +288,8 @@ def cause_of(o: Outcome, faults: list[dict]) -> str:
         if f["fault"] == "SIGKILL router" and o.t_end >= f["t_kill"] and \
                 (f["t_listen"] is None or o.t_start <= f["t_listen"]):
             return "router_down"
-    for f in faults:
-        if f["fault"] != "SIGKILL router" and 0 <= o.t_end - f["t_kill"] <= 5.0:
+    for f in faults:  # a processor-cache kill is no excuse: the frontend must preprocess alone meanwhile
+        if f["fault"] != "SIGKILL router" and not f["fault"].endswith(PC_SUFFIX) and 0 <= o.t_end - f["t_kill"] <= 5.0:
             return "replica_fault"
     return "none"
 
@@ -299,7 +333,7 @@ async def soak(args: argparse.Namespace, fleet: LiveFleet) -> dict:
             progress(f"{len(traffic.done)} requests, errors {dict(errs)}, faults so far {len(faults)}")
 
     reporter = asyncio.create_task(report_progress())
-    cycle = ["r0", "router", "r1", "router"]
+    cycle = args.faults.split(",")
     n = 0
     try:
         while True:
@@ -311,6 +345,8 @@ async def soak(args: argparse.Namespace, fleet: LiveFleet) -> dict:
             progress(f"fault {n + 1}: SIGKILL {what}")
             if what == "router":
                 f = await restart_router(fleet, sampler)
+            elif what.endswith(PC_SUFFIX):
+                f = await kill_processor_cache(fleet, fleet.by_id(what[: -len(PC_SUFFIX)]), sampler)
             else:
                 f = await kill_replica(fleet, fleet.by_id(what), args.replica_down_s, sampler)
             progress(f"  {json.dumps({k: v for k, v in f.items() if not k.startswith('t_')})}")
@@ -336,6 +372,10 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="A Qwen2-VL checkpoint directory (default: made on first run).")
     ap.add_argument("--clients", type=int, default=None, help="Concurrent closed-loop clients (default 4; quick 3).")
     ap.add_argument("--fault-every-s", type=float, default=None, help="Seconds between faults (default 30; quick 20).")
+    ap.add_argument("--faults", default="r0,router,r1,router",
+                    help="The fault cycle, comma-separated: r0 / r1 (SIGKILL the replica, restart it), router "
+                         "(SIGKILL, restart), r0-pc / r1-pc (SIGKILL the replica's processor-cache process; "
+                         "errors after it count as cause 'none').")
     ap.add_argument("--replica-down-s", type=float, default=2.0, help="Seconds a killed replica stays down.")
     ap.add_argument("--image-share", type=float, default=0.3, help="Share of requests carrying an image.")
     ap.add_argument("--client-timeout-s", type=float, default=30.0, help="Client timeout per request, seconds.")
