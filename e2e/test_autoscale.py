@@ -34,8 +34,12 @@ def _fake_router_class() -> Any:
 
 
 @pytest.fixture
-def fake_router(e2e_cluster: Cluster, local_operator: LocalOperator, tmp_path: Path) -> Iterator[Any]:
-    """A FakeRouter, and the session's operator replaced by one that scrapes it every second."""
+def fake_router(e2e_cluster: Cluster, local_operator: LocalOperator, namespace: str, tmp_path: Path) -> Iterator[Any]:
+    """A FakeRouter, and the session's operator replaced by one that scrapes it every second.
+
+    The test's services are deleted before the session's operator comes back, so it never resumes one in
+    a namespace that is being deleted (its writes there would be refused).
+    """
     local_operator.stop()
     env = {"WARMFLEET_ROUTER_URL_TEMPLATE": None, "WARMFLEET_AUTOSCALE_INTERVAL_S": None}
     with _fake_router_class()() as router:
@@ -51,6 +55,8 @@ def fake_router(e2e_cluster: Cluster, local_operator: LocalOperator, tmp_path: P
         try:
             yield router
         finally:
+            e2e_cluster.kubectl("-n", namespace, "delete", "inferenceservices", "--all", "--wait=true", "--timeout=60s",
+                                check=False)
             op.stop()
             for log in op.logs:
                 print(f"==== autoscaling {log.name}\n{log.read_text(errors='replace')[-20000:]}")
