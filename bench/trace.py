@@ -72,8 +72,10 @@ TRACE_BLOCK = 512  # tokens per Mooncake hash id
 EXE = [sys.executable, "-P", "-m", "warmfleet.cli"]
 # One simulator process hosts every replica, so one host stall (seen here at load average 10-14 on 2 cores) times
 # out the health checks of the whole fleet at once and the router's defaults (0.5 s, 2 in a row) take every replica
-# out: 503s and a wrecked run that measure the machine, not routing. The peers' checks are far slower to give up.
-WARMFLEET_HEALTH = ["--health-timeout-s", "2", "--health-failures", "4"]
+# out: 503s and a wrecked run that measure the machine, not routing. The same stall makes the replicas' accept
+# queues overflow and requests' connects time out (1 s default), which also takes a replica out and purges its
+# index. The peers' checks are far slower to give up.
+WARMFLEET_HEALTH = ["--health-timeout-s", "2", "--health-failures", "4", "--connect-timeout-s", "5"]
 PEERS = ("rr", "sglang", "vllm")
 
 
