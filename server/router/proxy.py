@@ -18,7 +18,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Iterator, Optional
 
 import aiohttp
 import httpx
@@ -77,6 +77,19 @@ def upstream_session() -> aiohttp.ClientSession:
     """Pooled keep-alive connections for forwarding (aiohttp writes headers and a small body in one send)."""
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=None, keepalive_timeout=60),
                                  auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"))
+
+
+@dataclass(frozen=True)
+class _Attempt:
+    """What every replica's try of one request sends and accounts against."""
+
+    path: str
+    raw: bytes  # the body sent upstream
+    headers: dict
+    stream: bool
+    decision: Decision
+    hashes: list[bytes]  # the prompt's block names (recorded as served by the replica that answers 200)
+    t_arrival: float  # perf_counter() when the request arrived (TTFT)
 
 
 class Proxy:
@@ -157,63 +170,79 @@ class Proxy:
         decision, prompt, hashes = self.decide(kind, body, replicas)
         if prompt is not None and self.fleet.dialect.prepare_body(body, prompt):
             raw = None  # the engine needs what the router computed (e.g. vLLM: image uuids)
-        if raw is None:
-            raw = json.dumps(body).encode()
-        stream = bool(body.get("stream"))
-        headers = {"content-type": "application/json", **client_headers, **self.upstream_headers}
+        attempt = _Attempt(path, raw if raw is not None else json.dumps(body).encode(),
+                           {"content-type": "application/json", **client_headers, **self.upstream_headers},
+                           bool(body.get("stream")), decision, hashes, t_arrival)
         last_error = "no replica accepted the request"
+        for tried, rep in enumerate(self._retry_order(decision), 1):
+            outcome = await self._try(rep, attempt, retried=tried > 1)
+            if isinstance(outcome, Response):
+                return outcome
+            last_error = outcome
+        return self._count(error_response(502, last_error, "upstream_error"))
+
+    def _retry_order(self, decision: Decision) -> Iterator[Replica]:
+        """The decision's replicas still healthy when their turn comes, at most max_attempts; each after the first
+        counts as a retry."""
         tried = 0
         for rid in decision.order:
             rep = self.fleet.registry.get(rid)
             if rep is None or not rep.healthy:
                 continue
             if tried == self.cfg.max_attempts:
-                break
+                return
             if tried:
                 self.metrics.retries.inc()
                 self.metrics.decisions.labels(RETRY).inc()
             tried += 1
-            queued = decision.uncached_for(rid)
-            self._enter(rep, queued)
-            released = False
-            resp: Optional[aiohttp.ClientResponse] = None
-            try:
-                resp = await self._send(rep, path, raw, headers)
-                if resp.status in RETRYABLE_STATUS:
-                    last_error = f"{rid} answered {resp.status}"
-                    resp.release()
-                    continue
-                if resp.status == 200:
-                    self.fleet.record_served(rid, hashes)
-                if stream and resp.status == 200:
-                    chunks = resp.content.iter_any()
-                    first = await anext(chunks, b"")  # a replica streams its first byte with the first token
-                    self.metrics.ttft.observe(time.perf_counter() - t_arrival)
-                    self._prefilled(rep, queued)
-                    queued = 0
-                    released = True  # from here the relay owns the in-flight count
-                    return self._stream(rep, resp, chunks, first, decision, retried=tried > 1)
-                content = await resp.read()
+            yield rep
+
+    async def _try(self, rep: Replica, a: _Attempt, retried: bool) -> Response | str:
+        """One replica's try: the answer for the client, or why the next replica should be tried."""
+        rid = rep.id
+        queued = a.decision.uncached_for(rid)
+        self._enter(rep, queued)  # queued prefill until the first token, the answer or a failure
+        released = False
+        resp: Optional[aiohttp.ClientResponse] = None
+        try:
+            resp = await self._send(rep, a.path, a.raw, a.headers)
+            if resp.status in RETRYABLE_STATUS:
                 resp.release()
-                self._observe_usage(decision, content, rid)
-                return self._count(Response(content, resp.status, self._reply_headers(resp, rep, decision, tried > 1)))
-            except CONNECT_TIMEOUT:
-                last_error = f"{rid}: ConnectTimeout"
-                self.fleet.report_failure(rid, last_error)
-            except asyncio.TimeoutError:
-                if resp is not None:
-                    resp.close()
-                return self._count(error_response(504, f"replica {rid} timed out", "upstream_timeout"))
-            except UPSTREAM_FAILURES as exc:
-                last_error = f"{rid}: {type(exc).__name__}"
-                if resp is not None:
-                    resp.close()
-                self.fleet.report_failure(rid, last_error)
-            finally:
-                self._prefilled(rep, queued)
-                if not released:
-                    self._leave(rep)
-        return self._count(error_response(502, last_error, "upstream_error"))
+                return f"{rid} answered {resp.status}"
+            if resp.status == 200:
+                self.fleet.record_served(rid, a.hashes)
+            if a.stream and resp.status == 200:
+                out = await self._first_event(rep, resp, a, retried)
+                released = True  # from here the relay owns the in-flight count
+                return out
+            content = await resp.read()
+            resp.release()
+            self._observe_usage(a.decision, content, rid)
+            return self._count(Response(content, resp.status, self._reply_headers(resp, rep, a.decision, retried)))
+        except CONNECT_TIMEOUT:
+            self.fleet.report_failure(rid, f"{rid}: ConnectTimeout")
+            return f"{rid}: ConnectTimeout"
+        except asyncio.TimeoutError:
+            if resp is not None:
+                resp.close()
+            return self._count(error_response(504, f"replica {rid} timed out", "upstream_timeout"))
+        except UPSTREAM_FAILURES as exc:
+            if resp is not None:
+                resp.close()
+            self.fleet.report_failure(rid, f"{rid}: {type(exc).__name__}")
+            return f"{rid}: {type(exc).__name__}"
+        finally:
+            self._prefilled(rep, queued)
+            if not released:
+                self._leave(rep)
+
+    async def _first_event(self, rep: Replica, resp: aiohttp.ClientResponse, a: _Attempt,
+                           retried: bool) -> StreamingResponse:
+        """Wait for a stream's first bytes (a replica sends them with the first token: TTFT), then relay the rest."""
+        chunks = resp.content.iter_any()
+        first = await anext(chunks, b"")
+        self.metrics.ttft.observe(time.perf_counter() - a.t_arrival)
+        return self._stream(rep, resp, chunks, first, a.decision, retried=retried)
 
     async def forward_plain(self, method: str, path: str, raw: bytes, client_headers: dict) -> Response:
         """A request without cache affinity (/v1/models, /tokenize): least-loaded replica, retried the same way."""
