@@ -207,11 +207,11 @@ def hand_corpus(max_model_len: int, many_parts: int = 5000) -> Iterator[tuple[st
 
 def run_hand_corpus(base_url: str, max_model_len: int, timeout_s: float = 60.0,
                     verdicts: Optional[Verdicts] = None,
-                    accept_200: tuple[str, ...] = ACCEPTED) -> Verdicts:
+                    accept_200: tuple[str, ...] = ACCEPTED, many_parts: int = 5000) -> Verdicts:
     """Send the hand corpus; besides `verdict`, each must be a 4xx unless named in `accept_200`."""
     verdicts = verdicts or Verdicts()
     with httpx.Client(base_url=base_url, timeout=timeout_s) as client:
-        for name, path, body, headers in hand_corpus(max_model_len):
+        for name, path, body, headers in hand_corpus(max_model_len, many_parts):
             t0 = time.monotonic()
             try:
                 r = client.post(path, content=body, headers={"content-type": "application/json", **headers})

@@ -17,6 +17,7 @@ from procs import LiveFleet
 pytestmark = pytest.mark.slow
 
 MAX_MODEL_LEN = 512
+MANY = 2000  # content parts / messages in the "thousands of parts" cases (bench/fuzz.py sends 5000)
 EXAMPLES = 6  # per operation and generation mode: ~120 schema cases per server here, a few seconds
 
 
@@ -34,7 +35,7 @@ def vl_fleet(tiny_vl_dir, tmp_path_factory):
 @pytest.mark.parametrize("server", ["replica", "router"])
 def test_hand_corpus_gets_openai_errors_naming_the_problem(vl_fleet, server):
     url = vl_fleet.replicas[0].url if server == "replica" else vl_fleet.router.url
-    v = fuzzing.run_hand_corpus(url, MAX_MODEL_LEN)
+    v = fuzzing.run_hand_corpus(url, MAX_MODEL_LEN, many_parts=MANY)
     assert not v.failures, "\n".join(v.failures)
     assert vl_fleet.replicas[0].alive() and vl_fleet.router.alive()
     cases = v.by_case
@@ -47,7 +48,7 @@ def test_hand_corpus_gets_openai_errors_naming_the_problem(vl_fleet, server):
     assert "JSON" in cases["deep JSON nesting (100000)"][1]
     assert "prompt.0" in cases["huge token id"][1] and "less than" in cases["huge token id"][1]  # not "a valid string"
     # thousands of images are refused once they outgrow the context, before the rest are decoded
-    assert "content[" in cases["5000 image parts"][1] and "context" in cases["5000 image parts"][1]
+    assert "content[" in cases[f"{MANY} image parts"][1] and "context" in cases[f"{MANY} image parts"][1]
     # a 400-megapixel PNG is refused without being decoded: the API process stays small
     assert fuzzing.memory_mib(vl_fleet.replicas[0].popen.pid)["api"]["peak"] < 1536
 

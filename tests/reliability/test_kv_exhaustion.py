@@ -3,10 +3,11 @@
 A real `warmfleet serve` (tiny Qwen2 checkpoint: 8 KiB a 16-token block) with a small primary pool
 (`--num-gpu-blocks`, 1,536 tokens) and a 16 MiB swap tier (2,048 blocks):
 
-  * Pool exhausted: 8 concurrent requests of ~400 prompt + 160 generated tokens need ~280 blocks
-    at once, three times the pool. The scheduler queues them and preempts the newest
-    (`vllm:num_preemptions` > 0; a preempted request is recomputed when blocks free up): every
-    request must still finish with all 160 tokens.
+  * Pool exhausted: 8 concurrent requests of ~390 prompt + 400 generated tokens (~50 blocks each,
+    more than half the pool; ~400 blocks in all, four pools). The scheduler queues them and
+    preempts the newest (`vllm:num_preemptions` > 0: any two running at once outgrow the pool; a
+    preempted request is recomputed when blocks free up): every request must still finish with all
+    400 tokens.
   * Swap tier exhausted: distinct ~400-token prompts, more than primary + swap can hold, fill the
     pool, push cached blocks out to the swap tier until it is full (`warmfleet:kv_blocks{tier="cpu",
     state="free"}` 0) and keep going (blocks leave the swap tier again); every request answered.
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.slow
 GPU_BLOCKS = 96  # 1,536 tokens
 SWAP_MIB = 16
 SLACK_MIB = 48  # activations and allocator slack of a step of 8 sequences (tiny model); measured +12 MiB in all
+GENERATED = 400
 PROMPT_WORDS = 100  # ~390 tokens
 
 
@@ -71,8 +73,9 @@ async def test_kv_pool_and_swap_tier_exhausted(small_kv_replica):
         idle = memory_mib(small_kv_replica.popen.pid)["engine-core"]["rss"]
 
         # 1. the primary pool: 8 requests needing three pools' worth of blocks at once
-        outs = await asyncio.gather(*(complete(c, url, prompt(rng), 160) for _ in range(8)))
-        assert [o["usage"]["completion_tokens"] for o in outs] == [160] * 8
+        # each needs ~50 blocks, more than half the pool: any two running at once must preempt one
+        outs = await asyncio.gather(*(complete(c, url, prompt(rng), GENERATED) for _ in range(8)))
+        assert [o["usage"]["completion_tokens"] for o in outs] == [GENERATED] * 8
         assert all(o["choices"][0]["finish_reason"] == "length" for o in outs)
         preemptions = metric((await c.get(url + "/metrics")).text, "vllm:num_preemptions_total")
         assert preemptions > 0
