@@ -147,7 +147,8 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.boxplot([np.asarray(result["samples_s"][g]) * 1000 for g in GROUPS], labels=GROUPS)
+    ax.boxplot([np.asarray(result["samples_s"][g]) * 1000 for g in GROUPS])
+    ax.set_xticks(range(1, len(GROUPS) + 1), GROUPS)
     ax.set_ylabel("TTFT (ms)")
     ax.set_title(f"B on A-warm vs B cold: p={result['b_warm_vs_cold']['p']}; "
                  f"control A warm vs cold: p={result['control_a_warm_vs_cold']['p']}", fontsize=9)
