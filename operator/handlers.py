@@ -35,9 +35,42 @@ def make_registry(*, default_image: str, login: LoginFn = default_login, router_
     """A registry holding every handler; `login` is replaceable so tests can point kopf at kmock.
 
     `router_url_template` overrides where the autoscaler finds a service's routers (autoscaler.router_urls).
+    The InferenceService's own handlers are defined here: their ids (qualified names) are kopf's progress keys.
     """
     registry = kopf.OperatorRegistry()
     isvc = (GROUP, VERSION, PLURAL)
+    _add_lifecycle(registry, default_image, login)
+    _add_indexes(registry)
+
+    @kopf.on.resume(*isvc, registry=registry)
+    @kopf.on.create(*isvc, registry=registry)
+    @kopf.on.update(*isvc, registry=registry)
+    async def reconcile_service(body: kopf.Body, memo: kopf.Memo, nodes: kopf.Index, service_pods: kopf.Index,
+                                logger: Any, **_: Any) -> None:
+        await _run(body, memo, nodes, logger, service_pods=service_pods)
+
+    @kopf.timer(*isvc, interval=mc.RETRY_DELAY_S, initial_delay=mc.RETRY_DELAY_S, registry=registry,
+                when=lambda status, **_: mc.unavailable(status))
+    async def retry_model_config(body: kopf.Body, memo: kopf.Memo, nodes: kopf.Index, services: kopf.Index,
+                                 service_pods: kopf.Index, logger: Any, **_: Any) -> None:
+        """While the model's config.json cannot be read (ModelConfigUnavailable), try again now and then."""
+        await _run(body, memo, nodes, logger, services, service_pods)
+
+    @kopf.timer(*isvc, id="autoscale", interval=autoscale_interval_s, initial_delay=autoscale_interval_s, registry=registry)
+    async def autoscale(body: kopf.Body, memo: kopf.Memo, nodes: kopf.Index, patch: kopf.Patch, **_: Any) -> None:
+        """The routers' metrics → spec.replicas (spec.autoscaling with a target), status.warmup, pod-deletion costs."""
+        await autoscaler.run_pass(memo.state, body, _node_list(nodes), patch, template=router_url_template)
+
+    @kopf.on.delete(*isvc, registry=registry, optional=True)
+    def forget(uid: str, memo: kopf.Memo, **_: Any) -> None:
+        memo.state.forget(uid)
+
+    _add_watchers(registry)
+    return registry
+
+
+def _add_lifecycle(registry: kopf.OperatorRegistry, default_image: str, login: LoginFn) -> None:
+    """Startup (every operator-wide setting, the shared state), cleanup and login."""
 
     @kopf.on.startup(registry=registry)
     async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
@@ -76,11 +109,15 @@ def make_registry(*, default_image: str, login: LoginFn = default_login, router_
                 await state.kube.use(info)
         return info
 
+
+def _add_indexes(registry: kopf.OperatorRegistry) -> None:
+    """kopf's in-memory indexes the handlers read: nodes, InferenceServices, and our pods by service."""
+
     @kopf.index("", "v1", "nodes", id="nodes", registry=registry)
     def nodes(body: kopf.Body, name: str, **_: Any) -> dict[str, NodeInfo]:
         return {name: node_info(body)}
 
-    @kopf.index(*isvc, id="services", registry=registry)
+    @kopf.index(GROUP, VERSION, PLURAL, id="services", registry=registry)
     def services(body: kopf.Body, namespace: str, name: str, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
         return {(namespace, name): dict(body)}
 
@@ -90,45 +127,28 @@ def make_registry(*, default_image: str, login: LoginFn = default_login, router_
         owner = labels.get(m.SERVICE_LABEL)
         return {(namespace, owner): slim_pod(body)} if owner else {}
 
-    async def run(body: Any, memo: kopf.Memo, nodes: kopf.Index, logger: Any, services: kopf.Index | None = None,
-                  service_pods: kopf.Index | None = None) -> None:
-        key = (body["metadata"].get("namespace"), body["metadata"]["name"])
-        alive = (lambda: key in services) if services is not None else (lambda: True)
-        pods = (lambda: _pods_of(service_pods, key)) if service_pods is not None else None
-        try:
-            outcome = await reconcile(memo.state, body, _node_list(nodes), alive=alive, pods=pods)
-        except KubeError as exc:
-            if exc.status in (400, 403, 422):  # permanent for this spec: say so, do not retry hot
-                kopf.warn(dict(body), reason="ApplyFailed", message=str(exc))
-                raise kopf.TemporaryError(str(exc), delay=60) from exc
-            raise kopf.TemporaryError(str(exc), delay=5) from exc
-        changed = {k: v for k, v in outcome.actions.items() if v != "unchanged"}
-        if changed or outcome.status_written:
-            logger.info(f"reconciled: {changed or 'no child changed'}; status {'written' if outcome.status_written else 'unchanged'}"
-                        + (f"; Ready reason {outcome.reason}" if outcome.reason else ""))
 
-    @kopf.on.resume(*isvc, registry=registry)
-    @kopf.on.create(*isvc, registry=registry)
-    @kopf.on.update(*isvc, registry=registry)
-    async def reconcile_service(body: kopf.Body, memo: kopf.Memo, nodes: kopf.Index, service_pods: kopf.Index,
-                                logger: Any, **_: Any) -> None:
-        await run(body, memo, nodes, logger, service_pods=service_pods)
+async def _run(body: Any, memo: kopf.Memo, nodes: kopf.Index, logger: Any, services: kopf.Index | None = None,
+               service_pods: kopf.Index | None = None) -> None:
+    """Reconcile one service; API errors become kopf retries (a slow one, with a warning Event, when permanent)."""
+    key = (body["metadata"].get("namespace"), body["metadata"]["name"])
+    alive = (lambda: key in services) if services is not None else (lambda: True)
+    pods = (lambda: _pods_of(service_pods, key)) if service_pods is not None else None
+    try:
+        outcome = await reconcile(memo.state, body, _node_list(nodes), alive=alive, pods=pods)
+    except KubeError as exc:
+        if exc.status in (400, 403, 422):  # permanent for this spec: say so, do not retry hot
+            kopf.warn(dict(body), reason="ApplyFailed", message=str(exc))
+            raise kopf.TemporaryError(str(exc), delay=60) from exc
+        raise kopf.TemporaryError(str(exc), delay=5) from exc
+    changed = {k: v for k, v in outcome.actions.items() if v != "unchanged"}
+    if changed or outcome.status_written:
+        logger.info(f"reconciled: {changed or 'no child changed'}; status {'written' if outcome.status_written else 'unchanged'}"
+                    + (f"; Ready reason {outcome.reason}" if outcome.reason else ""))
 
-    @kopf.timer(*isvc, interval=mc.RETRY_DELAY_S, initial_delay=mc.RETRY_DELAY_S, registry=registry,
-                when=lambda status, **_: mc.unavailable(status))
-    async def retry_model_config(body: kopf.Body, memo: kopf.Memo, nodes: kopf.Index, services: kopf.Index,
-                                 service_pods: kopf.Index, logger: Any, **_: Any) -> None:
-        """While the model's config.json cannot be read (ModelConfigUnavailable), try again now and then."""
-        await run(body, memo, nodes, logger, services, service_pods)
 
-    @kopf.timer(*isvc, id="autoscale", interval=autoscale_interval_s, initial_delay=autoscale_interval_s, registry=registry)
-    async def autoscale(body: kopf.Body, memo: kopf.Memo, nodes: kopf.Index, patch: kopf.Patch, **_: Any) -> None:
-        """The routers' metrics → spec.replicas (spec.autoscaling with a target), status.warmup, pod-deletion costs."""
-        await autoscaler.run_pass(memo.state, body, _node_list(nodes), patch, template=router_url_template)
-
-    @kopf.on.delete(*isvc, registry=registry, optional=True)
-    def forget(uid: str, memo: kopf.Memo, **_: Any) -> None:
-        memo.state.forget(uid)
+def _add_watchers(registry: kopf.OperatorRegistry) -> None:
+    """Events that lead back to a service's reconcile: a node, one of our Deployments, one of our pods."""
 
     @kopf.on.event("", "v1", "nodes", registry=registry)
     async def node_changed(memo: kopf.Memo, nodes: kopf.Index, services: kopf.Index, service_pods: kopf.Index,
@@ -140,7 +160,7 @@ def make_registry(*, default_image: str, login: LoginFn = default_login, router_
                 uid = body["metadata"].get("uid")
                 if not _plan_changed(state, body, node_list, uid):
                     continue
-                await run(body, memo, nodes, logger, services, service_pods)
+                await _run(body, memo, nodes, logger, services, service_pods)
 
     @kopf.on.event("apps", "v1", "deployments", labels=m.MANAGED_BY, registry=registry)
     async def child_changed(body: kopf.Body, memo: kopf.Memo, nodes: kopf.Index, services: kopf.Index,
@@ -148,7 +168,7 @@ def make_registry(*, default_image: str, login: LoginFn = default_login, router_
         meta = body.get("metadata") or {}
         owner = (meta.get("labels") or {}).get(m.SERVICE_LABEL)
         for parent in services.get((meta.get("namespace"), owner), []):
-            await run(parent, memo, nodes, logger, services, service_pods)
+            await _run(parent, memo, nodes, logger, services, service_pods)
 
     @kopf.on.event("", "v1", "pods", labels=m.MANAGED_BY, registry=registry)
     async def pod_changed(body: kopf.Body, memo: kopf.Memo, nodes: kopf.Index, services: kopf.Index,
@@ -164,12 +184,10 @@ def make_registry(*, default_image: str, login: LoginFn = default_login, router_
                 continue  # a pod event that says nothing new (same reasons, same counts)
             state.pod_digests[uid] = digest  # claimed now, so the pod events of one burst reconcile once
             try:
-                await run(parent, memo, nodes, logger, services, service_pods)
+                await _run(parent, memo, nodes, logger, services, service_pods)
             except BaseException:
                 state.pod_digests.pop(uid, None)  # the next pod or Deployment event tries again
                 raise
-
-    return registry
 
 
 def _pods_of(index: kopf.Index, key: tuple[Any, Any]) -> list[dict[str, Any]]:
