@@ -198,20 +198,27 @@ def make_tiny_model(out: str | Path, arch: str = "qwen2", size: str = "tiny", se
     `overrides` replaces config.json fields before the weights are drawn (e.g.
     {"tie_word_embeddings": True} or {"head_dim": 32}); weights follow the final config.
     """
-    if arch not in ARCHS:
-        raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
-    if size not in SIZES:
-        raise ValueError(f"unknown size {size!r}; choose from {tuple(SIZES)}")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    vocab = SIZES[size]["vocab"]
-    tok = build_tokenizer(vocab)
-    ids = {c: tok.token_to_id(c) for c, _ in ADDED_TOKENS}
+    out, vocab, tok, ids = start_checkpoint(out, arch, ARCHS, size, SIZES)
     config = _arch_config(arch, size, vocab, ids)
     config.update(overrides or {})
     weights = random_weights(config, seed)
     template = QWEN2_CHAT_TEMPLATE_PATH.read_text(encoding="utf-8")
     return write_checkpoint(out, config, weights, tok, ids, template)
+
+
+def start_checkpoint(out: str | Path, arch: str, archs: tuple[str, ...], size: str, sizes: dict,
+                     what: str = "arch") -> tuple[Path, int, Any, dict[str, int]]:
+    """Check `arch` and `size` against the caller's tables and create `out`; then the tokenizer every tiny
+    checkpoint shares: (out, vocab size, tokenizer, special token → id)."""
+    if arch not in archs:
+        raise ValueError(f"unknown {what} {arch!r}; choose from {archs}")
+    if size not in sizes:
+        raise ValueError(f"unknown size {size!r}; choose from {tuple(sizes)}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = SIZES[size]["vocab"]
+    tok = build_tokenizer(vocab)
+    return out, vocab, tok, {c: tok.token_to_id(c) for c, _ in ADDED_TOKENS}
 
 
 def write_checkpoint(out: Path, config: dict, weights: dict, tok: Any, ids: dict, template: str,

@@ -108,15 +108,7 @@ def random_vision_weights(config: dict[str, Any], seed: int) -> dict[str, np.nda
 def make_tiny_vl_model(out: str | Path, arch: str = "qwen2_vl", size: str = "tiny", seed: int = 0,
                        overrides: Optional[dict[str, Any]] = None) -> Path:
     """Write a random VL checkpoint to `out` and return its path (what `make-tiny-model --arch qwen2_vl` calls)."""
-    if arch not in VL_ARCHS:
-        raise ValueError(f"unknown VL arch {arch!r}; choose from {VL_ARCHS}")
-    if size not in VL_SIZES:
-        raise ValueError(f"unknown size {size!r}; choose from {tuple(VL_SIZES)}")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    vocab = tiny.SIZES[size]["vocab"]
-    tok = tiny.build_tokenizer(vocab)
-    ids = {c: tok.token_to_id(c) for c, _ in tiny.ADDED_TOKENS}
+    out, vocab, tok, ids = tiny.start_checkpoint(out, arch, VL_ARCHS, size, VL_SIZES, what="VL arch")
     config = vl_config(arch, size, vocab, ids)
     config.update(overrides or {})
     weights = tiny.random_weights({**config, "model_type": "qwen2"}, seed)
