@@ -63,7 +63,8 @@ class TwoRouters:
                 hash_cfg=HashConfig(BLOCK, self.fp),
                 replicas=[ReplicaSpec(s.url, r.events) for s, r in zip(self.served, self.replicas)],
                 renderer=PromptRenderer(str(self.model_dir), tokenizer=self.tok), health_interval_s=0.1,
-                max_concurrent_per_client=self.limit, peers=urls if self.peers else [], peer_interval_s=0.05)
+                max_concurrent_per_client=self.limit, peers=urls if self.peers else [], peer_interval_s=0.05,
+                peer_jitter=0.0)  # deterministic tie-breaks: the tests know which replica a router picks
             app = build_app(settings)
             await b.start(app)
             self.apps.append(app)
