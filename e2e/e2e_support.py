@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
+from warmfleet.localprocs import free_port  # noqa: F401  (e2e modules import it from here)
+
 T = TypeVar("T")
 
 
@@ -134,15 +136,6 @@ class Cluster:
 
 
 # ---- local processes (the operator, and the data plane from the operator's pod specs) ----
-
-def free_port() -> int:
-    """A free TCP port on loopback (the caller binds it soon after)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def warmfleet_command() -> list[str]:
     """How to run the `warmfleet` console script of this interpreter's environment."""

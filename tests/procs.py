@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,23 +18,12 @@ from typing import Callable, Optional
 
 import httpx
 
+from warmfleet.localprocs import free_port  # noqa: F401  (tests import it from here)
+
 EXE = [sys.executable, "-P", "-m", "warmfleet.cli"]
 MODEL_NAME = "tiny"
 BLOCK = 16
 STARTUP_S = 180.0  # a replica's start (paddle import, tiny checkpoint) on a shared 2-core host
-
-_HANDED_OUT: set[int] = set()
-
-
-def free_port() -> int:
-    """A free loopback port not handed out before in this process (the kernel may offer a released one again)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
 
 
 def tree_pids(pid: int) -> list[int]:

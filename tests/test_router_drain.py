@@ -8,9 +8,6 @@ HTTP and KV events) behind the real router app in-process.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
-from pathlib import Path
 from urllib.parse import quote
 
 import httpx
@@ -19,6 +16,7 @@ from kubernetes.client import (
     DiscoveryV1EndpointPort, V1Endpoint, V1EndpointConditions, V1EndpointSlice, V1ObjectMeta,
 )
 
+from bench_scripts import load_bench
 from procs import free_port
 from warmfleet.server.hashing import model_fingerprint
 from warmfleet.server.router.app import RouterSettings, build_app
@@ -29,19 +27,10 @@ from warmfleet.server.router.metrics import RouterMetrics
 from warmfleet.server.router.prompt import HashConfig, PromptRenderer
 from warmfleet.server.router.registry import ReplicaSpec
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
 BLOCK = 16
 
 
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-sim = _load("wf_test_drain_simfleet", BENCH / "simfleet.py")
+sim = load_bench("simfleet.py", "wf_test_drain_simfleet")
 
 
 def ids(seed: int, n: int) -> list[int]:

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from procs import free_port, wait_for
+from warmfleet.localprocs import stop_all
 
 pytestmark = pytest.mark.slow
 
@@ -49,13 +50,7 @@ def live_fleet(tiny_model_dir, tmp_path_factory):
                      f"router {r} synced with both replicas", procs)
         yield replicas, routers
     finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)
 
 
 def ask(router: str, question: str, system: str = SYSTEM) -> httpx.Response:

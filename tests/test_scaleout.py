@@ -4,27 +4,16 @@ request before its warm-up replays are done (order of arrivals in its own log, n
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+from bench_scripts import load_bench
 
 pytestmark = pytest.mark.slow
 
 
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-scaleout = _load("wf_test_scaleout", BENCH / "scaleout.py")
+scaleout = load_bench("scaleout.py", "wf_test_scaleout")
 
 
 def test_scale_in_with_drain_loses_no_request_and_the_joiner_waits_for_its_warm_up(tiny_model_dir):

@@ -11,29 +11,18 @@ prediction equals the cached_tokens the simulator reports).
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import socket
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
+from bench_scripts import load_bench
+from procs import free_port
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
 BLOCK = 16
 
 
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-sim = _load("wf_test_simfleet", BENCH / "simfleet.py")
-trace = _load("wf_test_trace", BENCH / "trace.py")
+sim = load_bench("simfleet.py", "wf_test_simfleet")
+trace = load_bench("trace.py", "wf_test_trace")
 
 
 def run(coro):
@@ -208,12 +197,6 @@ def test_http_surface_streams_usage_snapshot_and_tokenize(tiny_model_dir):
     run(go())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_real_router_follows_the_simulated_fleet(tiny_model_dir):
     """Events and snapshots of the simulator are accepted by the real router: index in sync, exact predictions."""
     import uvicorn
@@ -239,7 +222,7 @@ def test_real_router_follows_the_simulated_fleet(tiny_model_dir):
         settings = RouterSettings(hash_cfg=HashConfig(BLOCK, model_fingerprint(tiny_model_dir)), replicas=specs,
                                   renderer=PromptRenderer(str(tiny_model_dir)), health_interval_s=0.1)
         app = build_app(settings)
-        port = _free_port()
+        port = free_port()
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         task = asyncio.create_task(server.serve())
         try:

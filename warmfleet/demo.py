@@ -6,13 +6,14 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from warmfleet.localprocs import free_port, stop_all
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,12 +26,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Show the replicas' and the router's logs on this console (default: files under --log-dir).")
     p.add_argument("--log-dir", default=None,
                    help="Where replica and router logs go (default: ~/.cache/warmfleet/demo-logs).")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _say(msg: str) -> None:
@@ -98,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         _say(f"starting {args.replicas} replicas and the router on {model} "
              f"({'logs on this console' if args.verbose else f'logs in {log_dir}'})")
         for i in range(args.replicas):
-            port, events = _free_port(), _free_port()
+            port, events = free_port(), free_port()
             start(f"replica-{i}", [
                 "serve", "--model", str(model), "--served-model-name", "tiny-qwen2", "--port", str(port),
                 "--kv-events-port", str(events), "--replica-id", f"replica-{i}", "--block-size", "16",
@@ -132,11 +127,4 @@ def run(args: argparse.Namespace) -> int:
         while True:
             time.sleep(3600)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs, timeout_s=10)
