@@ -4,20 +4,18 @@ router-metrics contract, deletion costs and warm-up summary, and the loop agains
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncContextManager, Callable
 
 import attrs
 import kmock
-import kopf
 import pytest
 
 from fakerouter import FakeRouter
+from operator_fixtures.running import poll, run_operator
 from operator_fixtures.shapes import h200, l4, service
 from warmfleet.operator import autoscale as a
-from warmfleet.operator.handlers import make_registry
 from warmfleet.operator.sizing import assign_replicas
 from warmfleet.operator.spec import Autoscaling, parse_spec
 from warmfleet.server.router.metrics import RouterMetrics
@@ -183,25 +181,19 @@ def test_parse_metrics_reads_what_the_real_router_exports():
 async def test_the_real_router_exports_what_the_autoscaler_reads(tiny_model_dir):
     """Router on bench/simfleet.py replicas (the engine's scheduler and KV manager): TTFT of streamed requests,
     the cached-token ratio's two counters, and /v1/router/replicas in the shape deletion_costs reads."""
-    import importlib.util
     import random
-    import sys
-    from pathlib import Path
 
     import httpx
     import uvicorn
 
+    from bench_scripts import load_bench
     from procs import free_port
     from warmfleet.server.hashing import model_fingerprint
     from warmfleet.server.router.app import RouterSettings, build_app
     from warmfleet.server.router.prompt import HashConfig, PromptRenderer
     from warmfleet.server.router.registry import ReplicaSpec
 
-    path = Path(__file__).resolve().parent.parent / "bench" / "simfleet.py"
-    spec = importlib.util.spec_from_file_location("wf_test_autoscale_simfleet", path)
-    sim = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = sim
-    spec.loader.exec_module(sim)  # type: ignore[union-attr]
+    sim = load_bench("simfleet.py", "wf_test_autoscale_simfleet")
 
     fleet = sim.SimFleet(str(tiny_model_dir), 2, block_size=16, gpu_blocks=256, tm=sim.TimeModel(step_s=0.01))
     await fleet.start()
@@ -319,32 +311,15 @@ def cluster(kmock: kmock.KubernetesEmulator) -> kmock.KubernetesEmulator:
     return kmock
 
 
-@contextlib.asynccontextmanager
-async def operator(cluster: kmock.KubernetesEmulator, router_url: str) -> AsyncIterator[None]:
-    registry = make_registry(default_image="img:test", login=lambda **_: kopf.ConnectionInfo(server=str(cluster.url)),
-                             router_url_template=router_url, autoscale_interval_s=1.0)
-    stop, ready = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(kopf.operator(registry=registry, clusterwide=True, standalone=True,
-                                             stop_flag=stop, ready_flag=ready, liveness_endpoint=None))
-    await asyncio.wait_for(ready.wait(), TIMEOUT_S)
-    try:
-        yield
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, TIMEOUT_S)
+def operator(cluster: kmock.KubernetesEmulator, router_url: str) -> AsyncContextManager[asyncio.Task]:
+    return run_operator(cluster, TIMEOUT_S, router_url_template=router_url, autoscale_interval_s=1.0)
 
 
 async def eventually(check: Callable[[], Any], what: str) -> Any:
-    deadline = time.monotonic() + TIMEOUT_S
-    while time.monotonic() < deadline:
-        try:
-            value = check()
-        except (KeyError, TypeError, LookupError):
-            value = None
-        if value:
-            return value
-        await asyncio.sleep(0.05)  # yield to the operator; the condition decides, not the delay
-    raise AssertionError(f"timed out waiting for {what}")
+    value = await poll(check, TIMEOUT_S, 0.05)
+    if not value:
+        raise AssertionError(f"timed out waiting for {what}")
+    return value
 
 
 def raw(cluster, res: str, name: str, ns: str | None = "default") -> dict[str, Any]:

@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncContextManager, AsyncIterator, Callable
 
 import kmock
-import kopf
 import pytest
 
 from fakehub import FakeHub
 from operator_fixtures.kmock_apply import FakeApplyEmulator
+from operator_fixtures.running import poll, run_operator
 from operator_fixtures.shapes import GiB, TiB, a100, h200, l4, service
-from warmfleet.operator.handlers import make_registry
 from warmfleet.operator.manifests import SIZING_HASH_ANNOTATION
 
 ISVC = "serving.warmfleet.io/v1alpha1/inferenceservices"
@@ -51,33 +48,17 @@ def _declare(cluster: FakeApplyEmulator) -> FakeApplyEmulator:
     return cluster
 
 
-@contextlib.asynccontextmanager
-async def operator(cluster: kmock.KubernetesEmulator) -> AsyncIterator[None]:
+def operator(cluster: kmock.KubernetesEmulator) -> AsyncContextManager[asyncio.Task]:
     """Run the operator in-process until the block ends."""
-    registry = make_registry(default_image="img:test", login=lambda **_: kopf.ConnectionInfo(server=str(cluster.url)))
-    stop, ready = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(kopf.operator(registry=registry, clusterwide=True, standalone=True,
-                                             stop_flag=stop, ready_flag=ready, liveness_endpoint=None))
-    await asyncio.wait_for(ready.wait(), TIMEOUT_S)
-    try:
-        yield
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, TIMEOUT_S)
+    return run_operator(cluster, TIMEOUT_S)
 
 
 async def eventually(check: Callable[[], Any], what: str) -> Any:
     """Wait until `check()` is truthy (re-checking as the event loop runs); fail with `what` after a timeout."""
-    deadline = time.monotonic() + TIMEOUT_S
-    while time.monotonic() < deadline:
-        try:
-            value = check()
-        except (KeyError, TypeError, LookupError):
-            value = None
-        if value:
-            return value
-        await asyncio.sleep(0.02)  # yield to the operator's tasks; the condition decides, not the delay
-    raise AssertionError(f"timed out waiting for {what}")
+    value = await poll(check, TIMEOUT_S)
+    if not value:
+        raise AssertionError(f"timed out waiting for {what}")
+    return value
 
 
 def obj(cluster, res: str, name: str, ns: str | None = "default") -> dict[str, Any] | None:

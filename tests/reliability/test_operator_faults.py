@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, AsyncIterator
+from typing import Any, AsyncContextManager
 
 import aiohttp.web
 import attrs
@@ -21,6 +21,7 @@ import kopf
 import pytest
 
 from operator_fixtures.kmock_apply import FakeApplyEmulator
+from operator_fixtures.running import poll, run_operator
 from operator_fixtures.shapes import h200, l4, service
 from test_operator_kmock import DEPLOY, ISVC, _declare, condition, obj, seed, server_deployments, status
 from warmfleet.operator.handlers import make_registry
@@ -56,19 +57,9 @@ class FakeFaultyEmulator(FakeApplyEmulator):
         return await super()._handle(request)
 
 
-@contextlib.asynccontextmanager
-async def operator(cluster: kmock.KubernetesEmulator) -> AsyncIterator[asyncio.Task]:
+def operator(cluster: kmock.KubernetesEmulator) -> AsyncContextManager[asyncio.Task]:
     """Run the operator in-process until the block ends (tests/test_operator_kmock.py's, with wider bounds)."""
-    registry = make_registry(default_image="img:test", login=lambda **_: kopf.ConnectionInfo(server=str(cluster.url)))
-    stop, ready = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(kopf.operator(registry=registry, clusterwide=True, standalone=True,
-                                             stop_flag=stop, ready_flag=ready, liveness_endpoint=None))
-    await asyncio.wait_for(ready.wait(), STOP_S)
-    try:
-        yield task
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, STOP_S)
+    return run_operator(cluster, STOP_S)
 
 
 @pytest.fixture()
@@ -157,16 +148,9 @@ async def test_two_operator_replicas_at_once_converge_without_duplicates(cluster
 
 async def eventually_for(check, what: str, timeout_s: float) -> Any:
     """`eventually` with a longer bound (the operator's retry delay is part of the path)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while loop.time() < deadline:
-        try:
-            value = check()
-        except (KeyError, TypeError, LookupError):
-            value = None
-        if value:
-            return value
-        await asyncio.sleep(0.05)
+    value = await poll(check, timeout_s, 0.05)
+    if value:
+        return value
     present = sorted(f"{res.plural}/{name}" for (res, ns, name), o in cluster_of(check).objects.items() if not o.deleted) \
         if cluster_of(check) is not None else "?"
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}; objects: {present}")
