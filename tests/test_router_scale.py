@@ -122,8 +122,9 @@ def test_match_equals_the_reference(seed):
 
 # --- choose: same decisions as the quadratic version it replaced ---------------------------------
 def reference_choose(cands: Sequence[Candidate], *, block_size: int, num_prompt_tokens: int,
-           cold_key: Optional[bytes], cfg: PolicyConfig = PolicyConfig()) -> Decision:
-    """Order replicas for one request; raises ValueError if there are none."""
+                     cold_key: Optional[bytes], cfg: PolicyConfig = PolicyConfig()) -> Decision:
+    """The quadratic policy.choose it replaced, kept apart as the oracle its decisions must equal (it shares
+    no code with the product on purpose: the test would otherwise compare choose with itself)."""
     if not cands:
         raise ValueError("no routable replicas")
     cap = load_cap([c.load for c in cands], cfg.epsilon)
