@@ -13,8 +13,10 @@ import kmock
 import pytest
 
 from fakerouter import FakeRouter
+from operator_fixtures.kmock_apply import FakeApplyEmulator
 from operator_fixtures.running import poll, run_operator
 from operator_fixtures.shapes import h200, l4, service
+from test_operator_kmock import ISVC, PODS, _declare
 from warmfleet.operator import autoscale as a
 from warmfleet.operator.sizing import assign_replicas
 from warmfleet.operator.spec import Autoscaling, parse_spec
@@ -257,25 +259,11 @@ def test_warmup_summary_merges_routers():
 
 # ---- the loop against kmock, with a scripted router ----
 
-ISVC = "serving.warmfleet.io/v1alpha1/inferenceservices"
-DEPLOY = "apps/v1/deployments"
-PODS = "v1/pods"
-KINDS = {
-    "v1/configmaps": "ConfigMap", "v1/services": "Service", "v1/serviceaccounts": "ServiceAccount",
-    "v1/events": "Event", DEPLOY: "Deployment", "policy/v1/poddisruptionbudgets": "PodDisruptionBudget",
-    "rbac.authorization.k8s.io/v1/roles": "Role", "rbac.authorization.k8s.io/v1/rolebindings": "RoleBinding",
-    PODS: "Pod", "v1/persistentvolumeclaims": "PersistentVolumeClaim",
-}
 TIMEOUT_S = 30
-
-try:  # the server-side-apply client's kmock (tests/operator_fixtures/kmock_apply.py), once it is in the tree
-    from operator_fixtures.kmock_apply import FakeApplyEmulator as _Emulator
-except ImportError:  # the merge-patch client: plain kmock
-    _Emulator = kmock.KubernetesEmulator
 
 
 @attrs.define(kw_only=True)
-class FakeVersionedEmulator(_Emulator):
+class FakeVersionedEmulator(FakeApplyEmulator):
     """Bumps an InferenceService's resourceVersion on each merge patch, as a real API server does.
 
     kmock keeps it constant; kopf then cannot tell a fresh body from its own echo and hands handlers
@@ -296,19 +284,8 @@ pytestmark = pytest.mark.kmock(cls=FakeVersionedEmulator)
 
 
 @pytest.fixture()
-def cluster(kmock: kmock.KubernetesEmulator) -> kmock.KubernetesEmulator:
-    everything = {"list", "watch", "get", "create", "patch", "delete"}
-    kmock.resources["v1/namespaces"] = kmock.ResourceInfo(kind="Namespace", namespaced=False, verbs={"list", "watch"})
-    kmock.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = kmock.ResourceInfo(
-        kind="CustomResourceDefinition", namespaced=False, verbs={"list", "watch"})
-    kmock.resources[ISVC] = kmock.ResourceInfo(kind="InferenceService", namespaced=True, verbs=everything,
-                                               subresources={"status"})
-    kmock.resources["v1/nodes"] = kmock.ResourceInfo(kind="Node", namespaced=False, verbs={"list", "watch", "get", "patch"})
-    for res, kind in KINDS.items():
-        kmock.resources[res] = kmock.ResourceInfo(kind=kind, namespaced=True, verbs=everything)
-    kmock.objects["v1/namespaces", None, "default"] = {"apiVersion": "v1", "kind": "Namespace",
-                                                       "metadata": {"name": "default", "resourceVersion": "1"}}
-    return kmock
+def cluster(kmock: FakeVersionedEmulator) -> FakeVersionedEmulator:
+    return _declare(kmock)  # the resources tests/test_operator_kmock.py's operator runs against
 
 
 def operator(cluster: kmock.KubernetesEmulator, router_url: str) -> AsyncContextManager[asyncio.Task]:
