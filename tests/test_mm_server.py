@@ -81,13 +81,10 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
 @pytest.fixture(scope="module")
 def vl_replica(vl_dir, tmp_path_factory) -> Iterator[Replica]:
     extra = ("--allowed-media-host", "127.0.0.1", "--max-processor-cache", "0.25", "--max-encoder-cache", "4096")
-    r = Replica(vl_dir, tmp_path_factory.mktemp("vl-serve-cwd"), extra)
-    try:
+    with Replica(vl_dir, tmp_path_factory.mktemp("vl-serve-cwd"), extra) as r:
         r.cache_record = r.wait_for_log("processor cache started", START_TIMEOUT_S)
         r.wait_for_log("ready", START_TIMEOUT_S)
         yield r
-    finally:
-        r.stop()
 
 
 @pytest.fixture(scope="module")

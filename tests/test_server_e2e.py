@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from procs import free_port
+from warmfleet.localprocs import stop_all
 
 pytestmark = pytest.mark.slow
 
@@ -65,23 +66,20 @@ class Replica:
                 return record
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_all([self.proc])
+
+    def __enter__(self) -> Replica:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 @pytest.fixture(scope="module")
 def replica(tiny_model_dir, tmp_path_factory) -> Iterator[Replica]:
-    r = Replica(tiny_model_dir, tmp_path_factory.mktemp("serve-cwd"))
-    try:
+    with Replica(tiny_model_dir, tmp_path_factory.mktemp("serve-cwd")) as r:
         r.wait_for_log("ready", START_TIMEOUT_S)
         yield r
-    finally:
-        r.stop()
 
 
 @pytest.fixture(scope="module")
