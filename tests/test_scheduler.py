@@ -1,5 +1,7 @@
 """Scheduler: token budget, chunked prefill, preemption and resume, abort frees blocks (no model needed)."""
 
+import pytest
+
 from warmfleet.server.config import SchedulerConfig
 from warmfleet.server.engine.block_pool import BlockPool
 from warmfleet.server.engine.kv_cache_manager import KVCacheManager
@@ -105,12 +107,8 @@ def test_max_num_seqs_limits_admission():
 
 def test_prompt_longer_than_context_is_refused():
     s, _ = make(max_len=16)
-    try:
+    with pytest.raises(ValueError, match="16"):
         s.add_request(req("a", 16))
-    except ValueError as e:
-        assert "16" in str(e)
-    else:
-        raise AssertionError("expected ValueError")
 
 
 def test_second_request_reuses_first_ones_blocks():
@@ -140,9 +138,5 @@ def test_request_outgrowing_the_pool_ends_with_length_not_a_livelock():
 
 def test_prompt_larger_than_the_pool_is_refused():
     s, _ = make(num_blocks=2)
-    try:
+    with pytest.raises(ValueError, match="KV pool holds 8"):
         s.add_request(req("a", 8))
-    except ValueError as e:
-        assert "KV pool holds 8" in str(e)
-    else:
-        raise AssertionError("expected ValueError")
