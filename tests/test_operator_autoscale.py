@@ -14,9 +14,10 @@ import pytest
 
 from fakerouter import FakeRouter
 from operator_fixtures.kmock_apply import FakeApplyEmulator
-from operator_fixtures.running import poll, run_operator
+from operator_fixtures.running import run_operator
 from operator_fixtures.shapes import h200, l4, service
 from test_operator_kmock import ISVC, PODS, _declare
+from waiting import poll
 from warmfleet.operator import autoscale as a
 from warmfleet.operator.sizing import assign_replicas
 from warmfleet.operator.spec import Autoscaling, parse_spec

@@ -11,8 +11,9 @@ import pytest
 
 from fakehub import FakeHub
 from operator_fixtures.kmock_apply import FakeApplyEmulator
-from operator_fixtures.running import poll, run_operator
+from operator_fixtures.running import run_operator
 from operator_fixtures.shapes import GiB, TiB, a100, h200, l4, service
+from waiting import poll
 from warmfleet.operator.manifests import SIZING_HASH_ANNOTATION
 
 ISVC = "serving.warmfleet.io/v1alpha1/inferenceservices"

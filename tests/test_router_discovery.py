@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import kmock as kmock_lib
 import pytest
@@ -11,6 +10,7 @@ from kubernetes.client import (
     DiscoveryV1EndpointPort, V1Endpoint, V1EndpointConditions, V1EndpointSlice, V1ObjectMeta,
 )
 
+from waiting import until
 from warmfleet.server.router.discovery import EndpointSliceDiscovery, replicas_from_slices
 from warmfleet.server.router.registry import ReplicaSpec, parse_replica
 
@@ -60,14 +60,6 @@ class FakeFleet:
 
     async def set_members(self, specs):
         self.history.append([s.url for s in specs])
-
-
-async def until(pred, what: str, timeout_s: float = 5.0) -> None:
-    t0 = time.monotonic()
-    while not pred():
-        if time.monotonic() - t0 > timeout_s:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)
 
 
 def test_only_ready_endpoints_and_named_ports():

@@ -17,6 +17,7 @@ from kubernetes.client import (
 )
 
 from bench_scripts import load_bench
+import waiting
 from procs import free_port
 from warmfleet.server.hashing import model_fingerprint
 from warmfleet.server.router.app import RouterSettings, build_app
@@ -40,14 +41,8 @@ def ids(seed: int, n: int) -> list[int]:
     return [rng.randrange(10, 1014) for _ in range(n)]
 
 
-async def until(cond, what: str, timeout: float = 15.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while loop.time() < end:
-        if cond():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
+async def until(cond, what: str) -> None:
+    await waiting.until(cond, what, timeout_s=15.0, interval_s=0.02)
 
 
 class RouterOnSim:

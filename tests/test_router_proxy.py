@@ -6,8 +6,7 @@ import asyncio
 import json
 import socket
 import struct
-import time
-from typing import Callable, Optional
+from typing import Optional
 
 import httpx
 import msgpack
@@ -17,6 +16,7 @@ import zmq
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from waiting import until  # noqa: F401  (test_router_peers imports it from here)
 from warmfleet.server.events import BlockStored, EventBatch, Snapshot, encode
 from warmfleet.server.hashing import block_hashes, model_fingerprint
 from warmfleet.server.router.app import RouterSettings, build_app
@@ -27,16 +27,6 @@ from warmfleet.server.tokenizer import Tokenizer
 
 BLOCK = 16
 SYSTEM = "You are a meticulous assistant for the warmfleet project. " * 8
-
-
-async def until(pred: Callable[[], bool], what: str, timeout_s: float = 5.0) -> float:
-    """Wait for a condition with a deadline; returns the seconds it took."""
-    t0 = time.monotonic()
-    while not pred():
-        if time.monotonic() - t0 > timeout_s:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)
-    return time.monotonic() - t0
 
 
 class Served:

@@ -16,6 +16,7 @@ import json
 import httpx
 import pytest
 from bench_scripts import load_bench
+import waiting
 from procs import free_port
 
 BLOCK = 16
@@ -206,14 +207,8 @@ def test_real_router_follows_the_simulated_fleet(tiny_model_dir):
     from warmfleet.server.router.prompt import HashConfig, PromptRenderer
     from warmfleet.server.router.registry import ReplicaSpec
 
-    async def until(cond, what, timeout=15.0):
-        loop = asyncio.get_running_loop()
-        end = loop.time() + timeout
-        while loop.time() < end:
-            if cond():
-                return
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"timed out waiting for {what}")
+    async def until(cond, what):
+        await waiting.until(cond, what, timeout_s=15.0, interval_s=0.05)
 
     async def go():
         fleet = sim.SimFleet(str(tiny_model_dir), 3, block_size=BLOCK, gpu_blocks=64, cpu_blocks=8)

@@ -1,11 +1,10 @@
-"""The operator run in-process (kopf) against an emulated cluster, and polling for what it then does."""
+"""The operator run in-process (kopf) against an emulated cluster."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
 import kmock
 import kopf
@@ -28,20 +27,3 @@ async def run_operator(cluster: kmock.KubernetesEmulator, timeout_s: float, **op
     finally:
         stop.set()
         await asyncio.wait_for(task, timeout_s)
-
-
-async def poll(check: Callable[[], Any], timeout_s: float, interval_s: float = 0.02) -> Any:
-    """`check()`'s first truthy value within `timeout_s` (a lookup that fails counts as not yet), else None.
-
-    The sleep only yields to the operator's tasks: the condition decides, not the delay.
-    """
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            value = check()
-        except (KeyError, TypeError, LookupError):
-            value = None
-        if value:
-            return value
-        await asyncio.sleep(interval_s)
-    return None

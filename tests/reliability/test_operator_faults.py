@@ -21,9 +21,10 @@ import kopf
 import pytest
 
 from operator_fixtures.kmock_apply import FakeApplyEmulator
-from operator_fixtures.running import poll, run_operator
+from operator_fixtures.running import run_operator
 from operator_fixtures.shapes import h200, l4, service
 from test_operator_kmock import DEPLOY, ISVC, _declare, condition, obj, seed, server_deployments, status
+from waiting import poll
 from warmfleet.operator.handlers import make_registry
 
 STOP_S = 60  # kopf finishes its retried API calls before it stops; two operators on a busy host take a while

@@ -1,0 +1,34 @@
+"""Waiting in tests for a condition with a deadline, never for a fixed time."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Callable
+
+
+async def until(pred: Callable[[], Any], what: str, timeout_s: float = 5.0, interval_s: float = 0.005) -> float:
+    """Wait for `pred()` to be truthy; returns the seconds it took. After `timeout_s`: AssertionError naming `what`."""
+    t0 = time.monotonic()
+    while not pred():
+        if time.monotonic() - t0 > timeout_s:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(interval_s)
+    return time.monotonic() - t0
+
+
+async def poll(check: Callable[[], Any], timeout_s: float, interval_s: float = 0.02) -> Any:
+    """`check()`'s first truthy value within `timeout_s` (a lookup that fails counts as not yet), else None.
+
+    The sleep only yields to the tasks under test: the condition decides, not the delay.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            value = check()
+        except (KeyError, TypeError, LookupError):
+            value = None
+        if value:
+            return value
+        await asyncio.sleep(interval_s)
+    return None
