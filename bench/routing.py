@@ -57,7 +57,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -67,6 +66,8 @@ from pathlib import Path
 
 import httpx
 
+from warmfleet.localprocs import free_port  # one never-twice port registry for benches, tests and the demo
+
 BLOCK = 16
 VLLM_BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
 EXE = [sys.executable, "-P", "-m", "warmfleet.cli"]
@@ -74,20 +75,6 @@ EXE = [sys.executable, "-P", "-m", "warmfleet.cli"]
 
 def progress(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-_HANDED_OUT: set[int] = set()
-
-
-def free_port() -> int:
-    """A free loopback port not handed out before in this run (the kernel may offer a released one again)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
 
 
 def model_dir(arg: str | None, quick: bool, arch: str = "qwen2") -> Path:
