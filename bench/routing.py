@@ -77,6 +77,14 @@ def progress(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def write_results(out: Path, stem: str, results: dict, chart_fn, say) -> None:
+    """`stem`.json and the chart `stem`.png (drawn by `chart_fn(results, path)`) in `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
+    chart_fn(results, out / f"{stem}.png")
+    say(f"wrote {out / f'{stem}.json'} and {out / f'{stem}.png'}")
+
+
 def model_dir(arg: str | None, quick: bool, arch: str = "qwen2") -> Path:
     if arg:
         return Path(arg)
@@ -834,11 +842,7 @@ def main() -> int:
     results["load_average_1_5_15_min"]["after"] = os.getloadavg()  # the machine is shared: was it busy?
     if not args.logs:
         shutil.rmtree(cwd, ignore_errors=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "routing.json").write_text(json.dumps(results, indent=1))
-    chart(results, out / "routing.png")
-    progress(f"wrote {out / 'routing.json'} and {out / 'routing.png'}")
+    write_results(Path(args.out), "routing", results, chart, progress)
     slim = {k: v for k, v in results.items() if k not in ("text", "images")}
     for w in ("text", "images"):
         if results.get(w):

@@ -682,11 +682,7 @@ def main() -> int:
     results["targets"] = {str(n): f["targets"] for n, f in results["fleets"].items()}
     if not args.logs:
         shutil.rmtree(cwd, ignore_errors=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "trace.json").write_text(json.dumps(results, indent=1))
-    chart(results, out / "trace.png")
-    progress(f"wrote {out / 'trace.json'} and {out / 'trace.png'}")
+    _routing.write_results(Path(args.out), "trace", results, chart, progress)
     if args.json:
         print(json.dumps(results))
     else:
