@@ -6,6 +6,7 @@ import asyncio
 import json
 import socket
 import struct
+import threading
 from typing import Optional
 
 import httpx
@@ -286,6 +287,39 @@ async def test_retry_on_next_replica_before_first_byte(tiny_model_dir, mode, str
         assert chats(failed) and f.metric("warmfleet_router_retries_total") == 1
         if stream:
             assert r.text.startswith("data: ") and r.text.endswith("data: [DONE]\n\n")
+
+
+class FakeSlowImageRenderer:
+    """The real renderer, except that a chat with images waits for `release` (a huge image request being hashed)."""
+
+    def __init__(self, real):
+        self.real, self.release, self.started = real, threading.Event(), threading.Event()
+
+    def chat(self, body):
+        if any(isinstance(p, dict) and p.get("type") == "image_url"
+               for m in body["messages"] for p in (m["content"] if isinstance(m["content"], list) else [])):
+            self.started.set()
+            assert self.release.wait(30), "never released"
+        return self.real.chat(body)
+
+    def completion(self, body):
+        return self.real.completion(body)
+
+
+async def test_an_image_request_being_hashed_does_not_hold_text_requests(tiny_model_dir):
+    async with Fleet2(tiny_model_dir) as f:
+        proxy = f.app.state.proxy
+        proxy.renderer = slow = FakeSlowImageRenderer(proxy.renderer)
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+        body = {"model": "tiny", "max_tokens": 1,
+                "messages": [{"role": "user", "content": [image, {"type": "text", "text": "what is it?"}]}]}
+        held = asyncio.create_task(f.client.post("/v1/chat/completions", json=body))
+        await until(slow.started.is_set, "the image request's render")
+        r = await f.client.post("/v1/chat/completions", json=chat("a text question meanwhile"))
+        assert r.status_code == 200 and not held.done()  # answered while the image render still waits
+        slow.release.set()
+        await held  # this text-only fake replica cannot read the image; what matters is that it was forwarded
+        assert [b for x in f.replicas for b in chats(x) if b["messages"] == body["messages"]]
 
 
 async def test_prompt_counts_as_queued_work_until_its_first_token(tiny_model_dir):

@@ -210,6 +210,7 @@ def _lifespan(settings: RouterSettings, metrics: RouterMetrics, state: dict, pee
         state["proxy"] = Proxy(fleet, settings.renderer, settings.hash_cfg, metrics, settings.policy, settings.proxy,
                                upstream, session)
         state["proxy"].peers = peers
+        app.state.proxy = state["proxy"]
         await fleet.set_members(settings.replicas)
         await fleet.start()
         disc = asyncio.create_task(settings.discovery(fleet)) if settings.discovery else None
@@ -224,6 +225,7 @@ def _lifespan(settings: RouterSettings, metrics: RouterMetrics, state: dict, pee
                 disc.cancel()
                 await asyncio.gather(disc, return_exceptions=True)
             await fleet.stop()
+            state["proxy"].close()
             await http.aclose()
             await session.close()
 
