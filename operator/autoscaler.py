@@ -120,9 +120,8 @@ async def _deletion_costs(kube: Any, owner: m.Owner, views: list[dict[str, Any]]
         if have == str(cost) or hist.costs.get(name) == cost:
             continue
         try:
-            await kube.apply({"apiVersion": "v1", "kind": "Pod",
-                              "metadata": {"name": name, "namespace": owner.namespace,
-                                           "annotations": {a.DELETION_COST_ANNOTATION: str(cost)}}})
+            await kube.patch("Pod", owner.namespace, name,  # one merge patch: no read, no applied-intent annotation
+                             {"metadata": {"annotations": {a.DELETION_COST_ANNOTATION: str(cost)}}})
         except KubeError as exc:
             if exc.status == 403:
                 hist.costs_forbidden = True
