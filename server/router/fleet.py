@@ -8,6 +8,15 @@ busy replica is not death: purging its index for it would send its warm prefixes
 index entries are purged when it leaves (it may come back cold). When it passes a check again it
 is routable, and a snapshot resync rebuilds what it holds.
 
+A round in which every replica's check timed out (two replicas or more, none refused, none
+answered) is not counted against any of them: a stall of the router or of the host between it
+and the fleet (CPU throttling, a frozen network path, or a simulator hosting every replica) is far
+likelier than every replica hanging in the same 0.2 s, and taking them all out would purge the
+whole index and answer 503 to everything until they pass again. Such rounds are counted
+(`health_stall_rounds_total`) and logged; once they go on for `stall_grace_s` in a row they count
+as usual (a partition, not a stall). Refused connections still take a replica out at once, and
+requests that fail to connect still report it (passive detection).
+
 Drain: a replica that is going away (its EndpointSlice endpoint turned terminating, or an admin
 call for a static fleet) stays a member but takes no new requests; those in flight, streams
 included, finish on it, and its hot prefixes are handed to the replicas that own them without it
@@ -37,13 +46,15 @@ log = logging.getLogger(__name__)
 
 RESYNC_ATTEMPTS = 5  # snapshot fetches in a row before waiting for the next trigger
 RESYNC_MIN_INTERVAL_S = 0.2  # spacing of back-to-back snapshot fetches of one replica
+STALL_GRACE_S = 10.0  # rounds of all-timeouts forgiven for this long in a row, then counted (a partition)
 
 
 class Fleet:
     def __init__(self, http: httpx.AsyncClient, metrics: RouterMetrics, *, health_interval_s: float = 0.2,
                  health_timeout_s: float = 0.5, health_failures: int = 2, model_fingerprint: Optional[str] = None,
                  block_size: Optional[int] = None, upstream_headers: Optional[dict] = None, dialect=None,
-                 warmup: WarmupConfig = WarmupConfig(), index_max_blocks: Optional[int] = None):
+                 warmup: WarmupConfig = WarmupConfig(), index_max_blocks: Optional[int] = None,
+                 stall_grace_s: float = STALL_GRACE_S):
         self.http = http
         self.dialect = dialect or WarmfleetDialect()  # how this fleet's engine names blocks, speaks events, resyncs
         self.metrics = metrics
@@ -51,6 +62,9 @@ class Fleet:
         self.registry = Registry(on_down=self._on_down, on_up=self._on_up)
         self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
         self.health_failures = max(1, health_failures)
+        self.stall_grace_s = stall_grace_s
+        self.health_stall_rounds = 0  # rounds in which every check timed out (not counted against the replicas)
+        self._stall_since: Optional[float] = None  # start of the current run of such rounds
         self.model_fingerprint, self.block_size = model_fingerprint, block_size
         self.upstream_headers = upstream_headers or {}
         self._subscribers: dict[str, asyncio.Task] = {}
@@ -164,10 +178,30 @@ class Fleet:
                 log.exception("health round failed")
 
     async def check_health(self) -> None:
-        await asyncio.gather(*(self._check(r) for r in list(self.registry.replicas.values())))
+        reps = list(self.registry.replicas.values())
+        results = await asyncio.gather(*(self._check_once(r) for r in reps))
+        now = time.monotonic()
+        if len(reps) >= 2 and all(res[2] for res in results):  # every check timed out: see the module docstring
+            if self._stall_since is None:
+                self._stall_since = now
+            if now - self._stall_since < self.stall_grace_s:
+                self.health_stall_rounds += 1
+                self.metrics.health_stall_rounds.inc()
+                log.warning("every replica's health check timed out in the same round (%d replicas, %.1f s so far): "
+                            "taken as a stall of this router or its host, not %d failures; replicas stay routable. "
+                            "If this repeats, check the router's CPU limit (throttling) and the network path to the "
+                            "replicas", len(reps), now - self._stall_since, len(reps))
+                return
+        else:
+            self._stall_since = None
+        for rep, res in zip(reps, results):
+            await self._apply_check(rep, res)
 
     async def _check(self, rep: Replica) -> None:
-        refused = False
+        await self._apply_check(rep, await self._check_once(rep))
+
+    async def _check_once(self, rep: Replica) -> tuple[bool, bool, bool, str]:
+        """One health check: (ok, refused, timed out, error)."""
         path = self.dialect.ready_path  # readiness, not liveness: a replica still loading its model is not routable
         # aiohttp, not httpx: ~0.13 ms of CPU per check against ~0.63 ms (bench/router_throughput.py,
         # docs/scale.md); with 64 replicas checked 5 times a second that is 4% of a core instead of 20%
@@ -177,12 +211,16 @@ class Fleet:
                                                  allow_redirects=False) as resp:
                 status = resp.status
                 await resp.read()
-            ok = status == 200
-            err = "" if ok else f"{path} answered {status}"
+            return status == 200, False, False, "" if status == 200 else f"{path} answered {status}"
         except aiohttp.ClientConnectorError:  # refused or unreachable: nothing is listening
-            ok, refused, err = False, True, f"{path}: ConnectError"
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            ok, err = False, f"{path}: {type(exc).__name__}"
+            return False, True, False, f"{path}: ConnectError"
+        except asyncio.TimeoutError as exc:  # aiohttp's ServerTimeoutError is one too
+            return False, False, True, f"{path}: {type(exc).__name__}"
+        except (aiohttp.ClientError, OSError) as exc:
+            return False, False, False, f"{path}: {type(exc).__name__}"
+
+    async def _apply_check(self, rep: Replica, result: tuple[bool, bool, bool, str]) -> None:
+        ok, refused, _, err = result
         if ok:
             rep.failed_checks = 0
             self.registry.mark_up(rep.id)

@@ -1,0 +1,139 @@
+"""The fleet's health rule: a round in which every replica times out is a stall, not N failures; refusals still count."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+from aiohttp import web
+
+from warmfleet.server.router.fleet import Fleet
+from warmfleet.server.router.metrics import RouterMetrics
+from warmfleet.server.router.registry import ReplicaSpec
+
+BLOCK = b"\x01" * 32
+
+
+class FakeReplica:
+    """A replica's /ready on loopback: answers 200 at once, or stalls (answers nothing) while `stalled` is set."""
+
+    def __init__(self) -> None:
+        self.stalled = False
+        self.checks = 0
+        self._release = asyncio.Event()
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def ready(self, request: web.Request) -> web.Response:
+        self.checks += 1
+        if self.stalled:
+            await self._release.wait()  # never within the check's timeout
+        return web.Response(text="ok")
+
+    async def start(self) -> "FakeReplica":
+        app = web.Application()
+        app.router.add_get("/ready", self.ready)
+        self.runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def stop(self) -> None:
+        self._release.set()
+        await self.runner.cleanup()
+
+
+async def fleet_of(n: int, **kw) -> tuple[Fleet, list[FakeReplica], httpx.AsyncClient]:
+    reps = [await FakeReplica().start() for _ in range(n)]
+    http = httpx.AsyncClient()
+    fleet = Fleet(http, RouterMetrics(), health_timeout_s=0.2, health_failures=1, **kw)
+    await fleet.set_members([ReplicaSpec(r.url) for r in reps])  # no events: nothing to subscribe to
+    for r in reps:
+        fleet.index.add_blocks(r.url, [BLOCK])
+    return fleet, reps, http
+
+
+async def close(fleet: Fleet, reps: list[FakeReplica], http: httpx.AsyncClient) -> None:
+    await fleet.stop()
+    for r in reps:
+        await r.stop()
+    await http.aclose()
+
+
+def healthy(fleet: Fleet) -> list[str]:
+    return sorted(r.id for r in fleet.registry.healthy())
+
+
+def holders(fleet: Fleet) -> list[str]:
+    matches = fleet.index.match([BLOCK], list(fleet.registry.replicas))
+    return sorted(rid for rid, m in matches.items() if m.blocks)
+
+
+async def test_every_replica_timing_out_in_one_round_keeps_them_routable():
+    fleet, reps, http = await fleet_of(3)
+    try:
+        everyone = sorted(r.url for r in reps)
+        assert healthy(fleet) == everyone and holders(fleet) == everyone
+        for r in reps:
+            r.stalled = True
+        await fleet.check_health()  # one failure takes a replica out (health_failures=1), yet none leaves
+        assert all(r.checks >= 2 for r in reps)  # the round did reach every replica
+        assert healthy(fleet) == everyone
+        assert holders(fleet) == everyone  # index not purged
+        assert fleet.health_stall_rounds == 1
+        assert all(r.failed_checks == 0 for r in fleet.registry.replicas.values())
+        for r in reps:
+            r.stalled = False
+            r._release.set()
+        await fleet.check_health()
+        assert healthy(fleet) == everyone and fleet.health_stall_rounds == 1
+    finally:
+        await close(fleet, reps, http)
+
+
+async def test_one_replica_timing_out_while_others_answer_still_counts():
+    fleet, reps, http = await fleet_of(3)
+    try:
+        reps[0].stalled = True
+        await fleet.check_health()
+        assert healthy(fleet) == sorted(r.url for r in reps[1:])
+        assert holders(fleet) == sorted(r.url for r in reps[1:])  # its index entries were purged
+        assert fleet.health_stall_rounds == 0
+    finally:
+        await close(fleet, reps, http)
+
+
+async def test_a_refused_replica_leaves_at_once_even_while_the_rest_time_out():
+    fleet, reps, http = await fleet_of(3)
+    try:
+        await reps[0].stop()  # nothing listens: connection refused
+        for r in reps[1:]:
+            r.stalled = True
+        await fleet.check_health()
+        # not every check timed out (one was refused), so the round counts as usual for all of them
+        assert healthy(fleet) == [] and fleet.health_stall_rounds == 0
+    finally:
+        await close(fleet, reps[1:], http)
+
+
+async def test_all_timeouts_count_again_after_the_grace():
+    fleet, reps, http = await fleet_of(2, stall_grace_s=0.0)  # no grace: a long partition, not a stall
+    try:
+        for r in reps:
+            r.stalled = True
+        await fleet.check_health()
+        assert healthy(fleet) == [] and holders(fleet) == []
+    finally:
+        await close(fleet, reps, http)
+
+
+async def test_a_single_replica_timing_out_is_no_evidence_of_a_stall():
+    fleet, reps, http = await fleet_of(1)
+    try:
+        reps[0].stalled = True
+        await fleet.check_health()
+        assert healthy(fleet) == [] and fleet.health_stall_rounds == 0
+    finally:
+        await close(fleet, reps, http)
