@@ -200,7 +200,7 @@ def test_example_children_status_columns_and_pools(e2e_cluster: Cluster, example
                          if o["kind"] == "Deployment" and o["metadata"]["labels"][COMPONENT_LABEL] == "server")
     n = example.name
     assert names == sorted([f"ConfigMap/{n}-config", f"ServiceAccount/{n}-router", f"Role/{n}-router",
-                            f"RoleBinding/{n}-router", f"Service/{n}-replicas", f"Service/{n}",
+                            f"RoleBinding/{n}-router", f"Service/{n}-replicas", f"Service/{n}", f"Service/{n}-router-peers",
                             f"PodDisruptionBudget/{n}-server", f"Deployment/{n}-router",
                             *(f"Deployment/{d}" for d in server_deps)]), names
     assert len(server_deps) == 2

@@ -33,6 +33,7 @@ ROUTER_FLAGS: dict[str, str] = {
     "model": "--model",
     "load_bound": "--balance-epsilon",  # bounded load: epsilon = loadBound - 1
     "engine": "--engine",  # warmfleet | vllm | fastdeploy: picks the router's index adapter
+    "peers": "--peers",  # the routers' headless Service: active-active routers share load and client limits
 }
 ROUTER_RESOURCES = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"cpu": "2", "memory": "2Gi"}}
 
@@ -96,6 +97,7 @@ def names(owner: Owner) -> dict[str, str]:
         "config": k8s_name(owner.name, "config"),
         "replicas": k8s_name(owner.name, "replicas"),
         "router": k8s_name(owner.name, "router"),
+        "router_peers": k8s_name(owner.name, "router-peers"),
         "endpoint": k8s_name(owner.name),
         "pdb": k8s_name(owner.name, "server"),
     }
@@ -425,6 +427,7 @@ def router_args(owner: Owner, spec: InferenceServiceSpec) -> list[str]:
         "model": _model_dir(spec),
         "load_bound": f"{spec.router.load_bound - 1:g}",
         "engine": spec.engine.kind,
+        "peers": f"http://{names(owner)['router_peers']}.{owner.namespace}.svc:{HTTP_PORT}",
     }
     args = list(ROUTER_COMMAND[1:])
     for key, value in values.items():
@@ -491,6 +494,20 @@ def router_service(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
     }
 
 
+def router_peers_service(owner: Owner) -> dict[str, Any]:
+    """Headless Service over the router pods: each router finds the others by its name (--peers) and shares load."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(owner, names(owner)["router_peers"], "router"),
+        "spec": {
+            "clusterIP": "None",
+            "selector": {SERVICE_LABEL: owner.name[:63], COMPONENT_LABEL: "router"},
+            "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
 def router_rbac(owner: Owner) -> list[dict[str, Any]]:
     """ServiceAccount, Role and RoleBinding letting the router list/watch EndpointSlices."""
     n = names(owner)["router"]
@@ -550,5 +567,6 @@ def build_children(owner: Owner, spec: InferenceServiceSpec, images: Images, pla
     """Every child object, in apply order; pools that cannot host replicas get no Deployment."""
     objs = [config_map(owner, spec, plan), *router_rbac(owner), replicas_service(owner, spec)]
     objs += [server_deployment(owner, spec, images.engine, p, images.router) for p in plan if p.sizing.fits]
-    objs += [pdb(owner, spec), router_deployment(owner, spec, images.router), router_service(owner, spec)]
+    objs += [pdb(owner, spec), router_deployment(owner, spec, images.router), router_service(owner, spec),
+             router_peers_service(owner)]
     return objs

@@ -53,7 +53,7 @@ def test_children_and_owner_references():
     assert kinds.count("Deployment") == 4  # three GPU pools + router; the CPU pool gets none
     for kind in ("ConfigMap", "ServiceAccount", "Role", "RoleBinding", "PodDisruptionBudget"):
         assert kinds.count(kind) == 1
-    assert kinds.count("Service") == 2
+    assert kinds.count("Service") == 3  # replicas (headless), the endpoint, the routers' peers (headless)
     for o in items:
         (ref,) = o["metadata"]["ownerReferences"]
         assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == ("InferenceService", "qwen", "uid-qwen", True)
@@ -154,12 +154,15 @@ def test_headless_service_router_and_rbac():
     assert headless["spec"]["clusterIP"] == "None"
     assert {p["name"] for p in headless["spec"]["ports"]} == {"http", "kv-events"}
     assert svcs["qwen"]["spec"]["type"] == "LoadBalancer"
+    peers = svcs["qwen-router-peers"]  # active-active: the routers find each other by this name
+    assert peers["spec"]["clusterIP"] == "None" and peers["spec"]["selector"]["app.kubernetes.io/component"] == "router"
     router = next(d for d in by_kind(items, "Deployment") if d["metadata"]["name"] == "qwen-router")
     rc = container(router)
     assert rc["command"] == ["warmfleet"] and rc["args"][0] == "route"
     assert rc["args"][rc["args"].index("--discover-service") + 1] == "default/qwen-replicas"
     assert rc["args"][rc["args"].index("--model") + 1] == "/models/qwen"
     assert rc["args"][rc["args"].index("--host") + 1] == "0.0.0.0"
+    assert rc["args"][rc["args"].index("--peers") + 1] == f"http://qwen-router-peers.default.svc:{m.HTTP_PORT}"
     assert router["spec"]["replicas"] == 3
     assert router["spec"]["template"]["spec"]["serviceAccountName"] == "qwen-router"
     env = {e["name"]: e for e in rc["env"]}

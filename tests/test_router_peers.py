@@ -217,3 +217,15 @@ def test_parse_peers():
     assert parse_peers(None) == []
     with pytest.raises(ValueError):
         parse_peers("a:1")
+
+
+async def test_a_peer_name_stands_for_every_address_it_resolves_to():
+    """A headless Service of the routers is one name with an address per router pod."""
+    load = PeerLoad(["http://localhost:18080", "http://10.1.2.3:8080", "http://no-such-router.invalid:8080"])
+    await load.resolve()
+    assert "http://127.0.0.1:18080" in load.peers and "http://localhost:18080" not in load.peers
+    assert "http://10.1.2.3:8080" in load.peers  # an address is polled as given
+    assert "http://no-such-router.invalid:8080" in load.peers  # a failed lookup keeps what it had (here: the name)
+    load.peers["http://127.0.0.1:18080"].seen = 1.0
+    await load.resolve()  # looked up again: a known peer keeps its state
+    assert load.peers["http://127.0.0.1:18080"].seen == 1.0

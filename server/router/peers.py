@@ -31,15 +31,22 @@ A peer that has not answered for `stale_s` is left out of the sums (a dead route
 requests; a partitioned one is then counted as zero, so a limit can be exceeded by what it
 holds). A URL that answers with this router's own id is itself (one `--peers` list for every
 router, e.g. a headless Service) and is not polled again. No pickle: JSON both ways.
+
+A `--peers` URL whose host is a name (http only) stands for every address the name resolves to,
+looked up again every `resolve_s`: on Kubernetes the operator passes the routers' headless Service
+(`NAME-router-peers`), so routers that come and go are found without restarts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import ipaddress
 import logging
 import secrets
+import socket
 import time
+import urllib.parse
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
@@ -87,10 +94,14 @@ class PeerLoad:
     """Polls peer routers and sums their fresh figures; `replica_load` and `client_open` are O(1) lookups."""
 
     def __init__(self, peers: Iterable[str], *, interval_s: float = 0.1, stale_s: float = 1.0,
-                 timeout_s: float = 0.5, router_id: Optional[str] = None, jitter: float = 4.0):
+                 timeout_s: float = 0.5, router_id: Optional[str] = None, jitter: float = 4.0,
+                 resolve_s: float = 5.0):
         self.router_id = router_id or secrets.token_hex(8)  # random per process: a restarted router is a new peer
-        self.peers = {u: PeerState(u) for u in peers}
+        self.configured = list(peers)  # as given; a name's addresses are polled (resolve)
+        self.peers = {u: PeerState(u) for u in self.configured}
+        self._addresses: dict[str, list[str]] = {}  # configured URL -> the URLs it last resolved to
         self.interval_s, self.stale_s, self.timeout_s = interval_s, stale_s, timeout_s
+        self.resolve_s = resolve_s  # how often names in --peers are looked up again
         self.jitter = jitter  # tie-break noise, in recent requests (see the module docstring: herding)
         self._replicas: dict[str, tuple[int, int, float]] = {}  # sums over fresh peers
         self._clients: dict[str, int] = {}
@@ -185,19 +196,50 @@ class PeerLoad:
                             "limits until it answers; check that --peers lists routers' own URLs",
                             peer.url, PEER_LOAD_PATH, peer.last_error)
 
+    async def resolve(self) -> None:
+        """Expand each configured http URL whose host is a name into one URL per address (kept on a failed lookup)."""
+        loop = asyncio.get_running_loop()
+        for base in self.configured:
+            u = urllib.parse.urlsplit(base)
+            if u.scheme != "http" or not u.hostname or _is_ip(u.hostname):
+                continue  # https: a certificate names the host, not its addresses
+            port = u.port or 80
+            try:
+                infos = await loop.getaddrinfo(u.hostname, port, type=socket.SOCK_STREAM)
+            except OSError as exc:
+                log.warning("peer routers %s: cannot resolve %s (%s); polling the addresses it had; check the "
+                            "routers' headless Service", base, u.hostname, exc)
+                continue
+            addrs = sorted({str(info[4][0]) for info in infos})
+            self._addresses[base] = [f"http://{f'[{a}]' if ':' in a else a}:{port}" for a in addrs]
+        urls = [x for base in self.configured for x in self._addresses.get(base, [base])]
+        self.peers = {url: self.peers.get(url) or PeerState(url) for url in dict.fromkeys(urls)}
+
     async def poll_once(self) -> None:
         await asyncio.gather(*(self.poll(p) for p in self.peers.values() if not p.is_self))
         self.recompute(time.monotonic())
 
     async def run(self) -> None:
         """Poll every peer each interval until cancelled."""
+        resolved = -float("inf")
         try:
             while True:
+                if time.monotonic() - resolved >= self.resolve_s:
+                    await self.resolve()
+                    resolved = time.monotonic()
                 await self.poll_once()
                 await asyncio.sleep(self.interval_s)
         finally:
             if self._session is not None:
                 await self._session.close()
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
 
 
 def add_peer_route(app, state: dict, open_by_client: Callable[[], dict], peers: Optional[PeerLoad]) -> None:
