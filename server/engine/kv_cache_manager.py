@@ -48,12 +48,11 @@ class KVCacheManager:
     # ---- hashing --------------------------------------------------------------------------
     def update_block_hashes(self, req: Request) -> None:
         """Extend `req.block_hashes` to cover every full block of its current tokens."""
-        tokens = req.all_token_ids
         n_have = len(req.block_hashes)
-        if (len(tokens) // self.block_size) <= n_have:
+        if req.num_tokens // self.block_size <= n_have:
             return
         req.block_hashes.extend(block_hashes(
-            tokens, req.mm_placeholders, self.block_size, self.model_fingerprint, req.cache_salt,
+            req.all_token_ids, req.mm_placeholders, self.block_size, self.model_fingerprint, req.cache_salt,
             self.hash_algo, start_block=n_have, parent=req.block_hashes[-1] if n_have else None))
 
     # ---- admission ------------------------------------------------------------------------
@@ -109,25 +108,31 @@ class KVCacheManager:
 
     # ---- after a step ---------------------------------------------------------------------
     def cache_computed_blocks(self, req: Request) -> None:
-        """Register every full block whose KV is now computed, so later requests can hit it."""
+        """Register every full block whose KV is now computed, so later requests can hit it.
+
+        Incremental: only blocks past `req.num_registered_blocks` are looked at. A block the request
+        holds stays registered under its hash (a referenced block is never evicted), so the ones
+        before are done; `free` resets the count when the request gives its blocks back.
+        """
         if not self.pool.enable_caching:
             return
         self.update_block_hashes(req)
         n_full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes))
-        tokens = req.all_token_ids
-        for i in range(n_full):
+        for i in range(req.num_registered_blocks, n_full):
             h = req.block_hashes[i]
             bid = req.block_ids[i]
             if self.pool.block_hash[bid] == h:
                 continue
             parent = req.block_hashes[i - 1] if i else None
             s = i * self.block_size
-            req.block_ids[i] = self.pool.cache_block(bid, h, parent, tokens[s:s + self.block_size])
+            req.block_ids[i] = self.pool.cache_block(bid, h, parent, req.token_ids(s, s + self.block_size))
+        req.num_registered_blocks = max(req.num_registered_blocks, n_full)
 
     def free(self, req: Request) -> None:
         """Release the request's blocks, tail first, so shared heads outlive their tails."""
         self.pool.free_blocks(list(reversed(req.block_ids)))
         req.block_ids.clear()
+        req.num_registered_blocks = 0
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -92,7 +92,7 @@ class ModelRunner:
         for s in out.scheduled:
             r = s.request
             start, n = s.num_computed_before, s.num_tokens
-            ids.extend(r.all_token_ids[start:start + n])
+            ids.extend(r.token_ids(start, start + n))
             if vl:
                 pos.append(positions_for_span(r.mrope[0], r.mrope[1], start, start + n))
                 pieces += self._image_pieces(r, start, n, row, encoder_cache)

@@ -52,6 +52,7 @@ class Request:
     num_preemptions: int = 0
     block_ids: list[int] = field(default_factory=list)  # block table: physical GPU block ids
     block_hashes: list[BlockHash] = field(default_factory=list)  # hashes of full blocks, in order
+    num_registered_blocks: int = 0  # leading block_ids already offered to the prefix cache (reset on free)
     generator: Any = None  # numpy Generator when the request carries a seed
 
     @property
@@ -66,6 +67,14 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without building the whole list (per-step hot path)."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
 
 
 @dataclass
