@@ -103,9 +103,9 @@ def test_cpu_swap_copies_move_whole_blocks_between_tiers():
     backend.copy_blocks(swap, [2, 0], primary, [3, 5], layout.block_size)  # swap them in elsewhere
     bs = layout.block_size
     for c, (k, v) in zip(primary, before):
-        np.testing.assert_array_equal(c.key.numpy()[3 * bs:4 * bs], k[1 * bs:2 * bs])
-        np.testing.assert_array_equal(c.value.numpy()[5 * bs:6 * bs], v[4 * bs:5 * bs])
-        assert not c.key.numpy()[:3 * bs].any()  # nothing else was written
+        np.testing.assert_array_equal(c.key.numpy()[:, 3 * bs:4 * bs], k[:, 1 * bs:2 * bs])  # [heads, slots, D]
+        np.testing.assert_array_equal(c.value.numpy()[:, 5 * bs:6 * bs], v[:, 4 * bs:5 * bs])
+        assert not c.key.numpy()[:, :3 * bs].any()  # nothing else was written
 
 
 # ---- layering and selection by name ------------------------------------------------------------------

@@ -1,8 +1,11 @@
 """The `cpu` attention backend: paged KV cache in Paddle ops, per-step metadata, swap copies, gather + tiled attention.
 
-Cache layout per layer: `key`, `value` of shape [num_blocks * block_size, num_kv_heads, head_dim]
-("slots"); slot = block_id * block_size + offset_in_block. The swap tier has the same layout in
-host memory (pinned when a GPU is present); a swap copies a block's slots.
+Cache layout per layer: `key`, `value` of shape [num_kv_heads, num_blocks * block_size, head_dim],
+head-major over "slots"; slot = block_id * block_size + offset_in_block. A gather of a context's
+slots along axis 1 is already the [heads, context, head_dim] operand of the attention matmuls, so
+no step transposes cached K/V (docs/performance.md). Writes and swap copies go through the
+[num_kv_heads * slots, head_dim] view, row = head * slots + slot. The swap tier has the same layout
+in host memory (pinned when a GPU is present); a swap copies a block's slots in every head.
 
 Prefill tiles mask and take the softmax of their scores in numpy, in place on the same memory
 (DLPack, no copy): on these [heads, queries, keys] blocks Paddle's CPU broadcast add and
@@ -67,7 +70,7 @@ class DecodeBatch:
     rows: Optional[paddle.Tensor]  # int64 [B]: their rows in the step tensors; None when they are rows 0..B-1 of B
     row_ids: np.ndarray  # int64 [B]: the same rows on the host
     slots: paddle.Tensor  # int64 [B * max_context]: each row's context slots, padded with slot 0
-    mask: Optional[paddle.Tensor]  # additive float32 [B, 1, 1, max_context]: -inf on padding; None if nothing is
+    mask: Optional[paddle.Tensor]  # additive float32 [1, B, 1, max_context]: -inf on padding; None if nothing is
     max_context: int
     num_seqs: int
 
@@ -83,18 +86,29 @@ class DecodeBatch:
         in_order = len(rows) == num_tokens  # then rows are 0..B-1: nothing to gather
         ragged = any(len(x) != width for x in slots)
         return cls(None if in_order else paddle.to_tensor(row_ids), row_ids, paddle.to_tensor(padded.reshape(-1)),
-                   paddle.to_tensor(mask[:, None, None, :]) if ragged else None, width, len(rows))
+                   paddle.to_tensor(mask[None, :, None, :]) if ragged else None, width, len(rows))
 
 
 @dataclass
 class CpuAttentionMetadata:
     slot_mapping: paddle.Tensor  # int64 [T]: where each new token's K/V is written
+    slot_mapping_host: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # the same on the host
     seqs: list[SeqAttention] = field(default_factory=list)  # sequences with several new tokens (prefill)
     decode: Optional[DecodeBatch] = None  # sequences with one new token
     num_tokens: int = 0  # query rows: T, or N for `sampled`
     # The last layer's view when only sampling rows continue (model.forward(sample_rows=...)):
     # the same K/V writes, then the N sampling rows (each sequence's last) as one decode batch.
     sampled: Optional["CpuAttentionMetadata"] = None
+    # rows of the [heads * slots, D] cache view the new K/V go to, per (heads, slots): built once per step
+    write_rows: dict = field(default_factory=dict)
+
+    def rows_for(self, num_kv: int, num_slots: int) -> paddle.Tensor:
+        """int64 [num_kv * T]: head h's K/V of new token t go to row h * num_slots + slot_mapping[t]."""
+        key = (num_kv, num_slots)
+        rows = self.write_rows.get(key)
+        if rows is None:
+            rows = self.write_rows[key] = paddle.to_tensor(_head_rows(self.slot_mapping_host, num_kv, num_slots))
+        return rows
 
     @classmethod
     def build(cls, block_size: int, batch: Sequence[SeqSpan],
@@ -127,12 +141,14 @@ class CpuAttentionMetadata:
             # a cold sequence's context is exactly its new K/V: no gather from the cache
             seqs.append(SeqAttention(start, num_new, ctx, paddle.to_tensor(slots) if num_computed else None, tiles))
             start += num_new
-        slot_mapping = paddle.to_tensor(np.concatenate(slots_all))
-        meta = cls(slot_mapping, seqs, DecodeBatch.build(decode_rows, decode_slots, start) if decode_rows else None,
-                   start)
+        host = np.concatenate(slots_all)
+        slot_mapping = paddle.to_tensor(host)
+        meta = cls(slot_mapping, host, seqs,
+                   DecodeBatch.build(decode_rows, decode_slots, start) if decode_rows else None, start)
         if samples is not None:
             n = len(sample_slots)
-            meta.sampled = cls(slot_mapping, [], DecodeBatch.build(list(range(n)), sample_slots, n) if n else None, n)
+            meta.sampled = cls(slot_mapping, host, [], DecodeBatch.build(list(range(n)), sample_slots, n) if n else None,
+                               n, write_rows=meta.write_rows)  # the same K/V writes: share the rows
         return meta
 
 
@@ -161,21 +177,26 @@ class CpuPagedAttention:
     name = "cpu"
 
     def allocate(self, layout: KVLayout, num_blocks: int) -> list[LayerCache]:
-        shape = [num_blocks * layout.block_size, layout.num_kv_heads, layout.head_dim]
+        shape = [layout.num_kv_heads, num_blocks * layout.block_size, layout.head_dim]
         return [LayerCache(paddle.zeros(shape, dtype=layout.dtype), paddle.zeros(shape, dtype=layout.dtype))
                 for _ in range(layout.num_layers)]
 
     def allocate_swap(self, layout: KVLayout, num_blocks: int) -> list[LayerCache]:
-        shape = [num_blocks * layout.block_size, layout.num_kv_heads, layout.head_dim]
+        shape = [layout.num_kv_heads, num_blocks * layout.block_size, layout.head_dim]
         return [LayerCache(_host_zeros(shape, layout.dtype), _host_zeros(shape, layout.dtype))
                 for _ in range(layout.num_layers)]
 
     def copy_blocks(self, src: list[LayerCache], src_ids: Sequence[int], dst: list[LayerCache],
                     dst_ids: Sequence[int], block_size: int) -> None:
-        s, d = _block_slots(src_ids, block_size), _block_slots(dst_ids, block_size)
+        if not src:
+            return
+        num_kv, head_dim = src[0].key.shape[0], src[0].key.shape[2]
+        s = paddle.to_tensor(_head_rows(_block_slots(src_ids, block_size), num_kv, src[0].key.shape[1]))
+        d = paddle.to_tensor(_head_rows(_block_slots(dst_ids, block_size), num_kv, dst[0].key.shape[1]))
         for a, b in zip(src, dst):
-            b.key.scatter_(d, paddle.gather(a.key, s).to(b.key.place), overwrite=True)
-            b.value.scatter_(d, paddle.gather(a.value, s).to(b.value.place), overwrite=True)
+            for x, y in ((a.key, b.key), (a.value, b.value)):
+                y.reshape([-1, head_dim]).scatter_(d, paddle.gather(x.reshape([-1, head_dim]), s).to(y.place),
+                                                   overwrite=True)
 
     def build_metadata(self, block_size: int, spans: Sequence[SeqSpan],
                        samples: Optional[Sequence[bool]] = None) -> CpuAttentionMetadata:
@@ -186,11 +207,14 @@ class CpuPagedAttention:
 
     def forward(self, q, k, v, cache, meta, scale):
         """q: [T, Hq, D]; k, v: [T, Hkv, D] → [T, Hq, D]. Fast only inside `step()` (stride kernels off)."""
-        cache.key.scatter_(meta.slot_mapping, k, overwrite=True)
-        cache.value.scatter_(meta.slot_mapping, v, overwrite=True)
+        num_heads, num_kv, head_dim = q.shape[1], k.shape[1], q.shape[2]
+        kt, vt = k.transpose([1, 0, 2]), v.transpose([1, 0, 2])  # [Hkv, T, D], the cache's order
+        wr = meta.rows_for(num_kv, cache.key.shape[1])
+        # the [Hkv * slots, D] views share the cache's memory: the writes land in the cache
+        cache.key.reshape([-1, head_dim]).scatter_(wr, kt.reshape([-1, head_dim]), overwrite=True)
+        cache.value.reshape([-1, head_dim]).scatter_(wr, vt.reshape([-1, head_dim]), overwrite=True)
         if meta.num_tokens == 0:  # only K/V to write (a prefill chunk that does not sample)
             return q
-        num_heads, num_kv, head_dim = q.shape[1], k.shape[1], q.shape[2]
         rep = num_heads // num_kv  # query head h reads kv head h // rep (grouped-query attention)
         q = q * scale  # cheaper on the queries than on the [.., queries, keys] scores
         rows, outs = [], []
@@ -198,11 +222,10 @@ class CpuPagedAttention:
             qs = q[s.query_start: s.query_start + s.query_len]  # [L, Hq, D]
             # [Hkv, rep, L, D]: each kv head serves its group of query heads without copying K/V
             qg = qs.reshape([s.query_len, num_kv, rep, head_dim]).transpose([1, 2, 0, 3])
-            if s.context_slots is None:
-                kc, vc = (x[s.query_start: s.query_start + s.query_len] for x in (k, v))
+            if s.context_slots is None:  # [Hkv, C, D]
+                kh, vh = (x[:, s.query_start: s.query_start + s.query_len] for x in (kt, vt))
             else:
-                kc, vc = paddle.gather(cache.key, s.context_slots), paddle.gather(cache.value, s.context_slots)
-            kh, vh = kc.transpose([1, 0, 2]), vc.transpose([1, 0, 2])  # [Hkv, C, D]
+                kh, vh = (paddle.gather(x, s.context_slots, axis=1) for x in (cache.key, cache.value))
             for t in s.tiles:
                 n = t.end - t.start
                 # a group's queries as the rows of one [rep * n, D] matrix per kv head (no broadcast matmul)
@@ -216,14 +239,13 @@ class CpuPagedAttention:
             b = d.num_seqs
             # a group's query heads are the rows of one matmul against its kv head: no broadcasting
             qd = (q if d.rows is None else paddle.gather(q, d.rows)).reshape([b, num_kv, rep, head_dim])
+            qd = qd.transpose([1, 0, 2, 3])  # [Hkv, B, rep, D]: the small operand moves, cached K/V do not
             # Paddle ops: a decode batch's scores are small, numpy's fixed cost per call would dominate
-            kd = paddle.gather(cache.key, d.slots).reshape([b, d.max_context, num_kv, head_dim])
-            vd = paddle.gather(cache.value, d.slots).reshape([b, d.max_context, num_kv, head_dim])
-            kd = kd.transpose([0, 2, 1, 3])  # [B, Hkv, C, D]
-            vd = vd.transpose([0, 2, 1, 3])
-            scores = paddle.matmul(qd, kd, transpose_y=True)  # [B, Hkv, rep, C]
+            kd, vd = (paddle.gather(x, d.slots, axis=1).reshape([num_kv, b, d.max_context, head_dim])
+                      for x in (cache.key, cache.value))  # [Hkv, B, C, D]
+            scores = paddle.matmul(qd, kd, transpose_y=True)  # [Hkv, B, rep, C]
             probs = _softmax_fp32(scores if d.mask is None else scores + d.mask)
-            o = paddle.matmul(probs, vd).reshape([b, num_heads, head_dim])
+            o = paddle.matmul(probs, vd).transpose([1, 0, 2, 3]).reshape([b, num_heads, head_dim])
             if not meta.seqs:
                 return o if d.rows is None else _place(o, d.rows, meta.num_tokens)
             outs.append(o)
@@ -234,10 +256,15 @@ class CpuPagedAttention:
         return _place(paddle.concat(outs, axis=0), order, meta.num_tokens)
 
 
-def _block_slots(block_ids: Sequence[int], block_size: int) -> paddle.Tensor:
+def _block_slots(block_ids: Sequence[int], block_size: int) -> np.ndarray:
     """int64 [len(block_ids) * block_size]: every slot of the blocks, block by block."""
     ids = np.asarray(block_ids, dtype=np.int64)[:, None] * block_size + np.arange(block_size, dtype=np.int64)[None, :]
-    return paddle.to_tensor(ids.reshape(-1))
+    return ids.reshape(-1)
+
+
+def _head_rows(slots: np.ndarray, num_kv: int, num_slots: int) -> np.ndarray:
+    """int64 [num_kv * len(slots)]: rows of `slots` in every head of a [num_kv * num_slots, D] cache view."""
+    return (np.arange(num_kv, dtype=np.int64)[:, None] * num_slots + slots[None, :]).reshape(-1)
 
 
 def _host_zeros(shape: list[int], dtype: str) -> paddle.Tensor:
