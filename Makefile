@@ -18,7 +18,7 @@ demo: $(BIN)/warmfleet
 ## test: set up, then run every test: unit + integration, then e2e against a local Kubernetes
 test: unit e2e
 
-## unit: unit and integration tests (real servers on loopback, kopf against kmock); ~2 min
+## unit: unit and integration tests (real servers on loopback, kopf against kmock); ~7 min on 2 cores
 unit: $(BIN)/warmfleet
 	$(BIN)/pytest -q
 
