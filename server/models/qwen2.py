@@ -40,8 +40,8 @@ class Linear(nn.Layer):
     The loader transposes once (the parameter is marked `checkpoint_transposed`): on CPU a plain
     matmul is ~1.4x faster than `transpose_y` for the decode shapes. `out_major=True` keeps the
     checkpoint's [out, in] and multiplies with `transpose_y` instead: the lm_head's layout (the
-    same as a tied embedding's), where MKL's kernel for 16-64 rows is 1.3-2x faster that way
-    (docs/performance.md).
+    same as a tied embedding's). In the engine that halves the bench checkpoint's lm_head at 64
+    rows and costs ~0.3 ms more at 1 row (docs/performance.md).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str, out_major: bool = False):
