@@ -28,6 +28,18 @@ the joiner before its last warm-up replay (0 = not routable until warm). Targets
 joiner's first 100 >= 0.8 x steady cached ratio; TTFT p90 (model) after scale-out <= 1.1 x before;
 zero client errors on scale-in and on the rolling update. Writes scaleout.json and scaleout.png to
 --out. Progress goes to stderr; with --json the last stdout line is one JSON object.
+
+`--autoscale` (with --quick about 3 minutes): no fixed events; the load steps low -> high -> low
+(--rate-low, --rate-high) and the operator's real autoscaler sets the replicas in the loop: every
+scrape interval `autoscale.scrape` of the router, `make_sample`, `decide` (operator/autoscale.py,
+unchanged), then /sim/start or drain + terminate. Two autoscalers, each with its own fleet and router:
+`cache_aware` (targetQueuedPrefillTokens, hit-ratio protection, warm-up, scale-in of the replica with
+the fewest cached blocks, as pod-deletion-cost does) and `queue_only` (HPA-like: the same `decide`
+fed in-flight requests instead of queued tokens, so desired = ceil(requests / target); no hit-ratio
+protection, `--no-warmup`, the youngest replica goes first). Reported per autoscaler: scale events,
+cached-token ratio, TTFT p90 (model s) and client errors per phase and overall, replica-seconds,
+the decisions; targets: cache_aware has zero client errors, scaled out and in, and a cached ratio
+>= queue_only's. Writes scaleout-autoscale.json and scaleout-autoscale.png to --out.
 """
 
 from __future__ import annotations
@@ -192,6 +204,9 @@ class Run:
         self.rec.append({"tag": f"r{i}", "t": round(t, 4), "replica": replica, "ttft_client_s": ttft,
                          "cached": cached, "prompt": nprompt, "error": err})
 
+    def rate_at(self, t: float) -> float:
+        return self.rate
+
     async def load(self) -> None:
         import aiohttp
 
@@ -202,7 +217,7 @@ class Run:
             while not self.stop:
                 tasks.append(asyncio.create_task(self.one(session, i)))
                 i += 1
-                await asyncio.sleep(rng.expovariate(self.rate))
+                await asyncio.sleep(rng.expovariate(self.rate_at(self.now())))
             await asyncio.gather(*tasks)
 
     # fleet events: the simulator's control port and the router's admin route
@@ -368,6 +383,247 @@ def chart(res: dict, path: Path) -> None:
     plt.close(fig)
 
 
+# --- autoscaling in the loop (--autoscale) ------------------------------------------------------
+IN_FLIGHT = "warmfleet_router_replica_in_flight"
+# variant -> router flags, the figure fed to the real `decide` as its queue, hit-ratio protection, scale-in choice
+AUTOSCALERS = {
+    "cache_aware": {"router": [], "metric": "queued_prefill_tokens", "protect_hit_ratio": True, "victim": "coldest"},
+    "queue_only": {"router": ["--no-warmup"], "metric": "in_flight_requests", "protect_hit_ratio": False,
+                   "victim": "newest"},
+}
+
+
+def in_flight(text: str) -> float:
+    """Requests the router has open, all replicas: the queue-length-only autoscaler's metric."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(max(0.0, s.value) for f in text_string_to_metric_families(text) for s in f.samples if s.name == IN_FLIGHT)
+
+
+def autoscaling_cfg(variant: str, lo: int, hi: int, target: float, window_s: int, up_s: int, down_s: int):
+    """The operator's own spec.autoscaling: queued prefill tokens for cache_aware, the same field fed with
+    in-flight requests (HPA-like: desired = ceil(requests / target)) for queue_only."""
+    from warmfleet.operator.spec import Autoscaling
+
+    return Autoscaling(min_replicas=lo, max_replicas=hi, target_queued_prefill_tokens=max(1, round(target)),
+                       protect_hit_ratio=AUTOSCALERS[variant]["protect_hit_ratio"], metrics_window_seconds=window_s,
+                       scale_up_stabilization_seconds=up_s, scale_down_stabilization_seconds=down_s)
+
+
+class AutoRun(Run):
+    """One autoscaler's run: a load that steps up and down; the real operator's scrape and `decide` set the replicas."""
+
+    def __init__(self, variant: str, sim: dict, router: str, phases: list[tuple[str, float, float]], seed: int,
+                 cfg, interval_s: float):
+        super().__init__(variant, sim, router, phases[0][1], seed)
+        self.variant, self.phases, self.cfg, self.interval_s = variant, phases, cfg, interval_s
+        self.slots = [r["id"] for r in sim["replicas"]]
+        self.started = {rid: 0.0 for rid in self.live}  # when each serving replica started (newest goes first for HPA)
+        self.drained: set[str] = set()  # slots the router was told are going (until a new pod starts there)
+        self.leaving: set[str] = set()  # slots draining or finishing their in-flight requests
+        self.timeline: list[tuple[float, int]] = [(0.0, len(self.live))]  # replicas running (serving or finishing)
+        self.running = len(self.live)
+        self.decisions: list[dict] = []
+        self.busy: set[asyncio.Task] = set()
+
+    def rate_at(self, t: float) -> float:
+        end = 0.0
+        for _, rate, secs in self.phases:
+            end += secs
+            if t < end:
+                return rate
+        return self.phases[-1][1]
+
+    def _count(self, d: int) -> None:
+        self.running += d
+        self.timeline.append((round(self.now(), 3), self.running))
+
+    async def scale_out(self, client, rid: str) -> None:
+        self.mark("scale_out", replica=rid)
+        await self.sim_call(client, "/sim/start", rid)
+        self._count(+1)
+        if rid in self.drained:  # a slot scaled in before: a new pod on its address, the drain notice ends
+            self.drained.discard(rid)
+            await self.drain(client, rid, False)
+        elif rid not in self.live:
+            self.live.append(rid)
+        self.started[rid] = self.now()
+
+    async def scale_in(self, client, rid: str) -> None:
+        self.mark("scale_in", replica=rid)
+        self.drained.add(rid)
+        self.leaving.add(rid)
+        try:
+            await self.terminate(client, rid)
+        finally:
+            self.leaving.discard(rid)
+        self._count(-1)
+
+    def victims(self, views: list[dict], k: int) -> list[str]:
+        if AUTOSCALERS[self.variant]["victim"] == "coldest":  # pod-deletion-cost: fewest cached blocks go first
+            blocks = {r["id"]: int(r.get("gpu_blocks") or 0) + int(r.get("cpu_blocks") or 0)
+                      for v in views for r in v.get("replicas") or []}
+            order = sorted(self.live, key=lambda rid: (blocks.get(self.urls[rid], 0), rid))
+        else:  # the ReplicaSet's default among equals: the youngest pod
+            order = sorted(self.live, key=lambda rid: -self.started.get(rid, 0.0))
+        return order[:k]
+
+    async def autoscale_loop(self) -> None:
+        import httpx
+
+        from warmfleet.operator import autoscale as a
+
+        hist = a.History()
+        cfg = self.cfg
+        metric = AUTOSCALERS[self.variant]["metric"]
+        await asyncio.sleep(self.phases[0][2])  # the warm-in: caches fill before the autoscaler watches
+        async with httpx.AsyncClient(timeout=30) as client:
+            while not self.stop:
+                t = time.monotonic()
+                metrics, views, errors = await a.scrape(client, [self.router])
+                if metric == "in_flight_requests" and metrics:
+                    n = in_flight((await client.get(self.router + "/metrics")).text)
+                    metrics = {u: {**m, "queued": n} for u, m in metrics.items()}
+                sample = a.make_sample(t, metrics)
+                if sample is not None:
+                    hist.samples.append(sample)
+                hist.keep(t, cfg.metrics_window_seconds + max(cfg.scale_up_stabilization_seconds,
+                                                              cfg.scale_down_stabilization_seconds))
+                cur = len(self.live)
+                d = a.decide(current={"pool": cur}, capacities={"pool": len(self.slots)}, cfg=cfg,
+                             samples=hist.samples, recommendations=hist.recommendations, now=t)
+                hist.recommendations.append((t, d.recommendation))
+                self.decisions.append({"t": round(self.now(), 2), "current": cur, "desired": d.total, "reason": d.reason,
+                                       "queue": round(sample.queued_tokens, 1) if sample else None})
+                if d.total > cur:
+                    idle = [rid for rid in self.slots if rid not in self.live and rid not in self.leaving]
+                    for rid in idle[:d.total - cur]:
+                        await self.scale_out(client, rid)
+                    progress(f"{self.variant}: {d.reason} {cur} -> {d.total} ({d.message})")
+                elif d.total < cur:
+                    for rid in self.victims(views, cur - d.total):
+                        self.live.remove(rid)  # out of the count at once; its drain runs beside the loop
+                        task = asyncio.create_task(self.scale_in(client, rid))
+                        self.busy.add(task)
+                        task.add_done_callback(self.busy.discard)
+                    progress(f"{self.variant}: {d.reason} {cur} -> {d.total} ({d.message})")
+                await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - t)))
+            await asyncio.gather(*list(self.busy))
+
+    async def script(self, *_args) -> None:
+        for name, rate, secs in self.phases:
+            self.mark(name, rate=rate)
+            await asyncio.sleep(secs)
+        self.mark("end")
+        self.stop = True
+
+    async def go(self, *_args) -> None:
+        await asyncio.gather(self.load(), self.script(), self.autoscale_loop())
+
+
+def replica_seconds(timeline: list[tuple[float, int]], end: float) -> float:
+    pts = [*timeline, (end, timeline[-1][1])]
+    return round(sum((t1 - t0) * n for (t0, n), (t1, _) in zip(pts, pts[1:]) if t1 > t0), 1)
+
+
+def summarize_auto(run: AutoRun, simlog: list[dict]) -> dict:
+    by_tag = {x["tag"]: x for x in simlog if x["tag"]}
+    for r in run.rec:
+        x = by_tag.get(r["tag"])
+        r["ttft_model_s"] = x["ttft_model_s"] if x else None
+    ev = [e for e in run.events if e["event"] in {p[0] for p in run.phases[1:]} | {"end"}]
+    phases = {a["event"]: window(run.rec, a["t"], b["t"]) for a, b in zip(ev, ev[1:])}
+    start, end = ev[0]["t"], ev[-1]["t"]  # after the warm-in
+    outs = [e for e in run.events if e["event"] == "scale_out"]
+    ins = [e for e in run.events if e["event"] == "scale_in"]
+    reasons: dict[str, int] = {}
+    for d in run.decisions:
+        reasons[d["reason"]] = reasons.get(d["reason"], 0) + 1
+    timeline = [(max(t, start), n) for t, n in run.timeline]
+    return {"all": window(run.rec, start, end + 1e9), "phases": phases,
+            "scale_events": len(outs) + len(ins), "scale_outs": len(outs), "scale_ins": len(ins),
+            "max_replicas": max(n for _, n in run.timeline), "replica_seconds": replica_seconds(timeline, end),
+            "timeline": run.timeline, "decision_reasons": reasons, "decisions": run.decisions,
+            "scale_events_at": [{"event": e["event"], "t": e["t"], "replica": e.get("replica")} for e in outs + ins],
+            "total_requests": len(run.rec), "total_errors": sum(1 for r in run.rec if r["error"])}
+
+
+def run_autoscale(variant: str, model: Path, lo: int, hi: int, phases: list[tuple[str, float, float]], target: float,
+                  window_s: int, up_s: int, down_s: int, interval_s: float, gpu_blocks: int, cwd: str, seed: int = 0,
+                  router_extra: list[str] = ()) -> dict:
+    import httpx
+
+    sim_p, sim = start_sim(model, lo, hi - lo, gpu_blocks, cwd)
+    router_p = None
+    try:
+        router, router_p = start_router(model, sim, [*AUTOSCALERS[variant]["router"], *router_extra], cwd)
+        cfg = autoscaling_cfg(variant, lo, hi, target, window_s, up_s, down_s)
+        run = AutoRun(variant, sim, router, phases, seed, cfg, interval_s)
+        asyncio.run(run.go())
+        simlog = httpx.get(sim["control"] + "/sim/log", timeout=60).json()
+        out = summarize_auto(run, simlog)
+        out["autoscaling"] = {"metric": AUTOSCALERS[variant]["metric"], "target_per_replica": cfg.target_queued_prefill_tokens,
+                              "protect_hit_ratio": cfg.protect_hit_ratio, "warmup": "--no-warmup" not in AUTOSCALERS[variant]["router"],
+                              "scale_in_victim": AUTOSCALERS[variant]["victim"]}
+        return out
+    finally:
+        trace.stop(router_p)
+        trace.stop(sim_p)
+
+
+def verdict_auto(auto: dict) -> dict:
+    ca, qo = auto.get("cache_aware"), auto.get("queue_only")
+    out = {}
+    if ca:
+        out["autoscale_cache_aware_zero_client_errors"] = ca["total_errors"] == 0
+        out["autoscale_cache_aware_scaled_out_and_in"] = ca["scale_outs"] > 0 and ca["scale_ins"] > 0
+    if ca and qo:
+        out["autoscale_cache_aware_cached_ratio_ge_queue_only"] = (ca["all"]["cached_ratio"] or 0) >= (qo["all"]["cached_ratio"] or 0)
+    return out
+
+
+def chart_auto(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    auto = res["autoscale"]
+    names = [n for n in AUTOSCALERS if n in auto]
+    colors = {"cache_aware": "#2e9e5b", "queue_only": "#999999"}
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    for n in names:
+        tl = auto[n]["timeline"]
+        end = auto[n]["phases"] and max(w["to_s"] for w in auto[n]["phases"].values())
+        axes[0].step([t for t, _ in tl] + [end], [c for _, c in tl] + [tl[-1][1]], where="post", color=colors[n], label=n)
+    ax2 = axes[0].twinx()
+    t, xs, ys = 0.0, [], []
+    for _, rate, secs in auto["phases"]:
+        xs += [t, t + secs]
+        ys += [rate, rate]
+        t += secs
+    ax2.plot(xs, ys, "k:", label="req/s")
+    ax2.set_ylabel("req/s", fontsize=8)
+    axes[0].set_title("replicas running (load dotted)", fontsize=9)
+    axes[0].legend(fontsize=8, loc="upper left")
+    phases = [p[0] for p in auto["phases"][1:]]  # the warm-in is not compared
+    width = 0.8 / max(1, len(names))
+    for k, n in enumerate(names):
+        xs = [i + (k - (len(names) - 1) / 2) * width for i in range(len(phases) + 1)]
+        ws = [auto[n]["phases"][p] for p in phases] + [auto[n]["all"]]
+        axes[1].bar(xs, [w["cached_ratio"] or 0 for w in ws], width, color=colors[n], label=n)
+        axes[2].bar(xs, [w["ttft_p90_model_s"] or 0 for w in ws], width, color=colors[n], label=n)
+    for ax, title in ((axes[1], "cached-token ratio"), (axes[2], "TTFT p90 (model s)")):
+        ax.set_xticks(range(len(phases) + 1), phases + ["all"], fontsize=8)
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=8, loc="lower left")
+    fig.suptitle("autoscaling in the loop: cache-aware (queued prefill tokens, hit-ratio protection, warm-up) vs "
+                 "queue-length only (in-flight requests, no warm-up)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # --- main ---------------------------------------------------------------------------------------
 CONFIG_FLAGS = {"warmfleet": [], "nowarm": ["--no-warmup"], "rr": None}
 
@@ -394,6 +650,55 @@ def run_config(config: str, model: Path, n: int, rate: float, warm_in_s: float, 
         trace.stop(sim_p)
 
 
+QUEUED_TARGET, IN_FLIGHT_TARGET = 24.0, 1.0
+
+
+def main_autoscale(args) -> int:
+    # seconds: warm-in, phases, scrape interval, metrics window, scale-up and scale-down stabilisation (3 scrapes
+    # and 10 scrapes: one scrape's spike of queued tokens, e.g. a drain's hand-off replays, does not scale out)
+    if args.quick:
+        secs, interval_s, window_s, up_s, down_s = (10.0, 15.0, 30.0, 30.0), 1.0, 10, 3, 10
+    else:
+        secs, interval_s, window_s, up_s, down_s = (30.0, 90.0, 180.0, 180.0), 5.0, 30, 15, 60
+    phases = [("warm_in", args.rate_low, secs[0]), ("low", args.rate_low, secs[1]), ("high", args.rate_high, secs[2]),
+              ("low_again", args.rate_low, secs[3])]
+    variants = [v for v in args.autoscalers.split(",") if v]
+    unknown = [v for v in variants if v not in AUTOSCALERS]
+    if unknown:
+        raise SystemExit(f"unknown autoscalers {unknown}: choose from {sorted(AUTOSCALERS)}")
+    if not 1 <= args.min_replicas < args.max_replicas:
+        raise SystemExit("--min-replicas must be >= 1 and below --max-replicas")
+    model = trace.tiny_model()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    router_extra = ["--warmup-budget-s", "5"] if args.quick else []
+    targets = {"cache_aware": args.target_queued_tokens, "queue_only": args.target_in_flight}
+    auto: dict = {"phases": phases, "min_replicas": args.min_replicas, "max_replicas": args.max_replicas,
+                  "scrape_interval_s": interval_s, "metrics_window_s": window_s, "scale_up_stabilization_s": up_s,
+                  "scale_down_stabilization_s": down_s}
+    res: dict = {"mode": "autoscale", "router_flags": router_extra, "gpu_blocks": args.gpu_blocks,
+                 "engine_speedup": SPEEDUP, "prestop_s": PRESTOP_S, "loadavg_1m": os.getloadavg()[0], "autoscale": auto}
+    with tempfile.TemporaryDirectory(prefix="scaleout-auto-") as cwd:
+        for v in variants:
+            progress(f"autoscaler {v}")
+            auto[v] = run_autoscale(v, model, args.min_replicas, args.max_replicas, phases, targets[v], window_s,
+                                    up_s, down_s, interval_s, args.gpu_blocks, cwd, router_extra=router_extra)
+            r = auto[v]
+            progress(f"{v}: scale events {r['scale_events']} (max {r['max_replicas']} replicas), cached "
+                     f"{r['all']['cached_ratio']}, p90 {r['all']['ttft_p90_model_s']} s, errors {r['total_errors']}, "
+                     f"replica-seconds {r['replica_seconds']}")
+    res["targets"] = verdict_auto(auto)
+    (out_dir / "scaleout-autoscale.json").write_text(json.dumps(res, indent=1))
+    chart_auto(res, out_dir / "scaleout-autoscale.png")
+    progress(f"wrote {out_dir / 'scaleout-autoscale.json'} and scaleout-autoscale.png; targets {res['targets']}")
+    if args.json:
+        slim = json.loads(json.dumps(res))
+        for v in variants:
+            slim["autoscale"][v].pop("decisions", None)
+        print(json.dumps(slim))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="8 s windows, 5 s warm-up budget (under 4 minutes in all).")
@@ -404,7 +709,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=16.0, help="Requests per second (open loop).")
     ap.add_argument("--replicas", type=int, default=4, help="Replicas before the scale-out.")
     ap.add_argument("--gpu-blocks", type=int, default=512, help="KV pool per replica, blocks of 16 tokens.")
+    ap.add_argument("--autoscale", action="store_true",
+                    help="Instead of fixed events: the operator's autoscaler in the loop (cache-aware vs queue-length only) "
+                         "over a load that steps up and down (--quick: about 3 minutes).")
+    ap.add_argument("--autoscalers", default="cache_aware,queue_only")
+    ap.add_argument("--rate-low", type=float, default=6.0, help="--autoscale: requests per second before and after the step.")
+    ap.add_argument("--rate-high", type=float, default=30.0, help="--autoscale: requests per second during the step.")
+    ap.add_argument("--min-replicas", type=int, default=2)
+    ap.add_argument("--max-replicas", type=int, default=6)
+    ap.add_argument("--target-queued-tokens", type=float, default=QUEUED_TARGET,
+                    help="cache_aware: targetQueuedPrefillTokens per replica.")
+    ap.add_argument("--target-in-flight", type=float, default=IN_FLIGHT_TARGET,
+                    help="queue_only: in-flight requests per replica.")
     args = ap.parse_args(argv)
+    if args.autoscale:
+        return main_autoscale(args)
     window_s = args.window_s or (8.0 if args.quick else 120.0)
     warm_in_s = min(30.0, max(5.0, window_s / 2))
     configs = [c for c in args.configs.split(",") if c]
