@@ -256,3 +256,21 @@ def test_tie_noise_reorders_equal_replicas_but_not_the_share_cap():
     # the share cap reads `sent` alone: a huge tie on an under-cap replica does not push it over
     capped = [Candidate("a", gpu_blocks=3, sent=0.0, tie=100.0), Candidate("b", gpu_blocks=1, sent=0.0)]
     assert choose(capped, block_size=B, num_prompt_tokens=8 * B, cold_key=b"k").order[0] == "a"
+
+
+def test_unseen_peer_requests_widen_only_the_warm_in_flight_slack():
+    """With peer routers a replica's in-flight figure is uncertain by ~one request per peer: a long warm prefix
+    stays home that many requests further over the bound; a short one, and cold balancing, are unchanged."""
+    cfg = PolicyConfig(epsilon=0.25, load_weight=0, warm_slack=1, warm_min_tokens=64)
+    others = [Candidate("b"), Candidate("c"), Candidate("d")]
+    busy = [Candidate("warm", gpu_blocks=20, load=3)] + others  # cap 2 (load 3 of 4 replicas): two over it
+    assert choose(busy, block_size=B, num_prompt_tokens=24 * B, cold_key=b"k", cfg=cfg).reason == LOAD_SPILL
+    busy = [Candidate("warm", gpu_blocks=20, load=3, unseen=2)] + others
+    d = choose(busy, block_size=B, num_prompt_tokens=24 * B, cold_key=b"k", cfg=cfg)
+    assert d.order[0] == "warm" and d.reason == PREFIX_HIT
+    # beyond warm_slack + unseen it spills again
+    over = [Candidate("warm", gpu_blocks=20, load=5, unseen=2)] + others
+    assert choose(over, block_size=B, num_prompt_tokens=24 * B, cold_key=b"k", cfg=cfg).order[0] != "warm"
+    # a short advantage is still not worth the queue
+    short = [Candidate("warm", gpu_blocks=3, load=3, unseen=2)] + others
+    assert choose(short, block_size=B, num_prompt_tokens=24 * B, cold_key=b"k", cfg=cfg).reason == LOAD_SPILL

@@ -27,6 +27,14 @@ conversations. So with peers each candidate's tie-break (never its share cap) ge
 `jitter` of up to that many recent requests: equally loaded replicas are then picked at random,
 differently by each router.
 
+Uncertainty: a peer's in-flight figures are as of its last report, so each router's view of a
+replica's in-flight count is off by about one request per fresh peer (sent or finished since).
+Bounded load enforced to the request on such a view threw away long warm prefixes for phantom
+load (on the 600-request excerpt: 3 routers spilled 16-25 conversations that lost 2.7-9.7k cached
+tokens where one router's spills lost 0.2-0.9k; docs/scale.md), so `fresh` is handed to the policy
+as `Candidate.unseen`, which widens the in-flight slack for keeping a warm prefix by that much and
+nothing else.
+
 A peer that has not answered for `stale_s` is left out of the sums (a dead router holds no
 requests; a partitioned one is then counted as zero, so a limit can be exceeded by what it
 holds). A URL that answers with this router's own id is itself (one `--peers` list for every

@@ -24,7 +24,10 @@ least-loaded replica always qualifies, so the rule never leaves a request withou
 Bounded load must not throw away a long warm prefix for a one-request imbalance: when the best
 replica is over a cap (in flight or share, below) but holds at least `warm_min_tokens` more of
 the prompt than the best replica under them, it may still take the request up to `warm_slack`
-requests above each cap.
+requests above each cap. With peer routers, the in-flight figure of a replica is uncertain by
+about one request per peer (what it sent or saw finish since its last report), so that slack grows
+by `unseen` requests: a bound enforced more tightly than its own figures can tell threw away long
+warm prefixes for phantom load (docs/scale.md, active-active).
 The share cap's slack grows with what is at stake: one more request per `share_slack_tokens` of
 that advantage, at most `max_share_slack` more (the in-flight bound keeps `warm_slack`), so a
 conversation's long history stays home instead of being thrown away for a one-request imbalance.
@@ -85,6 +88,8 @@ class Candidate:
     queued_tokens: int = 0  # uncached prompt tokens this router sent it that still await their first token
     sent: float = 0.0  # requests this router sent it recently (decayed count): share cap and last tie-break
     tie: float = 0.0  # added to `sent` in the tie-break only: routers sharing one stale view draw it at random
+    unseen: int = 0  # requests on it that peer routers may have sent or finished since their last report
+    #                  (one per fresh peer): widens the in-flight bound for keeping a warm prefix, nothing else
 
 
 @dataclass(frozen=True)
@@ -183,7 +188,7 @@ def choose(cands: Sequence[Candidate], *, block_size: int, num_prompt_tokens: in
         if cfg.share_slack_tokens > 0 and advantage > 0:
             share_slack += min(cfg.max_share_slack, advantage // cfg.share_slack_tokens)
         best_is_over = id(best_anywhere) not in fit_ids
-        if (best_is_over and best_anywhere.load + 1 <= cap + cfg.warm_slack
+        if (best_is_over and best_anywhere.load + 1 <= cap + cfg.warm_slack + best_anywhere.unseen
                 and best_anywhere.sent + 1 <= scap + share_slack):
             if advantage >= cfg.warm_min_tokens:
                 ranked = [best_anywhere] + [c for c in ranked if c is not best_anywhere]

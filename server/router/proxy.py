@@ -165,7 +165,8 @@ class Proxy:
                 in_flight, queued, sent = combined(r.id, r.in_flight, r.queued_tokens, r.sent)
                 cands.append(Candidate(r.id, m.gpu_blocks, m.cpu_blocks, warm,
                                        load=max(in_flight, self.fleet.engine_load(r.id)),
-                                       queued_tokens=queued, sent=sent, tie=random.random() * self.peers.jitter))
+                                       queued_tokens=queued, sent=sent, tie=random.random() * self.peers.jitter,
+                                       unseen=self.peers.fresh))
         cold_key = hashes[min(len(hashes), self.cfg.cold_key_blocks) - 1] if hashes else None
         num_tokens = prompt.num_tokens if prompt else 0
         decision = choose(cands, block_size=bs, num_prompt_tokens=num_tokens, cold_key=cold_key, cfg=self.policy)
