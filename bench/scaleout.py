@@ -481,8 +481,9 @@ class AutoRun(Run):
             while not self.stop:
                 t = time.monotonic()
                 metrics, views, errors = await a.scrape(client, [self.router])
+                n = in_flight((await client.get(self.router + "/metrics")).text) if metrics else None
+                raw = {"queued_tokens": sum(m["queued"] for m in metrics.values()) if metrics else None, "in_flight": n}
                 if metric == "in_flight_requests" and metrics:
-                    n = in_flight((await client.get(self.router + "/metrics")).text)
                     metrics = {u: {**m, "queued": n} for u, m in metrics.items()}
                 sample = a.make_sample(t, metrics)
                 if sample is not None:
@@ -494,7 +495,7 @@ class AutoRun(Run):
                              samples=hist.samples, recommendations=hist.recommendations, now=t)
                 hist.recommendations.append((t, d.recommendation))
                 self.decisions.append({"t": round(self.now(), 2), "current": cur, "desired": d.total, "reason": d.reason,
-                                       "queue": round(sample.queued_tokens, 1) if sample else None})
+                                       "queue": round(sample.queued_tokens, 1) if sample else None, **raw})
                 if d.total > cur:
                     idle = [rid for rid in self.slots if rid not in self.live and rid not in self.leaving]
                     for rid in idle[:d.total - cur]:
