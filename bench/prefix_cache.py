@@ -15,7 +15,8 @@ in one run; quote those, not absolute times.
 (CPU build; the python of scripts/vllm-env.sh or --vllm-python) side by side instead: both as
 HTTP servers on loopback, same checkpoint, fp32, block size 64, the same primary pool, 4,096-token
 steps, 64 sequences, ~2,000-token prompts sent as token ids to /v1/completions (TTFT = latency of a
-1-token completion). Engines are interleaved per repetition (the first engine alternates); medians
+1-token completion). Engines are interleaved per repetition (the first engine alternates; each round
+starts once both servers are idle, see `settle`); medians
 are reported with warmfleet-over-vLLM speed ratios on wall time and on the CPU seconds of each
 server's processes, and issue #13's targets (>= 1.0x at batch 16 and 64, >= 0.8x for one request)
 as booleans under `targets`. Both compute on
@@ -291,6 +292,22 @@ def ttft_round(rt, server: Server, prefix: list[int], questions: list[list[int]]
     return out
 
 
+def settle(servers, window_s: float = 0.3, busy_share: float = 0.1, max_s: float = 5.0) -> float:
+    """Wait until the servers' processes together use under `busy_share` of a core over `window_s`; returns the
+    seconds waited. vLLM's worker busy-waits (sched_yield) for up to 1 s after its last request, on core 0 where
+    the other engine computes too: without this the engine measured right after vLLM shares its core with that
+    spin (seen as warmfleet's TTFT miss at 1.3 s vs 0.73 s, alternating with the round order)."""
+    t0 = time.monotonic()
+    last = sum(s.cpu_s() for s in servers)
+    while time.monotonic() - t0 < max_s:
+        time.sleep(window_s)
+        now = sum(s.cpu_s() for s in servers)
+        if now - last < busy_share * window_s:
+            break
+        last = now
+    return time.monotonic() - t0
+
+
 def decode_round(server: Server, prompts: list[list[int]], new_tokens: int, salt: str) -> tuple[float, float]:
     """(completion tok/s of wall time, completion tokens per CPU second of the server's processes)."""
     c0 = server.cpu_s()
@@ -476,6 +493,7 @@ def side_by_side(args, engines: list[str], runs: int) -> int:
                      "warmup", 2)
         rounds = {n: [] for n in servers}
         dec = {n: {b: [] for b in DECODE_BATCHES} for n in servers}
+        settled: dict[str, list[float]] = {n: [] for n in servers}
         for r in range(runs):
             prefix = tokens(rng, vocab, PREFIX_TOKENS)
             questions = [tokens(rng, vocab, QUESTION_TOKENS) for _ in range(3)]
@@ -484,11 +502,12 @@ def side_by_side(args, engines: list[str], runs: int) -> int:
             order = list(servers) if r % 2 == 0 else list(servers)[::-1]  # the first engine alternates
             for name in order:
                 server = servers[name]
+                settled[name].append(settle(servers.values()))  # the other engine's spin-down, off the clock
                 rounds[name].append(ttft_round(rt, server, prefix, questions, filler, f"run-{r}"))
                 for b in DECODE_BATCHES:
                     dec[name][b].append(decode_round(server, batch[:b], new_tokens, f"dec{b}-{r}"))
                 x = rounds[name][-1]
-                progress(f"run {r + 1}/{runs} {name}: miss {x['miss_s']:.3f}s (cached {x['miss_cached']}) "
+                progress(f"run {r + 1}/{runs} {name} (after {settled[name][-1]:.1f} s settling): miss {x['miss_s']:.3f}s (cached {x['miss_cached']}) "
                          f"hit {x['hit_s']:.3f}s (cached {x['hit_cached']}) "
                          + (f"swap-hit {x['swap_hit_s']:.3f}s (cached {x['swap_hit_cached']}, from cpu "
                             f"{x['swap_hit_cached_cpu']}) " if "swap_hit_s" in x else "swap-hit n/a ")
@@ -514,6 +533,10 @@ def side_by_side(args, engines: list[str], runs: int) -> int:
                           "/proc, taken just before and after it (vLLM's worker busy-waits with sched_yield for up to 1 s after "
                           "its last read: partly outside these windows)",
               "threads_and_cores": how,
+              "settle_s": settled,
+              "settle_note": "before each engine's round the bench waits until both servers' processes use under 10% "
+                             "of a core over 0.3 s (vLLM's worker spins for up to 1 s after a request, on the core "
+                             "the other engine computes on); seconds waited per round",
               "load_average_1_5_15_min": {"before": load_before, "after": os.getloadavg()},
               "targets_text": "hit/miss <= 0.10 and swap-hit/miss <= 0.25 (the in-process targets), misses report "
                               f"0 cached tokens, hits >= {cached_prefix} cached tokens (swap hits: from the CPU tier); "
