@@ -74,6 +74,32 @@ def test_mixed_step_with_padded_decode_batch_matches_dense():
     np.testing.assert_allclose(out.numpy(), expected.numpy(), atol=2e-5)
 
 
+def test_cold_sequences_of_one_length_attend_as_one_batch_and_match_dense():
+    """A decode, then three cold 6-token prompts back to back: one batched attention, each causal on its own."""
+    paddle.seed(2)
+    bs, n, cold = 4, 6, 3
+    dq, dk, dv = paddle.randn([7, 4, 8]), paddle.randn([7, 2, 8]), paddle.randn([7, 2, 8])  # a decode at 7 tokens
+    seqs = [(paddle.randn([n, 4, 8]), paddle.randn([n, 2, 8]), paddle.randn([n, 2, 8])) for _ in range(cold)]
+    backend = CpuPagedAttention()
+    cache = one_layer_cache(backend, 16, bs)
+    tables = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    with backend.step():
+        backend.forward(dq[:6], dk[:6], dv[:6], cache, backend.build_metadata(bs, [(tables[0], 0, 6)]), 8 ** -0.5)
+        meta = backend.build_metadata(bs, [(tables[0], 6, 1)] + [(t, 0, n) for t in tables[1:]])
+        assert meta.cold is not None and meta.cold.num_seqs == cold and not meta.seqs
+        out = backend.forward(paddle.concat([dq[6:]] + [q for q, _, _ in seqs]),
+                              paddle.concat([dk[6:]] + [k for _, k, _ in seqs]),
+                              paddle.concat([dv[6:]] + [v for _, _, v in seqs]), cache, meta, 8 ** -0.5)
+        # and the other way round (prompts first, as rows 0..17), returned without re-ordering
+        cache2 = one_layer_cache(backend, 16, bs)
+        meta2 = backend.build_metadata(bs, [(t, 0, n) for t in tables[1:]])
+        out2 = backend.forward(paddle.concat([q for q, _, _ in seqs]), paddle.concat([k for _, k, _ in seqs]),
+                               paddle.concat([v for _, _, v in seqs]), cache2, meta2, 8 ** -0.5)
+    expected = paddle.concat([dense(dq, dk, dv)[6:]] + [dense(q, k, v) for q, k, v in seqs])
+    np.testing.assert_allclose(out.numpy(), expected.numpy(), atol=2e-5)
+    np.testing.assert_allclose(out2.numpy(), expected.numpy()[1:], atol=2e-5)
+
+
 def stride_kernels_on() -> bool:
     return paddle.get_flags([STRIDE_KERNEL_FLAG])[STRIDE_KERNEL_FLAG]
 

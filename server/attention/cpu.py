@@ -64,6 +64,30 @@ class SeqAttention:
 
 
 @dataclass
+class ColdBatch:
+    """Consecutive cold sequences of one equal length (<= QUERY_CHUNK), attended as one batch.
+
+    Rows [start, start + num_seqs * length) of the step; each sequence's keys are exactly its own
+    new tokens, so all share one causal triangle and no cache read.
+    """
+
+    start: int
+    num_seqs: int
+    length: int
+
+    @classmethod
+    def of(cls, seqs: Sequence["SeqAttention"]) -> Optional["ColdBatch"]:
+        """The batch these prefill sequences form, or None when one of them does not fit it."""
+        if len(seqs) < 2:
+            return None
+        n, first = seqs[0].query_len, seqs[0].query_start
+        for i, s in enumerate(seqs):
+            if s.context_slots is not None or s.query_len != n or n > QUERY_CHUNK or s.query_start != first + i * n:
+                return None
+        return cls(first, len(seqs), n)
+
+
+@dataclass
 class DecodeBatch:
     """Sequences with one query row each, attended in one padded batch instead of one by one."""
 
@@ -95,6 +119,7 @@ class CpuAttentionMetadata:
     slot_mapping_host: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # the same on the host
     seqs: list[SeqAttention] = field(default_factory=list)  # sequences with several new tokens (prefill)
     decode: Optional[DecodeBatch] = None  # sequences with one new token
+    cold: Optional[ColdBatch] = None  # replaces `seqs` when they are all cold, short, of one length, back to back
     num_tokens: int = 0  # query rows: T, or N for `sampled`
     # The last layer's view when only sampling rows continue (model.forward(sample_rows=...)):
     # the same K/V writes, then the N sampling rows (each sequence's last) as one decode batch.
@@ -143,12 +168,13 @@ class CpuAttentionMetadata:
             start += num_new
         host = np.concatenate(slots_all)
         slot_mapping = paddle.to_tensor(host)
-        meta = cls(slot_mapping, host, seqs,
-                   DecodeBatch.build(decode_rows, decode_slots, start) if decode_rows else None, start)
+        cold = ColdBatch.of(seqs)
+        meta = cls(slot_mapping, host, [] if cold else seqs,
+                   DecodeBatch.build(decode_rows, decode_slots, start) if decode_rows else None, cold, start)
         if samples is not None:
             n = len(sample_slots)
             meta.sampled = cls(slot_mapping, host, [], DecodeBatch.build(list(range(n)), sample_slots, n) if n else None,
-                               n, write_rows=meta.write_rows)  # the same K/V writes: share the rows
+                               None, n, write_rows=meta.write_rows)  # the same K/V writes: share the rows
         return meta
 
 
@@ -234,6 +260,16 @@ class CpuPagedAttention:
                 o = paddle.matmul(_causal_softmax_(scores, n), vh[:, :t.key_end])  # [Hkv, rep * n, D]
                 outs.append(o.reshape([num_kv, rep, n, head_dim]).transpose([2, 0, 1, 3]).reshape([n, num_heads, head_dim]))
             rows.append(np.arange(s.query_start, s.query_start + s.query_len))
+        c = meta.cold
+        if c is not None:  # as the tiles above, with the sequences as a batch dimension
+            b, n, end = c.num_seqs, c.length, c.start + c.num_seqs * c.length
+            qc = q[c.start:end].reshape([b, n, num_kv, rep, head_dim]).transpose([0, 2, 3, 1, 4])
+            kc, vc = (x[c.start:end].reshape([b, n, num_kv, head_dim]).transpose([0, 2, 1, 3]) for x in (k, v))
+            scores = paddle.matmul(qc.reshape([b, num_kv, rep * n, head_dim]), kc, transpose_y=True)  # [B, Hkv, rep*n, n]
+            o = paddle.matmul(_causal_softmax_(scores, n), vc)  # [B, Hkv, rep * n, D]
+            outs.append(o.reshape([b, num_kv, rep, n, head_dim]).transpose([0, 3, 1, 2, 4])
+                        .reshape([b * n, num_heads, head_dim]))
+            rows.append(np.arange(c.start, end))
         d = meta.decode
         if d is not None:
             b = d.num_seqs
@@ -246,14 +282,15 @@ class CpuPagedAttention:
             scores = paddle.matmul(qd, kd, transpose_y=True)  # [Hkv, B, rep, C]
             probs = _softmax_fp32(scores if d.mask is None else scores + d.mask)
             o = paddle.matmul(probs, vd).transpose([1, 0, 2, 3]).reshape([b, num_heads, head_dim])
-            if not meta.seqs:
+            if not meta.seqs and c is None:
                 return o if d.rows is None else _place(o, d.rows, meta.num_tokens)
             outs.append(o)
             rows.append(d.row_ids)
-        if d is None and len(meta.seqs) == 1:
-            return outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
-        order = paddle.to_tensor(np.concatenate(rows))
-        return _place(paddle.concat(outs, axis=0), order, meta.num_tokens)
+        out = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
+        order = np.concatenate(rows)
+        if len(order) == meta.num_tokens and (order == np.arange(meta.num_tokens)).all():
+            return out  # already in step order
+        return _place(out, paddle.to_tensor(order), meta.num_tokens)
 
 
 def _block_slots(block_ids: Sequence[int], block_size: int) -> np.ndarray:
