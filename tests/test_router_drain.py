@@ -215,3 +215,23 @@ def test_the_server_pods_grace_period_covers_the_engines_own_sigterm_drain():
     add_arguments(p)
     default_drain_s = getattr(p.parse_args(["--model", "m"]), "serve.drain_timeout_s")
     assert manifests.ENGINE_SIGTERM_DRAIN_S >= default_drain_s > 0
+
+
+def test_replays_are_queued_work_for_routing_but_not_in_the_queued_tokens_metric():
+    """The autoscaler reads the metric: a scale-in's own hand-off replays must not read as client load."""
+    from warmfleet.server.router.proxy import Proxy
+    from warmfleet.server.router.registry import Replica
+
+    class FakeFleet:
+        def __init__(self, rep):
+            self.registry = type("R", (), {"replicas": {rep.id: rep}})()
+
+    metrics = RouterMetrics()
+    rep = Replica(ReplicaSpec("http://10.0.0.1:8000"))
+    rep.queued_tokens = rep.replay_tokens = 300  # a hand-off replay under way on it
+    proxy = Proxy(FakeFleet(rep), None, HashConfig(16, "fp"), metrics)
+    proxy._enter(rep, queued_tokens=40)
+    gauge = metrics.registry.get_sample_value("warmfleet_router_replica_queued_tokens", {"replica": rep.id})
+    assert rep.queued_tokens == 340 and gauge == 40
+    proxy._prefilled(rep, 40)
+    assert metrics.registry.get_sample_value("warmfleet_router_replica_queued_tokens", {"replica": rep.id}) == 0

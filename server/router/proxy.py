@@ -346,12 +346,12 @@ class Proxy:
             r.sent *= SHARE_DECAY
         rep.sent += 1
         self.metrics.replica_in_flight.labels(rep.id).set(rep.in_flight)
-        self.metrics.replica_queued_tokens.labels(rep.id).set(rep.queued_tokens)
+        self.metrics.replica_queued_tokens.labels(rep.id).set(rep.queued_tokens - rep.replay_tokens)
 
     def _prefilled(self, rep: Replica, queued_tokens: int) -> None:
         """The request's prompt is no longer work queued ahead of others (first token, answer or failure)."""
         rep.queued_tokens -= queued_tokens
-        self.metrics.replica_queued_tokens.labels(rep.id).set(rep.queued_tokens)
+        self.metrics.replica_queued_tokens.labels(rep.id).set(rep.queued_tokens - rep.replay_tokens)
 
     def _leave(self, rep: Replica) -> None:
         rep.in_flight -= 1

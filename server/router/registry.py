@@ -67,6 +67,7 @@ class Replica:
     kv_tracked: bool = True  # False once the replica proved it serves no snapshot: route without its index
     in_flight: int = 0  # requests this router has open on it
     queued_tokens: int = 0  # uncached prompt tokens of those requests that have not had their first token yet
+    replay_tokens: int = 0  # of queued_tokens, those of warm-up/hand-off replays (not client work: not in metrics)
     sent: float = 0.0  # requests this router sent it recently (decayed; policy share cap and tie-break)
     failed_checks: int = 0  # active health checks failed in a row (timeouts, non-200)
     warming: bool = False  # joined or restarted: hot prefixes are being replayed into it; not routed meanwhile

@@ -183,7 +183,9 @@ class Warmer:
         """One prefill-only request of `e` to replica `target` before `deadline` (monotonic); True if served.
 
         Its prompt counts as queued work on the target meanwhile (`queued_tokens`, which the policy
-        weighs), so live traffic steers around a serving replica busy with hand-off replays.
+        weighs), so live traffic steers around a serving replica busy with hand-off replays; the
+        queued-tokens metric leaves it out (`replay_tokens`): the autoscaler reads client work, and
+        a scale-in's own hand-off must not read as load that scales straight back out.
         """
         async with sem:
             left = deadline - time.monotonic()
@@ -196,6 +198,7 @@ class Warmer:
             if e.salt is not None:
                 body["cache_salt"] = e.salt
             target.queued_tokens += len(e.token_ids)
+            target.replay_tokens += len(e.token_ids)
             try:
                 resp = await self.http.post(url + "/v1/completions", json=body, timeout=left, headers=self.headers)
             except Exception as exc:  # timeouts, a replica gone: this replay is lost, the rest go on
@@ -203,6 +206,7 @@ class Warmer:
                 return False
             finally:
                 target.queued_tokens -= len(e.token_ids)
+                target.replay_tokens -= len(e.token_ids)
             return resp.status_code == 200
 
     async def _handoff(self, fleet, rep) -> None:
