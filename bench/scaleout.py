@@ -165,8 +165,6 @@ class Run:
         progress(f"{self.config}: {name} at {self.now():.1f} s {extra or ''}")
 
     async def one(self, session, i: int) -> None:
-        import aiohttp
-
         prompt, salt = self.work.next()
         if self.router:
             base = self.router
@@ -176,33 +174,12 @@ class Run:
         body = {"model": "bench", "prompt": prompt, "max_tokens": 8, "stream": True, "cache_salt": salt,
                 "stream_options": {"include_usage": True}, "user": f"r{i}"}
         t = self.now()
-        ttft, cached, nprompt, replica, err = None, None, None, None, None
-        try:
-            async with session.post(base + "/v1/completions", json=body) as resp:
-                replica = resp.headers.get("x-warmfleet-replica")
-                if resp.status != 200:
-                    err = f"HTTP {resp.status}"
-                    await resp.read()
-                else:
-                    buf = b""
-                    async for chunk in resp.content.iter_any():
-                        if ttft is None:
-                            ttft = self.now() - t
-                        buf += chunk
-                    for line in buf.split(b"\n"):
-                        if line.startswith(b"data: {"):
-                            ev = json.loads(line[6:])
-                            if "error" in ev:
-                                err = "stream error"
-                            if ev.get("usage"):
-                                nprompt = ev["usage"]["prompt_tokens"]
-                                cached = ev["usage"]["prompt_tokens_details"]["cached_tokens"]
-                    if nprompt is None and err is None:
-                        err = "no usage"
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            err = type(exc).__name__
-        self.rec.append({"tag": f"r{i}", "t": round(t, 4), "replica": replica, "ttft_client_s": ttft,
-                         "cached": cached, "prompt": nprompt, "error": err})
+        res = await trace.stream_completion(session, base + "/v1/completions", body)
+        if res["prompt"] is None and res["error"] is None:
+            res["error"] = "no usage"
+        self.rec.append({"tag": f"r{i}", "t": round(t, 4), "replica": res["replica"],
+                         "ttft_client_s": res["ttft_client_s"], "cached": res["cached"], "prompt": res["prompt"],
+                         "error": res["error"]})
 
     def rate_at(self, t: float) -> float:
         return self.rate

@@ -340,38 +340,44 @@ def proc_tree_cpu(pid: int) -> float:
 
 
 # --- driving ------------------------------------------------------------------------------------
-async def one(session, base: str, r: dict, fmt: str, rec: list, t_start: float) -> None:
+async def stream_completion(session, url: str, body: dict) -> dict:
+    """POST one streamed completion; its client TTFT, usage, replica/route headers and error (None if it went well)."""
     import aiohttp
 
+    t0 = time.perf_counter()
+    out = {"ttft_client_s": None, "cached": None, "prompt": None, "replica": None, "route": None, "error": None}
+    try:
+        async with session.post(url, json=body) as resp:
+            out["replica"] = resp.headers.get("x-warmfleet-replica")
+            out["route"] = resp.headers.get("x-warmfleet-route")
+            if resp.status != 200:
+                out["error"] = f"HTTP {resp.status}"
+                await resp.read()
+                return out
+            buf = b""
+            async for chunk in resp.content.iter_any():
+                if out["ttft_client_s"] is None:
+                    out["ttft_client_s"] = time.perf_counter() - t0
+                buf += chunk
+            for line in buf.split(b"\n"):
+                if line.startswith(b"data: {"):
+                    ev = json.loads(line[6:])
+                    if "error" in ev:
+                        out["error"] = "stream error"
+                    if ev.get("usage"):
+                        out["prompt"] = ev["usage"].get("prompt_tokens")
+                        out["cached"] = (ev["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        out["error"] = type(exc).__name__
+    return out
+
+
+async def one(session, base: str, r: dict, fmt: str, rec: list, t_start: float) -> None:
     body = {"model": "bench", "prompt": r["text"] if fmt == "text" else r["ids"], "max_tokens": r["max_tokens"],
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "user": f"r{r['i']}"}
     t0 = time.perf_counter()
-    ttft, cached, prompt, replica, route, err = None, None, None, None, None, None
-    try:
-        async with session.post(base + "/v1/completions", json=body) as resp:
-            replica = resp.headers.get("x-warmfleet-replica")
-            route = resp.headers.get("x-warmfleet-route")
-            if resp.status != 200:
-                err = f"HTTP {resp.status}"
-                await resp.read()
-            else:
-                buf = b""
-                async for chunk in resp.content.iter_any():
-                    if ttft is None:
-                        ttft = time.perf_counter() - t0
-                    buf += chunk
-                for line in buf.split(b"\n"):
-                    if line.startswith(b"data: {"):
-                        ev = json.loads(line[6:])
-                        if "error" in ev:
-                            err = "stream error"
-                        if ev.get("usage"):
-                            prompt = ev["usage"].get("prompt_tokens")
-                            cached = (ev["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-        err = type(exc).__name__
-    rec.append({"i": r["i"], "sent": round(t0 - t_start, 4), "ttft_client_s": ttft, "cached": cached,
-                "prompt": prompt, "replica": replica, "route": route, "error": err})
+    res = await stream_completion(session, base + "/v1/completions", body)
+    rec.append({"i": r["i"], "sent": round(t0 - t_start, 4), **res})
 
 
 async def drive(bases: list[str], reqs: list[dict], time_scale: float, fmt: str) -> list[dict]:
