@@ -12,6 +12,8 @@ Sections, each a median over --runs of one engine step:
     decode1   one decode step at batch 1 (32-token prompts, context grows while measuring)
     decode16  one decode step at batch 16
     decode64  one decode step at batch 64
+    prefill16x32, prefill64x32   one step prefilling 16 / 64 cold 32-token prompts (what the decode
+              requests of bench/prefix_cache.py spend before their first token)
 
 Details (per section, from extra steps after the timed ones):
 
@@ -46,7 +48,7 @@ PREFIX_TOKENS = 2048
 QUESTION_TOKENS = 64
 BLOCK_SIZE = 64
 DECODE_PROMPT_TOKENS = 32
-SECTIONS = ("prefill", "hit", "tail", "decode1", "decode16", "decode64")
+SECTIONS = ("prefill", "hit", "tail", "decode1", "decode16", "decode64", "prefill16x32", "prefill64x32")
 
 
 def progress(msg: str) -> None:
@@ -134,6 +136,10 @@ class Engine:
             self.add(prefix + self.tokens(QUESTION_TOKENS), 1, salt)
         elif section == "tail":
             self.add(self.tokens(QUESTION_TOKENS), 1, salt)
+        elif section.startswith("prefill") and "x" in section:  # e.g. prefill64x32: the decode64 batch's prefill
+            num, length = (int(x) for x in section[len("prefill"):].split("x"))
+            for _ in range(num):
+                self.add(self.tokens(length), 1, salt)
         elif section.startswith("decode"):
             batch = int(section[len("decode"):])
             for _ in range(batch):
