@@ -67,15 +67,9 @@ def progress(msg: str) -> None:
     print(f"[scaleout {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-trace = _load("wf_bench_trace_scaleout", HERE / "trace.py")
+_spec = importlib.util.spec_from_file_location("wf_bench_trace_scaleout", HERE / "trace.py")
+trace = sys.modules["wf_bench_trace_scaleout"] = importlib.util.module_from_spec(_spec)  # bench/ is not a package
+_spec.loader.exec_module(trace)
 
 
 # --- workload ---------------------------------------------------------------------------------

@@ -403,19 +403,17 @@ def _engine_env(spec: InferenceServiceSpec, engine: Engine) -> list[dict[str, An
     return [*pod_name, *static, *_api_key_env(spec, engine.api_key_env)]
 
 
+def _service(owner: Owner, name: str, component: str, selector: dict[str, str], ports: list[dict[str, Any]],
+             **spec: Any) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(owner, name, component),
+            "spec": {**spec, "selector": selector, "ports": ports}}
+
+
 def replicas_service(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
     """Headless Service over all server pods with the engine's named ports, discovered by the router."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _meta(owner, names(owner)["replicas"], "server"),
-        "spec": {
-            "clusterIP": "None",
-            "selector": server_selector(owner),
-            "ports": [{"name": p.name, "port": p.number, "targetPort": p.name, "protocol": "TCP"}
-                      for p in engine_of(spec).ports],
-        },
-    }
+    return _service(owner, names(owner)["replicas"], "server", server_selector(owner),
+                    [{"name": p.name, "port": p.number, "targetPort": p.name, "protocol": "TCP"}
+                     for p in engine_of(spec).ports], clusterIP="None")
 
 
 def router_args(owner: Owner, spec: InferenceServiceSpec) -> list[str]:
@@ -441,7 +439,7 @@ def router_deployment(owner: Owner, spec: InferenceServiceSpec, image: str) -> d
     n = names(owner)
     pod_labels = labels(owner, "router")
     model_vols, model_mounts = _router_model_volume(spec)
-    match = {SERVICE_LABEL: owner.name[:63], COMPONENT_LABEL: "router"}
+    match = _router_selector(owner)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -482,30 +480,19 @@ def router_deployment(owner: Owner, spec: InferenceServiceSpec, image: str) -> d
 
 def router_service(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
     """The OpenAI endpoint: a Service in front of the routers."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _meta(owner, names(owner)["endpoint"], "router"),
-        "spec": {
-            "type": spec.router.service_type,
-            "selector": {SERVICE_LABEL: owner.name[:63], COMPONENT_LABEL: "router"},
-            "ports": [{"name": "http", "port": spec.router.port, "targetPort": "http", "protocol": "TCP"}],
-        },
-    }
+    return _service(owner, names(owner)["endpoint"], "router", _router_selector(owner),
+                    [{"name": "http", "port": spec.router.port, "targetPort": "http", "protocol": "TCP"}],
+                    type=spec.router.service_type)
 
 
 def router_peers_service(owner: Owner) -> dict[str, Any]:
     """Headless Service over the router pods: each router finds the others by its name (--peers) and shares load."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": _meta(owner, names(owner)["router_peers"], "router"),
-        "spec": {
-            "clusterIP": "None",
-            "selector": {SERVICE_LABEL: owner.name[:63], COMPONENT_LABEL: "router"},
-            "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"}],
-        },
-    }
+    return _service(owner, names(owner)["router_peers"], "router", _router_selector(owner),
+                    [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"}], clusterIP="None")
+
+
+def _router_selector(owner: Owner) -> dict[str, str]:
+    return {SERVICE_LABEL: owner.name[:63], COMPONENT_LABEL: "router"}
 
 
 def router_rbac(owner: Owner) -> list[dict[str, Any]]:
