@@ -182,15 +182,17 @@ class Fleet:
         results = await asyncio.gather(*(self._check_once(r) for r in reps))
         now = time.monotonic()
         if len(reps) >= 2 and all(res[2] for res in results):  # every check timed out: see the module docstring
-            if self._stall_since is None:
+            first = self._stall_since is None
+            if first:
                 self._stall_since = now
             if now - self._stall_since < self.stall_grace_s:
                 self.health_stall_rounds += 1
                 self.metrics.health_stall_rounds.inc()
-                log.warning("every replica's health check timed out in the same round (%d replicas, %.1f s so far): "
-                            "taken as a stall of this router or its host, not %d failures; replicas stay routable. "
-                            "If this repeats, check the router's CPU limit (throttling) and the network path to the "
-                            "replicas", len(reps), now - self._stall_since, len(reps))
+                if first:  # once per run of such rounds (they come every health interval); the counter counts all
+                    log.warning("every replica's health check timed out in the same round (%d replicas): "
+                                "taken as a stall of this router or its host, not %d failures; replicas stay "
+                                "routable. If this repeats, check the router's CPU limit (throttling) and the network "
+                                "path to the replicas", len(reps), len(reps))
                 return
         else:
             self._stall_since = None
