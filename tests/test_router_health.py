@@ -137,3 +137,22 @@ async def test_a_single_replica_timing_out_is_no_evidence_of_a_stall():
         assert healthy(fleet) == [] and fleet.health_stall_rounds == 0
     finally:
         await close(fleet, reps, http)
+
+
+async def test_a_requests_connect_timeout_counts_as_one_failed_check_not_death():
+    fleet, reps, http = await fleet_of(2)
+    fleet.health_failures = 2
+    try:
+        for r in reps:
+            fleet.registry.mark_up(r.url)
+        a = reps[0].url
+        fleet.report_timeout(a, "ConnectTimeout")
+        assert fleet.registry.get(a).healthy  # one stall: still routed
+        assert fleet.index.replicas[a].gpu  # and its index kept
+        fleet.report_timeout(a, "ConnectTimeout")
+        assert not fleet.registry.get(a).healthy  # health_failures in a row: out
+        b = reps[1].url
+        fleet.report_failure(b, "ClientConnectorError")  # refused: out at once
+        assert not fleet.registry.get(b).healthy
+    finally:
+        await close(fleet, reps, http)

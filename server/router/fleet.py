@@ -2,9 +2,10 @@
 
 Active checks GET the engine's readiness path (`dialect.ready_path`; a warmfleet replica's
 /ready, which is 503 while its model loads). A replica leaves routing at once when it refuses
-connections (a health check or a request that cannot connect: the process is gone), or after
-`health_failures` active checks in a row that time out or answer non-200 (one slow answer from a
-busy replica is not death: purging its index for it would send its warm prefixes elsewhere). Its
+connections or resets them (a health check or a request: the process is gone), or after
+`health_failures` failures in a row: active checks that time out or answer non-200, and requests
+whose connect times out (one slow answer from a busy replica is not death: purging its index for it
+would send its warm prefixes elsewhere). Its
 index entries are purged when it leaves (it may come back cold). When it passes a check again it
 is routable, and a snapshot resync rebuilds what it holds.
 
@@ -246,8 +247,19 @@ class Fleet:
             self._update_index_metrics(rid)
 
     def report_failure(self, rid: str, error: str) -> None:
-        """Passive detection: a request could not connect or was reset."""
+        """Passive detection: a request's connection was refused or reset (the process is gone)."""
         self.registry.mark_down(rid, error)
+
+    def report_timeout(self, rid: str, error: str) -> None:
+        """Passive detection: a request's connect timed out. That counts as one failed health check, not
+        death: a stalled router host or a replica's full accept queue time out too, and taking every
+        replica out on one stall would purge the whole index (refusals and resets still remove at once)."""
+        rep = self.registry.get(rid)
+        if rep is None:
+            return
+        rep.failed_checks += 1
+        if rep.failed_checks >= self.health_failures:
+            self.registry.mark_down(rid, error)
 
     def _on_down(self, rid: str) -> None:
         log.warning("replica %s is down: %s", rid, self.registry.replicas[rid].last_error)

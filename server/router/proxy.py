@@ -39,7 +39,8 @@ SHARE_WINDOW = 512  # requests over which the policy's share cap evens out reque
 SHARE_DECAY = 1.0 - 1.0 / SHARE_WINDOW
 CONNECT_FAILURES = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
                     httpx.WriteError, httpx.PoolTimeout)  # forward_plain (httpx)
-# forwarding (aiohttp): a connect timeout is a dead replica; any other timeout is the replica being slow
+# forwarding (aiohttp): a connect timeout counts as a failed health check (fleet.report_timeout), a refused or
+# reset connection takes the replica out at once; any other timeout is the replica being slow
 UPSTREAM_FAILURES = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, aiohttp.ClientResponseError)
 CONNECT_TIMEOUT = getattr(aiohttp, "ConnectionTimeoutError", ())  # aiohttp >= 3.10; older: a plain timeout (504)
 PASSTHROUGH_HEADERS = ("content-type", "x-warmfleet-replica", "x-request-id")
@@ -250,7 +251,7 @@ class Proxy:
             self._observe_usage(a.decision, content, rid)
             return self._count(Response(content, resp.status, self._reply_headers(resp, rep, a.decision, retried)))
         except CONNECT_TIMEOUT:
-            self.fleet.report_failure(rid, f"{rid}: ConnectTimeout")
+            self.fleet.report_timeout(rid, f"{rid}: ConnectTimeout")
             return f"{rid}: ConnectTimeout"
         except asyncio.TimeoutError:
             if resp is not None:
