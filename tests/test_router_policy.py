@@ -234,6 +234,7 @@ def test_prediction_for_a_fallback_after_retry():
     (["--queue-weight", "-1"], "--queue-weight, --cold-queue-weight and --load-weight must be >= 0"),
     (["--cold-queue-weight", "-1"], "--queue-weight, --cold-queue-weight and --load-weight must be >= 0"),
     (["--cpu-tier-weight", "2"], "--cpu-tier-weight must be in [0, 1]"),
+    (["--warm-inflight-slack", "-1"], "--warm-slack, --warm-inflight-slack, --warm-min-tokens"),
     (["--replica", "ftp://x"], "--replica needs an http(s)://host:port URL"),
 ])
 def test_bad_router_flag_is_one_line_and_exit_2(tiny_model_dir, capsys, flags, message):
@@ -274,3 +275,31 @@ def test_unseen_peer_requests_widen_only_the_warm_in_flight_slack():
     # a short advantage is still not worth the queue
     short = [Candidate("warm", gpu_blocks=3, load=3, unseen=2)] + others
     assert choose(short, block_size=B, num_prompt_tokens=24 * B, cold_key=b"k", cfg=cfg).reason == LOAD_SPILL
+
+
+def test_warm_inflight_slack_widens_only_the_in_flight_bound():
+    """Long conversations spill on the in-flight bound (docs/scale.md, fourth round): `warm_inflight_slack`
+    keeps a long warm prefix that many requests further over it, while the share cap stays as it is."""
+    cfg = PolicyConfig(epsilon=0.25, load_weight=0, warm_slack=1, warm_min_tokens=64, warm_inflight_slack=1)
+    others = [Candidate(r, sent=4) for r in "bcd"]
+    assert load_cap([3, 0, 0, 0], 0.25) == 2  # load 3 takes the warm replica two over the in-flight bound
+
+    def cands(load, sent=4.0, blocks=20):
+        return [Candidate("warm", gpu_blocks=blocks, load=load, sent=sent)] + others
+
+    d = choose(cands(3), block_size=B, num_prompt_tokens=24 * B, cold_key=b"k", cfg=cfg)
+    assert d.order[0] == "warm" and d.reason == PREFIX_HIT
+    # without the knob the same request spills; three over is beyond warm_slack + warm_inflight_slack
+    base = PolicyConfig(epsilon=0.25, load_weight=0, warm_slack=1, warm_min_tokens=64)
+    assert choose(cands(3), block_size=B, num_prompt_tokens=24 * B, cold_key=b"k", cfg=base).reason == LOAD_SPILL
+    assert choose(cands(4), block_size=B, num_prompt_tokens=24 * B, cold_key=b"k", cfg=cfg).reason == LOAD_SPILL
+    # a short advantage is still not worth the queue
+    assert choose(cands(3, blocks=3), block_size=B, num_prompt_tokens=24 * B, cold_key=b"k",
+                  cfg=cfg).reason == LOAD_SPILL
+    # the share cap is unchanged: 320 tokens at stake give it slack 2 (7.04 + 2), so 9 recent requests keep
+    # the prefix and 10 spill, however wide the in-flight slack
+    wide = PolicyConfig(epsilon=0.25, load_weight=0, warm_slack=1, warm_min_tokens=64, warm_inflight_slack=5)
+    assert share_cap([8, 4, 4, 4], 0.15) == pytest.approx(7.0375)
+    assert choose(cands(0, sent=8), block_size=B, num_prompt_tokens=24 * B, cold_key=b"k", cfg=wide).order[0] == "warm"
+    d = choose(cands(0, sent=9), block_size=B, num_prompt_tokens=24 * B, cold_key=b"k", cfg=wide)
+    assert d.order[0] != "warm" and d.reason == LOAD_SPILL

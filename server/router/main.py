@@ -68,6 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warm-slack", type=int, default=1,
                    help="Requests above the bounded-load cap a replica may take when it holds much more of the "
                         "prompt than any replica under the cap (0 = strict bounded load).")
+    p.add_argument("--warm-inflight-slack", type=int, default=0,
+                   help="Beyond --warm-slack, requests above the in-flight bound (not the share cap) a replica "
+                        "may take when it holds much more of the prompt than any replica under the caps.")
     p.add_argument("--warm-min-tokens", type=int, default=64,
                    help="Cached prompt tokens a replica must hold beyond the best replica under the cap to use "
                         "--warm-slack.")
@@ -137,9 +140,10 @@ def settings_from_args(args: argparse.Namespace):
         raise ValueError("--block-size must be >= 1")
     if not 0 <= args.cpu_tier_weight <= 1:
         raise ValueError("--cpu-tier-weight must be in [0, 1]")
-    if (args.warm_slack < 0 or args.warm_min_tokens < 0 or args.balance_share_epsilon < 0
-            or args.share_slack_tokens < 0 or args.max_share_slack < 0):
-        raise ValueError("--warm-slack, --warm-min-tokens, --share-slack-tokens and --max-share-slack must be >= 0")
+    if (args.warm_slack < 0 or args.warm_inflight_slack < 0 or args.warm_min_tokens < 0
+            or args.balance_share_epsilon < 0 or args.share_slack_tokens < 0 or args.max_share_slack < 0):
+        raise ValueError("--warm-slack, --warm-inflight-slack, --warm-min-tokens, --share-slack-tokens and "
+                         "--max-share-slack must be >= 0")
     if args.warmup_budget_tokens < 0 or args.warmup_budget_s < 0:
         raise ValueError("--warmup-budget-tokens and --warmup-budget-s must be >= 0")
     if args.index_max_blocks is not None and args.index_max_blocks < 1:
@@ -170,7 +174,8 @@ def settings_from_args(args: argparse.Namespace):
         policy=PolicyConfig(cpu_weight=args.cpu_tier_weight, load_weight=args.load_weight,
                             queue_weight=args.queue_weight, cold_queue_weight=args.cold_queue_weight, epsilon=args.balance_epsilon, warm_slack=args.warm_slack,
                             warm_min_tokens=args.warm_min_tokens, share_epsilon=args.balance_share_epsilon,
-                            share_slack_tokens=args.share_slack_tokens, max_share_slack=args.max_share_slack),
+                            share_slack_tokens=args.share_slack_tokens, max_share_slack=args.max_share_slack,
+                            warm_inflight_slack=args.warm_inflight_slack),
         proxy=ProxyConfig(max_attempts=args.max_attempts, connect_timeout_s=args.connect_timeout_s,
                           read_timeout_s=args.upstream_timeout_s, cold_key_blocks=args.cold_key_blocks),
         tenants=Tenants.from_flags(keys, args.api_keys_file,

@@ -24,12 +24,14 @@ least-loaded replica always qualifies, so the rule never leaves a request withou
 Bounded load must not throw away a long warm prefix for a one-request imbalance: when the best
 replica is over a cap (in flight or share, below) but holds at least `warm_min_tokens` more of
 the prompt than the best replica under them, it may still take the request up to `warm_slack`
-requests above each cap. With peer routers, the in-flight figure of a replica is uncertain by
-about one request per peer (what it sent or saw finish since its last report), so that slack grows
-by `unseen` requests: a bound enforced more tightly than its own figures can tell threw away long
-warm prefixes for phantom load (docs/scale.md, active-active).
+requests above each cap, and `warm_inflight_slack` more above the in-flight bound only (long
+conversations spill on the in-flight bound; the share cap is what keeps the spread). With peer
+routers, the in-flight figure of a replica is uncertain by about one request per peer (what it
+sent or saw finish since its last report), so that slack grows by `unseen` requests: a bound
+enforced more tightly than its own figures can tell threw away long warm prefixes for phantom
+load (docs/scale.md, active-active).
 The share cap's slack grows with what is at stake: one more request per `share_slack_tokens` of
-that advantage, at most `max_share_slack` more (the in-flight bound keeps `warm_slack`), so a
+that advantage, at most `max_share_slack` more (the in-flight bound does not grow with it), so a
 conversation's long history stays home instead of being thrown away for a one-request imbalance.
 Requests that are warm everywhere (a hot system prompt) then do the balancing, at no cost.
 Equal choices go to the replica this router sent the fewest requests, so they even out.
@@ -74,6 +76,7 @@ class PolicyConfig:
     share_epsilon: float = 0.15  # no replica's share of recent requests above (1 + this) x the mean, plus one
     share_slack_tokens: int = 128  # 0: off; else one more request of share slack per this many warm tokens at stake
     max_share_slack: int = 1  # cap on that extra share slack
+    warm_inflight_slack: int = 0  # beyond warm_slack, requests above the in-flight bound (only) a warm replica may take
 
 
 @dataclass(frozen=True)
@@ -188,7 +191,8 @@ def choose(cands: Sequence[Candidate], *, block_size: int, num_prompt_tokens: in
         if cfg.share_slack_tokens > 0 and advantage > 0:
             share_slack += min(cfg.max_share_slack, advantage // cfg.share_slack_tokens)
         best_is_over = id(best_anywhere) not in fit_ids
-        if (best_is_over and best_anywhere.load + 1 <= cap + cfg.warm_slack + best_anywhere.unseen
+        inflight_slack = cfg.warm_slack + cfg.warm_inflight_slack + best_anywhere.unseen
+        if (best_is_over and best_anywhere.load + 1 <= cap + inflight_slack
                 and best_anywhere.sent + 1 <= scap + share_slack):
             if advantage >= cfg.warm_min_tokens:
                 ranked = [best_anywhere] + [c for c in ranked if c is not best_anywhere]
