@@ -177,14 +177,21 @@ def oracle_hits(model: Path, trace: list[list[dict]], capacity: int | None = Non
     for msgs in trace:
         p = r.chat({"messages": msgs})
         hs = block_hashes(p.token_ids, p.mm_items, block, fp)
-        hit = next((i for i, h in enumerate(hs) if h not in seen), len(hs))
+        hit = lru_prefix(seen, hs, capacity)
         out.append((min(hit * block, cacheable_tokens(p.num_tokens, block)), p.num_tokens))
-        for h in hs:
-            seen[h] = None
-            seen.move_to_end(h)
-        while capacity is not None and len(seen) > capacity:
-            seen.popitem(last=False)
     return out
+
+
+def lru_prefix(seen, hs: list, capacity) -> int:
+    """Leading blocks of `hs` found in the LRU `seen` (an OrderedDict); then `hs` are the most recent, and `seen`
+    is cut to `capacity` blocks (None: unbounded)."""
+    hit = next((i for i, h in enumerate(hs) if h not in seen), len(hs))
+    for h in hs:
+        seen[h] = None
+        seen.move_to_end(h)
+    while capacity is not None and len(seen) > capacity:
+        seen.popitem(last=False)
+    return hit
 
 
 def oracle_ratio(model: Path, trace: list[list[dict]]) -> float:

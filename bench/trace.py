@@ -179,13 +179,8 @@ def bound_hits(reqs: list[dict], block: int, fingerprint: str, capacity: int | N
     out = []
     for k, r in enumerate(reqs):
         hs = hashes[k] if hashes is not None else block_hashes(r["ids"], [], block, fingerprint)
-        hit = next((i for i, h in enumerate(hs) if h not in seen), len(hs))
+        hit = _routing.lru_prefix(seen, hs, capacity)
         out.append((min(hit * block, cacheable_tokens(len(r["ids"]), block)), len(r["ids"])))
-        for h in hs:
-            seen[h] = None
-            seen.move_to_end(h)
-        while capacity is not None and len(seen) > capacity:
-            seen.popitem(last=False)
     return out
 
 
