@@ -190,12 +190,10 @@ class Proxy:
                       raw: Optional[bytes] = None) -> Response:
         """Route and relay; `raw` is the client's body when `body` is still exactly it (no re-serialising)."""
         t_arrival = time.perf_counter()
-        if not self.fleet.routable():
-            return self._count(error_response(503, "no healthy replica", "service_unavailable"))
         rendered = None
         if kind == "chat" and self.renderer is not None and _has_images(body):
             rendered = (await self.render_off_loop(kind, body),)
-        replicas = self.fleet.routable()
+        replicas = self.fleet.routable()  # after the render: the fleet may change while it runs
         if not replicas:
             return self._count(error_response(503, "no healthy replica", "service_unavailable"))
         decision, prompt, hashes = self.decide(kind, body, replicas, rendered)
