@@ -58,6 +58,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -278,26 +279,99 @@ def router_command(kind: str, model: Path, sim: dict, port: int, block: int, ext
             cmd += ["--replica", f"{r['url']},events={r['events']}"]
     elif kind == "sglang":
         cmd = [tool("sglang-router"), "launch", "--worker-urls", *urls, "--policy", "cache_aware",
-               "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port()), *extra]
+               "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(listen_port()), *extra]
     elif kind == "vllm":
         cmd = [tool("vllm-router"), "--worker-urls", *urls, "--policy", "cache_aware",
-               "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port()), *extra]
+               "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(listen_port()), *extra]
         env["VLLM_ROUTER_TOKENIZER"] = str(model)
     else:
         raise ValueError(f"unknown router {kind!r}")
     return cmd, env
 
 
-def start_router(kind: str, model: Path, sim: dict, block: int, cwd: str, extra: list[str] = (),
-                 taskset: str | None = None, port: int | None = None) -> tuple[str, subprocess.Popen]:
-    import httpx
+def listen_port() -> int:
+    """A free loopback port for a router to listen on, below the kernel's ephemeral range when there is room.
 
-    port = port or free_port()
+    `free_port` hands out a port of the ephemeral range and releases it; vllm-router binds its port only after
+    checking every worker, i.e. after opening one outgoing connection per replica (64 at 64 replicas), and any
+    outgoing connection on the host (the bench's own, other processes') may take that port in the meantime. A
+    taken port (its --port or its --prometheus-port) makes vllm-router exit with 1 and sglang-router panic.
+    Ports below the ephemeral range are never given to outgoing connections."""
+    try:
+        lo = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return free_port()
+    if lo - 10_000 < 1024:
+        return free_port()
+    for _ in range(200):
+        port = random.randrange(lo - 10_000, lo)
+        if port in _LISTEN_PORTS:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _LISTEN_PORTS.add(port)
+        return port
+    return free_port()
+
+
+_LISTEN_PORTS: set[int] = set()
+
+
+def log_tail(path: Path, lines: int = 6) -> str:
+    """The last lines of a router's log (colour codes removed), for a failure message."""
+    import re
+
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return " | ".join(re.sub(r"\x1b\[[0-9;]*m", "", x).strip() for x in text.splitlines()[-lines:])
+
+
+def start_router(kind: str, model: Path, sim: dict, block: int, cwd: str, extra: list[str] = (),
+                 taskset: str | None = None, port: int | None = None, attempts: int = 3) -> tuple[str, subprocess.Popen]:
+    """Start one router and wait until it forwards; a router that exits during start-up is started again (fresh
+    ports unless `port` is fixed) up to `attempts` times, and the error names the tail of its log."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return _start_router_once(kind, model, sim, block, cwd, extra, taskset, port)
+        except RouterExited as exc:
+            progress(f"router {kind} exited during start-up (attempt {attempt} of {attempts}): {exc}")
+            if attempt == attempts:
+                raise
+    raise AssertionError("unreachable")
+
+
+class RouterExited(RuntimeError):
+    """A router process ended during start-up."""
+
+
+def _start_router_once(kind: str, model: Path, sim: dict, block: int, cwd: str, extra: list[str],
+                       taskset: str | None, port: int | None) -> tuple[str, subprocess.Popen]:
+    port = port or listen_port()
     cmd, env = router_command(kind, model, sim, port, block, extra)
     if taskset:
         cmd = ["taskset", "-c", taskset, *cmd]
-    log = open(Path(cwd) / f"router-{kind.replace(':', '-')}-{port}.log", "ab")
+    log_path = Path(cwd) / f"router-{kind.replace(':', '-')}-{port}.log"
+    log = open(log_path, "ab")
     p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        return _wait_router(kind, p, port, sim)
+    except RuntimeError as exc:
+        stop(p)
+        if p.returncode is not None and "process exited" in str(exc):
+            raise RouterExited(f"{exc}; log: {log_tail(log_path)}") from exc
+        raise
+    finally:
+        log.close()
+
+
+def _wait_router(kind: str, p: subprocess.Popen, port: int, sim: dict) -> tuple[str, subprocess.Popen]:
+    import httpx
+
     base = f"http://127.0.0.1:{port}"
     wait_for(lambda: httpx.get(base + "/health", timeout=2).status_code == 200, f"router {kind}", p, 120)
     if kind.startswith("warmfleet"):
@@ -456,7 +530,7 @@ def start_routers(kind: str, model: Path, sim: dict, args, cwd: str, extra: list
     if count == 1:
         base, proc = start_router(base_kind, model, sim, args.block_size, cwd, extra)
         return [base], [proc]
-    ports = [free_port() for _ in range(count)]
+    ports = [listen_port() for _ in range(count)]
     flags = ["--peers", ",".join(f"http://127.0.0.1:{p}" for p in ports)] if peers else []
     bases, procs = [], []
     try:

@@ -284,3 +284,54 @@ def test_trace_prompts_tokenize_exactly_and_bounds_are_consistent(tiny_model_dir
         4, 1.5, 10.0)
     assert summary["errors"] == 1 and summary["cached_ratio"] == 0.4 and summary["spread"] == 4.0
     assert summary["router_cpu_s_per_1k"] == 750.0 and summary["usage_mismatches"] == 0
+
+
+FAKE_PEER_ROUTER = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def _ok(self):
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        self.send_response(200); self.send_header("content-length", "2"); self.end_headers(); self.wfile.write(b"{}")
+    do_GET = do_POST = _ok
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_peer_router_that_exits_during_start_up_is_started_again_and_its_log_named(tmp_path, monkeypatch):
+    """vllm-router exits with 1 when a port it was given is taken by the time it binds (seen once at 64 replicas);
+    the bench starts it again on fresh ports, and says why if it keeps failing."""
+    import sys
+
+    starts = []
+
+    def fake_command(kind, model, sim_desc, port, block, extra=()):
+        starts.append(port)
+        if len(starts) == 1:  # the first start fails as vllm-router does on a taken port
+            code = "import sys; print('RuntimeError: Address already in use (os error 98)'); sys.exit(1)"
+            return [sys.executable, "-c", code], {}
+        return [sys.executable, "-c", FAKE_PEER_ROUTER, str(port)], {}
+
+    monkeypatch.setattr(trace, "router_command", fake_command)
+    base, proc = trace.start_router("vllm", tmp_path, {"replicas": []}, BLOCK, str(tmp_path))
+    try:
+        assert len(starts) == 2 and starts[0] != starts[1]  # a second start, on a fresh port
+        assert base == f"http://127.0.0.1:{starts[1]}" and proc.poll() is None
+    finally:
+        trace.stop(proc)
+
+    starts.clear()
+    monkeypatch.setattr(trace, "router_command", lambda *a, **k: (starts.append(1), (
+        [sys.executable, "-c", "import sys; print('Address already in use'); sys.exit(1)"], {}))[1])
+    with pytest.raises(trace.RouterExited, match="exited with 1.*Address already in use"):
+        trace.start_router("vllm", tmp_path, {"replicas": []}, BLOCK, str(tmp_path), attempts=2)
+    assert len(starts) == 2
+
+
+def test_router_listen_ports_are_outside_the_ephemeral_range_and_never_repeat():
+    from pathlib import Path
+
+    lo = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [trace.listen_port() for _ in range(50)]
+    assert len(set(ports)) == 50
+    assert all(p < lo for p in ports)  # no outgoing connection is ever given one of these
