@@ -21,6 +21,12 @@ RUN python -m pip install --no-deps . \
  && python -m pip install ".[${ENGINE_EXTRA},operator,fetch]" \
  && python -c "import paddle, warmfleet.server.config; print('paddle', paddle.__version__)"
 
+# The CPU backend's decode-attention kernel, built here so that pods (read-only root filesystem) load it
+# as is; without a C compiler in the image the engine would decode with Paddle ops (slower, logged).
+ENV WARMFLEET_KERNEL_DIR=/opt/warmfleet/kernels
+RUN (command -v cc >/dev/null || (apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev)) \
+ && python -c "from warmfleet.server.attention import native; print('kernel', native.build())"
+
 # Non-root by default; the operator's pod spec also sets runAsNonRoot and a read-only root filesystem.
 RUN useradd --uid 10001 --create-home --shell /usr/sbin/nologin warmfleet
 USER 10001:10001

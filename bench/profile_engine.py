@@ -86,11 +86,11 @@ def thread_report() -> dict:
 class Engine:
     """An EngineCore plus helpers that submit requests and time single steps."""
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, attention_backend: str = "cpu"):
         from warmfleet.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
         from warmfleet.server.engine.core import EngineCore
 
-        cfg = EngineConfig(ModelConfig(model=str(model_dir)),
+        cfg = EngineConfig(ModelConfig(model=str(model_dir), attention_backend=attention_backend),
                            CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks=512, enable_prefix_caching=True),
                            SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=64), ServerConfig())
         cfg.validate()
@@ -331,6 +331,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5, help="repetitions per section (medians reported)")
     ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--detail", default="", help="comma list of layers, ops, cprofile")
+    ap.add_argument("--attention-backend", default="cpu", help="as `warmfleet serve --attention-backend`")
     ap.add_argument("--threads", default="", help="comma list of math-thread counts to sweep (default: as configured)")
     args = ap.parse_args()
     sections = [s for s in args.sections.split(",") if s]
@@ -341,7 +342,7 @@ def main() -> int:
 
     model_dir = bench_model_dir(args.model)
     progress(f"loading {model_dir}")
-    eng = Engine(model_dir)
+    eng = Engine(model_dir, args.attention_backend)
     import paddle
 
     result: dict = {"benchmark": "profile_engine", "model": str(model_dir), "runs": args.runs,

@@ -269,3 +269,60 @@ def test_a_backend_registered_by_name_runs_the_engine_with_the_same_outputs(tiny
     assert calls["copy_blocks"] >= 2  # swapped out, then back in
     assert calls["step"] >= calls["build_metadata"] >= 12  # every step runs inside step(); idle ones build nothing
     assert calls["forward"] == calls["build_metadata"] * llm.engine.model.num_layers
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 4, 64), (14, 2, 64), (4, 4, 128), (6, 2, 16)])
+def test_native_decode_kernel_matches_paddle_ops(heads, kv_heads, head_dim):
+    """Ragged decode rows after a prefill chunk (rows out of step order), scattered blocks, grouped-query heads."""
+    rng = np.random.default_rng(heads * head_dim)
+    native, ops = CpuPagedAttention(native=True), CpuPagedAttention(native=False)
+    calls = []
+    kernel = native._kernel
+    assert kernel is not None, "this machine builds the kernel (it has a C compiler)"
+    native._kernel = lambda *a: calls.append(a[5]) or kernel(*a)
+    bs, layout = 16, KVLayout(1, kv_heads, head_dim, 16, "float32")
+    (cache,) = native.allocate(layout, 40)
+    cache.key.set_value(paddle.to_tensor(rng.standard_normal(cache.key.shape, dtype=np.float32)))
+    cache.value.set_value(paddle.to_tensor(rng.standard_normal(cache.value.shape, dtype=np.float32)))
+    blocks = [int(b) for b in rng.permutation(40)]
+    spans = [(blocks[0:3], 40, 1), (blocks[3:5], 20, 7), (blocks[5:6], 0, 1), (blocks[6:10], 63, 1)]
+    t = sum(n for _, _, n in spans)
+    q = paddle.to_tensor(rng.standard_normal((t, heads, head_dim), dtype=np.float32))
+    k, v = (paddle.to_tensor(rng.standard_normal((t, kv_heads, head_dim), dtype=np.float32)) for _ in range(2))
+    outs = []
+    for backend in (native, ops):
+        with backend.step():
+            outs.append(backend.forward(q, k, v, cache, backend.build_metadata(bs, spans), head_dim ** -0.5).numpy())
+    assert calls == [3]  # one kernel call for the three decode rows
+    np.testing.assert_allclose(outs[0], outs[1], atol=2e-5, rtol=1e-5)
+
+
+def test_without_a_c_compiler_the_cpu_backend_decodes_with_paddle_ops_and_says_how_to_fix(monkeypatch, tmp_path,
+                                                                                         caplog):
+    from warmfleet.server.attention import native
+
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("WARMFLEET_KERNEL_DIR", str(tmp_path / "kernels"))
+    native.paged_decode_f32.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            backend = CpuPagedAttention()
+        assert backend._kernel is None
+        assert "using Paddle ops" in caplog.text and "WARMFLEET_KERNEL_DIR" in caplog.text
+        cache = one_layer_cache(backend, 4, 4)
+        q, k, v = paddle.randn([3, 4, 8]), paddle.randn([3, 2, 8]), paddle.randn([3, 2, 8])
+        with backend.step():
+            out = backend.forward(q, k, v, cache, backend.build_metadata(4, [([0, 1], 0, 3)]), 8 ** -0.5)
+        np.testing.assert_allclose(out.numpy(), dense(q, k, v).numpy(), atol=2e-5)
+    finally:
+        native.paged_decode_f32.cache_clear()
+
+
+def test_kernel_is_built_once_per_source_and_reused(monkeypatch, tmp_path):
+    from warmfleet.server.attention import native
+
+    monkeypatch.setenv("WARMFLEET_KERNEL_DIR", str(tmp_path))
+    first = native.build()
+    stamp = first.stat().st_mtime_ns
+    assert native.build() == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left behind

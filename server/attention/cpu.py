@@ -93,8 +93,8 @@ class DecodeBatch:
 
     rows: Optional[paddle.Tensor]  # int64 [B]: their rows in the step tensors; None when they are rows 0..B-1 of B
     row_ids: np.ndarray  # int64 [B]: the same rows on the host
-    slots: paddle.Tensor  # int64 [B * max_context]: each row's context slots, padded with slot 0
-    mask: Optional[paddle.Tensor]  # additive float32 [1, B, 1, max_context]: -inf on padding; None if nothing is
+    slots_host: np.ndarray  # int64 [B, max_context]: each row's context slots, padded with slot 0
+    lens: np.ndarray  # int64 [B]: each row's context length
     max_context: int
     num_seqs: int
 
@@ -102,15 +102,25 @@ class DecodeBatch:
     def build(cls, rows: list[int], slots: list[np.ndarray], num_tokens: int) -> "DecodeBatch":
         width = max(len(x) for x in slots)
         padded = np.zeros((len(rows), width), dtype=np.int64)
-        mask = np.zeros((len(rows), width), dtype=np.float32)
         for i, x in enumerate(slots):
             padded[i, :len(x)] = x
-            mask[i, len(x):] = -np.inf
         row_ids = np.asarray(rows, dtype=np.int64)
         in_order = len(rows) == num_tokens  # then rows are 0..B-1: nothing to gather
-        ragged = any(len(x) != width for x in slots)
-        return cls(None if in_order else paddle.to_tensor(row_ids), row_ids, paddle.to_tensor(padded.reshape(-1)),
-                   paddle.to_tensor(mask[None, :, None, :]) if ragged else None, width, len(rows))
+        return cls(None if in_order else paddle.to_tensor(row_ids), row_ids, padded,
+                   np.asarray([len(x) for x in slots], dtype=np.int64), width, len(rows))
+
+    @functools.cached_property
+    def slots(self) -> paddle.Tensor:
+        """int64 [B * max_context]: `slots_host` flattened, for the Paddle-ops path (built on its first layer)."""
+        return paddle.to_tensor(self.slots_host.reshape(-1))
+
+    @functools.cached_property
+    def mask(self) -> Optional[paddle.Tensor]:
+        """Additive float32 [1, B, 1, max_context]: -inf on padding; None if no row is padded."""
+        if (self.lens == self.max_context).all():
+            return None
+        pad = np.arange(self.max_context)[None, :] >= self.lens[:, None]
+        return paddle.to_tensor(np.where(pad, -np.inf, 0.0).astype(np.float32)[None, :, None, :])
 
 
 @dataclass
@@ -202,6 +212,15 @@ class CpuPagedAttention:
 
     name = "cpu"
 
+    def __init__(self, native: bool = True):
+        """native: decode rows through the compiled kernel (native.py) when it builds; else Paddle ops."""
+        self.name = "cpu" if native else "cpu-paddle"
+        self._kernel = None
+        if native:
+            from .native import paged_decode_f32
+
+            self._kernel = paged_decode_f32()
+
     def allocate(self, layout: KVLayout, num_blocks: int) -> list[LayerCache]:
         shape = [layout.num_kv_heads, num_blocks * layout.block_size, layout.head_dim]
         return [LayerCache(paddle.zeros(shape, dtype=layout.dtype), paddle.zeros(shape, dtype=layout.dtype))
@@ -272,16 +291,11 @@ class CpuPagedAttention:
             rows.append(np.arange(c.start, end))
         d = meta.decode
         if d is not None:
-            b = d.num_seqs
-            # a group's query heads are the rows of one matmul against its kv head: no broadcasting
-            qd = (q if d.rows is None else paddle.gather(q, d.rows)).reshape([b, num_kv, rep, head_dim])
-            qd = qd.transpose([1, 0, 2, 3])  # [Hkv, B, rep, D]: the small operand moves, cached K/V do not
-            # Paddle ops: a decode batch's scores are small, numpy's fixed cost per call would dominate
-            kd, vd = (paddle.gather(x, d.slots, axis=1).reshape([num_kv, b, d.max_context, head_dim])
-                      for x in (cache.key, cache.value))  # [Hkv, B, C, D]
-            scores = paddle.matmul(qd, kd, transpose_y=True)  # [Hkv, B, rep, C]
-            probs = _softmax_fp32(scores if d.mask is None else scores + d.mask)
-            o = paddle.matmul(probs, vd).transpose([1, 0, 2, 3]).reshape([b, num_heads, head_dim])
+            qd = q if d.rows is None else paddle.gather(q, d.rows)  # [B, Hq, D]
+            if self._native_fits(qd):
+                o = self._decode_native(qd, cache, d)
+            else:
+                o = _decode_ops(qd, cache, d, num_kv)
             if not meta.seqs and c is None:
                 return o if d.rows is None else _place(o, d.rows, meta.num_tokens)
             outs.append(o)
@@ -291,6 +305,39 @@ class CpuPagedAttention:
         if len(order) == meta.num_tokens and (order == np.arange(meta.num_tokens)).all():
             return out  # already in step order
         return _place(out, paddle.to_tensor(order), meta.num_tokens)
+
+    def _native_fits(self, q: paddle.Tensor) -> bool:
+        """The kernel takes float32 host tensors with head_dim a multiple of 8 up to 128."""
+        head_dim = q.shape[-1]
+        return (self._kernel is not None and q.dtype == paddle.float32 and q.place.is_cpu_place()
+                and head_dim % 8 == 0 and head_dim <= 128)
+
+    def _decode_native(self, q: paddle.Tensor, cache, d: DecodeBatch) -> paddle.Tensor:
+        """The compiled kernel reads each row's context in place: no gathered K/V, no padded scores."""
+        num_kv, num_slots, head_dim = cache.key.shape
+        q = q if q.is_contiguous() else q.contiguous()
+        out = paddle.empty(q.shape, dtype=q.dtype)
+        rc = self._kernel(q.data_ptr(), cache.key.data_ptr(), cache.value.data_ptr(), d.slots_host.ctypes.data,
+                          d.lens.ctypes.data, d.num_seqs, q.shape[1], num_kv, head_dim, num_slots, d.max_context,
+                          out.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"native decode attention failed ({rc}: -1 out of memory, -2 head_dim {head_dim} not "
+                               "supported); run with --attention-backend cpu-paddle")
+        return out
+
+
+def _decode_ops(q: paddle.Tensor, cache, d: DecodeBatch, num_kv: int) -> paddle.Tensor:
+    """Decode rows in Paddle ops: gather each row's padded context, one batched matmul per operand."""
+    b, num_heads, head_dim = q.shape
+    rep = num_heads // num_kv
+    # a group's query heads are the rows of one matmul against its kv head: no broadcasting
+    qd = q.reshape([b, num_kv, rep, head_dim]).transpose([1, 0, 2, 3])  # [Hkv, B, rep, D]: the small operand moves
+    # a decode batch's scores are small: numpy's fixed cost per call would dominate
+    kd, vd = (paddle.gather(x, d.slots, axis=1).reshape([num_kv, b, d.max_context, head_dim])
+              for x in (cache.key, cache.value))  # [Hkv, B, C, D]
+    scores = paddle.matmul(qd, kd, transpose_y=True)  # [Hkv, B, rep, C]
+    probs = _softmax_fp32(scores if d.mask is None else scores + d.mask)
+    return paddle.matmul(probs, vd).transpose([1, 0, 2, 3]).reshape([b, num_heads, head_dim])
 
 
 def _block_slots(block_ids: Sequence[int], block_size: int) -> np.ndarray:

@@ -10,15 +10,17 @@ if TYPE_CHECKING:
 DEFAULT = "cpu"
 
 
-def _cpu() -> "AttentionBackend":
+def _cpu(native: bool = True) -> "AttentionBackend":
     from .cpu import CpuPagedAttention
 
-    return CpuPagedAttention()
+    return CpuPagedAttention(native)
 
 
 # name -> zero-argument factory. A new backend adds one entry here (and its own module); the scheduler,
 # the KV cache manager and the models stay as they are.
-BACKENDS: dict[str, Callable[[], "AttentionBackend"]] = {"cpu": _cpu}
+# `cpu` decodes through a compiled kernel when the machine can build it (else as `cpu-paddle`, logged);
+# `cpu-paddle` is Paddle ops only (the reference the kernel is tested against).
+BACKENDS: dict[str, Callable[[], "AttentionBackend"]] = {"cpu": _cpu, "cpu-paddle": lambda: _cpu(native=False)}
 
 
 def check(name: str) -> None:
