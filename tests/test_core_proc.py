@@ -72,3 +72,37 @@ def test_a_steps_outputs_go_out_as_one_message_and_failures_stay_with_their_requ
     steps = [batch for batch in outputs if not any(o[8] for o in batch)]
     assert core.steps == 1 and [[o[0] for o in batch] for batch in steps] == [["a", "b"]]
     assert ("reply", [3, {**EngineStats(num_running=2).__dict__}]) in link.sent
+
+
+def test_one_adds_message_puts_all_its_requests_into_the_same_first_step():
+    core = FakeCore({"bad": ValueError("prompt too long")})
+    wires = [add(rid)[1] for rid in ("a", "bad", "b", "c")]
+    step_loop(core, FakeLink([[("adds", wires)]]))
+    assert core.steps == 1  # a, b and c ran together; the refused one failed alone
+
+
+async def test_requests_started_in_one_event_loop_tick_reach_the_engine_as_one_message(monkeypatch):
+    """A multi-prompt request starts one task per choice; the engine must see them together (one step)."""
+    import asyncio
+
+    from warmfleet.server.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine.__new__(AsyncEngine)
+    engine.dead, engine._queues, engine._adds, engine._adds_sent, engine._flushes = None, {}, [], None, set()
+    sent = []
+
+    async def fake_send(kind, payload):
+        sent.append((kind, [w["request_id"] for w in payload] if kind == "adds" else payload))
+
+    monkeypatch.setattr(engine, "_send", fake_send)
+
+    async def first_output(rid):
+        gen = engine.generate(GenerateRequest(rid, [1, 2], SamplingParams(max_tokens=1)))
+        task = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.01)
+        engine._queues[rid].put_nowait(RequestOutput(rid, [7], True, "length", 2))
+        return (await task).request_id, await gen.aclose()
+
+    done = await asyncio.gather(*(first_output(r) for r in ("a", "b", "c")))
+    assert [d[0] for d in done] == ["a", "b", "c"]
+    assert sent == [("adds", ["a", "b", "c"])]

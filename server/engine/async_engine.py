@@ -50,6 +50,9 @@ class AsyncEngine:
         self._ready = asyncio.get_running_loop().create_future()
         self.dead: Optional[str] = None
         self._closing = False
+        self._adds: list = []  # this event-loop tick's new requests, sent as one "adds" message (`_add`)
+        self._adds_sent: Optional[asyncio.Future] = None
+        self._flushes: set[asyncio.Task] = set()
 
     @classmethod
     async def start(cls, cfg: EngineConfig, ready_timeout_s: float = 600.0) -> "AsyncEngine":
@@ -121,6 +124,38 @@ class AsyncEngine:
             raise EngineDeadError(self.dead)
         await self._in.send(serde.packb([kind, payload]))
 
+    async def _add(self, wire) -> None:
+        """Send a new request together with every other one added in this event-loop tick.
+
+        The choices of a multi-prompt request start as separate tasks; sent one message each, the engine
+        core began stepping on the first few and split the batch over extra steps (docs/performance.md).
+        """
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        if not self._adds:
+            loop = asyncio.get_running_loop()
+            self._adds_sent = loop.create_future()
+            loop.call_soon(self._flush_adds)
+        self._adds.append(wire)
+        await asyncio.shield(self._adds_sent)  # one waiter cancelled must not cancel its batch-mates' send
+
+    def _flush_adds(self) -> None:
+        batch, sent = self._adds, self._adds_sent
+        self._adds = []
+
+        async def send() -> None:
+            try:
+                await self._send("adds", batch)
+            except BaseException as exc:
+                sent.set_exception(exc)
+                sent.exception()  # retrieved here: every waiter may have gone
+            else:
+                sent.set_result(None)
+
+        task = asyncio.ensure_future(send())
+        self._flushes.add(task)
+        task.add_done_callback(self._flushes.discard)
+
     async def _call(self, method: str):
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
@@ -138,8 +173,9 @@ class AsyncEngine:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         self._queues[req.request_id] = q
         finished = False
+        wire = serde.request_to_wire(req)
         try:
-            await self._send("add", serde.request_to_wire(req))
+            await self._add(wire)
             while True:
                 out: RequestOutput = await q.get()
                 finished = out.finished
@@ -148,7 +184,9 @@ class AsyncEngine:
                     return
         finally:
             self._queues.pop(req.request_id, None)
-            if not finished and not self.dead:  # client went away or the consumer stopped early
+            if any(w is wire for w in self._adds):  # cancelled before its batch left: it never reaches the engine
+                self._adds = [w for w in self._adds if w is not wire]
+            elif not finished and not self.dead:  # client went away or the consumer stopped early
                 try:
                     await self._send("abort", [req.request_id])
                 except Exception:

@@ -165,15 +165,16 @@ def handle(core, link: Link, kind: str, payload) -> None:
     """One message from the API process: add a request, abort some, or answer a call."""
     from . import serde
 
-    if kind == "add":
-        req = serde.request_from_wire(payload)
-        try:
-            core.add_request(req)
-        except ValueError as exc:
-            link.send_outputs([_failed(req.request_id, str(exc))])
-        except Exception as exc:  # the request fails, not the engine
-            log.exception("request %s could not be added", req.request_id)
-            link.send_outputs([_failed(req.request_id, f"{type(exc).__name__}: {exc}")])
+    if kind in ("add", "adds"):  # "adds": the requests the API process added in one event-loop tick
+        for wire in ([payload] if kind == "add" else payload):
+            req = serde.request_from_wire(wire)
+            try:
+                core.add_request(req)
+            except ValueError as exc:
+                link.send_outputs([_failed(req.request_id, str(exc))])
+            except Exception as exc:  # the request fails, not the engine
+                log.exception("request %s could not be added", req.request_id)
+                link.send_outputs([_failed(req.request_id, f"{type(exc).__name__}: {exc}")])
     elif kind == "abort":
         core.abort(payload)
     elif kind == "call":
