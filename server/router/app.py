@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import json
 from contextlib import asynccontextmanager
@@ -57,6 +58,18 @@ class RouterSettings:
     peers: list[str] = field(default_factory=list)  # peer routers' base URLs: load and client limits shared (peers.py)
     peer_interval_s: float = 0.1  # how often peers are polled
     peer_jitter: float = 4.0  # random tie-break noise with peers, in recent requests (peers.py: herding)
+    freeze_gc: bool = False  # gc.freeze() once started (`warmfleet route` sets it; a process-wide act, not for tests)
+
+
+def parse_json_object(raw: bytes) -> dict | Response:
+    """The request's JSON object, or the 400 to answer."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nesting too deep
+        return error_response(400, "request body is not valid JSON", "invalid_request_error")
+    if not isinstance(body, dict):
+        return error_response(400, "request body must be a JSON object", "invalid_request_error")
+    return body
 
 
 async def json_body(request: Request, max_bytes: int) -> tuple[dict, bytes] | Response:
@@ -65,13 +78,26 @@ async def json_body(request: Request, max_bytes: int) -> tuple[dict, bytes] | Re
         raw = await read_capped(request, max_bytes)
     except BodyTooLarge as exc:
         return error_response(413, str(exc), "invalid_request_error")
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nesting too deep
-        return error_response(400, "request body is not valid JSON", "invalid_request_error")
-    if not isinstance(body, dict):
-        return error_response(400, "request body must be a JSON object", "invalid_request_error")
-    return body, raw
+    body = parse_json_object(raw)
+    return body if isinstance(body, Response) else (body, raw)
+
+
+async def receive_capped(receive, declared: Optional[bytes], limit: int) -> Optional[bytes]:
+    """`bodies.read_capped` on raw ASGI: the body, None if the client disconnected, BodyTooLarge past `limit`."""
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(limit)
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":  # http.disconnect
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(limit)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 class Frontend:
@@ -85,12 +111,14 @@ class Frontend:
         auth = request.headers.get("authorization")
         return {"authorization": auth} if auth and not self.settings.tenants.enabled else {}
 
-    async def admit(self, request: Request, body: Optional[dict], call: Callable[[], Awaitable[Response]]) -> Response:
-        """Authenticate (and salt `body` for the tenant), hold a per-client slot until the last byte is sent."""
+    def enter(self, host: str, auth: Optional[str], body: Optional[dict]) -> str | Response:
+        """Authenticate (and salt `body` for the tenant) and take a per-client slot: the client's key, or the 4xx.
+
+        The caller releases the slot (`limiter.release(key)`) when the last byte has been sent."""
         tenants, limiter = self.settings.tenants, self.limiter
-        client = request.client.host if request.client else "unknown"
+        client = host
         if tenants.enabled:
-            key = tenants.authenticate(request.headers.get("authorization"))
+            key = tenants.authenticate(auth)
             if key is None:
                 return error_response(401, "missing or unknown API key", "authentication_error")
             client = "key:" + key
@@ -100,6 +128,15 @@ class Frontend:
         if not limiter.try_acquire(client):
             return error_response(429, f"more than {limiter.limit} concurrent requests from this client",
                                   "rate_limit_error")
+        return client
+
+    async def admit(self, request: Request, body: Optional[dict], call: Callable[[], Awaitable[Response]]) -> Response:
+        """`enter`, then the answer of `call`, holding the client's slot until its last byte is sent."""
+        client = self.enter(request.client.host if request.client else "unknown",
+                            request.headers.get("authorization"), body)
+        if isinstance(client, Response):
+            return client
+        limiter = self.limiter
         try:
             resp = await call()
         except BaseException:
@@ -113,6 +150,38 @@ class Frontend:
         else:
             limiter.release(client)
         return resp
+
+    async def serve(self, scope: dict, receive, send, kind: str) -> None:
+        """A cache-routed POST in raw ASGI: what `generate` + `admit` do, without Starlette's Request object or a
+        background task (the slot is released when the response has been sent, streams included)."""
+        auth = declared = None
+        for name, value in scope["headers"]:  # ASGI header names are lower-case
+            if name == b"authorization":
+                auth = auth if auth is not None else value.decode("latin-1")
+            elif name == b"content-length":
+                declared = declared if declared is not None else value
+        try:
+            raw = await receive_capped(receive, declared, self.settings.max_request_bytes)
+        except BodyTooLarge as exc:
+            return await error_response(413, str(exc), "invalid_request_error")(scope, receive, send)
+        if raw is None:  # the client left before its body arrived: nobody to answer
+            return None
+        parsed = parse_json_object(raw)
+        if isinstance(parsed, Response):
+            return await parsed(scope, receive, send)
+        peer = scope.get("client")
+        client = self.enter(peer[0] if peer else "unknown", auth, parsed)
+        if isinstance(client, Response):
+            return await client(scope, receive, send)
+        try:
+            tenants = self.settings.tenants.enabled
+            # the client's bytes go upstream as they came unless the router rewrote the body (tenant salt)
+            resp = await self.state["proxy"].forward(scope["path"], kind, parsed,
+                                                     {"authorization": auth} if auth and not tenants else {},
+                                                     None if tenants else raw)
+            await resp(scope, receive, send)
+        finally:
+            self.limiter.release(client)
 
     async def generate(self, request: Request, path: str, kind: str) -> Response:
         parsed = await json_body(request, self.settings.max_request_bytes)
@@ -153,7 +222,8 @@ class FastPath:
 
     It skips FastAPI's routing and per-endpoint machinery and also its middleware stack (error,
     exception-telemetry and body-limit layers, which read the environment on every request):
-    about 5% of the router's CPU per request under load (docs/scale.md). Everything else, the
+    about 5% of the router's CPU per request under load (docs/scale.md), and Starlette's Request
+    object (`Frontend.serve` reads the body and two headers straight from ASGI). Everything else, the
     lifespan included, goes to the FastAPI app, whose attributes (`state`, ...) it forwards.
     """
 
@@ -167,8 +237,7 @@ class FastPath:
         kind = FAST_PATHS.get(scope.get("path", "")) if scope["type"] == "http" else None
         if kind is None or scope.get("method") != "POST" or "proxy" not in self.frontend.state:
             return await self.inner(scope, receive, send)
-        resp = await self.frontend.generate(Request(scope, receive), scope["path"], kind)
-        await resp(scope, receive, send)
+        await self.frontend.serve(scope, receive, send, kind)
 
 
 def _add_openai_routes(app: FastAPI, front: Frontend) -> None:
@@ -213,6 +282,11 @@ def _lifespan(settings: RouterSettings, metrics: RouterMetrics, state: dict, pee
         app.state.proxy = state["proxy"]
         await fleet.set_members(settings.replicas)
         await fleet.start()
+        if settings.freeze_gc:
+            # what is loaded by now (tokenizer, FastAPI, pydantic: ~85k objects) lives as long as the process; out
+            # of the collector's reach, a full collection no longer walks it (35-55 ms a pass under load before:
+            # a p99 spike every few seconds; 2-3 ms after; docs/scale.md)
+            gc.freeze()
         disc = asyncio.create_task(settings.discovery(fleet)) if settings.discovery else None
         gossip = asyncio.create_task(peers.run()) if peers else None
         try:
