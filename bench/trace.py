@@ -500,15 +500,21 @@ def summarize(rec: list[dict], simlog: list[dict], n: int, cpu_s: float | None, 
     out["usage_mismatches"] = mism
     if any(r["route"] for r in ok):  # warmfleet: decisions by reason, tokens lost against the oracle, mispredictions
         reasons: dict = {}
+        ttfts: dict = {}
         for r in ok:
             reason = (r["route"] or "none").split(";")[0]
             predicted = int((r["route"] or "=0").rsplit("=", 1)[1])
-            actual = by_tag.get(f"r{r['i']}", {}).get("cached", 0)
+            x = by_tag.get(f"r{r['i']}", {})
+            actual = x.get("cached", 0)
             d = reasons.setdefault(reason, {"requests": 0, "lost_vs_oracle": 0, "mispredicted": 0})
             d["requests"] += 1
             d["mispredicted"] += abs(predicted - actual)
             if oracle is not None:
                 d["lost_vs_oracle"] += max(0, oracle[r["i"]][0] - actual)
+            if x:
+                ttfts.setdefault(reason, []).append(x["ttft_model_s"])
+        for reason, xs in ttfts.items():  # where simulated TTFT goes: new conversations vs kept prefixes
+            reasons[reason].update(ttft_p50_s=quantile(xs, 0.5), ttft_p90_s=quantile(xs, 0.9))
         out["reasons"] = reasons
     return out
 

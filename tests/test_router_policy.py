@@ -71,7 +71,7 @@ def test_queued_prefill_weighs_fully_only_when_no_cache_is_at_stake():
 
 
 def test_bounded_load_spills_a_hot_prefix():
-    cfg = PolicyConfig(epsilon=0.25, load_weight=0)
+    cfg = PolicyConfig(epsilon=0.25, load_weight=0, warm_inflight_slack=0)
     cands = [Candidate("hot", gpu_blocks=8, load=4), Candidate("b", load=0), Candidate("c", load=1)]
     assert load_cap([4, 0, 1], 0.25) == 3
     d = choose(cands, block_size=B, num_prompt_tokens=10 * B, cold_key=b"k", cfg=cfg)
@@ -79,14 +79,14 @@ def test_bounded_load_spills_a_hot_prefix():
 
 
 def test_bounded_load_never_exceeds_cap_over_a_burst():
-    """A hot prefix sent 100 times with nothing finishing: no replica above ceil((1+eps) * mean)."""
+    """A hot prefix sent 100 times with nothing finishing: no replica above ceil((1+eps) * mean) + the warm slacks."""
     cfg = PolicyConfig(epsilon=0.25, load_weight=0)
     load = Counter()
     for i in range(100):
         cands = [Candidate(r, gpu_blocks=8 if r == "http://r0" else 0, load=load[r]) for r in REPLICAS]
         load[choose(cands, block_size=B, num_prompt_tokens=10 * B, cold_key=b"k", cfg=cfg).order[0]] += 1
         mean = sum(load.values()) / len(REPLICAS)
-        assert max(load.values()) <= -(-(1.25 * mean) // 1) + 1
+        assert max(load.values()) <= -(-(1.25 * mean) // 1) + cfg.warm_slack + cfg.warm_inflight_slack
     assert load["http://r0"] == max(load.values())
 
 
@@ -137,7 +137,7 @@ def test_no_replicas_is_an_error():
 
 
 def test_warm_slack_keeps_a_long_prefix_one_over_the_cap():
-    cfg = PolicyConfig(epsilon=0.25, load_weight=0, warm_slack=1, warm_min_tokens=64)
+    cfg = PolicyConfig(epsilon=0.25, load_weight=0, warm_slack=1, warm_min_tokens=64, warm_inflight_slack=0)
     assert load_cap([1, 0, 0, 0], 0.25) == 1  # the warm replica is one over
     cands = [Candidate("warm", gpu_blocks=20, load=1), Candidate("b"), Candidate("c"), Candidate("d")]
     d = choose(cands, block_size=B, num_prompt_tokens=24 * B, cold_key=b"k", cfg=cfg)
@@ -145,7 +145,7 @@ def test_warm_slack_keeps_a_long_prefix_one_over_the_cap():
     # a short advantage is not worth the queue; strict bounded load never keeps it
     short = [Candidate("warm", gpu_blocks=3, load=1), Candidate("b"), Candidate("c"), Candidate("d")]
     assert choose(short, block_size=B, num_prompt_tokens=24 * B, cold_key=b"k", cfg=cfg).reason == LOAD_SPILL
-    strict = PolicyConfig(epsilon=0.25, load_weight=0, warm_slack=0)
+    strict = PolicyConfig(epsilon=0.25, load_weight=0, warm_slack=0, warm_inflight_slack=0)
     d = choose(cands, block_size=B, num_prompt_tokens=24 * B, cold_key=b"k", cfg=strict)
     assert d.order[0] != "warm" and d.reason == LOAD_SPILL
     # two over the cap is beyond a slack of one
@@ -157,7 +157,8 @@ def test_warm_slack_keeps_a_long_prefix_one_over_the_cap():
 def test_share_slack_grows_with_the_warm_tokens_at_stake():
     """A long warm prefix (a conversation's history) may take one more request of share slack per
     `share_slack_tokens` it holds beyond the best replica under the caps, up to `max_share_slack`."""
-    cfg = PolicyConfig(load_weight=0, warm_slack=1, warm_min_tokens=64, share_slack_tokens=128, max_share_slack=1)
+    cfg = PolicyConfig(load_weight=0, warm_slack=1, warm_min_tokens=64, share_slack_tokens=128, max_share_slack=1,
+                       warm_inflight_slack=0)
     assert share_cap([8, 4, 4, 4], 0.15) == pytest.approx(7.0375)  # 9 requests is two over the cap
 
     def cands(blocks, sent0, load0=0):
@@ -262,7 +263,7 @@ def test_tie_noise_reorders_equal_replicas_but_not_the_share_cap():
 def test_unseen_peer_requests_widen_only_the_warm_in_flight_slack():
     """With peer routers a replica's in-flight figure is uncertain by ~one request per peer: a long warm prefix
     stays home that many requests further over the bound; a short one, and cold balancing, are unchanged."""
-    cfg = PolicyConfig(epsilon=0.25, load_weight=0, warm_slack=1, warm_min_tokens=64)
+    cfg = PolicyConfig(epsilon=0.25, load_weight=0, warm_slack=1, warm_min_tokens=64, warm_inflight_slack=0)
     others = [Candidate("b"), Candidate("c"), Candidate("d")]
     busy = [Candidate("warm", gpu_blocks=20, load=3)] + others  # cap 2 (load 3 of 4 replicas): two over it
     assert choose(busy, block_size=B, num_prompt_tokens=24 * B, cold_key=b"k", cfg=cfg).reason == LOAD_SPILL
@@ -290,7 +291,7 @@ def test_warm_inflight_slack_widens_only_the_in_flight_bound():
     d = choose(cands(3), block_size=B, num_prompt_tokens=24 * B, cold_key=b"k", cfg=cfg)
     assert d.order[0] == "warm" and d.reason == PREFIX_HIT
     # without the knob the same request spills; three over is beyond warm_slack + warm_inflight_slack
-    base = PolicyConfig(epsilon=0.25, load_weight=0, warm_slack=1, warm_min_tokens=64)
+    base = PolicyConfig(epsilon=0.25, load_weight=0, warm_slack=1, warm_min_tokens=64, warm_inflight_slack=0)
     assert choose(cands(3), block_size=B, num_prompt_tokens=24 * B, cold_key=b"k", cfg=base).reason == LOAD_SPILL
     assert choose(cands(4), block_size=B, num_prompt_tokens=24 * B, cold_key=b"k", cfg=cfg).reason == LOAD_SPILL
     # a short advantage is still not worth the queue
@@ -303,3 +304,29 @@ def test_warm_inflight_slack_widens_only_the_in_flight_bound():
     assert choose(cands(0, sent=8), block_size=B, num_prompt_tokens=24 * B, cold_key=b"k", cfg=wide).order[0] == "warm"
     d = choose(cands(0, sent=9), block_size=B, num_prompt_tokens=24 * B, cold_key=b"k", cfg=wide)
     assert d.order[0] != "warm" and d.reason == LOAD_SPILL
+
+
+def test_common_prefix_free_lets_a_replica_that_never_held_the_fleet_wide_first_block_win_new_conversations():
+    """Every Mooncake request shares its first block: scored as a hit it keeps every new conversation off the
+    replicas that never held it, which then stay empty (11 of 64 in docs/scale.md). The part of the prefix that
+    more than half of the replicas hold scores nothing; what a replica holds beyond it still counts."""
+    on = PolicyConfig(common_prefix_free=True)
+    off = PolicyConfig(common_prefix_free=False)
+    req = dict(block_size=B, num_prompt_tokens=10 * B, cold_key=b"k")
+
+    def fleet(history_blocks=1):
+        return ([Candidate(f"used{i}", gpu_blocks=1, sent=2) for i in range(3)]
+                + [Candidate("hist", gpu_blocks=history_blocks, sent=2), Candidate("never", sent=1)])
+
+    assert choose(fleet(), **req, cfg=off).order[0] != "never"
+    d = choose(fleet(), **req, cfg=on)
+    assert d.order[0] == "never" and d.predicted_cached_tokens == 0
+    # a short history (3 blocks: under warm_min_tokens, so nothing "at stake") still stays home
+    d = choose(fleet(3), **req, cfg=on)
+    assert d.order[0] == "hist" and d.reason == PREFIX_HIT and d.predicted_cached_tokens == 3 * B
+    # a long prefix that more than half hold (a history copied by a spill) counts beyond the cap (48 tokens here)
+    hist = [Candidate("x", gpu_blocks=8, sent=2), Candidate("y", gpu_blocks=8, sent=2), Candidate("z", sent=1)]
+    assert choose(hist, **req, cfg=on).order[0] in ("x", "y")
+    # a block held by fewer than half of the replicas is not common: it counts in full
+    few = [Candidate("a", gpu_blocks=1, sent=1), Candidate("b", sent=1), Candidate("c", sent=1)]
+    assert choose(few, **req, cfg=on).order[0] == "a"

@@ -186,7 +186,8 @@ def test_choose_equals_the_reference(seed):
     n = rng.randrange(1, 70)
     q = rng.choice([0.0, 0.3, 1.0])
     cfg = PolicyConfig(queue_weight=q, cold_queue_weight=q, warm_slack=rng.choice([0, 1, 2]),
-                       share_slack_tokens=rng.choice([0, 128]))
+                       share_slack_tokens=rng.choice([0, 128]),
+                       warm_inflight_slack=0, common_prefix_free=False)  # rules the reference predates
     for _ in range(10):
         warm = rng.random() < 0.7
         cands = [Candidate(f"http://10.0.0.{i}:8000", gpu_blocks=rng.randrange(6) if warm else 0,

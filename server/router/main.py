@@ -68,9 +68,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warm-slack", type=int, default=1,
                    help="Requests above the bounded-load cap a replica may take when it holds much more of the "
                         "prompt than any replica under the cap (0 = strict bounded load).")
-    p.add_argument("--warm-inflight-slack", type=int, default=0,
+    p.add_argument("--warm-inflight-slack", type=int, default=1,
                    help="Beyond --warm-slack, requests above the in-flight bound (not the share cap) a replica "
                         "may take when it holds much more of the prompt than any replica under the caps.")
+    p.add_argument("--common-prefix-free", action=argparse.BooleanOptionalAction, default=True,
+                   help="The leading tokens of a prompt that more than half of the replicas hold score nothing, so "
+                        "replicas lacking a prefix every request shares still get new work (default on).")
     p.add_argument("--warm-min-tokens", type=int, default=64,
                    help="Cached prompt tokens a replica must hold beyond the best replica under the cap to use "
                         "--warm-slack.")
@@ -175,7 +178,7 @@ def settings_from_args(args: argparse.Namespace):
                             queue_weight=args.queue_weight, cold_queue_weight=args.cold_queue_weight, epsilon=args.balance_epsilon, warm_slack=args.warm_slack,
                             warm_min_tokens=args.warm_min_tokens, share_epsilon=args.balance_share_epsilon,
                             share_slack_tokens=args.share_slack_tokens, max_share_slack=args.max_share_slack,
-                            warm_inflight_slack=args.warm_inflight_slack),
+                            warm_inflight_slack=args.warm_inflight_slack, common_prefix_free=args.common_prefix_free),
         proxy=ProxyConfig(max_attempts=args.max_attempts, connect_timeout_s=args.connect_timeout_s,
                           read_timeout_s=args.upstream_timeout_s, cold_key_blocks=args.cold_key_blocks),
         tenants=Tenants.from_flags(keys, args.api_keys_file,

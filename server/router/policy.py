@@ -34,6 +34,12 @@ The share cap's slack grows with what is at stake: one more request per `share_s
 that advantage, at most `max_share_slack` more (the in-flight bound does not grow with it), so a
 conversation's long history stays home instead of being thrown away for a one-request imbalance.
 Requests that are warm everywhere (a hot system prompt) then do the balancing, at no cost.
+
+The prefix that more than half of the replicas hold scores nothing (`common_prefix_free`), up to the longest
+whole-block prefix under `warm_min_tokens`: it is not worth keeping a request off a replica that lacks it. Without that, a first block every request shares (every Mooncake
+request does) made each replica that had not yet served a request lose every new conversation to an idle one
+holding that block: 11 of 64 replicas never got work, and spread over the fleet was 1.24-1.26 (docs/scale.md,
+fifth round). What a replica holds beyond the common prefix (a conversation's history) counts in full.
 Equal choices go to the replica this router sent the fewest requests, so they even out.
 
 Share cap: the in-flight bound alone cannot keep request counts even when requests are short
@@ -76,7 +82,8 @@ class PolicyConfig:
     share_epsilon: float = 0.15  # no replica's share of recent requests above (1 + this) x the mean, plus one
     share_slack_tokens: int = 128  # 0: off; else one more request of share slack per this many warm tokens at stake
     max_share_slack: int = 1  # cap on that extra share slack
-    warm_inflight_slack: int = 0  # beyond warm_slack, requests above the in-flight bound (only) a warm replica may take
+    warm_inflight_slack: int = 1  # beyond warm_slack, requests above the in-flight bound (only) a warm replica may take
+    common_prefix_free: bool = True  # the leading tokens that more than half of the replicas hold score nothing
 
 
 @dataclass(frozen=True)
@@ -152,16 +159,27 @@ def choose(cands: Sequence[Candidate], *, block_size: int, num_prompt_tokens: in
     def hit_tokens(c: Candidate) -> int:
         return min(c.gpu_blocks * block_size + c.cpu_blocks * block_size, limit)
 
+    hit_list = [hit_tokens(c) for c in cands]
+    at_stake = max(hit_list) - min(hit_list) >= cfg.warm_min_tokens
     queue_weight = cfg.queue_weight
-    if cfg.cold_queue_weight is not None:
-        hit_list = [hit_tokens(c) for c in cands]
-        if max(hit_list) - min(hit_list) < cfg.warm_min_tokens:  # nothing at stake: moving costs nothing
-            queue_weight = cfg.cold_queue_weight
-
-    def score(c: Candidate) -> float:
+    if cfg.cold_queue_weight is not None and not at_stake:  # nothing at stake: moving costs nothing
+        queue_weight = cfg.cold_queue_weight
+    def prefix_value(c: Candidate) -> float:
         gpu = min(c.gpu_blocks * block_size, limit)
         cpu = min(c.cpu_blocks * block_size, limit - gpu)
-        return (gpu + cfg.cpu_weight * cpu + cfg.encoder_weight * c.warm_image_tokens
+        return gpu + cfg.cpu_weight * cpu
+
+    values = {id(c): prefix_value(c) for c in cands}
+    # the fleet-common level: what more than half of the replicas hold (a first block every request shares);
+    # holding it or less scores the same, 0, so ranking changes only among the replicas at or below it. Capped
+    # below warm_min_tokens: a long prefix (a history held twice after a spill) is never given away for this.
+    common = 0.0
+    if cfg.common_prefix_free:
+        short = (cfg.warm_min_tokens - 1) // block_size * block_size  # the longest whole-block prefix not at stake
+        common = min(sorted(values.values(), reverse=True)[len(cands) // 2], short)
+
+    def score(c: Candidate) -> float:
+        return (max(0.0, values[id(c)] - common) + cfg.encoder_weight * c.warm_image_tokens
                 - queue_weight * c.queued_tokens - cfg.load_weight * c.load)
 
     # Linear in the number of replicas: membership by identity, each score and rendezvous weight
