@@ -1,0 +1,146 @@
+"""Router CPU per request, this checkout against an earlier commit, side by side at fixed request rates.
+
+    python -P bench/router_cpu_ab.py --baseline COMMIT [--rates 800,1600] [--rounds 3] [--duration 5] [--json]
+
+Both routers (`warmfleet route`, the baseline's code from `git archive COMMIT` on PYTHONPATH) run at
+once against one `bench/simfleet.py` (8 replicas, zero time model) with the setup and pinning of
+`bench/router_throughput.py` (router core 0; simulator and hey core 1); at each rate they are
+measured in turn, `--rounds` times, and the median CPU ms per request (utime + stime of the
+router's process tree over the run / requests answered) is reported for each. CPU per request is
+the figure that survives a machine shared with other work; latency is reported, not judged.
+Writes router_cpu_ab.json and router_cpu_ab.png in --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+_spec = importlib.util.spec_from_file_location("wf_bench_router_throughput", HERE / "router_throughput.py")
+rt = sys.modules["wf_bench_router_throughput"] = importlib.util.module_from_spec(_spec)  # bench/ is not a package
+_spec.loader.exec_module(rt)
+trace = rt.trace
+
+
+def checkout(commit: str, dest: Path) -> Path:
+    """The package of `commit` laid out as installed (warmfleet/, warmfleet/server, warmfleet/operator) in `dest`."""
+    repo = HERE.parent
+    archive = subprocess.run(["git", "-C", str(repo), "archive", commit, "warmfleet", "server", "operator"],
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    (dest / "server").rename(dest / "warmfleet" / "server")
+    (dest / "operator").rename(dest / "warmfleet" / "operator")
+    return dest
+
+
+def start(name: str, pythonpath: str | None, model: Path, desc: dict, cwd: str) -> tuple:
+    old = os.environ.pop("PYTHONPATH", None)
+    try:
+        if pythonpath:  # a plain directory on PYTHONPATH is found before the editable install's finder
+            os.environ["PYTHONPATH"] = pythonpath
+        return trace.start_router("warmfleet", model, desc, 16, cwd, [], taskset="0")
+    finally:
+        os.environ.pop("PYTHONPATH", None)
+        if old is not None:
+            os.environ["PYTHONPATH"] = old
+
+
+def chart(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = res["rates"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, (name, color) in enumerate((("baseline", "#999999"), ("head", "#2e9e5b"))):
+        med = [res["routers"][name]["median_cpu_ms_per_request"][str(r)] for r in rates]
+        ax.bar([k + (i - 0.5) * 0.4 for k in range(len(rates))], med, 0.4, color=color,
+               label=f"{name} ({res['routers'][name]['code']})")
+    ax.set_xticks(range(len(rates)), [f"{r:g}/s" for r in rates])
+    ax.set_ylabel("router CPU ms per request (median of rounds)")
+    ax.set_title(f"one router process, {res['rounds']} interleaved rounds per rate", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--baseline", required=True, help="Commit whose router is compared with this checkout's.")
+    ap.add_argument("--rates", default="800,1600")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--duration", type=float, default=5.0)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args()
+    from warmfleet.server.tokenizer import Tokenizer
+
+    model = trace.tiny_model()
+    bodies = rt.bodies_for(trace.Words(Tokenizer(str(model)), 16), 96, 4)
+    rates = [float(x) for x in args.rates.split(",")]
+    cwd = tempfile.mkdtemp(prefix="wf-cpu-ab-")
+    base_dir = checkout(args.baseline, Path(tempfile.mkdtemp(prefix="wf-baseline-")))
+    head = subprocess.run(["git", "-C", str(HERE.parent), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    sim = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-P", str(HERE / "simfleet.py"), "--model", str(model),
+                            "--replicas", "8", "--time-model", "zero", "--gpu-blocks", "4096", "--ready-file",
+                            str(Path(cwd) / "sim.json")], cwd=cwd, stdout=subprocess.DEVNULL,
+                           stderr=open(Path(cwd) / "sim.log", "ab"))
+    routers: dict = {}
+    runs: dict = {"baseline": {}, "head": {}}
+    try:
+        trace.wait_for(lambda: (Path(cwd) / "sim.json").exists(), "simulator", sim, 60)
+        desc = json.loads((Path(cwd) / "sim.json").read_text())
+        routers["baseline"] = start("baseline", str(base_dir), model, desc, cwd)
+        routers["head"] = start("head", None, model, desc, cwd)
+        for rnd in range(args.rounds):
+            for rate in rates:
+                for name, (base, proc) in routers.items():
+                    rt.run_hey(base + "/v1/completions", bodies, rate, 1.0, "1", 16)  # warm
+                    c0 = trace.proc_tree_cpu(proc.pid)
+                    r = rt.run_hey(base + "/v1/completions", bodies, rate, args.duration, "1", 16)
+                    r["router_cpu_ms_per_request"] = round((trace.proc_tree_cpu(proc.pid) - c0)
+                                                           / max(1, r["requests"]) * 1e3, 3)
+                    r["loadavg_1m"] = os.getloadavg()[0]
+                    runs[name].setdefault(str(rate), []).append(r)
+                    rt.progress(f"round {rnd} {name} @ {rate:g}/s: {r}")
+    finally:
+        for _, p in routers.values():
+            trace.stop(p)
+        trace.stop(sim)
+        shutil.rmtree(cwd, ignore_errors=True)
+        shutil.rmtree(base_dir, ignore_errors=True)
+    res = {"command": " ".join([Path(sys.executable).name] + sys.argv), "rates": rates, "rounds": args.rounds,
+           "duration_s": args.duration, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "routers": {}}
+    for name, code in (("baseline", args.baseline), ("head", head)):
+        res["routers"][name] = {
+            "code": code,
+            "median_cpu_ms_per_request": {k: statistics.median(x["router_cpu_ms_per_request"] for x in v)
+                                          for k, v in runs[name].items()},
+            "runs": runs[name]}
+    res["head_over_baseline_cpu"] = {k: round(res["routers"]["head"]["median_cpu_ms_per_request"][k] / b, 3)
+                                     for k, b in res["routers"]["baseline"]["median_cpu_ms_per_request"].items()}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "router_cpu_ab.json").write_text(json.dumps(res, indent=1))
+    chart(res, out / "router_cpu_ab.png")
+    summary = {"median_cpu_ms_per_request": {n: r["median_cpu_ms_per_request"] for n, r in res["routers"].items()},
+               "head_over_baseline_cpu": res["head_over_baseline_cpu"]}
+    print(json.dumps(res) if args.json else json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
