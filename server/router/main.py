@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from dataclasses import replace
 
 from ..config import CacheConfig, ServerConfig, flag_of
 
@@ -214,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     if args.log_level != "debug":  # one line per health check per replica every 0.2 s is noise
         logging.getLogger("httpx").setLevel(logging.WARNING)
-    app = build_app(settings_from_args(args))
+    app = build_app(replace(settings_from_args(args), freeze_gc=True))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 http=coalescing_protocol())
     return 0
