@@ -306,3 +306,31 @@ def test_rope_config_layouts_agree():
     assert plain[0] == v4[0] == 1.0 and v4[-1] == pytest.approx(plain[-1] / 8)  # high freqs kept, low freqs / factor
     with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
         rope_inv_freq({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, 64)
+
+
+@pytest.mark.parametrize("vocab_major", [True, False])
+@pytest.mark.parametrize("name", ["qwen2_tiny", "qwen2_tiny_tied"])
+def test_either_vocabulary_layout_matches_transformers(tmp_path, monkeypatch, name, vocab_major):
+    """The layout timed at load (layout.py) only changes how the vocabulary projection is stored."""
+    from warmfleet.server.models import layout
+
+    monkeypatch.setattr(layout, "vocab_major_is_faster", lambda *a: vocab_major)
+    entry = MANIFEST["models"][name]
+    model, _ = load_model(make_tiny_model(tmp_path / name, **entry["make_tiny_model"]), CpuPagedAttention(), "float32")
+    table = model.model.embed_tokens.weight
+    assert (list(table.shape)[0] == model.vocab_size) == (vocab_major or not model.tie_word_embeddings)
+    if model.lm_head is not None:
+        assert model.lm_head.out_major == vocab_major
+    gold = dict(np.load(GOLDEN / f"{name}.npz"))
+    (logits,) = PagedRunner(model).step([("p", gold["prompt_0"].tolist())])
+    np.testing.assert_allclose(logits[-1], gold["last_logits"][0], atol=ATOL, rtol=0)
+
+
+def test_vocabulary_layout_is_timed_once_per_shape():
+    from warmfleet.server.models import layout
+
+    layout.vocab_major_is_faster.cache_clear()
+    first = layout.vocab_major_is_faster(512, 64, "float32")
+    assert layout.vocab_major_is_faster(512, 64, "float32") is first
+    assert layout.vocab_major_is_faster.cache_info().hits == 1
+    assert layout.vocab_major_is_faster(512, 64, "bfloat16") is True  # not timed: the checkpoint's layout

@@ -26,6 +26,7 @@ from paddle import nn
 
 from ..config import DTYPES
 from ..attention.interface import AttentionBackend, AttentionMetadata, LayerCache
+from . import layout
 
 
 def _param(layer: nn.Layer, shape: list[int], dtype: str) -> paddle.Tensor:
@@ -39,9 +40,8 @@ class Linear(nn.Layer):
 
     The loader transposes once (the parameter is marked `checkpoint_transposed`): on CPU a plain
     matmul is ~1.4x faster than `transpose_y` for the decode shapes. `out_major=True` keeps the
-    checkpoint's [out, in] and multiplies with `transpose_y` instead: the lm_head's layout (the
-    same as a tied embedding's). In the engine that halves the bench checkpoint's lm_head at 64
-    rows and costs ~0.3 ms more at 1 row (docs/performance.md).
+    checkpoint's [out, in] and multiplies with `transpose_y` instead: the lm_head's layout when it is
+    the faster one on this machine (layout.py; on the bench checkpoint it halves the lm_head at 64 rows).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str, out_major: bool = False):
@@ -57,11 +57,18 @@ class Linear(nn.Layer):
 
 
 class Embedding(nn.Layer):
-    def __init__(self, num_embeddings: int, dim: int, dtype: str):
+    """Token embeddings. `hidden_major` stores the table as [dim, vocab] (loaded transposed): the layout a
+    tied output projection multiplies faster on some CPUs (layout.py); lookups then gather columns."""
+
+    def __init__(self, num_embeddings: int, dim: int, dtype: str, hidden_major: bool = False):
         super().__init__()
-        self.weight = _param(self, [num_embeddings, dim], dtype)
+        self.hidden_major = hidden_major
+        self.weight = _param(self, [dim, num_embeddings] if hidden_major else [num_embeddings, dim], dtype)
+        self.weight.checkpoint_transposed = hidden_major
 
     def forward(self, ids: paddle.Tensor) -> paddle.Tensor:
+        if self.hidden_major:
+            return paddle.gather(self.weight, ids, axis=1).T.contiguous()  # [T, dim]: 43 ms of an 18 s 0.5B prefill
         return F.embedding(ids, self.weight)
 
 
@@ -247,9 +254,10 @@ class Qwen2DecoderLayer(nn.Layer):
 
 
 class Qwen2Model(nn.Layer):
-    def __init__(self, config: dict[str, Any], backend: AttentionBackend, dtype: str, biases: tuple[bool, bool]):
+    def __init__(self, config: dict[str, Any], backend: AttentionBackend, dtype: str, biases: tuple[bool, bool],
+                 embed_hidden_major: bool = False):
         super().__init__()
-        self.embed_tokens = Embedding(config["vocab_size"], config["hidden_size"], dtype)
+        self.embed_tokens = Embedding(config["vocab_size"], config["hidden_size"], dtype, embed_hidden_major)
         self.layers = nn.LayerList(
             [Qwen2DecoderLayer(config, backend, dtype, biases) for _ in range(config["num_hidden_layers"])]
         )
@@ -275,10 +283,12 @@ class Qwen2ForCausalLM(nn.Layer):
         self.num_kv_heads = config.get("num_key_value_heads") or self.num_heads
         self.head_dim = config.get("head_dim") or self.hidden_size // self.num_heads
         self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
-        self.model = Qwen2Model(config, backend, dtype, self.attention_biases(config))
+        vocab_major = layout.vocab_major_is_faster(self.vocab_size, self.hidden_size, dtype)
+        self.model = Qwen2Model(config, backend, dtype, self.attention_biases(config),
+                                embed_hidden_major=self.tie_word_embeddings and not vocab_major)
         self.rotary = RotaryEmbedding(config, self.head_dim)
         self.lm_head = (None if self.tie_word_embeddings
-                        else Linear(self.hidden_size, self.vocab_size, False, dtype, out_major=True))
+                        else Linear(self.hidden_size, self.vocab_size, False, dtype, out_major=vocab_major))
 
     @staticmethod
     def attention_biases(config: dict[str, Any]) -> tuple[bool, bool]:
@@ -312,8 +322,9 @@ class Qwen2ForCausalLM(nn.Layer):
     @paddle.no_grad()
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""
-        if self.lm_head is None:  # tied: the [vocab, hidden] embedding table is the output projection
-            logits = paddle.matmul(hidden, self.model.embed_tokens.weight, transpose_y=True)
+        if self.lm_head is None:  # tied: the embedding table is the output projection
+            table = self.model.embed_tokens
+            logits = paddle.matmul(hidden, table.weight, transpose_y=not table.hidden_major)
         else:
             logits = self.lm_head(hidden)
         return logits if logits.dtype == paddle.float32 else logits.astype("float32")
