@@ -213,6 +213,11 @@ async def test_completion_default_max_tokens_is_16_and_shrinks_to_fit(client, en
 async def test_completion_echo_and_logprobs(client, tok):
     r = await client.post(COMPLETIONS, json={"prompt": "Say:", "echo": True, "max_tokens": 2})
     assert r.json()["choices"][0]["text"].startswith("Say:")
+    ids = tok.encode("Say:", add_special_tokens=False)
+    r = await client.post(COMPLETIONS, json={"prompt": [ids, ids], "echo": True, "max_tokens": 2})
+    assert [c["text"][:4] for c in r.json()["choices"]] == ["Say:", "Say:"]  # token-id prompts echo their text
+    r = await client.post(COMPLETIONS, json={"prompt": [ids, ids], "max_tokens": 2})
+    assert not any(c["text"].startswith("Say:") for c in r.json()["choices"])
     r = await client.post(COMPLETIONS, json={"prompt": "Say:", "logprobs": 2, "max_tokens": 3})
     lp = r.json()["choices"][0]["logprobs"]
     assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}

@@ -469,7 +469,9 @@ async def _completion_prompts(body: CompletionRequest, state: ServerState) -> tu
         else:
             ids = list(item)
             check_token_ids(state, ids, "prompt")
-            text = await state.run_sync(state.tokenizer.decode, ids) if ids else ""
+            # the text of token-id prompts only serves `echo`: one thread hop per prompt cost a
+            # 16-prompt request ~40 ms before its first step (docs/performance.md)
+            text = await state.run_sync(state.tokenizer.decode, ids) if ids and body.echo else ""
         if not ids:
             raise bad_request(f"prompt {i} is empty (no tokens)", param="prompt", code="invalid_value")
         check_no_image_tokens(state, ids, "prompt")
