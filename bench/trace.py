@@ -516,6 +516,14 @@ def summarize(rec: list[dict], simlog: list[dict], n: int, cpu_s: float | None, 
         for reason, xs in ttfts.items():  # where simulated TTFT goes: new conversations vs kept prefixes
             reasons[reason].update(ttft_p50_s=quantile(xs, 0.5), ttft_p90_s=quantile(xs, 0.9))
         out["reasons"] = reasons
+    if oracle is not None:  # TTFT of new conversations (the oracle holds under 64 tokens of them) and the rest
+        kinds: dict = {}
+        for r in ok:
+            x = by_tag.get(f"r{r['i']}")
+            if x:
+                kinds.setdefault("new" if oracle[r["i"]][0] < 64 else "continued", []).append(x["ttft_model_s"])
+        out["ttft_by_kind"] = {k: {"requests": len(xs), "p50_s": quantile(xs, 0.5), "p90_s": quantile(xs, 0.9)}
+                               for k, xs in kinds.items()}
     return out
 
 
