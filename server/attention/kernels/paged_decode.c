@@ -8,7 +8,7 @@
  *
  * Built by server/attention/native.py with the system C compiler; single-threaded (the engine's
  * math threads belong to Paddle's own OpenMP runtime, which a second runtime would fight).
- * Measured against the Paddle-ops path in docs/performance.md ("Native decode attention").
+ * Measured against the Paddle-ops path in docs/performance.md ("Third pass").
  */
 #include <math.h>
 #include <stdint.h>
