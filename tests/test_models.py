@@ -308,29 +308,44 @@ def test_rope_config_layouts_agree():
         rope_inv_freq({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, 64)
 
 
-@pytest.mark.parametrize("vocab_major", [True, False])
+@pytest.mark.parametrize("out_major", [True, False])
 @pytest.mark.parametrize("name", ["qwen2_tiny", "qwen2_tiny_tied"])
-def test_either_vocabulary_layout_matches_transformers(tmp_path, monkeypatch, name, vocab_major):
-    """The layout timed at load (layout.py) only changes how the vocabulary projection is stored."""
+def test_either_weight_layout_matches_transformers(tmp_path, monkeypatch, name, out_major):
+    """The layouts timed at load (layout.py) only change how projections are stored and multiplied."""
     from warmfleet.server.models import layout
 
-    monkeypatch.setattr(layout, "vocab_major_is_faster", lambda *a: vocab_major)
+    monkeypatch.setattr(layout, "out_major_is_faster", lambda *a: out_major)
     entry = MANIFEST["models"][name]
     model, _ = load_model(make_tiny_model(tmp_path / name, **entry["make_tiny_model"]), CpuPagedAttention(), "float32")
     table = model.model.embed_tokens.weight
-    assert (list(table.shape)[0] == model.vocab_size) == (vocab_major or not model.tie_word_embeddings)
-    if model.lm_head is not None:
-        assert model.lm_head.out_major == vocab_major
+    assert (list(table.shape)[0] == model.vocab_size) == (out_major or not model.tie_word_embeddings)
+    linears = [m for m in model.sublayers() if hasattr(m, "out_major")]
+    assert linears and all(m.out_major == out_major for m in linears)
     gold = dict(np.load(GOLDEN / f"{name}.npz"))
-    (logits,) = PagedRunner(model).step([("p", gold["prompt_0"].tolist())])
+    runner = PagedRunner(model)
+    (logits,) = runner.step([("p", gold["prompt_0"].tolist())])  # many rows: x @ W^T for [out, in]
     np.testing.assert_allclose(logits[-1], gold["last_logits"][0], atol=ATOL, rtol=0)
+    (logits,) = runner.step([("q", gold["prompt_1"].tolist()[:layout.SMALL_ROWS])])  # few rows: W @ x^T
+    (whole,) = PagedRunner(model).step([("q", gold["prompt_1"].tolist()[:layout.SMALL_ROWS])])
+    np.testing.assert_allclose(logits, whole, atol=1e-5, rtol=0)
 
 
-def test_vocabulary_layout_is_timed_once_per_shape():
+def test_projection_layout_is_timed_once_per_shape():
     from warmfleet.server.models import layout
 
-    layout.vocab_major_is_faster.cache_clear()
-    first = layout.vocab_major_is_faster(512, 64, "float32")
-    assert layout.vocab_major_is_faster(512, 64, "float32") is first
-    assert layout.vocab_major_is_faster.cache_info().hits == 1
-    assert layout.vocab_major_is_faster(512, 64, "bfloat16") is True  # not timed: the checkpoint's layout
+    layout.out_major_is_faster.cache_clear()
+    first = layout.out_major_is_faster(64, 512, "float32")
+    assert layout.out_major_is_faster(64, 512, "float32") is first
+    assert layout.out_major_is_faster.cache_info().hits == 1
+    assert layout.out_major_is_faster(64, 512, "bfloat16") is False  # not timed: [in, out]
+
+
+@pytest.mark.parametrize("rows", [1, 16, 17, 64])
+def test_both_layouts_project_alike_at_every_row_count(rows):
+    from warmfleet.server.models import layout
+
+    paddle.seed(rows)
+    w, x = paddle.randn([24, 40]), paddle.randn([rows, 24])
+    with CpuPagedAttention().step():
+        np.testing.assert_allclose(layout.project(x, w.T.contiguous(), True).numpy(),
+                                   layout.project(x, w, False).numpy(), atol=1e-5)

@@ -1,4 +1,4 @@
-"""The vocabulary projection's layout on CPU: whichever of [vocab, hidden] and [hidden, vocab] multiplies faster here, timed once per shape at load."""
+"""Weight layouts for projections on CPU: [in, out] or [out, in], whichever multiplies faster here, timed once per shape at load."""
 
 from __future__ import annotations
 
@@ -11,6 +11,16 @@ import paddle
 log = logging.getLogger("warmfleet.engine")
 
 ROWS = (1, 16, 64)  # a decode step's rows: one request, a small and a large batch
+SMALL_ROWS = 16  # up to this many rows an [out, in] weight multiplies as W @ x^T (MKL's faster form there)
+
+
+def project(x: paddle.Tensor, weight: paddle.Tensor, out_major: bool) -> paddle.Tensor:
+    """x @ W for W stored [in, out] (`out_major` False) or [out, in]; [rows, out]."""
+    if not out_major:
+        return paddle.matmul(x, weight)
+    if x.ndim == 2 and x.shape[0] <= SMALL_ROWS:
+        return paddle.matmul(weight, x, transpose_y=True).T
+    return paddle.matmul(x, weight, transpose_y=True)
 
 
 def _best_ms(fn, reps: int = 2) -> float:
@@ -23,29 +33,30 @@ def _best_ms(fn, reps: int = 2) -> float:
     return best * 1e3
 
 
-@functools.lru_cache(maxsize=16)
-def vocab_major_is_faster(vocab: int, hidden: int, dtype: str) -> bool:
-    """True: keep the checkpoint's [vocab, hidden] and multiply with `transpose_y`; False: store [hidden, vocab].
+@functools.lru_cache(maxsize=64)
+def out_major_is_faster(in_features: int, out_features: int, dtype: str) -> bool:
+    """True: store the weight as the checkpoint has it, [out, in]; False: transposed once at load, [in, out].
 
-    MKL's sgemm picks different kernels for the two: on Qwen2.5-0.5B's 151,936 x 896 the plain
-    [hidden, vocab] product was 1.1-1.5x faster at 1-64 rows, on the bench checkpoint's 4,096 x 512
-    `transpose_y` was 1.5-1.9x faster at 16-64 rows (docs/performance.md). Devices other than the
-    CPU, and dtypes other than float32, keep the checkpoint's layout untimed.
+    MKL's sgemm picks different kernels for the two, by shape and row count: on the bench checkpoint
+    [out, in] is faster for the q/o/down projections and its 4,096-token lm_head, [in, out] for
+    gate/up; on Qwen2.5-0.5B's 151,936 x 896 vocabulary [in, out] is 1.1-1.5x faster
+    (docs/performance.md). Devices other than the CPU, and dtypes other than float32, keep [in, out]
+    untimed (and the vocabulary projection its [vocab, hidden]: the callers decide that case).
     """
     if dtype != "float32" or not paddle.device.get_device().startswith("cpu"):
-        return True
+        return False
     t0 = time.perf_counter()
     with paddle.no_grad():
-        vocab_major = paddle.full([vocab, hidden], 0.01, dtype="float32")
-        hidden_major = paddle.full([hidden, vocab], 0.01, dtype="float32")
-        nt = nn = 0.0
+        weights = {True: paddle.full([out_features, in_features], 0.01, dtype="float32"),
+                   False: paddle.full([in_features, out_features], 0.01, dtype="float32")}
+        total = {True: 0.0, False: 0.0}
         for rows in ROWS:  # interleaved, so a burst of load on the machine hits both
-            x = paddle.full([rows, hidden], 0.5, dtype="float32")
-            nt += _best_ms(lambda: paddle.matmul(x, vocab_major, transpose_y=True))
-            nn += _best_ms(lambda: paddle.matmul(x, hidden_major))
-    del vocab_major, hidden_major
-    choice = nt <= nn
-    log.info("vocabulary projection %d x %d: [vocab, hidden] %.1f ms, [hidden, vocab] %.1f ms over %s rows: "
-             "keeping %s (timed in %.1f s)", vocab, hidden, nt, nn, "/".join(map(str, ROWS)),
-             "[vocab, hidden]" if choice else "[hidden, vocab]", time.perf_counter() - t0)
+            x = paddle.full([rows, in_features], 0.5, dtype="float32")
+            for major, w in weights.items():
+                total[major] += _best_ms(lambda: project(x, w, major))
+    del weights
+    choice = total[True] < total[False]
+    log.info("projection %d -> %d: [out, in] %.2f ms, [in, out] %.2f ms over %s rows: keeping %s (timed in %.2f s)",
+             in_features, out_features, total[True], total[False], "/".join(map(str, ROWS)),
+             "[out, in]" if choice else "[in, out]", time.perf_counter() - t0)
     return choice

@@ -36,23 +36,23 @@ def _param(layer: nn.Layer, shape: list[int], dtype: str) -> paddle.Tensor:
 
 
 class Linear(nn.Layer):
-    """y = x @ W + b with W kept as [in, out]: the transpose of the checkpoint's [out, in].
+    """y = x @ W + b with W kept as [out, in] (the checkpoint's) or [in, out] (transposed once at load).
 
-    The loader transposes once (the parameter is marked `checkpoint_transposed`): on CPU a plain
-    matmul is ~1.4x faster than `transpose_y` for the decode shapes. `out_major=True` keeps the
-    checkpoint's [out, in] and multiplies with `transpose_y` instead: the lm_head's layout when it is
-    the faster one on this machine (layout.py; on the bench checkpoint it halves the lm_head at 64 rows).
+    `out_major` None: whichever is faster on this machine for this shape (layout.py times both once),
+    the loader transposing when [in, out] wins (the parameter is marked `checkpoint_transposed`).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str, out_major: bool = False):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str, out_major: Optional[bool] = None):
         super().__init__()
+        if out_major is None:
+            out_major = layout.out_major_is_faster(in_features, out_features, dtype)
         self.out_major = out_major
         self.weight = _param(self, [out_features, in_features] if out_major else [in_features, out_features], dtype)
         self.weight.checkpoint_transposed = not out_major
         self.bias = _param(self, [out_features], dtype) if bias else None
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        y = paddle.matmul(x, self.weight, transpose_y=self.out_major)
+        y = layout.project(x, self.weight, self.out_major)
         return y + self.bias if self.bias is not None else y
 
 
@@ -283,7 +283,8 @@ class Qwen2ForCausalLM(nn.Layer):
         self.num_kv_heads = config.get("num_key_value_heads") or self.num_heads
         self.head_dim = config.get("head_dim") or self.hidden_size // self.num_heads
         self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
-        vocab_major = layout.vocab_major_is_faster(self.vocab_size, self.hidden_size, dtype)
+        vocab_major = (layout.out_major_is_faster(self.hidden_size, self.vocab_size, dtype)
+                       or not paddle.device.get_device().startswith("cpu"))  # elsewhere: the checkpoint's layout
         self.model = Qwen2Model(config, backend, dtype, self.attention_biases(config),
                                 embed_hidden_major=self.tie_word_embeddings and not vocab_major)
         self.rotary = RotaryEmbedding(config, self.head_dim)
@@ -324,7 +325,7 @@ class Qwen2ForCausalLM(nn.Layer):
         """hidden [N, hidden] -> logits [N, vocab] float32."""
         if self.lm_head is None:  # tied: the embedding table is the output projection
             table = self.model.embed_tokens
-            logits = paddle.matmul(hidden, table.weight, transpose_y=not table.hidden_major)
+            logits = layout.project(hidden, table.weight, out_major=not table.hidden_major)
         else:
             logits = self.lm_head(hidden)
         return logits if logits.dtype == paddle.float32 else logits.astype("float32")
