@@ -10,11 +10,12 @@ in host memory (pinned when a GPU is present); a swap copies a block's slots in 
 Prefill tiles mask and take the softmax of their scores in numpy, in place on the same memory
 (DLPack, no copy): on these [heads, queries, keys] blocks Paddle's CPU broadcast add and
 softmax run 2-4x slower than numpy's vectorised loops (docs/performance.md), and the mask
-only touches a tile's own keys. Decode batches, whose scores are small, stay on Paddle ops, as
-does everything on a device.
+only touches a tile's own keys. Decode rows (one query each) go through a compiled kernel that
+reads their context in place (native.py, kernels/paged_decode.c) when it builds and the tensors are
+float32 on the host; otherwise, and on a device, one padded batch of Paddle ops.
 
-Everything but the numpy softmax is plain Paddle ops with a device path, but this backend has
-never run on a GPU; a GPU kernel belongs in a backend of its own name (registry.py).
+Everything but the numpy softmax and the decode kernel is plain Paddle ops with a device path, but
+this backend has never run on a GPU; a GPU kernel belongs in a backend of its own name (registry.py).
 Steps run without Paddle's stride kernels (`step()`, see `dense_transposes`).
 """
 

@@ -20,7 +20,7 @@ SOURCE = Path(__file__).parent / "kernels" / "paged_decode.c"
 # x86-64-v3 (AVX2, FMA): portable across the x86 nodes a prebuilt image lands on; on Zen 4 AVX-512 runs
 # at the same width per cycle, so nothing is lost against -march=native there.
 _TARGET = ["-march=x86-64-v3"] if platform.machine() in ("x86_64", "AMD64") else []
-FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp-simd", *_TARGET]
+FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", *_TARGET]
 _I64, _F32P = ctypes.c_int64, ctypes.POINTER(ctypes.c_float)
 
 
