@@ -12,6 +12,8 @@ log = logging.getLogger("warmfleet.engine")
 
 ROWS = (1, 16, 64)  # a decode step's rows: one request, a small and a large batch
 SMALL_ROWS = 16  # up to this many rows an [out, in] weight multiplies as W @ x^T (MKL's faster form there)
+TIMED_WIDTH = 32768  # outputs timed at most: a vocabulary's 152k x 3,584 would be a 4 GB transient (same choice
+# as the whole width on Qwen2.5-0.5B's vocabulary)
 
 
 def project(x: paddle.Tensor, weight: paddle.Tensor, out_major: bool) -> paddle.Tensor:
@@ -46,9 +48,10 @@ def out_major_is_faster(in_features: int, out_features: int, dtype: str) -> bool
     if dtype != "float32" or not paddle.device.get_device().startswith("cpu"):
         return False
     t0 = time.perf_counter()
+    width = min(out_features, TIMED_WIDTH)
     with paddle.no_grad():
-        weights = {True: paddle.full([out_features, in_features], 0.01, dtype="float32"),
-                   False: paddle.full([in_features, out_features], 0.01, dtype="float32")}
+        weights = {True: paddle.full([width, in_features], 0.01, dtype="float32"),
+                   False: paddle.full([in_features, width], 0.01, dtype="float32")}
         total = {True: 0.0, False: 0.0}
         for rows in ROWS:  # interleaved, so a burst of load on the machine hits both
             x = paddle.full([rows, in_features], 0.5, dtype="float32")
@@ -56,7 +59,7 @@ def out_major_is_faster(in_features: int, out_features: int, dtype: str) -> bool
                 total[major] += _best_ms(lambda: project(x, w, major))
     del weights
     choice = total[True] < total[False]
-    log.info("projection %d -> %d: [out, in] %.2f ms, [in, out] %.2f ms over %s rows: keeping %s (timed in %.2f s)",
-             in_features, out_features, total[True], total[False], "/".join(map(str, ROWS)),
+    log.info("projection %d -> %d: [out, in] %.2f ms, [in, out] %.2f ms over %s rows (%d outputs timed): keeping %s "
+             "(timed in %.2f s)", in_features, out_features, total[True], total[False], "/".join(map(str, ROWS)), width,
              "[out, in]" if choice else "[in, out]", time.perf_counter() - t0)
     return choice
