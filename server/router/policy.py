@@ -35,11 +35,12 @@ that advantage, at most `max_share_slack` more (the in-flight bound does not gro
 conversation's long history stays home instead of being thrown away for a one-request imbalance.
 Requests that are warm everywhere (a hot system prompt) then do the balancing, at no cost.
 
-The prefix that more than half of the replicas hold scores nothing (`common_prefix_free`), up to the longest
-whole-block prefix under `warm_min_tokens`: it is not worth keeping a request off a replica that lacks it. Without that, a first block every request shares (every Mooncake
-request does) made each replica that had not yet served a request lose every new conversation to an idle one
-holding that block: 11 of 64 replicas never got work, and spread over the fleet was 1.24-1.26 (docs/scale.md,
-fifth round). What a replica holds beyond the common prefix (a conversation's history) counts in full.
+The prefix that more than half of the replicas hold scores nothing (`common_prefix_free`), up to the
+longest whole-block prefix under `warm_min_tokens`: it is not worth keeping a request off a replica that
+lacks it. Without that, a first block every request shares (every Mooncake request does) made each
+replica that had not yet served a request lose every new conversation to an idle one holding that
+block: 11 of 64 replicas never got work, and spread over the fleet was 1.24-1.26 (docs/scale.md, fifth
+round). What a replica holds beyond the common prefix (a conversation's history) counts in full.
 Equal choices go to the replica this router sent the fewest requests, so they even out.
 
 Share cap: the in-flight bound alone cannot keep request counts even when requests are short
@@ -164,6 +165,7 @@ def choose(cands: Sequence[Candidate], *, block_size: int, num_prompt_tokens: in
     queue_weight = cfg.queue_weight
     if cfg.cold_queue_weight is not None and not at_stake:  # nothing at stake: moving costs nothing
         queue_weight = cfg.cold_queue_weight
+
     def prefix_value(c: Candidate) -> float:
         gpu = min(c.gpu_blocks * block_size, limit)
         cpu = min(c.cpu_blocks * block_size, limit - gpu)
