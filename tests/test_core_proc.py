@@ -58,12 +58,12 @@ class FakeCore:
 
 
 def add(rid: str) -> tuple:
-    return ("add", serde.request_to_wire(GenerateRequest(rid, [1, 2], SamplingParams(max_tokens=1))))
+    return ("adds", [serde.request_to_wire(GenerateRequest(rid, [1, 2], SamplingParams(max_tokens=1)))])
 
 
 def test_a_steps_outputs_go_out_as_one_message_and_failures_stay_with_their_request():
     core = FakeCore({"bad-value": ValueError("prompt too long"), "bad-bug": RuntimeError("boom")})
-    link = FakeLink([[add("a"), add("bad-value"), ("add", {"request_id": "x"}), add("b"), add("bad-bug"),
+    link = FakeLink([[add("a"), add("bad-value"), ("adds", [{"request_id": "x"}]), add("b"), add("bad-bug"),
                       ("call", [3, "stats"]), ("nonsense", 1)]])
     step_loop(core, link)
     outputs = [p for k, p in link.sent if k == "outputs"]
@@ -76,7 +76,7 @@ def test_a_steps_outputs_go_out_as_one_message_and_failures_stay_with_their_requ
 
 def test_one_adds_message_puts_all_its_requests_into_the_same_first_step():
     core = FakeCore({"bad": ValueError("prompt too long")})
-    wires = [add(rid)[1] for rid in ("a", "bad", "b", "c")]
+    wires = [add(rid)[1][0] for rid in ("a", "bad", "b", "c")]
     step_loop(core, FakeLink([[("adds", wires)]]))
     assert core.steps == 1  # a, b and c ran together; the refused one failed alone
 

@@ -21,7 +21,7 @@ SOURCE = Path(__file__).parent / "kernels" / "paged_decode.c"
 # at the same width per cycle, so nothing is lost against -march=native there.
 _TARGET = ["-march=x86-64-v3"] if platform.machine() in ("x86_64", "AMD64") else []
 FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", *_TARGET]
-_I64, _F32P = ctypes.c_int64, ctypes.POINTER(ctypes.c_float)
+_I64 = ctypes.c_int64
 
 
 def kernel_dir() -> Path:

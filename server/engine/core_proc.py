@@ -1,9 +1,10 @@
 """Engine-core process: runs EngineCore's step loop behind two ZMQ IPC sockets (msgpack, no pickle).
 
-    API process  --PUSH "in"-->   engine core   ("add", req) ("abort", [ids]) ("call", [id, method])
+    API process  --PUSH "in"-->   engine core   ("adds", [req, ...]) ("abort", [ids]) ("call", [id, method])
     API process  <--PUSH "out"--  engine core   ("outputs", [...]) ("reply", [id, result]) ("ready", info)
                                                 ("fatal", message)
-One "outputs" message carries every request's output of one step. The step loop never waits on
+One "adds" message carries the requests the API process added in one event-loop tick (a
+multi-prompt request's choices start together); one "outputs" message every request's output of one step. The step loop never waits on
 HTTP; it blocks on the input socket only when it has no work.
 """
 
@@ -165,9 +166,13 @@ def handle(core, link: Link, kind: str, payload) -> None:
     """One message from the API process: add a request, abort some, or answer a call."""
     from . import serde
 
-    if kind in ("add", "adds"):  # "adds": the requests the API process added in one event-loop tick
-        for wire in ([payload] if kind == "add" else payload):
-            req = serde.request_from_wire(wire)
+    if kind == "adds":
+        for wire in payload:
+            try:
+                req = serde.request_from_wire(wire)
+            except Exception as exc:  # one malformed request does not drop the others of its message
+                log.warning("dropping malformed engine request: %s: %s", type(exc).__name__, exc)
+                continue
             try:
                 core.add_request(req)
             except ValueError as exc:
