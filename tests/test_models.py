@@ -242,10 +242,11 @@ def test_loader_reads_sharded_checkpoint(ckpt, tiny_model_dir):
     assert [m.split(" (")[0] for m in messages] == [
         "loaded shard 1/2 model-00001-of-00002.safetensors", "loaded shard 2/2 model-00002-of-00002.safetensors"]
     assert messages[-1].split("(")[1].startswith("100%")
-    reference, _ = load_model(tiny_model_dir, CpuPagedAttention())
-    for (n1, p1), (n2, p2) in zip(model.named_parameters(), reference.named_parameters()):
-        assert n1 == n2
-        np.testing.assert_array_equal(p1.numpy(), p2.numpy())
+    params = model.checkpoint_parameters()
+    assert set(params) <= set(weights)
+    for name, param in params.items():  # every tensor, from whichever shard, in its parameter
+        got = param.numpy().T if getattr(param, "checkpoint_transposed", False) else param.numpy()
+        np.testing.assert_array_equal(got, weights[name])
 
     (ckpt / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
@@ -311,9 +312,10 @@ def test_rope_config_layouts_agree():
 @pytest.mark.parametrize("out_major", [True, False])
 @pytest.mark.parametrize("name", ["qwen2_tiny", "qwen2_tiny_tied"])
 def test_either_weight_layout_matches_transformers(tmp_path, monkeypatch, name, out_major):
-    """The layouts timed at load (layout.py) only change how projections are stored and multiplied."""
-    from warmfleet.server.models import layout
+    """The layouts timed at load (layout.py, Paddle's matmul) only change how projections are stored and multiplied."""
+    from warmfleet.server.models import layout, onednn
 
+    monkeypatch.setenv(onednn.ENV, "paddle")
     monkeypatch.setattr(layout, "out_major_is_faster", lambda *a: out_major)
     entry = MANIFEST["models"][name]
     model, _ = load_model(make_tiny_model(tmp_path / name, **entry["make_tiny_model"]), CpuPagedAttention(), "float32")
@@ -338,6 +340,20 @@ def test_projection_layout_is_timed_once_per_shape():
     assert layout.out_major_is_faster(64, 512, "float32") is first
     assert layout.out_major_is_faster.cache_info().hits == 1
     assert layout.out_major_is_faster(64, 512, "bfloat16") is False  # not timed: [in, out]
+
+
+@pytest.mark.parametrize("width", [896, 4096, 32768, 32000, 151936, 128256, 152064, 65536, 262144])
+def test_a_wide_projection_is_timed_on_a_slice_with_its_stride_factor(width):
+    from warmfleet.server.models import layout
+
+    timed = layout.timed_width(width)
+    assert timed <= layout.TIMED_WIDTH
+    if width <= layout.TIMED_WIDTH:
+        assert timed == width
+    elif width & -width < layout.TIMED_WIDTH:  # e.g. Qwen2's 151,936 = 2^7 x 1187: 32,640, not 32,768
+        assert timed & -timed == width & -width and timed > layout.TIMED_WIDTH // 2
+    else:
+        assert timed == layout.TIMED_WIDTH
 
 
 @pytest.mark.parametrize("rows", [1, 16, 17, 64])

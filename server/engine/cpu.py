@@ -8,6 +8,8 @@ Call `configure` before the first matmul of the process:
   `import paddle`, still counts. A value set by the user is left alone.
 - Math threads (MKL and OpenMP): `--engine-threads`, default 1, as Paddle's own default and as
   vLLM's CPU worker. The API process does no math and starts no math pool.
+- Projections: oneDNN's matmul on weights packed at load where Paddle's wheel ships it
+  (models/onednn.py), on its own OpenMP runtime, given the same thread count here.
 - Allocator: a prefill step allocates and frees tens of megabytes per layer. glibc serves
   blocks above 128 KiB (a threshold it adapts) with mmap and hands freed heap back to the
   kernel, so every step pays page faults to get the same memory again; keeping blocks up to
@@ -50,9 +52,11 @@ def configure(threads: int = 1) -> dict:
         os.environ["MKL_DEBUG_CPU_TYPE"] = MKL_AVX2
     import paddle
 
+    from ..models import onednn
+
     paddle.base.core.set_num_threads(threads)
     applied = {"threads": threads, "mkl_debug_cpu_type": os.environ.get("MKL_DEBUG_CPU_TYPE"),
-               "malloc_tuned": tune_malloc()}
+               "malloc_tuned": tune_malloc(), "onednn_matmul": onednn.load(threads) or "yes"}
     log.info("engine math: %s", applied)
     return applied
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..attention.interface import AttentionBackend
+from . import onednn
 
 logger = logging.getLogger("warmfleet.models")
 
@@ -128,5 +129,9 @@ def load_model(model_dir: str | Path, backend: AttentionBackend, dtype: str = "f
     model = cls(config, backend, dtype)
     model.eval()
     load_weights(model, files)
+    if onednn.available(dtype):
+        t1 = time.perf_counter()
+        packed = onednn.pack_model(model)
+        logger.info("weights packed for oneDNN's matmul: %.0f MiB in %.1f s", packed / 2**20, time.perf_counter() - t1)
     logger.info("%s from %s ready in %.1f s (%s)", arch, model_dir, time.perf_counter() - t0, dtype)
     return model, config

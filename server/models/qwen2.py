@@ -15,6 +15,8 @@ ran 1.4-1.5x slower on MKL for 16-64 rows on the bench checkpoint (docs/performa
 
 from __future__ import annotations
 
+import logging
+
 import math
 from typing import Any, Optional
 
@@ -26,7 +28,9 @@ from paddle import nn
 
 from ..config import DTYPES
 from ..attention.interface import AttentionBackend, AttentionMetadata, LayerCache
-from . import layout
+from . import layout, onednn
+
+log = logging.getLogger("warmfleet.engine")
 
 
 def _param(layer: nn.Layer, shape: list[int], dtype: str) -> paddle.Tensor:
@@ -38,20 +42,30 @@ def _param(layer: nn.Layer, shape: list[int], dtype: str) -> paddle.Tensor:
 class Linear(nn.Layer):
     """y = x @ W + b with W kept as [out, in] (the checkpoint's) or [in, out] (transposed once at load).
 
-    `out_major` None: whichever is faster on this machine for this shape (layout.py times both once),
-    the loader transposing when [in, out] wins (the parameter is marked `checkpoint_transposed`).
+    `out_major` None: the checkpoint's layout where oneDNN will pack the weight after load
+    (onednn.py), else whichever layout is faster here for this shape (layout.py times both once), the
+    loader transposing when [in, out] wins (the parameter is marked `checkpoint_transposed`).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str, out_major: Optional[bool] = None):
         super().__init__()
         if out_major is None:
-            out_major = layout.out_major_is_faster(in_features, out_features, dtype)
+            out_major = onednn.available(dtype) or layout.out_major_is_faster(in_features, out_features, dtype)
         self.out_major = out_major
         self.weight = _param(self, [out_features, in_features] if out_major else [in_features, out_features], dtype)
         self.weight.checkpoint_transposed = not out_major
         self.bias = _param(self, [out_features], dtype) if bias else None
+        self.packed: Optional[onednn.PackedWeight] = None
+
+    def pack_onednn(self) -> int:
+        """Move the loaded weight into oneDNN's layout (its plain copy is freed); bytes packed."""
+        self.packed = onednn.PackedWeight(self.weight, self.out_major, self.bias)
+        self.weight._clear_data()
+        return self.packed.nbytes
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        if self.packed is not None:
+            return self.packed(x)
         y = layout.project(x, self.weight, self.out_major)
         return y + self.bias if self.bias is not None else y
 
@@ -283,13 +297,24 @@ class Qwen2ForCausalLM(nn.Layer):
         self.num_kv_heads = config.get("num_key_value_heads") or self.num_heads
         self.head_dim = config.get("head_dim") or self.hidden_size // self.num_heads
         self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
-        vocab_major = (layout.out_major_is_faster(self.hidden_size, self.vocab_size, dtype)
+        vocab_major = (onednn.available(dtype) or layout.out_major_is_faster(self.hidden_size, self.vocab_size, dtype)
                        or not paddle.device.get_device().startswith("cpu"))  # elsewhere: the checkpoint's layout
         self.model = Qwen2Model(config, backend, dtype, self.attention_biases(config),
                                 embed_hidden_major=self.tie_word_embeddings and not vocab_major)
         self.rotary = RotaryEmbedding(config, self.head_dim)
         self.lm_head = (None if self.tie_word_embeddings
                         else Linear(self.hidden_size, self.vocab_size, False, dtype, out_major=vocab_major))
+        self.tied_packed: Optional[onednn.PackedWeight] = None
+
+    def pack_onednn(self) -> int:
+        """Tied embeddings: a packed copy of the table for the output projection (lookups keep the plain one)."""
+        if self.lm_head is not None:
+            return 0
+        table = self.model.embed_tokens
+        self.tied_packed = onednn.PackedWeight(table.weight, out_major=not table.hidden_major)
+        log.info("tied embeddings: the output projection uses a packed copy of the table (+%.0f MiB)",
+                 self.tied_packed.nbytes / 2**20)
+        return self.tied_packed.nbytes
 
     @staticmethod
     def attention_biases(config: dict[str, Any]) -> tuple[bool, bool]:
@@ -323,7 +348,9 @@ class Qwen2ForCausalLM(nn.Layer):
     @paddle.no_grad()
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""
-        if self.lm_head is None:  # tied: the embedding table is the output projection
+        if self.tied_packed is not None:
+            logits = self.tied_packed(hidden)
+        elif self.lm_head is None:  # tied: the embedding table is the output projection
             table = self.model.embed_tokens
             logits = layout.project(hidden, table.weight, out_major=not table.hidden_major)
         else:

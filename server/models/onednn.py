@@ -1,0 +1,230 @@
+"""fp32 projections on CPU through oneDNN's matmul (Paddle's bundled libdnnl) on weights packed once at load.
+
+Paddle's eager CPU matmul calls MKL 2019's sgemm, which re-packs the weight on every call and, on
+CPUs that are not Intel's, runs its AVX2 kernels (cpu.py). oneDNN 3 (shipped inside the Paddle
+wheel, `paddle/libs/libdnnl.so.3`) picks its kernels by the CPU's instruction sets: its brgemm
+matmul runs AVX-512 where there is AVX-512, and with the weight reordered once into the blocked
+layout the primitive asks for, a call only streams it. On this project's reference machine (AMD
+EPYC, one thread) that is 95 against 76-81 GFLOP/s at 16 rows, 107-111 against 90-108 at 64
+(docs/performance.md, "Fourth pass"). One packed layout serves every row count, so a primitive is
+made per (in, out, bias, rows) on first use, ~0.5 ms, and shared by every layer of that shape.
+
+No Paddle op calls this: the binding is ctypes on oneDNN's C API. Where the library, its OpenMP
+runtime or a usable implementation is missing, `available()` says why and the model keeps
+Paddle's matmul (layout.py); `WARMFLEET_CPU_MATMUL=paddle` forces that path.
+"""
+
+from __future__ import annotations
+
+import ctypes as C
+import functools
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+log = logging.getLogger("warmfleet.engine")
+
+_vp = C.c_void_p
+_Dims = C.c_int64 * 12  # DNNL_MAX_NDIMS
+F32, FORMAT_ANY, CPU_ENGINE, IN_ORDER = 3, 1, 1, 1  # dnnl_f32, dnnl_format_tag_any, dnnl_cpu, dnnl_stream_in_order
+QUERY_IMPL, QUERY_WEIGHTS_MD = 8, 131  # dnnl_query_impl_info_str, dnnl_query_weights_md
+ARG_SRC, ARG_DST, ARG_WEIGHTS, ARG_BIAS = 1, 17, 33, 41
+ENV = "WARMFLEET_CPU_MATMUL"  # "paddle": never use oneDNN
+
+
+class _Arg(C.Structure):
+    _fields_ = [("arg", C.c_int), ("memory", _vp)]
+
+
+class OneDNN:
+    """The library, one CPU engine and one in-order stream; raises OSError/RuntimeError where unusable."""
+
+    SIGNATURES = {
+        "dnnl_engine_create": ([_vp, C.c_int, C.c_size_t], C.c_int),
+        "dnnl_stream_create": ([_vp, _vp, C.c_uint], C.c_int),
+        "dnnl_memory_desc_create_with_strides": ([_vp, C.c_int, _vp, C.c_int, _vp], C.c_int),
+        "dnnl_memory_desc_create_with_tag": ([_vp, C.c_int, _vp, C.c_int, C.c_int], C.c_int),
+        "dnnl_memory_desc_get_size": ([_vp], C.c_size_t),
+        "dnnl_matmul_primitive_desc_create": ([_vp, _vp, _vp, _vp, _vp, _vp, _vp], C.c_int),
+        "dnnl_reorder_primitive_desc_create": ([_vp, _vp, _vp, _vp, _vp, _vp], C.c_int),
+        "dnnl_primitive_desc_query": ([_vp, C.c_int, C.c_int, _vp], C.c_int),
+        "dnnl_primitive_desc_query_md": ([_vp, C.c_int, C.c_int], _vp),
+        "dnnl_primitive_create": ([_vp, _vp], C.c_int),
+        "dnnl_memory_create": ([_vp, _vp, _vp, _vp], C.c_int),
+        "dnnl_memory_set_data_handle": ([_vp, _vp], C.c_int),
+        "dnnl_primitive_execute": ([_vp, _vp, C.c_int, _vp], C.c_int),
+        "dnnl_stream_wait": ([_vp], C.c_int),
+    }
+
+    def __init__(self, path: Path, threads: int):
+        self.lib = C.CDLL(str(path))
+        for name, (args, res) in self.SIGNATURES.items():
+            fn = getattr(self.lib, name)
+            fn.argtypes, fn.restype = args, res
+        # oneDNN runs on the OpenMP runtime it links (GNU's), not the one MKL uses: one math thread
+        # count for both, as `--engine-threads` asks.
+        C.CDLL("libgomp.so.1").omp_set_num_threads(threads)
+        self.engine, self.stream = _vp(), _vp()
+        self.check(self.lib.dnnl_engine_create(C.byref(self.engine), CPU_ENGINE, 0), "engine")
+        self.check(self.lib.dnnl_stream_create(C.byref(self.stream), self.engine, IN_ORDER), "stream")
+
+    @staticmethod
+    def check(status: int, what: str) -> None:
+        if status != 0:
+            raise RuntimeError(f"oneDNN {what} failed (dnnl_status_t {status})")
+
+    def md(self, dims: list[int], strides: Optional[list[int]] = None) -> _vp:
+        """A float32 memory descriptor: plain with `strides`, else "any" (the primitive chooses)."""
+        md = _vp()
+        if strides is None:
+            self.check(self.lib.dnnl_memory_desc_create_with_tag(C.byref(md), len(dims), _Dims(*dims), F32, FORMAT_ANY),
+                       "memory descriptor")
+        else:
+            self.check(self.lib.dnnl_memory_desc_create_with_strides(C.byref(md), len(dims), _Dims(*dims), F32,
+                                                                     _Dims(*strides)), "memory descriptor")
+        return md
+
+    def memory(self, md, ptr: Optional[int]) -> _vp:
+        mem = _vp()
+        self.check(self.lib.dnnl_memory_create(C.byref(mem), md, self.engine, _vp(ptr)), "memory")
+        return mem
+
+    def matmul(self, rows: int, k: int, n: int, weights_md, bias: bool) -> tuple[_vp, _vp, str]:
+        """(primitive descriptor, primitive, implementation name) for x[rows, k] @ W[k, n] (+ b[n])."""
+        pd = _vp()
+        bias_md = self.md([1, n], [n, 1]) if bias else None
+        self.check(self.lib.dnnl_matmul_primitive_desc_create(C.byref(pd), self.engine, self.md([rows, k], [k, 1]),
+                                                              weights_md, bias_md, self.md([rows, n], [n, 1]), None),
+                   f"matmul {rows}x{k}x{n}")
+        impl = C.c_char_p()
+        self.lib.dnnl_primitive_desc_query(pd, QUERY_IMPL, 0, C.byref(impl))
+        prim = _vp()
+        self.check(self.lib.dnnl_primitive_create(C.byref(prim), pd), "matmul primitive")
+        return pd, prim, (impl.value or b"?").decode()
+
+    def reorder(self, src_md, src_ptr: int, dst_md, dst_ptr: int) -> None:
+        pd, prim = _vp(), _vp()
+        self.check(self.lib.dnnl_reorder_primitive_desc_create(C.byref(pd), src_md, self.engine, dst_md, self.engine,
+                                                               None), "reorder")
+        self.check(self.lib.dnnl_primitive_create(C.byref(prim), pd), "reorder primitive")
+        args = (_Arg * 2)(_Arg(ARG_SRC, self.memory(src_md, src_ptr)), _Arg(ARG_DST, self.memory(dst_md, dst_ptr)))
+        self.check(self.lib.dnnl_primitive_execute(prim, self.stream, 2, args), "reorder")
+        self.check(self.lib.dnnl_stream_wait(self.stream), "stream wait")
+
+
+def library_path() -> Path:
+    import paddle
+
+    return Path(paddle.__file__).parent / "libs" / "libdnnl.so.3"
+
+
+_state: dict = {}
+
+
+def load(threads: int = 1) -> Optional[str]:
+    """Open oneDNN for this process (the engine core calls this from cpu.configure); None, or why not."""
+    if os.environ.get(ENV, "onednn") == "paddle":
+        _state.update(dnnl=None, reason=f"{ENV}=paddle")
+        return _state["reason"]
+    if "dnnl" in _state:
+        return _state["reason"]
+    try:
+        _state.update(dnnl=OneDNN(library_path(), threads), reason=None)
+    except (OSError, AttributeError, RuntimeError) as e:
+        _state.update(dnnl=None, reason=f"{type(e).__name__}: {e}")
+        log.warning("oneDNN matmul unavailable (%s): projections use Paddle's matmul, ~20%% slower at 16 rows; "
+                    "install a Paddle CPU wheel that ships libs/libdnnl.so.3 and the system's libgomp1", _state["reason"])
+    return _state["reason"]
+
+
+def available(dtype: str = "float32") -> bool:
+    """Whether projections of `dtype` run on oneDNN here (CPU, float32, library usable, not turned off)."""
+    import paddle
+
+    if dtype != "float32" or not paddle.device.get_device().startswith("cpu") or os.environ.get(ENV) == "paddle":
+        return False
+    if "dnnl" not in _state:
+        load(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
+    return _state["dnnl"] is not None
+
+
+class _Shape:
+    """The primitives of one (in, out, bias) shape, one per row count, shared by every weight of that shape."""
+
+    def __init__(self, dnnl: OneDNN, k: int, n: int, bias: bool, weights_md):
+        self.dnnl, self.k, self.n, self.bias, self.weights_md = dnnl, k, n, bias, weights_md
+        self.by_rows: dict[int, tuple] = {}
+
+    def primitive(self, rows: int) -> tuple:
+        entry = self.by_rows.get(rows)
+        if entry is None:
+            d = self.dnnl
+            _, prim, impl = d.matmul(rows, self.k, self.n, self.weights_md, self.bias)
+            if impl.startswith("ref"):  # the reference loop is orders of magnitude slower: never silently
+                raise RuntimeError(f"oneDNN offers only {impl!r} for a {rows}x{self.k}x{self.n} matmul")
+            src = d.memory(d.md([rows, self.k], [self.k, 1]), None)
+            dst = d.memory(d.md([rows, self.n], [self.n, 1]), None)
+            args = (_Arg * 4)(_Arg(ARG_SRC, src), _Arg(ARG_WEIGHTS, None), _Arg(ARG_DST, dst), _Arg(ARG_BIAS, None))
+            entry = self.by_rows[rows] = (prim, src, dst, args, 4 if self.bias else 3)
+        return entry
+
+
+@functools.lru_cache(maxsize=None)
+def _shape(k: int, n: int, bias: bool) -> _Shape:
+    d = _state["dnnl"]
+    pd, _, impl = d.matmul(16, k, n, d.md([k, n]), bias)  # the layout it wants for the weight serves every row count
+    weights_md = _vp(d.lib.dnnl_primitive_desc_query_md(pd, QUERY_WEIGHTS_MD, 0))
+    log.info("oneDNN matmul %d -> %d%s: %s, weights packed once", k, n, " + bias" if bias else "", impl)
+    return _Shape(d, k, n, bias, weights_md)
+
+
+class PackedWeight:
+    """A projection's weight in oneDNN's layout (+ its bias); call it on x [rows, in] for [rows, out] float32."""
+
+    def __init__(self, weight, out_major: bool, bias=None):
+        import paddle
+
+        d = _state["dnnl"]
+        if out_major:  # [out, in] as in the checkpoint: read as W^T through strides, no copy
+            n, k = weight.shape
+            plain = d.md([k, n], [1, k])
+        else:
+            k, n = weight.shape
+            plain = d.md([k, n], [n, 1])
+        self.k, self.n = k, n
+        self.shape = _shape(k, n, bias is not None)
+        size = d.lib.dnnl_memory_desc_get_size(self.shape.weights_md)
+        self.packed = paddle.empty([(size + 3) // 4], dtype="float32")
+        weight = weight.contiguous()
+        d.reorder(plain, weight.data_ptr(), self.shape.weights_md, self.packed.data_ptr())
+        self.wmem = d.memory(self.shape.weights_md, self.packed.data_ptr())
+        self.bias = bias  # kept alive: its memory object points into it
+        self.bmem = d.memory(d.md([1, n], [n, 1]), bias.data_ptr()) if bias is not None else None
+        self.nbytes = size
+        from paddle import _C_ops
+
+        f32, cpu = paddle.float32, paddle.CPUPlace()
+        self.empty = lambda rows: _C_ops.empty([rows, n], f32, cpu)  # paddle.empty without its checks: 1.5 vs 4.7 us
+
+    def __call__(self, x):
+        lead = x.shape[:-1]
+        if len(lead) != 1:
+            x = x.reshape([-1, self.k])
+        if not x.is_contiguous():
+            x = x.contiguous()
+        rows = x.shape[0]
+        y = self.empty(rows)
+        if rows:
+            prim, src, dst, args, nargs = self.shape.primitive(rows)
+            lib = self.shape.dnnl.lib
+            args[1].memory, args[3].memory = self.wmem, self.bmem
+            lib.dnnl_memory_set_data_handle(src, x.data_ptr())
+            lib.dnnl_memory_set_data_handle(dst, y.data_ptr())
+            lib.dnnl_primitive_execute(prim, self.shape.dnnl.stream, nargs, args)
+        return y if len(lead) == 1 else y.reshape([*lead, self.n])
+
+
+def pack_model(model) -> int:
+    """Pack every projection of a loaded model (each layer with `pack_onednn`, the model's own last); bytes packed."""
+    return sum(layer.pack_onednn() for layer in [*model.sublayers(), model] if hasattr(layer, "pack_onednn"))
