@@ -88,3 +88,33 @@ def test_the_environment_can_turn_onednn_off(monkeypatch):
     monkeypatch.setenv(onednn.ENV, "paddle")
     assert not onednn.available("float32")
     assert not onednn.available("bfloat16")
+
+
+@pytest.mark.parametrize("rows", [1, 16, 300])
+def test_epilogues_apply_silu_and_multiply_inside_the_matmul(rows):
+    k, n = 64, 160
+    wg, bg, sg, pbg = weights(k, n, True, True, 7)
+    wu, _, su, _ = weights(k, n, False, False, 8)
+    gate = onednn.PackedWeight(sg, True, pbg, epilogue="silu")
+    up = onednn.PackedWeight(su, False, epilogue="mul")
+    x = np.random.default_rng(9).standard_normal((rows, k)).astype(np.float32)
+    h = x @ wg + bg
+    silu = h / (1 + np.exp(-h))
+    g = gate(paddle.to_tensor(x))
+    np.testing.assert_allclose(g.numpy(), silu, atol=1e-4, rtol=1e-5)
+    np.testing.assert_allclose(up(paddle.to_tensor(x), g).numpy(), (x @ wu) * silu, atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="unknown epilogue 'gelu'"):
+        onednn.PackedWeight(sg, True, epilogue="gelu")
+
+
+def test_a_packed_gated_mlp_has_no_elementwise_pass(tmp_path, monkeypatch):
+    import paddle.nn.functional as F
+
+    model, _ = load_model(make_tiny_model(tmp_path / "m"), CpuPagedAttention())
+    mlp = model.model.layers[0].mlp
+    assert (mlp.gate_proj.packed.shape.epilogue, mlp.up_proj.packed.shape.epilogue) == ("silu", "mul")
+    x = paddle.to_tensor(np.random.default_rng(10).standard_normal((5, model.hidden_size)).astype(np.float32))
+    calls = []
+    monkeypatch.setattr(F, "silu", lambda *a, **k: calls.append(a))
+    y = mlp(x)
+    assert y.shape == [5, model.hidden_size] and not calls

@@ -30,6 +30,9 @@ _Dims = C.c_int64 * 12  # DNNL_MAX_NDIMS
 F32, FORMAT_ANY, CPU_ENGINE, IN_ORDER = 3, 1, 1, 1  # dnnl_f32, dnnl_format_tag_any, dnnl_cpu, dnnl_stream_in_order
 QUERY_IMPL, QUERY_WEIGHTS_MD = 8, 131  # dnnl_query_impl_info_str, dnnl_query_weights_md
 ARG_SRC, ARG_DST, ARG_WEIGHTS, ARG_BIAS = 1, 17, 33, 41
+ARG_POST_OP_SRC1 = 32768 | 2  # DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC_1 (oneDNN 3's base is 32768)
+SWISH, BINARY_MUL = 0x2C, 0x1FFF1  # dnnl_eltwise_swish (x * sigmoid(alpha x)), dnnl_binary_mul
+EPILOGUES = (None, "silu", "mul")  # applied to x @ W (+ b) inside the matmul: silu(y), or y * other
 ENV = "WARMFLEET_CPU_MATMUL"  # "paddle": never use oneDNN
 
 
@@ -55,6 +58,11 @@ class OneDNN:
         "dnnl_memory_set_data_handle": ([_vp, _vp], C.c_int),
         "dnnl_primitive_execute": ([_vp, _vp, C.c_int, _vp], C.c_int),
         "dnnl_stream_wait": ([_vp], C.c_int),
+        "dnnl_post_ops_create": ([_vp], C.c_int),
+        "dnnl_post_ops_append_eltwise": ([_vp, C.c_int, C.c_float, C.c_float], C.c_int),
+        "dnnl_post_ops_append_binary": ([_vp, C.c_int, _vp], C.c_int),
+        "dnnl_primitive_attr_create": ([_vp], C.c_int),
+        "dnnl_primitive_attr_set_post_ops": ([_vp, _vp], C.c_int),
     }
 
     def __init__(self, path: Path, threads: int):
@@ -90,12 +98,30 @@ class OneDNN:
         self.check(self.lib.dnnl_memory_create(C.byref(mem), md, self.engine, _vp(ptr)), "memory")
         return mem
 
-    def matmul(self, rows: int, k: int, n: int, weights_md, bias: bool) -> tuple[_vp, _vp, str]:
-        """(primitive descriptor, primitive, implementation name) for x[rows, k] @ W[k, n] (+ b[n])."""
+    def epilogue(self, kind: Optional[str], rows: int, n: int) -> Optional[_vp]:
+        """The primitive attribute that applies `kind` (EPILOGUES) to the matmul's output; None for none."""
+        if kind is None:
+            return None
+        ops, attr = _vp(), _vp()
+        self.check(self.lib.dnnl_post_ops_create(C.byref(ops)), "post-ops")
+        if kind == "silu":
+            self.check(self.lib.dnnl_post_ops_append_eltwise(ops, SWISH, 1.0, 0.0), "swish post-op")
+        elif kind == "mul":
+            self.check(self.lib.dnnl_post_ops_append_binary(ops, BINARY_MUL, self.md([rows, n], [n, 1])), "mul post-op")
+        else:
+            raise ValueError(f"unknown epilogue {kind!r}; choose from {EPILOGUES}")
+        self.check(self.lib.dnnl_primitive_attr_create(C.byref(attr)), "attribute")
+        self.check(self.lib.dnnl_primitive_attr_set_post_ops(attr, ops), "attribute post-ops")
+        return attr
+
+    def matmul(self, rows: int, k: int, n: int, weights_md, bias: bool,
+               epilogue: Optional[str] = None) -> tuple[_vp, _vp, str]:
+        """(primitive descriptor, primitive, implementation name) for epilogue(x[rows, k] @ W[k, n] (+ b[n]))."""
         pd = _vp()
         bias_md = self.md([1, n], [n, 1]) if bias else None
         self.check(self.lib.dnnl_matmul_primitive_desc_create(C.byref(pd), self.engine, self.md([rows, k], [k, 1]),
-                                                              weights_md, bias_md, self.md([rows, n], [n, 1]), None),
+                                                              weights_md, bias_md, self.md([rows, n], [n, 1]),
+                                                              self.epilogue(epilogue, rows, n)),
                    f"matmul {rows}x{k}x{n}")
         impl = C.c_char_p()
         self.lib.dnnl_primitive_desc_query(pd, QUERY_IMPL, 0, C.byref(impl))
@@ -150,41 +176,58 @@ def available(dtype: str = "float32") -> bool:
 
 
 class _Shape:
-    """The primitives of one (in, out, bias) shape, one per row count, shared by every weight of that shape."""
+    """The primitives of one (in, out, bias, epilogue), one per row count, shared by every weight of that shape.
 
-    def __init__(self, dnnl: OneDNN, k: int, n: int, bias: bool, weights_md):
-        self.dnnl, self.k, self.n, self.bias, self.weights_md = dnnl, k, n, bias, weights_md
+    A primitive's arguments: source, weights, destination, then the bias and the epilogue's operand
+    where there are those; the weights (and bias) are set per call, the rest are memory objects
+    whose data pointer is set per call.
+    """
+
+    def __init__(self, dnnl: OneDNN, k: int, n: int, bias: bool, epilogue: Optional[str], weights_md):
+        self.dnnl, self.k, self.n, self.bias, self.epilogue, self.weights_md = dnnl, k, n, bias, epilogue, weights_md
         self.by_rows: dict[int, tuple] = {}
 
     def primitive(self, rows: int) -> tuple:
         entry = self.by_rows.get(rows)
         if entry is None:
             d = self.dnnl
-            _, prim, impl = d.matmul(rows, self.k, self.n, self.weights_md, self.bias)
+            _, prim, impl = d.matmul(rows, self.k, self.n, self.weights_md, self.bias, self.epilogue)
             if impl.startswith("ref"):  # the reference loop is orders of magnitude slower: never silently
                 raise RuntimeError(f"oneDNN offers only {impl!r} for a {rows}x{self.k}x{self.n} matmul")
-            src = d.memory(d.md([rows, self.k], [self.k, 1]), None)
-            dst = d.memory(d.md([rows, self.n], [self.n, 1]), None)
-            args = (_Arg * 4)(_Arg(ARG_SRC, src), _Arg(ARG_WEIGHTS, None), _Arg(ARG_DST, dst), _Arg(ARG_BIAS, None))
-            entry = self.by_rows[rows] = (prim, src, dst, args, 4 if self.bias else 3)
+            mems = [d.memory(d.md([rows, self.k], [self.k, 1]), None), d.memory(d.md([rows, self.n], [self.n, 1]), None)]
+            args = [_Arg(ARG_SRC, mems[0]), _Arg(ARG_WEIGHTS, None), _Arg(ARG_DST, mems[1])]
+            if self.bias:
+                args.append(_Arg(ARG_BIAS, None))
+            if self.epilogue == "mul":
+                mems.append(d.memory(d.md([rows, self.n], [self.n, 1]), None))
+                args.append(_Arg(ARG_POST_OP_SRC1, mems[2]))
+            entry = self.by_rows[rows] = (prim, mems, (_Arg * len(args))(*args), len(args))
         return entry
 
 
 @functools.lru_cache(maxsize=None)
-def _shape(k: int, n: int, bias: bool) -> _Shape:
+def _shape(k: int, n: int, bias: bool, epilogue: Optional[str]) -> _Shape:
     d = _state["dnnl"]
     pd, _, impl = d.matmul(16, k, n, d.md([k, n]), bias)  # the layout it wants for the weight serves every row count
     weights_md = _vp(d.lib.dnnl_primitive_desc_query_md(pd, QUERY_WEIGHTS_MD, 0))
-    log.info("oneDNN matmul %d -> %d%s: %s, weights packed once", k, n, " + bias" if bias else "", impl)
-    return _Shape(d, k, n, bias, weights_md)
+    log.info("oneDNN matmul %d -> %d%s%s: %s, weights packed once", k, n, " + bias" if bias else "",
+             f", then {epilogue}" if epilogue else "", impl)
+    return _Shape(d, k, n, bias, epilogue, weights_md)
 
 
 class PackedWeight:
-    """A projection's weight in oneDNN's layout (+ its bias); call it on x [rows, in] for [rows, out] float32."""
+    """A projection's weight in oneDNN's layout (+ its bias); call it on x [rows, in] for [rows, out] float32.
 
-    def __init__(self, weight, out_major: bool, bias=None):
+    `epilogue` "silu": the call returns silu(x @ W + b); "mul": it takes `other` [rows, out] and returns
+    (x @ W + b) * other. Both run inside the matmul (oneDNN post-ops), so a gated MLP's silu(gate) * up
+    costs no pass of its own over the [rows, intermediate] activations.
+    """
+
+    def __init__(self, weight, out_major: bool, bias=None, epilogue: Optional[str] = None):
         import paddle
 
+        if epilogue not in EPILOGUES:
+            raise ValueError(f"unknown epilogue {epilogue!r}; choose from {EPILOGUES}")
         d = _state["dnnl"]
         if out_major:  # [out, in] as in the checkpoint: read as W^T through strides, no copy
             n, k = weight.shape
@@ -193,7 +236,7 @@ class PackedWeight:
             k, n = weight.shape
             plain = d.md([k, n], [n, 1])
         self.k, self.n = k, n
-        self.shape = _shape(k, n, bias is not None)
+        self.shape = _shape(k, n, bias is not None, epilogue)
         size = d.lib.dnnl_memory_desc_get_size(self.shape.weights_md)
         self.packed = paddle.empty([(size + 3) // 4], dtype="float32")
         weight = weight.contiguous()
@@ -207,7 +250,7 @@ class PackedWeight:
         f32, cpu = paddle.float32, paddle.CPUPlace()
         self.empty = lambda rows: _C_ops.empty([rows, n], f32, cpu)  # paddle.empty without its checks: 1.5 vs 4.7 us
 
-    def __call__(self, x):
+    def __call__(self, x, other=None):
         lead = x.shape[:-1]
         if len(lead) != 1:
             x = x.reshape([-1, self.k])
@@ -216,12 +259,17 @@ class PackedWeight:
         rows = x.shape[0]
         y = self.empty(rows)
         if rows:
-            prim, src, dst, args, nargs = self.shape.primitive(rows)
-            lib = self.shape.dnnl.lib
-            args[1].memory, args[3].memory = self.wmem, self.bmem
-            lib.dnnl_memory_set_data_handle(src, x.data_ptr())
-            lib.dnnl_memory_set_data_handle(dst, y.data_ptr())
-            lib.dnnl_primitive_execute(prim, self.shape.dnnl.stream, nargs, args)
+            prim, mems, args, nargs = self.shape.primitive(rows)
+            d = self.shape.dnnl
+            args[1].memory = self.wmem
+            if self.bmem is not None:
+                args[3].memory = self.bmem
+            d.lib.dnnl_memory_set_data_handle(mems[0], x.data_ptr())
+            d.lib.dnnl_memory_set_data_handle(mems[1], y.data_ptr())
+            if self.shape.epilogue == "mul":
+                other = other.reshape([rows, self.n])
+                d.lib.dnnl_memory_set_data_handle(mems[2], (other if other.is_contiguous() else other.contiguous()).data_ptr())
+            d.check(d.lib.dnnl_primitive_execute(prim, d.stream, nargs, args), f"matmul {rows}x{self.k}x{self.n}")
         return y if len(lead) == 1 else y.reshape([*lead, self.n])
 
 

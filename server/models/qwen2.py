@@ -56,16 +56,17 @@ class Linear(nn.Layer):
         self.weight.checkpoint_transposed = not out_major
         self.bias = _param(self, [out_features], dtype) if bias else None
         self.packed: Optional[onednn.PackedWeight] = None
+        self.epilogue: Optional[str] = None  # what the packed matmul applies to its output (onednn.EPILOGUES)
 
     def pack_onednn(self) -> int:
         """Move the loaded weight into oneDNN's layout (its plain copy is freed); bytes packed."""
-        self.packed = onednn.PackedWeight(self.weight, self.out_major, self.bias)
+        self.packed = onednn.PackedWeight(self.weight, self.out_major, self.bias, self.epilogue)
         self.weight._clear_data()
         return self.packed.nbytes
 
-    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+    def forward(self, x: paddle.Tensor, other: Optional[paddle.Tensor] = None) -> paddle.Tensor:
         if self.packed is not None:
-            return self.packed(x)
+            return self.packed(x, other)
         y = layout.project(x, self.weight, self.out_major)
         return y + self.bias if self.bias is not None else y
 
@@ -239,8 +240,12 @@ class Qwen2MLP(nn.Layer):
         self.gate_proj = Linear(h, inter, bias, dtype)
         self.up_proj = Linear(h, inter, bias, dtype)
         self.down_proj = Linear(inter, h, bias, dtype)
+        # packed for oneDNN, the gate's matmul applies silu and the up's multiplies by it: no pass of their own
+        self.gate_proj.epilogue, self.up_proj.epilogue = "silu", "mul"
 
     def forward(self, x):
+        if self.up_proj.packed is not None:
+            return self.down_proj(self.up_proj(x, self.gate_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
