@@ -74,6 +74,17 @@ def test_a_steps_outputs_go_out_as_one_message_and_failures_stay_with_their_requ
     assert ("reply", [3, {**EngineStats(num_running=2).__dict__}]) in link.sent
 
 
+def test_an_engine_whose_api_process_died_during_load_stops_at_its_first_loop(monkeypatch, caplog):
+    import os
+
+    core = FakeCore({})
+    link = FakeLink([[add("a")]] * 5)
+    monkeypatch.setattr(os, "getppid", lambda: 1)  # re-parented to init while the model loaded
+    with caplog.at_level("WARNING", logger="warmfleet.engine"):
+        step_loop(core, link, parent=4242)
+    assert core.steps == 0 and len(link.batches) == 5 and "API process exited" in caplog.text
+
+
 def test_one_adds_message_puts_all_its_requests_into_the_same_first_step():
     core = FakeCore({"bad": ValueError("prompt too long")})
     wires = [add(rid)[1][0] for rid in ("a", "bad", "b", "c")]

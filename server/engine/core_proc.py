@@ -38,6 +38,7 @@ def run_engine_core(cfg_dict: dict, in_addr: str, out_addr: str) -> None:
     """Process entry point: `python -P -m warmfleet.server.engine.core_proc CONFIG_JSON IN_ADDR OUT_ADDR`."""
     from ..logging_setup import setup_logging
 
+    parent = os.getppid()  # before the model loads: an API process that dies meanwhile must still be noticed
     cfg = config_from_dict(cfg_dict)
     setup_logging(cfg.server.log_level)
     link = Link(in_addr, out_addr)
@@ -51,7 +52,7 @@ def run_engine_core(cfg_dict: dict, in_addr: str, out_addr: str) -> None:
         link.close()
         sys.exit(1)
     link.send("ready", {"pid": os.getpid(), "cpus": cpus})
-    step_loop(core, link)
+    step_loop(core, link, parent)
 
 
 class Link:
@@ -137,10 +138,14 @@ def start_core(cfg):
     return EngineCore(cfg, publisher)
 
 
-def step_loop(core, link: Link) -> None:
-    """Take what the API process sent, run one step, send its outputs; until shutdown or the parent is gone."""
+def step_loop(core, link: Link, parent: int | None = None) -> None:
+    """Take what the API process sent, run one step, send its outputs; until shutdown or the parent is gone.
+
+    `parent`: the API process's pid as seen when this process started (default: now); an API process
+    killed while the model loaded has already been replaced by init here, and would never be missed.
+    """
     last_load = 0.0
-    parent = os.getppid()
+    parent = os.getppid() if parent is None else parent
     while True:
         if os.getppid() != parent:  # the API process is gone: never linger as an orphan holding memory
             log.warning("API process exited; engine core stopping")
