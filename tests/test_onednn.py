@@ -118,3 +118,13 @@ def test_a_packed_gated_mlp_has_no_elementwise_pass(tmp_path, monkeypatch):
     monkeypatch.setattr(F, "silu", lambda *a, **k: calls.append(a))
     y = mlp(x)
     assert y.shape == [5, model.hidden_size] and not calls
+
+
+def test_primitives_kept_per_shape_are_bounded(monkeypatch):
+    monkeypatch.setattr(onednn, "ROW_COUNTS_KEPT", 3)
+    w, _, stored, _ = weights(24, 40, False, False, 11)
+    packed = onednn.PackedWeight(stored, False)
+    x = np.random.default_rng(12).standard_normal((9, 24)).astype(np.float32)
+    for rows in (1, 2, 3, 4, 5, 2, 9):  # prefill sizes vary per step: only the recent ones stay
+        np.testing.assert_allclose(packed(paddle.to_tensor(x[:rows])).numpy(), x[:rows] @ w, atol=1e-4)
+    assert list(packed.shape.by_rows) == [5, 2, 9]

@@ -20,6 +20,7 @@ import ctypes as C
 import functools
 import logging
 import os
+from collections import OrderedDict
 from pathlib import Path
 from typing import Optional
 
@@ -34,6 +35,7 @@ ARG_POST_OP_SRC1 = 32768 | 2  # DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC
 SWISH, BINARY_MUL = 0x2C, 0x1FFF1  # dnnl_eltwise_swish (x * sigmoid(alpha x)), dnnl_binary_mul
 EPILOGUES = (None, "silu", "mul")  # applied to x @ W (+ b) inside the matmul: silu(y), or y * other
 ENV = "WARMFLEET_CPU_MATMUL"  # "paddle": never use oneDNN
+ROW_COUNTS_KEPT = 96  # primitives kept per shape (LRU): every decode batch size, and the recent prefill sizes
 
 
 class _Arg(C.Structure):
@@ -63,6 +65,12 @@ class OneDNN:
         "dnnl_post_ops_append_binary": ([_vp, C.c_int, _vp], C.c_int),
         "dnnl_primitive_attr_create": ([_vp], C.c_int),
         "dnnl_primitive_attr_set_post_ops": ([_vp, _vp], C.c_int),
+        "dnnl_memory_desc_destroy": ([_vp], C.c_int),
+        "dnnl_memory_destroy": ([_vp], C.c_int),
+        "dnnl_primitive_desc_destroy": ([_vp], C.c_int),
+        "dnnl_primitive_destroy": ([_vp], C.c_int),
+        "dnnl_post_ops_destroy": ([_vp], C.c_int),
+        "dnnl_primitive_attr_destroy": ([_vp], C.c_int),
     }
 
     def __init__(self, path: Path, threads: int):
@@ -93,10 +101,17 @@ class OneDNN:
                                                                      _Dims(*strides)), "memory descriptor")
         return md
 
-    def memory(self, md, ptr: Optional[int]) -> _vp:
+    def memory(self, md, ptr: Optional[int], own_md: bool = False) -> _vp:
+        """A memory object over `ptr` (None: set per call); `own_md`: the descriptor was made for it, destroy it."""
         mem = _vp()
         self.check(self.lib.dnnl_memory_create(C.byref(mem), md, self.engine, _vp(ptr)), "memory")
+        if own_md:
+            self.lib.dnnl_memory_desc_destroy(md)
         return mem
+
+    def plain(self, rows: int, cols: int, ptr: Optional[int] = None) -> _vp:
+        """A memory object for a row-major float32 [rows, cols]."""
+        return self.memory(self.md([rows, cols], [cols, 1]), ptr, own_md=True)
 
     def epilogue(self, kind: Optional[str], rows: int, n: int) -> Optional[_vp]:
         """The primitive attribute that applies `kind` (EPILOGUES) to the matmul's output; None for none."""
@@ -106,26 +121,31 @@ class OneDNN:
         self.check(self.lib.dnnl_post_ops_create(C.byref(ops)), "post-ops")
         if kind == "silu":
             self.check(self.lib.dnnl_post_ops_append_eltwise(ops, SWISH, 1.0, 0.0), "swish post-op")
-        elif kind == "mul":
-            self.check(self.lib.dnnl_post_ops_append_binary(ops, BINARY_MUL, self.md([rows, n], [n, 1])), "mul post-op")
-        else:
-            raise ValueError(f"unknown epilogue {kind!r}; choose from {EPILOGUES}")
+        else:  # "mul"
+            other = self.md([rows, n], [n, 1])
+            self.check(self.lib.dnnl_post_ops_append_binary(ops, BINARY_MUL, other), "mul post-op")
+            self.lib.dnnl_memory_desc_destroy(other)
         self.check(self.lib.dnnl_primitive_attr_create(C.byref(attr)), "attribute")
         self.check(self.lib.dnnl_primitive_attr_set_post_ops(attr, ops), "attribute post-ops")
+        self.lib.dnnl_post_ops_destroy(ops)  # the attribute keeps its own copy
         return attr
 
     def matmul(self, rows: int, k: int, n: int, weights_md, bias: bool,
                epilogue: Optional[str] = None) -> tuple[_vp, _vp, str]:
         """(primitive descriptor, primitive, implementation name) for epilogue(x[rows, k] @ W[k, n] (+ b[n]))."""
-        pd = _vp()
-        bias_md = self.md([1, n], [n, 1]) if bias else None
-        self.check(self.lib.dnnl_matmul_primitive_desc_create(C.byref(pd), self.engine, self.md([rows, k], [k, 1]),
-                                                              weights_md, bias_md, self.md([rows, n], [n, 1]),
-                                                              self.epilogue(epilogue, rows, n)),
-                   f"matmul {rows}x{k}x{n}")
-        impl = C.c_char_p()
+        pd, prim, impl = _vp(), _vp(), C.c_char_p()
+        mds = [self.md([rows, k], [k, 1]), self.md([rows, n], [n, 1]), self.md([1, n], [n, 1]) if bias else None]
+        attr = self.epilogue(epilogue, rows, n)
+        try:
+            self.check(self.lib.dnnl_matmul_primitive_desc_create(C.byref(pd), self.engine, mds[0], weights_md, mds[2],
+                                                                  mds[1], attr), f"matmul {rows}x{k}x{n}")
+        finally:  # the primitive descriptor holds copies
+            for md in mds:
+                if md is not None:
+                    self.lib.dnnl_memory_desc_destroy(md)
+            if attr is not None:
+                self.lib.dnnl_primitive_attr_destroy(attr)
         self.lib.dnnl_primitive_desc_query(pd, QUERY_IMPL, 0, C.byref(impl))
-        prim = _vp()
         self.check(self.lib.dnnl_primitive_create(C.byref(prim), pd), "matmul primitive")
         return pd, prim, (impl.value or b"?").decode()
 
@@ -134,9 +154,14 @@ class OneDNN:
         self.check(self.lib.dnnl_reorder_primitive_desc_create(C.byref(pd), src_md, self.engine, dst_md, self.engine,
                                                                None), "reorder")
         self.check(self.lib.dnnl_primitive_create(C.byref(prim), pd), "reorder primitive")
-        args = (_Arg * 2)(_Arg(ARG_SRC, self.memory(src_md, src_ptr)), _Arg(ARG_DST, self.memory(dst_md, dst_ptr)))
-        self.check(self.lib.dnnl_primitive_execute(prim, self.stream, 2, args), "reorder")
-        self.check(self.lib.dnnl_stream_wait(self.stream), "stream wait")
+        mems = (self.memory(src_md, src_ptr), self.memory(dst_md, dst_ptr))
+        args = (_Arg * 2)(_Arg(ARG_SRC, mems[0]), _Arg(ARG_DST, mems[1]))
+        try:
+            self.check(self.lib.dnnl_primitive_execute(prim, self.stream, 2, args), "reorder")
+            self.check(self.lib.dnnl_stream_wait(self.stream), "stream wait")
+        finally:
+            for obj, destroy in ((mems[0], "memory"), (mems[1], "memory"), (prim, "primitive"), (pd, "primitive_desc")):
+                getattr(self.lib, f"dnnl_{destroy}_destroy")(obj)
 
 
 def library_path() -> Path:
@@ -185,31 +210,42 @@ class _Shape:
 
     def __init__(self, dnnl: OneDNN, k: int, n: int, bias: bool, epilogue: Optional[str], weights_md):
         self.dnnl, self.k, self.n, self.bias, self.epilogue, self.weights_md = dnnl, k, n, bias, epilogue, weights_md
-        self.by_rows: dict[int, tuple] = {}
+        self.by_rows: OrderedDict[int, tuple] = OrderedDict()
 
     def primitive(self, rows: int) -> tuple:
         entry = self.by_rows.get(rows)
-        if entry is None:
-            d = self.dnnl
-            _, prim, impl = d.matmul(rows, self.k, self.n, self.weights_md, self.bias, self.epilogue)
-            if impl.startswith("ref"):  # the reference loop is orders of magnitude slower: never silently
-                raise RuntimeError(f"oneDNN offers only {impl!r} for a {rows}x{self.k}x{self.n} matmul")
-            mems = [d.memory(d.md([rows, self.k], [self.k, 1]), None), d.memory(d.md([rows, self.n], [self.n, 1]), None)]
-            args = [_Arg(ARG_SRC, mems[0]), _Arg(ARG_WEIGHTS, None), _Arg(ARG_DST, mems[1])]
-            if self.bias:
-                args.append(_Arg(ARG_BIAS, None))
-            if self.epilogue == "mul":
-                mems.append(d.memory(d.md([rows, self.n], [self.n, 1]), None))
-                args.append(_Arg(ARG_POST_OP_SRC1, mems[2]))
-            entry = self.by_rows[rows] = (prim, mems, (_Arg * len(args))(*args), len(args))
+        if entry is not None:
+            self.by_rows.move_to_end(rows)
+            return entry
+        d = self.dnnl
+        pd, prim, impl = d.matmul(rows, self.k, self.n, self.weights_md, self.bias, self.epilogue)
+        d.lib.dnnl_primitive_desc_destroy(pd)
+        if impl.startswith("ref"):  # the reference loop is orders of magnitude slower: never silently
+            raise RuntimeError(f"oneDNN offers only {impl!r} for a {rows}x{self.k}x{self.n} matmul")
+        mems = [d.plain(rows, self.k), d.plain(rows, self.n)]
+        args = [_Arg(ARG_SRC, mems[0]), _Arg(ARG_WEIGHTS, None), _Arg(ARG_DST, mems[1])]
+        if self.bias:
+            args.append(_Arg(ARG_BIAS, None))
+        if self.epilogue == "mul":
+            mems.append(d.plain(rows, self.n))
+            args.append(_Arg(ARG_POST_OP_SRC1, mems[2]))
+        entry = self.by_rows[rows] = (prim, mems, (_Arg * len(args))(*args), len(args))
+        if len(self.by_rows) > ROW_COUNTS_KEPT:  # prefill row counts vary per step: keep the recent ones
+            old_prim, old_mems, _, _ = self.by_rows.popitem(last=False)[1]
+            d.lib.dnnl_primitive_destroy(old_prim)
+            for mem in old_mems:
+                d.lib.dnnl_memory_destroy(mem)
         return entry
 
 
 @functools.lru_cache(maxsize=None)
 def _shape(k: int, n: int, bias: bool, epilogue: Optional[str]) -> _Shape:
     d = _state["dnnl"]
-    pd, _, impl = d.matmul(16, k, n, d.md([k, n]), bias)  # the layout it wants for the weight serves every row count
-    weights_md = _vp(d.lib.dnnl_primitive_desc_query_md(pd, QUERY_WEIGHTS_MD, 0))
+    any_md = d.md([k, n])
+    pd, prim, impl = d.matmul(16, k, n, any_md, bias)  # the layout it wants for the weight serves every row count
+    d.lib.dnnl_memory_desc_destroy(any_md)
+    d.lib.dnnl_primitive_destroy(prim)
+    weights_md = _vp(d.lib.dnnl_primitive_desc_query_md(pd, QUERY_WEIGHTS_MD, 0))  # owned by `pd`, kept for good
     log.info("oneDNN matmul %d -> %d%s%s: %s, weights packed once", k, n, " + bias" if bias else "",
              f", then {epilogue}" if epilogue else "", impl)
     return _Shape(d, k, n, bias, epilogue, weights_md)
@@ -241,9 +277,10 @@ class PackedWeight:
         self.packed = paddle.empty([(size + 3) // 4], dtype="float32")
         weight = weight.contiguous()
         d.reorder(plain, weight.data_ptr(), self.shape.weights_md, self.packed.data_ptr())
+        d.lib.dnnl_memory_desc_destroy(plain)
         self.wmem = d.memory(self.shape.weights_md, self.packed.data_ptr())
         self.bias = bias  # kept alive: its memory object points into it
-        self.bmem = d.memory(d.md([1, n], [n, 1]), bias.data_ptr()) if bias is not None else None
+        self.bmem = d.plain(1, n, bias.data_ptr()) if bias is not None else None
         self.nbytes = size
         from paddle import _C_ops
 
