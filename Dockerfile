@@ -24,7 +24,9 @@ RUN python -m pip install --no-deps . \
 # The CPU backend's decode-attention kernel, built here so that pods (read-only root filesystem) load it
 # as is; without a C compiler in the image the engine would decode with Paddle ops (slower, logged).
 ENV WARMFLEET_KERNEL_DIR=/opt/warmfleet/kernels
-RUN (command -v cc >/dev/null || (apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev)) \
+# libgomp1: the OpenMP runtime of oneDNN (inside the Paddle wheel), which runs the CPU projections.
+RUN (command -v cc >/dev/null && ldconfig -p | grep -q libgomp.so.1 \
+     || (apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev libgomp1)) \
  && python -c "from warmfleet.server.attention import native; print('kernel', native.build())"
 
 # Non-root by default; the operator's pod spec also sets runAsNonRoot and a read-only root filesystem.

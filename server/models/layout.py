@@ -1,4 +1,7 @@
-"""Weight layouts for projections on CPU: [in, out] or [out, in], whichever multiplies faster here, timed once per shape at load."""
+"""Weight layouts for projections on Paddle's CPU matmul: [in, out] or [out, in], whichever multiplies faster here, timed once per shape at load.
+
+Used where oneDNN's packed matmul (onednn.py) is not: without the library, or WARMFLEET_CPU_MATMUL=paddle.
+"""
 
 from __future__ import annotations
 
