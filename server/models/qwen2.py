@@ -16,7 +16,6 @@ ran 1.4-1.5x slower on MKL for 16-64 rows on the bench checkpoint (docs/performa
 from __future__ import annotations
 
 import logging
-
 import math
 from typing import Any, Optional
 
