@@ -78,3 +78,24 @@ def test_cpus_this_machine_lacks_stop_the_server_with_a_reason(tiny_model_dir, t
             proc.kill()
     assert proc.returncode != 0
     assert "--engine-cpus 4000: cannot run on those CPUs" in err, err[-2000:]
+
+
+def test_tuned_malloc_serves_large_blocks_from_the_heap():
+    """A 64 MiB block (a prefill's MLP activations are 40 MB on Qwen2.5-0.5B) comes from the heap, not a fresh mmap."""
+    import sys
+
+    probe = """
+import ctypes, sys
+from warmfleet.server.engine import cpu
+if sys.argv[1] == "tuned":
+    assert cpu.tune_malloc()
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+p = libc.malloc(64 << 20)
+heap = [l.split()[0] for l in open("/proc/self/maps") if l.rstrip().endswith("[heap]")]
+lo, hi = (int(x, 16) for x in heap[0].split("-"))
+print(lo <= p < hi)
+"""
+    out = {mode: subprocess.run([sys.executable, "-P", "-c", probe, mode], capture_output=True, text=True,
+                                check=True).stdout.strip() for mode in ("tuned", "default")}
+    assert out == {"tuned": "True", "default": "False"}
