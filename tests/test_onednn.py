@@ -23,7 +23,7 @@ def weights(k: int, n: int, out_major: bool, bias: bool, seed: int = 0):
     return w, b, stored, (paddle.to_tensor(b) if bias else None)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16, 17, 64, 300])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 64, 65, 300, 1100])
 @pytest.mark.parametrize("out_major", [True, False])
 @pytest.mark.parametrize("bias", [True, False])
 def test_packed_projection_equals_x_at_w_plus_b(rows, out_major, bias):
@@ -36,6 +36,8 @@ def test_packed_projection_equals_x_at_w_plus_b(rows, out_major, bias):
     got = packed(paddle.to_tensor(x))
     assert got.shape == [rows, n] and got.dtype == paddle.float32
     np.testing.assert_allclose(got.numpy(), want, atol=1e-4, rtol=1e-5)
+    if rows > 64:  # run as chunks of 512/256/128/64 rows and an exact rest: no primitive for the size itself
+        assert rows not in packed.shape.by_rows
 
 
 def test_packed_projection_takes_views_batches_and_empty_inputs():
@@ -90,7 +92,7 @@ def test_the_environment_can_turn_onednn_off(monkeypatch):
     assert not onednn.available("bfloat16")
 
 
-@pytest.mark.parametrize("rows", [1, 16, 300])
+@pytest.mark.parametrize("rows", [1, 16, 300, 1100])
 def test_epilogues_apply_silu_and_multiply_inside_the_matmul(rows):
     k, n = 64, 160
     wg, bg, sg, pbg = weights(k, n, True, True, 7)
@@ -125,6 +127,16 @@ def test_primitives_kept_per_shape_are_bounded(monkeypatch):
     w, _, stored, _ = weights(24, 40, False, False, 11)
     packed = onednn.PackedWeight(stored, False)
     x = np.random.default_rng(12).standard_normal((9, 24)).astype(np.float32)
-    for rows in (1, 2, 3, 4, 5, 2, 9):  # prefill sizes vary per step: only the recent ones stay
+    for rows in (1, 2, 3, 4, 5, 2, 9):  # batch sizes vary: only the recent ones stay
         np.testing.assert_allclose(packed(paddle.to_tensor(x[:rows])).numpy(), x[:rows] @ w, atol=1e-4)
     assert list(packed.shape.by_rows) == [5, 2, 9]
+
+
+def test_long_inputs_reuse_a_few_chunk_primitives():
+    w, _, stored, _ = weights(24, 44, False, False, 13)  # a shape of its own: primitives are shared per shape
+    packed = onednn.PackedWeight(stored, False)
+    rng = np.random.default_rng(14)
+    for rows in (2112, 1000, 390, 700):  # 4x512 + 64; 512 + 256 + 128 + 64 + 40; 256 + 128 + 6; 512 + 128 + 60
+        x = rng.standard_normal((rows, 24)).astype(np.float32)
+        np.testing.assert_allclose(packed(paddle.to_tensor(x)).numpy(), x @ w, atol=1e-4)
+    assert set(packed.shape.by_rows) == {512, 256, 128, 64, 40, 6, 60}

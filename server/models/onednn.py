@@ -35,7 +35,9 @@ ARG_POST_OP_SRC1 = 32768 | 2  # DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC
 SWISH, BINARY_MUL = 0x2C, 0x1FFF1  # dnnl_eltwise_swish (x * sigmoid(alpha x)), dnnl_binary_mul
 EPILOGUES = (None, "silu", "mul")  # applied to x @ W (+ b) inside the matmul: silu(y), or y * other
 ENV = "WARMFLEET_CPU_MATMUL"  # "paddle": never use oneDNN
-ROW_COUNTS_KEPT = 96  # primitives kept per shape (LRU): every decode batch size, and the recent prefill sizes
+ROW_COUNTS_KEPT = 16  # primitives kept per shape (LRU); each holds ~200 KB of JIT code and buffers
+CHUNKS = (512, 256, 128, 64)  # rows above 64 run as chunks of these (the rest exact): prefill sizes vary per
+# step, and this way they reuse a few primitives instead of making one per size (same GFLOP/s from 128 rows)
 
 
 class _Arg(C.Structure):
@@ -71,6 +73,7 @@ class OneDNN:
         "dnnl_primitive_destroy": ([_vp], C.c_int),
         "dnnl_post_ops_destroy": ([_vp], C.c_int),
         "dnnl_primitive_attr_destroy": ([_vp], C.c_int),
+        "dnnl_set_primitive_cache_capacity": ([C.c_int], C.c_int),
     }
 
     def __init__(self, path: Path, threads: int):
@@ -81,6 +84,9 @@ class OneDNN:
         # oneDNN runs on the OpenMP runtime it links (GNU's), not the one MKL uses: one math thread
         # count for both, as `--engine-threads` asks.
         C.CDLL("libgomp.so.1").omp_set_num_threads(threads)
+        # primitives are kept per shape here (_Shape, bounded); the library's own cache (1,024 by default)
+        # would keep every one ever made alive
+        self.check(self.lib.dnnl_set_primitive_cache_capacity(0), "primitive cache capacity")
         self.engine, self.stream = _vp(), _vp()
         self.check(self.lib.dnnl_engine_create(C.byref(self.engine), CPU_ENGINE, 0), "engine")
         self.check(self.lib.dnnl_stream_create(C.byref(self.stream), self.engine, IN_ORDER), "stream")
@@ -295,19 +301,30 @@ class PackedWeight:
             x = x.contiguous()
         rows = x.shape[0]
         y = self.empty(rows)
-        if rows:
-            prim, mems, args, nargs = self.shape.primitive(rows)
-            d = self.shape.dnnl
-            args[1].memory = self.wmem
-            if self.bmem is not None:
-                args[3].memory = self.bmem
-            d.lib.dnnl_memory_set_data_handle(mems[0], x.data_ptr())
-            d.lib.dnnl_memory_set_data_handle(mems[1], y.data_ptr())
-            if self.shape.epilogue == "mul":
-                other = other.reshape([rows, self.n])
-                d.lib.dnnl_memory_set_data_handle(mems[2], (other if other.is_contiguous() else other.contiguous()).data_ptr())
-            d.check(d.lib.dnnl_primitive_execute(prim, d.stream, nargs, args), f"matmul {rows}x{self.k}x{self.n}")
+        if self.shape.epilogue == "mul":
+            other = other.reshape([rows, self.n])
+            other = other if other.is_contiguous() else other.contiguous()
+        ptrs = (x.data_ptr(), y.data_ptr(), other.data_ptr() if self.shape.epilogue == "mul" else 0)
+        start = 0
+        for size in CHUNKS:  # row-major: a chunk of rows is a pointer offset, no copy
+            while rows - start > CHUNKS[-1] and rows - start >= size:
+                self._run(size, start, ptrs)
+                start += size
+        if rows > start:
+            self._run(rows - start, start, ptrs)
         return y if len(lead) == 1 else y.reshape([*lead, self.n])
+
+    def _run(self, rows: int, start: int, ptrs: tuple[int, int, int]) -> None:
+        prim, mems, args, nargs = self.shape.primitive(rows)
+        d = self.shape.dnnl
+        args[1].memory = self.wmem
+        if self.bmem is not None:
+            args[3].memory = self.bmem
+        d.lib.dnnl_memory_set_data_handle(mems[0], ptrs[0] + 4 * start * self.k)
+        d.lib.dnnl_memory_set_data_handle(mems[1], ptrs[1] + 4 * start * self.n)
+        if len(mems) == 3:
+            d.lib.dnnl_memory_set_data_handle(mems[2], ptrs[2] + 4 * start * self.n)
+        d.check(d.lib.dnnl_primitive_execute(prim, d.stream, nargs, args), f"matmul {rows}x{self.k}x{self.n}")
 
 
 def pack_model(model) -> int:
