@@ -137,9 +137,9 @@ class OneDNN:
         return attr
 
     def matmul(self, rows: int, k: int, n: int, weights_md, bias: bool,
-               epilogue: Optional[str] = None) -> tuple[_vp, _vp, str]:
-        """(primitive descriptor, primitive, implementation name) for epilogue(x[rows, k] @ W[k, n] (+ b[n]))."""
-        pd, prim, impl = _vp(), _vp(), C.c_char_p()
+               epilogue: Optional[str] = None) -> tuple[_vp, str]:
+        """(primitive descriptor, implementation name) for epilogue(x[rows, k] @ W[k, n] (+ b[n]))."""
+        pd, impl = _vp(), C.c_char_p()
         mds = [self.md([rows, k], [k, 1]), self.md([rows, n], [n, 1]), self.md([1, n], [n, 1]) if bias else None]
         attr = self.epilogue(epilogue, rows, n)
         try:
@@ -152,8 +152,7 @@ class OneDNN:
             if attr is not None:
                 self.lib.dnnl_primitive_attr_destroy(attr)
         self.lib.dnnl_primitive_desc_query(pd, QUERY_IMPL, 0, C.byref(impl))
-        self.check(self.lib.dnnl_primitive_create(C.byref(prim), pd), "matmul primitive")
-        return pd, prim, (impl.value or b"?").decode()
+        return pd, (impl.value or b"?").decode()
 
     def reorder(self, src_md, src_ptr: int, dst_md, dst_ptr: int) -> None:
         pd, prim = _vp(), _vp()
@@ -224,10 +223,14 @@ class _Shape:
             self.by_rows.move_to_end(rows)
             return entry
         d = self.dnnl
-        pd, prim, impl = d.matmul(rows, self.k, self.n, self.weights_md, self.bias, self.epilogue)
-        d.lib.dnnl_primitive_desc_destroy(pd)
-        if impl.startswith("ref"):  # the reference loop is orders of magnitude slower: never silently
-            raise RuntimeError(f"oneDNN offers only {impl!r} for a {rows}x{self.k}x{self.n} matmul")
+        pd, impl = d.matmul(rows, self.k, self.n, self.weights_md, self.bias, self.epilogue)
+        prim = _vp()
+        try:
+            if impl.startswith("ref"):  # the reference loop is orders of magnitude slower: never silently
+                raise RuntimeError(f"oneDNN offers only {impl!r} for a {rows}x{self.k}x{self.n} matmul")
+            d.check(d.lib.dnnl_primitive_create(C.byref(prim), pd), "matmul primitive")
+        finally:
+            d.lib.dnnl_primitive_desc_destroy(pd)
         mems = [d.plain(rows, self.k), d.plain(rows, self.n)]
         args = [_Arg(ARG_SRC, mems[0]), _Arg(ARG_WEIGHTS, None), _Arg(ARG_DST, mems[1])]
         if self.bias:
@@ -248,9 +251,8 @@ class _Shape:
 def _shape(k: int, n: int, bias: bool, epilogue: Optional[str]) -> _Shape:
     d = _state["dnnl"]
     any_md = d.md([k, n])
-    pd, prim, impl = d.matmul(16, k, n, any_md, bias)  # the layout it wants for the weight serves every row count
+    pd, impl = d.matmul(16, k, n, any_md, bias)  # the layout it wants for the weight serves every row count
     d.lib.dnnl_memory_desc_destroy(any_md)
-    d.lib.dnnl_primitive_destroy(prim)
     weights_md = _vp(d.lib.dnnl_primitive_desc_query_md(pd, QUERY_WEIGHTS_MD, 0))  # owned by `pd`, kept for good
     log.info("oneDNN matmul %d -> %d%s%s: %s, weights packed once", k, n, " + bias" if bias else "",
              f", then {epilogue}" if epilogue else "", impl)
