@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 
 .PHONY: demo test unit e2e test-vllm bench clean
 
-$(BIN)/warmfleet: pyproject.toml
+$(BIN)/warmfleet: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[all]'

@@ -1,9 +1,15 @@
-"""Packaging and CLI: the operator/ folder never shadows the stdlib; bad flags exit 2 with one line."""
+"""Packaging and CLI: what the wheel and sdist hold, the version, the operator/ folder never shadows the stdlib; bad flags exit 2 with one line."""
 
+import shutil
 import subprocess
 import sys
+import tarfile
+import tomllib
+import zipfile
+from pathlib import Path
 
 import pytest
+import yaml
 
 
 def test_stdlib_operator_is_not_shadowed(tmp_path):
@@ -67,3 +73,66 @@ def test_version_and_doctor(capsys):
     captured = capsys.readouterr()
     assert any(line.startswith("fail memory:") and "lower the caches" in line for line in captured.out.splitlines())
     assert "1 check(s) failed: memory" in captured.err
+
+
+REPO = Path(__file__).resolve().parents[1]
+# folder in the checkout -> import name in the wheel (setup.py's mapping)
+PACKAGE_FOLDERS = {"warmfleet": "warmfleet", "server": "warmfleet/server", "operator": "warmfleet/operator"}
+
+
+def _tracked_package_files() -> list[str]:
+    out = subprocess.run(["git", "ls-files", "--", *PACKAGE_FOLDERS], cwd=REPO, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert any(f.endswith(".c") for f in out) and any(f.endswith(".jinja") for f in out), out
+    return out
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> dict[str, set[str]]:
+    """The sdist, and the wheel built from it (what `python -m build` and PyPI users get): their file lists."""
+    dist = tmp_path_factory.mktemp("dist")
+    # the checkout may hold build/ leftovers of other builds: build from a copy of the tracked files that make it
+    src = tmp_path_factory.mktemp("src")
+    tracked = subprocess.run(["git", "ls-files", "--", ":(top,glob)*", *PACKAGE_FOLDERS], cwd=REPO,
+                             capture_output=True, text=True, check=True).stdout.split()
+    for rel in tracked:
+        if (REPO / rel).is_file():
+            (src / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / rel, src / rel)
+    proc = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(dist), str(src)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "would be ignored" not in proc.stdout + proc.stderr, "setuptools skipped a data folder"
+    (sdist,), (wheel,) = dist.glob("*.tar.gz"), dist.glob("*.whl")
+    with tarfile.open(sdist) as tf:
+        sdist_names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
+    with zipfile.ZipFile(wheel) as zf:
+        wheel_names = set(zf.namelist())
+    return {"sdist": sdist_names, "wheel": wheel_names}
+
+
+def test_wheel_and_sdist_hold_every_tracked_package_file(built):
+    missing_wheel, missing_sdist = [], []
+    for rel in _tracked_package_files():
+        folder, rest = rel.split("/", 1)
+        if f"{PACKAGE_FOLDERS[folder]}/{rest}" not in built["wheel"]:
+            missing_wheel.append(rel)
+        if rel not in built["sdist"]:
+            missing_sdist.append(rel)
+    assert not missing_wheel, f"not in the wheel: {missing_wheel}"
+    assert not missing_sdist, f"not in the sdist: {missing_sdist}"
+    # every console script's module ships, and nothing of the checkout that is not a package leaks in
+    assert {"warmfleet/cli.py", "warmfleet/server/router/engines/vllm.py"} <= built["wheel"]
+    assert not [n for n in built["wheel"] if n.startswith(("tests/", "server/", "operator/", "bench/"))]
+
+
+def test_version_comes_from_the_installed_metadata_and_the_chart_agrees():
+    from importlib.metadata import version
+
+    with open(REPO / "pyproject.toml", "rb") as f:
+        declared = tomllib.load(f)["project"]["version"]
+    chart = yaml.safe_load((REPO / "charts/warmfleet/Chart.yaml").read_text())
+    assert version("warmfleet") == declared, "reinstall: the installed metadata is older than pyproject.toml"
+    assert chart["appVersion"] == declared, "charts/warmfleet/Chart.yaml appVersion must equal the package version"
+    r = _cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"warmfleet {declared}", r.stdout + r.stderr
