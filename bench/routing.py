@@ -21,7 +21,8 @@ run (one replica killed mid-run and restarted cold). The oracle is the cached-to
 an unbounded cache that saw every earlier request. Writes `routing.json` and `routing.png`
 (bar charts per router) to --out. Peer routers come from `pip install 'warmfleet[peers]'`; a missing
 one is skipped, said up front and recorded under "skipped_routers".
-Progress goes to stderr; with --json the last stdout line is one JSON object.
+Progress goes to stderr; with --json the last stdout line is one JSON object. Targets met are booleans:
+per workload under "text"/"images" -> "targets", churn and added latency under the top-level "targets".
 
 Sizes: --quick is the tiny checkpoint, 2 replicas, 60 requests, one rate, one seed. The
 default is the issue's shape (bench checkpoint, 4 replicas with 160 KV blocks each, two rates,
@@ -665,6 +666,19 @@ def verdict(res: dict, oracle: float) -> dict:
     return out
 
 
+def extras_verdict(results: dict) -> dict:
+    """Booleans for the targets outside a workload: churn (0 client errors, unrouted within 1 s) and the
+    router-added latency (p50 <= 2 ms); only those measured (the text workload's warmfleet run)."""
+    out = {}
+    churn_res, lat = results.get("warmfleet_churn"), results.get("warmfleet_latency")
+    if churn_res:
+        out["churn_no_client_errors"] = churn_res["client_errors"] == 0
+        out["churn_unrouted_le_1s"] = churn_res["s_until_dead_replica_unrouted"] <= 1.0
+    if lat:
+        out["added_latency_p50_le_2ms"] = lat["added_p50_ms"] <= 2.0
+    return out
+
+
 def chart(results: dict, path: Path) -> None:
     """One row per workload: cached-token ratio (oracle dashed), TTFT p50/p90, spread."""
     import matplotlib
@@ -847,6 +861,7 @@ def main() -> int:
             results["images"] = None
             progress("replicas do not accept images yet: image workload skipped")
     results["load_average_1_5_15_min"]["after"] = os.getloadavg()  # the machine is shared: was it busy?
+    results["targets"] = extras_verdict(results)
     if not args.logs:
         shutil.rmtree(cwd, ignore_errors=True)
     write_results(Path(args.out), "routing", results, chart, progress)
