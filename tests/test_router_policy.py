@@ -279,8 +279,9 @@ def test_unseen_peer_requests_widen_only_the_warm_in_flight_slack():
 
 
 def test_warm_inflight_slack_widens_only_the_in_flight_bound():
-    """Long conversations spill on the in-flight bound (docs/scale.md, fourth round): `warm_inflight_slack`
-    keeps a long warm prefix that many requests further over it, while the share cap stays as it is."""
+    """Long conversations spill on the in-flight bound (docs/scale.md, "The routing defaults"; the runs:
+    docs/history/scale-rounds.md, fourth round): `warm_inflight_slack` keeps a long warm prefix that many
+    requests further over it, while the share cap stays as it is."""
     cfg = PolicyConfig(epsilon=0.25, load_weight=0, warm_slack=1, warm_min_tokens=64, warm_inflight_slack=1)
     others = [Candidate(r, sent=4) for r in "bcd"]
     assert load_cap([3, 0, 0, 0], 0.25) == 2  # load 3 takes the warm replica two over the in-flight bound

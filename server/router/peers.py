@@ -31,7 +31,7 @@ Uncertainty: a peer's in-flight figures are as of its last report, so each route
 replica's in-flight count is off by about one request per fresh peer (sent or finished since).
 Bounded load enforced to the request on such a view threw away long warm prefixes for phantom
 load (on the 600-request excerpt: 3 routers' 14-25 spills a run lost 1.0-9.7k cached tokens
-where one router's lost 0.1-1.0k; docs/scale.md), so `fresh` is handed to the policy
+where one router's lost 0.1-1.0k; docs/history/scale-rounds.md, "Third round"), so `fresh` is handed to the policy
 as `Candidate.unseen`, which widens the in-flight slack for keeping a warm prefix by that much and
 nothing else.
 

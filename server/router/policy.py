@@ -39,8 +39,9 @@ The prefix that more than half of the replicas hold scores nothing (`common_pref
 longest whole-block prefix under `warm_min_tokens`: it is not worth keeping a request off a replica that
 lacks it. Without that, a first block every request shares (every Mooncake request does) made each
 replica that had not yet served a request lose every new conversation to an idle one holding that
-block: 11 of 64 replicas never got work, and spread over the fleet was 1.24-1.26 (docs/scale.md, fifth
-round). What a replica holds beyond the common prefix (a conversation's history) counts in full.
+block: 11 of 64 replicas never got work, and spread over the fleet was 1.24-1.26 (docs/scale.md, "The
+routing defaults"; the runs: docs/history/scale-rounds.md, "Fifth round"). What a replica holds beyond
+the common prefix (a conversation's history) counts in full.
 Equal choices go to the replica this router sent the fewest requests, so they even out.
 
 Share cap: the in-flight bound alone cannot keep request counts even when requests are short
