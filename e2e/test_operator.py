@@ -516,6 +516,7 @@ def peer_service(kind: str, namespace: str) -> dict[str, Any]:
 def test_peer_engines_reconcile_to_ready_with_their_rendered_flags(e2e_cluster: Cluster, local_operator: LocalOperator,
                                                                    namespace: str, kind: str) -> None:
     from warmfleet.operator import engines
+    from warmfleet.operator.manifests import Images
     from warmfleet.operator.nodes import node_info
     from warmfleet.operator.reconcile import render
 
@@ -537,7 +538,7 @@ def test_peer_engines_reconcile_to_ready_with_their_rendered_flags(e2e_cluster: 
     # the live Deployments carry exactly what `warmfleet operator render` prints for these nodes
     nodes = [node_info(n) for n in c.kubectl_json("get", "nodes")["items"]]
     live_svc = {k: svc[k] for k in ("apiVersion", "kind", "metadata", "spec")}
-    want = {o["metadata"]["name"]: o for o in render(live_svc, nodes, "unused") if o["kind"] == "Deployment"}
+    want = {o["metadata"]["name"]: o for o in render(live_svc, nodes, Images("unused", "unused")) if o["kind"] == "Deployment"}
     live = deployments(c, ex)
     assert set(live) == set(want), (sorted(live), sorted(want))
     for name, dep in live.items():
@@ -656,6 +657,7 @@ def test_hf_source_reconciles_with_the_fetch_init_container_and_learns_config_js
     import json as json_
 
     from warmfleet.operator.nodes import node_info
+    from warmfleet.operator.manifests import Images
     from warmfleet.operator.reconcile import render
 
     c = e2e_cluster
@@ -689,9 +691,12 @@ def test_hf_source_reconciles_with_the_fetch_init_container_and_learns_config_js
     live = deployments(c, ex)
     nodes = [node_info(n) for n in c.kubectl_json("get", "nodes")["items"]]
     live_svc = {k: svc[k] for k in ("apiVersion", "kind", "metadata", "spec", "status")}
-    default_image = next(iter(live.values()))["spec"]["template"]["spec"]["initContainers"][0]["image"]  # the operator's
+    server_pod = next(d for d in live.values() if d["metadata"]["labels"][COMPONENT_LABEL] == "server")["spec"]["template"]["spec"]
+    # the operator's two default images: the engine's, and the slim one of the fetch-model step (and the router)
+    defaults = Images(engine=server_pod["containers"][0]["image"], router=server_pod["initContainers"][0]["image"])
+    assert defaults.engine != defaults.router, defaults
     # what `warmfleet operator render` prints, config.json's values taken from the live status
-    want = {o["metadata"]["name"]: o for o in render(live_svc, nodes, default_image) if o["kind"] == "Deployment"}
+    want = {o["metadata"]["name"]: o for o in render(live_svc, nodes, defaults) if o["kind"] == "Deployment"}
     assert set(live) == set(want)
     for name, dep in live.items():
         pod = dep["spec"]["template"]["spec"]

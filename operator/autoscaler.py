@@ -50,7 +50,7 @@ async def run_pass(state: OperatorState, body: Mapping[str, Any], nodes: list[No
     meta = body.get("metadata") or {}
     uid = meta.get("uid") or f"{meta.get('namespace')}/{meta.get('name')}"
     try:
-        owner, spec, plan = plan_for(body, nodes, state.default_image)
+        owner, spec, plan = plan_for(body, nodes, state.default_images)
     except SpecError:
         return None  # the reconcile reports it
     kube = state.client()

@@ -30,16 +30,19 @@ def default_login(**kwargs: Any) -> Any:
     return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
 
-def make_registry(*, default_image: str, login: LoginFn = default_login, router_url_template: str | None = None,
+def make_registry(*, default_image: str, router_image: str | None = None, login: LoginFn = default_login,
+                  router_url_template: str | None = None,
                   autoscale_interval_s: float = autoscaler.DEFAULT_INTERVAL_S) -> kopf.OperatorRegistry:
     """A registry holding every handler; `login` is replaceable so tests can point kopf at kmock.
 
+    `default_image` runs `warmfleet` engine pods, `router_image` (default: the same) router pods and the
+    fetch-model init step, for services whose spec names no image.
     `router_url_template` overrides where the autoscaler finds a service's routers (autoscaler.router_urls).
     The InferenceService's own handlers are defined here: their ids (qualified names) are kopf's progress keys.
     """
     registry = kopf.OperatorRegistry()
     isvc = (GROUP, VERSION, PLURAL)
-    _add_lifecycle(registry, default_image, login)
+    _add_lifecycle(registry, m.Images(engine=default_image, router=router_image or default_image), login)
     _add_indexes(registry)
 
     @kopf.on.resume(*isvc, registry=registry)
@@ -69,7 +72,7 @@ def make_registry(*, default_image: str, login: LoginFn = default_login, router_
     return registry
 
 
-def _add_lifecycle(registry: kopf.OperatorRegistry, default_image: str, login: LoginFn) -> None:
+def _add_lifecycle(registry: kopf.OperatorRegistry, default_images: m.Images, login: LoginFn) -> None:
     """Startup (every operator-wide setting, the shared state), cleanup and login."""
 
     @kopf.on.startup(registry=registry)
@@ -86,7 +89,7 @@ def _add_lifecycle(registry: kopf.OperatorRegistry, default_image: str, login: L
         settings.posting.level = logging.WARNING  # only warnings become Kubernetes Events
         settings.peering.standalone = True  # one active replica: the chart runs one pod with a Recreate strategy
         settings.execution.max_workers = 4
-        memo.state = OperatorState(default_image=default_image)
+        memo.state = OperatorState(default_images=default_images)
 
     @kopf.on.cleanup(registry=registry)
     async def close(memo: kopf.Memo, **_: Any) -> None:
@@ -203,7 +206,7 @@ def _node_list(index: kopf.Index) -> list[NodeInfo]:
 def _plan_changed(state: OperatorState, body: Any, nodes: list[NodeInfo], uid: str | None) -> bool:
     """Whether a node event changes what this service should look like (cheap, pure)."""
     try:
-        _, _, plan = plan_for(body, nodes, state.default_image)
+        _, _, plan = plan_for(body, nodes, state.default_images)
     except SpecError:
         return False  # an invalid spec waits for a spec change, not a node change
     return state.fingerprints.get(uid or "") != fingerprint(plan)

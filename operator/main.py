@@ -11,16 +11,35 @@ from typing import Any, Iterable
 
 import yaml
 
-DEFAULT_IMAGE_ENV = "WARMFLEET_IMAGE"
-FALLBACK_IMAGE = "ghcr.io/warmfleet/warmfleet:latest"
+# The two images a release publishes (README "Images"); the chart passes both with its own tags.
+DEFAULT_IMAGE_ENV, ROUTER_IMAGE_ENV = "WARMFLEET_IMAGE", "WARMFLEET_ROUTER_IMAGE"
+ENGINE_REPOSITORY, SLIM_REPOSITORY = "ghcr.io/warmfleet/warmfleet", "ghcr.io/warmfleet/warmfleet-slim"
+
+
+def _release_tag() -> str:
+    """This package's version: the tag of the images released with it (never a moving `latest`)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("warmfleet")
+    except PackageNotFoundError:
+        return "latest"
+
+
+def _image_flags(p: argparse.ArgumentParser) -> None:
+    """--default-image and --router-image, for `run` and `render` alike."""
+    p.add_argument("--default-image", default=os.environ.get(DEFAULT_IMAGE_ENV) or f"{ENGINE_REPOSITORY}:{_release_tag()}",
+                   help=f"Engine image of `warmfleet` server pods when the service names none (env {DEFAULT_IMAGE_ENV}).")
+    p.add_argument("--router-image", default=os.environ.get(ROUTER_IMAGE_ENV) or f"{SLIM_REPOSITORY}:{_release_tag()}",
+                   help="Slim image (no Paddle) of router pods and of the fetch-model init step when the service "
+                        f"names none (env {ROUTER_IMAGE_ENV}).")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Subcommands run (default), render and crd."""
     parser.set_defaults(action="run", namespaces=[], liveness="http://0.0.0.0:8080/healthz", verbose=False,
                         router_url_template=os.environ.get("WARMFLEET_ROUTER_URL_TEMPLATE") or None,
-                        autoscale_interval=float(os.environ.get("WARMFLEET_AUTOSCALE_INTERVAL_S") or 15),
-                        default_image=os.environ.get(DEFAULT_IMAGE_ENV, FALLBACK_IMAGE))
+                        autoscale_interval=float(os.environ.get("WARMFLEET_AUTOSCALE_INTERVAL_S") or 15))
     sub = parser.add_subparsers(dest="action", metavar="ACTION")
     run_p = sub.add_parser("run", help="Run the kopf operator (the default).")
     for p in (parser, run_p):
@@ -28,8 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="Watch only this namespace (repeatable); default: all namespaces.")
         p.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="kopf liveness endpoint URL.")
         p.add_argument("--verbose", action="store_true", help="Debug logging.")
-        p.add_argument("--default-image", default=os.environ.get(DEFAULT_IMAGE_ENV, FALLBACK_IMAGE),
-                       help=f"Router image, and warmfleet engine image, when spec.server.image is unset (env {DEFAULT_IMAGE_ENV}).")
+        _image_flags(p)
         p.add_argument("--router-url-template", default=os.environ.get("WARMFLEET_ROUTER_URL_TEMPLATE") or None,
                        help="Where the autoscaler scrapes a service's routers, e.g. http://127.0.0.1:9000 or "
                             "http://{service}.{namespace}.svc:{port} (env WARMFLEET_ROUTER_URL_TEMPLATE); default: "
@@ -39,8 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     render_p = sub.add_parser("render", help="Print the objects the operator would apply, offline.")
     render_p.add_argument("-f", "--filename", required=True, help="YAML with one or more InferenceService objects.")
     render_p.add_argument("--nodes", required=True, help="YAML with Node objects (a List, or several documents).")
-    render_p.add_argument("--default-image", default=os.environ.get(DEFAULT_IMAGE_ENV, FALLBACK_IMAGE),
-                          help="Router (and warmfleet engine) image when spec.server.image is unset.")
+    _image_flags(render_p)
     render_p.add_argument("-o", "--output", choices=("yaml", "json"), default="yaml", help="Output format.")
     render_p.add_argument("--strict", action="store_true",
                           help="Exit 1 when there are warnings (no matching node, a pool that fits nothing, clamped sizes).")
@@ -66,7 +83,8 @@ def run_operator(args: argparse.Namespace) -> int:
     from warmfleet.operator.handlers import make_registry
 
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.PLAIN)
-    registry = make_registry(default_image=args.default_image, router_url_template=args.router_url_template,
+    registry = make_registry(default_image=args.default_image, router_image=args.router_image,
+                             router_url_template=args.router_url_template,
                              autoscale_interval_s=args.autoscale_interval)
     asyncio.run(kopf.operator(
         registry=registry, clusterwide=not args.namespaces, namespaces=args.namespaces,
@@ -131,7 +149,7 @@ def render_cmd(args: argparse.Namespace) -> int:
         name = meta.get("name")
         learned = mc.learn_now(body)  # config.json of an hf:// or s3:// source, with this machine's credentials
         try:
-            owner, spec, plan = plan_for(body, nodes, args.default_image, learned)
+            owner, spec, plan = plan_for(body, nodes, m.Images(engine=args.default_image, router=args.router_image), learned)
         except SpecError as exc:  # one readable line naming the object (the CLI prints it, exit 2)
             raise SpecError(exc.path, f"{exc.message} ({KIND} {name})") from None
         objs += owned(plan.children, body)

@@ -61,16 +61,19 @@ class Owner:
 
 @dataclass(frozen=True)
 class Images:
-    """The engine image of the server pods and the `warmfleet` image of the router."""
+    """The engine image of the server pods, and the slim `warmfleet` image (no Paddle) of the router pods and
+    the fetch-model init step."""
 
     engine: str
     router: str
 
 
-def images_for(spec: InferenceServiceSpec, default_image: str) -> Images:
-    """engine.image, else (warmfleet only: CEL requires it otherwise) server.image, else the operator's default."""
-    router = spec.server.image or default_image
-    return Images(engine=spec.engine.image or router, router=router)
+def images_for(spec: InferenceServiceSpec, defaults: Images) -> Images:
+    """spec.server.image runs the router and, unless engine.image is set, the engine too (one image for both);
+    without it the operator's two default images. engine.image (CEL requires it for vllm and fastdeploy) wins."""
+    if spec.server.image:
+        return Images(engine=spec.engine.image or spec.server.image, router=spec.server.image)
+    return Images(engine=spec.engine.image or defaults.engine, router=defaults.router)
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ def utcnow() -> str:
 class OperatorState:
     """Operator-wide state, created in the startup hook and shared through kopf's memo."""
 
-    default_image: str
+    default_images: m.Images  # the engine and router images when a service names none
     connection: Any = None  # kopf ConnectionInfo from the login handler
     login: Login | None = None  # the login handler again: fresh credentials when the client needs them
     kube: Kube | None = None
@@ -84,7 +84,7 @@ def owned(children: list[dict[str, Any]], body: Mapping[str, Any]) -> list[dict[
     return children
 
 
-def plan_for(body: Mapping[str, Any], nodes: list[NodeInfo], default_image: str,
+def plan_for(body: Mapping[str, Any], nodes: list[NodeInfo], default_images: m.Images,
              learned: mc.Learned | None = None) -> tuple[m.Owner, Any, Plan]:
     """Parse the spec, check it against its engine's capabilities and plan; raises SpecError for a bad spec.
 
@@ -99,7 +99,7 @@ def plan_for(body: Mapping[str, Any], nodes: list[NodeInfo], default_image: str,
         raise SpecError("spec.model.servedName", f"is immutable: was {previous_model!r}, now {served_name(spec, owner.name)!r}")
     check_spec(spec)
     spec = mc.effective(spec, mc.resolve(spec, learned if learned is not None else mc.from_status(body)))
-    return owner, spec, make_plan(owner, spec, nodes, m.images_for(spec, default_image))
+    return owner, spec, make_plan(owner, spec, nodes, m.images_for(spec, default_images))
 
 
 def fingerprint(plan: Plan) -> str:
@@ -149,7 +149,7 @@ async def _reconcile(state: OperatorState, body: Mapping[str, Any], nodes: list[
     out = Outcome()
     learned = await mc.learn(state.model_configs, kube, ns, body)
     try:
-        owner, spec, plan = plan_for(body, nodes, state.default_image, learned)
+        owner, spec, plan = plan_for(body, nodes, state.default_images, learned)
     except SpecError as exc:
         out.invalid = str(exc)
         last = state.conditions.get(uid, previous.get("conditions", []))
@@ -243,7 +243,7 @@ async def _write_status(kube: Kube, ns: str, name: str, old: dict[str, Any], new
     return True
 
 
-def render(body: Mapping[str, Any], nodes: list[NodeInfo], default_image: str,
+def render(body: Mapping[str, Any], nodes: list[NodeInfo], default_images: m.Images,
            learned: mc.Learned | None = None) -> list[dict[str, Any]]:
     """The exact children the operator would apply for `body` and `nodes`, offline; raises SpecError.
 
@@ -256,5 +256,5 @@ def render(body: Mapping[str, Any], nodes: list[NodeInfo], default_image: str,
     body["metadata"] = meta
     body.setdefault("apiVersion", "serving.warmfleet.io/v1alpha1")
     body.setdefault("kind", KIND)
-    _, _, plan = plan_for(body, nodes, default_image, learned)
+    _, _, plan = plan_for(body, nodes, default_images, learned)
     return owned(plan.children, body)

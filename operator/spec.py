@@ -171,7 +171,7 @@ class EngineSpec:
         "warmfleet", doc="warmfleet (`warmfleet serve`), vllm (vLLM's OpenAI server) or fastdeploy (FastDeploy's api_server).",
     )
     image: Optional[str] = prop(
-        None, doc="Engine image; required for vllm and fastdeploy. For warmfleet the default is spec.server.image, else the operator's --default-image.",
+        None, doc="Engine image; required for vllm and fastdeploy. For warmfleet the default is spec.server.image, else the operator's --default-image (the engine image).",
         minLength=1,
     )
     extra_args: list[str] = prop([], doc="Engine arguments appended after every rendered one (a repeated flag overrides the rendered value).", maxItems=64)
@@ -187,7 +187,7 @@ class ServerSpec:
     """The server (engine) pods."""
 
     image: Optional[str] = prop(
-        None, doc="Image with the `warmfleet` command: runs the router, and the engine when engine.kind is warmfleet and engine.image is unset (default: the operator's --default-image).",
+        None, doc="One image with the `warmfleet` command for the router, the fetch-model step and (engine.kind warmfleet, engine.image unset) the engine. Default: the operator's --router-image (slim, no Paddle) for the router and fetch-model, its --default-image for the engine.",
         minLength=1,
     )
     image_pull_policy: Literal["IfNotPresent", "Always", "Never"] = prop("IfNotPresent", doc="Kubernetes image pull policy.")

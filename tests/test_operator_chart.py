@@ -177,3 +177,21 @@ def test_autoscale_interval_reaches_the_operator(helm):
 
     assert "--autoscale-interval=15" in args()
     assert "--autoscale-interval=5" in args("operator.autoscaleIntervalSeconds=5")
+
+
+def test_chart_names_both_images_and_the_operator_passes_them_on(helm):
+    app = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+
+    def operator_container(*sets: str) -> dict:
+        (dep,) = [d for d in template(helm, *sets) if d["kind"] == "Deployment"]
+        return dep["spec"]["template"]["spec"]["containers"][0]
+
+    c = operator_container()
+    # the operator runs the slim image and hands it to router pods; engine pods get the engine image
+    assert c["image"] == f"ghcr.io/warmfleet/warmfleet-slim:{app}"
+    assert f"--router-image=ghcr.io/warmfleet/warmfleet-slim:{app}" in c["args"]
+    assert f"--default-image=ghcr.io/warmfleet/warmfleet:{app}" in c["args"]
+    c = operator_container("image.repository=reg.example/wf-slim", "image.tag=t1", "engineImage.repository=reg.example/wf",
+                           "engineImage.tag=t2")
+    assert c["image"] == "reg.example/wf-slim:t1"
+    assert {"--router-image=reg.example/wf-slim:t1", "--default-image=reg.example/wf:t2"} <= set(c["args"])

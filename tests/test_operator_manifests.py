@@ -20,12 +20,14 @@ from warmfleet.operator.schema import SpecError
 from warmfleet.operator.spec import parse_spec
 from warmfleet.server import config as server_config
 
+IMAGES = m.Images(engine="engine:1", router="slim:1")  # the operator's --default-image and --router-image
+
 REPO = Path(__file__).resolve().parents[1]
 NODES = [h200("h200-a"), h200("h200-b"), a100("a100-a"), l4("l4-a"), node("cpu-a")]
 
 
 def objs(body=None, nodes=NODES):
-    return render(body or service(spec={"replicas": 12}), [node_info(n) for n in nodes], "img:1")
+    return render(body or service(spec={"replicas": 12}), [node_info(n) for n in nodes], IMAGES)
 
 
 def by_kind(items, kind):
@@ -207,9 +209,13 @@ def test_rendered_objects_match_kubernetes_schemas():
         kv.validate(o, "1.32", strict=True)
 
 
-def test_render_command_prints_the_example(tmp_path):
+def test_render_command_prints_the_example(tmp_path, monkeypatch):
+    from importlib.metadata import version
+
     from warmfleet.cli import main
 
+    monkeypatch.delenv("WARMFLEET_IMAGE", raising=False)
+    monkeypatch.delenv("WARMFLEET_ROUTER_IMAGE", raising=False)
     out = io.StringIO()
     with redirect_stdout(out):
         rc = main(["operator", "render", "-f", str(REPO / "examples/inferenceservice.yaml"), "--nodes", str(REPO / "examples/nodes.yaml")])
@@ -219,6 +225,10 @@ def test_render_command_prints_the_example(tmp_path):
     names = sorted(d["metadata"]["name"] for d in docs if d["kind"] == "Deployment")
     assert len(names) == 4 and "qwen-vl-router" in names
     assert sum(d["spec"]["replicas"] for d in servers(docs)) == 12
+    # without --default-image / --router-image: the two images released with this version, never `latest`
+    router = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "qwen-vl-router")
+    assert container(router)["image"] == f"ghcr.io/warmfleet/warmfleet-slim:{version('warmfleet')}"
+    assert {container(d)["image"] for d in servers(docs)} == {f"ghcr.io/warmfleet/warmfleet:{version('warmfleet')}"}
 
 
 def test_render_ends_with_status_and_warns_about_what_will_not_run(tmp_path, capsys):
@@ -440,13 +450,17 @@ def test_router_gets_the_engine_and_its_argparse_accepts_it(kind):
     rc = container(router)
     args = rc["args"]
     assert m.ROUTER_FLAGS["engine"] == "--engine" and flag_value(args, "--engine") == kind
-    assert rc["command"] == ["warmfleet"] and rc["image"] == "img:1"  # the router is ours whatever the engine
+    assert rc["command"] == ["warmfleet"] and rc["image"] == "slim:1"  # the router is ours (the slim image) whatever the engine
     parser = argparse.ArgumentParser()
     main.add_arguments(parser)
     assert parser.parse_args(args[1:]).engine == kind
 
 
 def test_engine_image_defaults_for_warmfleet_only():
+    items = objs(service(spec={}), [l4()])
+    (dep,) = servers(items)
+    router = next(d for d in by_kind(items, "Deployment") if d["metadata"]["name"] == "qwen-router")
+    assert (container(dep)["image"], container(router)["image"]) == ("engine:1", "slim:1")  # the two default images
     (dep,) = servers(objs(service(spec={"server": {"image": "ours:2"}}), [l4()]))
     assert container(dep)["image"] == "ours:2"
     (dep,) = servers(objs(service(spec={"engine": {"image": "ours:3"}}), [l4()]))
@@ -490,7 +504,7 @@ def test_pool_status_names_the_engine():
     for kind in KINDS:
         body = engine_service(kind)
         spec = parse_spec(body["spec"])
-        plan = make_plan(m.Owner("qwen", "default"), spec, [node_info(h200())], m.images_for(spec, "img:1"))
+        plan = make_plan(m.Owner("qwen", "default"), spec, [node_info(h200())], m.images_for(spec, IMAGES))
         st = healthy_status(plan=plan, generation=1, model="qwen", endpoint="", selector="", ready_by_pool={},
                             router_ready=0, previous={}, now="2026-01-01T00:00:00Z")
         assert [p["engine"] for p in st["pools"]] == [kind]

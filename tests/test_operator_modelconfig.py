@@ -227,7 +227,7 @@ def test_the_cache_keeps_reads_fresh_and_retries_failures_sooner():
 def rendered(model: dict, engine: dict | None = None, nodes=(l4(),)) -> list[dict]:
     spec = {"model": model, **({"engine": engine} if engine else {})}
     body = service(spec=spec)
-    return render(body, [node_info(n) for n in nodes], "img:1",
+    return render(body, [node_info(n) for n in nodes], m.Images(engine="engine:1", router="slim:1"),
                   learned=mc.Learned(model.get("source", ""), ConfigSummary("A", "t", 1536, "bfloat16", True, None), "c"))
 
 
@@ -240,7 +240,7 @@ def test_hf_source_renders_a_fetch_init_container_and_the_cache_volume():
     server, router = p["server"], p["router"]
     model_dir = "/models/hf/Qwen/Qwen2-VL-2B-Instruct/v1.0"
     (init,) = server["initContainers"]
-    assert init["name"] == "fetch-model" and init["image"] == "img:1" and init["command"] == ["warmfleet"]
+    assert init["name"] == "fetch-model" and init["image"] == "slim:1" and init["command"] == ["warmfleet"]
     assert init["args"] == ["fetch-model", "hf://Qwen/Qwen2-VL-2B-Instruct@v1.0", "--dest", model_dir,
                             "--termination-log", "/dev/termination-log"]
     assert init["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
@@ -278,7 +278,7 @@ def test_s3_source_with_a_cache_pvc_and_the_aws_keys():
 def test_peer_engines_fetch_with_the_warmfleet_image():
     p = pods(rendered({"source": "hf://a/b"}, engine={"kind": "vllm", "image": "vllm/vllm-openai:v0.32.0"}))
     assert p["server"]["containers"][0]["image"] == "vllm/vllm-openai:v0.32.0"
-    assert p["server"]["initContainers"][0]["image"] == "img:1"
+    assert p["server"]["initContainers"][0]["image"] == "slim:1"
 
 
 def test_pvc_and_path_sources_mount_like_the_older_fields():

@@ -31,9 +31,14 @@ app.kubernetes.io/name: {{ include "warmfleet.name" . }}-operator
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
-{{/* The operator image, repository:tag (tag defaults to appVersion). */}}
+{{/* The slim image (operator, router, fetch-model), repository:tag (tag defaults to appVersion). */}}
 {{- define "warmfleet.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/* The engine image of `warmfleet` server pods, repository:tag (tag defaults to appVersion). */}}
+{{- define "warmfleet.engineImage" -}}
+{{- printf "%s:%s" .Values.engineImage.repository (default .Chart.AppVersion .Values.engineImage.tag) }}
 {{- end }}
 
 {{/* ServiceAccount name. */}}
