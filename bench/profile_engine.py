@@ -220,7 +220,7 @@ def instrument(core) -> Timers:
     t.wrap(core.scheduler, "schedule", "engine.schedule")
     t.wrap(core.scheduler, "update", "engine.update")
     t.wrap(core.runner, "execute", "engine.execute")
-    t.wrap(core_mod, "sample", "engine.sample")  # per request (the tree before docs/performance.md's changes)
+    t.wrap(core_mod, "sample", "engine.sample")  # per request (the tree before the first pass, docs/history/performance-passes.md)
     t.wrap(core_mod, "sample_step", "engine.sample")  # per step
     t.wrap(core.kv, "find_prefix", "engine.schedule.find_prefix")
     t.wrap(core.kv, "allocate", "engine.schedule.allocate")

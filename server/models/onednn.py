@@ -6,8 +6,9 @@ wheel, `paddle/libs/libdnnl.so.3`) picks its kernels by the CPU's instruction se
 matmul runs AVX-512 where there is AVX-512, and with the weight reordered once into the blocked
 layout the primitive asks for, a call only streams it. On this project's reference machine (AMD
 EPYC, one thread) that is 95 against 76-81 GFLOP/s at 16 rows, 107-111 against 90-108 at 64
-(docs/performance.md, "Fourth pass"). One packed layout serves every row count, so a primitive is
-made per (in, out, bias, rows) on first use, ~0.5 ms, and shared by every layer of that shape.
+(docs/performance.md, "CPU matmul"; docs/history/performance-passes.md, "Fourth pass"). One packed
+layout serves every row count, so a primitive is made per (in, out, bias, rows) on first use, ~0.5 ms,
+and shared by every layer of that shape.
 
 No Paddle op calls this: the binding is ctypes on oneDNN's C API. Where the library, its OpenMP
 runtime or a usable implementation is missing, `available()` says why and the model keeps

@@ -8,7 +8,8 @@
  *
  * Built by server/attention/native.py with the system C compiler; single-threaded (the engine's
  * math threads belong to Paddle's own OpenMP runtime, which a second runtime would fight).
- * Measured against the Paddle-ops path in docs/performance.md ("Third pass").
+ * Measured against the Paddle-ops path: docs/performance.md ("Attention"); the runs in
+ * docs/history/performance-passes.md ("Third pass").
  */
 #include <math.h>
 #include <stdint.h>
