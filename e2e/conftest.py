@@ -124,6 +124,13 @@ def namespace(e2e_cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[
 RELEASE = "warmfleet"
 RELEASE_NS = "warmfleet-system"
 CHART = REPO_ROOT / "charts" / "warmfleet"
+
+
+def operator_image() -> str:
+    """The image the chart runs the operator from (its slim image)."""
+    import yaml
+
+    return yaml.safe_load((CHART / "values.yaml").read_text())["image"]["repository"]
 EXAMPLE = REPO_ROOT / "examples" / "inferenceservice.yaml"
 CRD_NAME = "inferenceservices.serving.warmfleet.io"
 SERVING_LABEL = "warmfleet.io/serving"  # the example's spec.nodeSelector
@@ -216,7 +223,8 @@ class LocalOperator:
         self.logs.append(log)
         self.proc = LocalProcess(
             f"operator #{self.generation}",
-            [*warmfleet_command(), "operator", "run", f"--liveness=http://127.0.0.1:{self.health_port}/healthz"],
+            [*warmfleet_command(operator_image()), "operator", "run",
+             f"--liveness=http://127.0.0.1:{self.health_port}/healthz"],
             env=env, cwd=self.workdir, log_path=log)
 
         def healthy() -> bool:

@@ -7,6 +7,7 @@ without clashing with tests/conftest.py when both directories run in one session
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -137,10 +138,32 @@ class Cluster:
 
 # ---- local processes (the operator, and the data plane from the operator's pod specs) ----
 
-def warmfleet_command() -> list[str]:
-    """How to run the `warmfleet` console script of this interpreter's environment."""
+IMAGES_ENV = "WARMFLEET_E2E_IMAGES"
+
+
+def image_environments() -> dict[str, Path]:
+    """$WARMFLEET_E2E_IMAGES (`REPOSITORY=BIN_DIR,...`, printed by .ci/installed.sh): the environment that stands
+    for each image, so a pod's process runs from what its image installs, not from the checkout."""
+    out: dict[str, Path] = {}
+    for item in filter(None, os.environ.get(IMAGES_ENV, "").split(",")):
+        repo, sep, bin_dir = item.partition("=")
+        if not sep or not (Path(bin_dir) / "warmfleet").is_file():
+            raise AssertionError(f"{IMAGES_ENV}: {item!r} is not REPOSITORY=DIR with DIR/warmfleet")
+        out[repo] = Path(bin_dir)
+    return out
+
+
+def warmfleet_command(image: str | None = None) -> list[str]:
+    """How to run the `warmfleet` console script: from the environment standing for `image` (a container's image,
+    repository[:tag]) when $WARMFLEET_E2E_IMAGES maps images, else from this interpreter's environment."""
     import sys
 
+    envs = image_environments()
+    if envs and image is not None:
+        repo = image.rsplit(":", 1)[0] if ":" in image.rsplit("/", 1)[-1] else image
+        if repo not in envs:
+            raise AssertionError(f"no environment stands for image {image!r} in {IMAGES_ENV} ({sorted(envs)})")
+        return [str(envs[repo] / "warmfleet")]
     script = Path(sys.executable).parent / "warmfleet"
     if script.is_file():
         return [str(script)]

@@ -106,7 +106,9 @@ class Fleet:
 def tiny_vl(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny-vl") / "model"
     work = out.parent
-    proc = LocalProcess("make-tiny-model", [*warmfleet_command(), "make-tiny-model", str(out), "--arch", "qwen2_vl"],
+    from warmfleet.operator.main import ENGINE_REPOSITORY
+
+    proc = LocalProcess("make-tiny-model", [*warmfleet_command(ENGINE_REPOSITORY), "make-tiny-model", str(out), "--arch", "qwen2_vl"],
                         env=dict(os.environ), cwd=work, log_path=work / "make-tiny-model.log")
     assert proc.proc.wait(timeout=180) == 0, proc.log()
     proc.stop()
@@ -147,7 +149,7 @@ def fleet(e2e_cluster: Cluster, example: Example, tiny_vl: Path, tmp_path_factor
             replica_id = args[args.index("--replica-id") + 1]
             assert replica_id == pod["metadata"]["name"], "$(POD_NAME) expands to the pod's name"
             f.substitutions += [f"{dep['metadata']['name']}: {s}" for s in subs]
-            proc = LocalProcess(f"replica {replica_id}", [*warmfleet_command(), *args],
+            proc = LocalProcess(f"replica {replica_id}", [*warmfleet_command(ctr["image"]), *args],
                                 env={**os.environ, **env}, cwd=work, log_path=work / f"{replica_id}.log")
             f.procs.append(proc)
             f.replicas[replica_id] = {"url": f"http://127.0.0.1:{port}", "events": f"tcp://127.0.0.1:{events}",
@@ -178,7 +180,7 @@ def fleet(e2e_cluster: Cluster, example: Example, tiny_vl: Path, tmp_path_factor
         args = substitute(args, "--port", str(port), subs, expect="8000")
         f.substitutions += [f"{router['metadata']['name']}: {s}" for s in subs]
         f.router_args = args
-        proc = LocalProcess("router", [*warmfleet_command(), *args], env={**os.environ, **env}, cwd=work,
+        proc = LocalProcess("router", [*warmfleet_command(ctr["image"]), *args], env={**os.environ, **env}, cwd=work,
                             log_path=work / "router.log")
         f.procs.append(proc)
         f.router_url = f"http://127.0.0.1:{port}"

@@ -201,7 +201,7 @@ def test_example_children_status_columns_and_pools(e2e_cluster: Cluster, example
     n = example.name
     assert names == sorted([f"ConfigMap/{n}-config", f"ServiceAccount/{n}-router", f"Role/{n}-router",
                             f"RoleBinding/{n}-router", f"Service/{n}-replicas", f"Service/{n}", f"Service/{n}-router-peers",
-                            f"PodDisruptionBudget/{n}-server", f"Deployment/{n}-router",
+                            f"PodDisruptionBudget/{n}-server", f"PodDisruptionBudget/{n}-router", f"Deployment/{n}-router",
                             *(f"Deployment/{d}" for d in server_deps)]), names
     assert len(server_deps) == 2
     for o in children:
