@@ -31,10 +31,11 @@ case $target in
   *) fail "unknown target '$target' (engine or slim)" ;;
 esac
 
-echo "== image-steps $target: pip install warmfleet[$extras]"
-"$PY" -m pip install --quiet --disable-pip-version-check "${wheel}[${extras}]"
-
+# from / (with -P below): a checkout in the working directory would shadow the package (operator/: the stdlib)
 cd /
+echo "== image-steps $target: pip install warmfleet[$extras]"
+"$PY" -P -m pip install --quiet --disable-pip-version-check "${wheel}[${extras}]"
+
 bin=$(dirname "$("$PY" -c 'import sys; print(sys.executable)')")
 warmfleet=$bin/warmfleet
 [[ -x $warmfleet ]] || fail "the wheel installed no warmfleet command in $bin"

@@ -1,5 +1,6 @@
 """Packaging and CLI: what the wheel and sdist hold, the version, the operator/ folder never shadows the stdlib; bad flags exit 2 with one line."""
 
+import re
 import shutil
 import subprocess
 import sys
@@ -136,3 +137,21 @@ def test_version_comes_from_the_installed_metadata_and_the_chart_agrees():
     assert chart["appVersion"] == declared, "charts/warmfleet/Chart.yaml appVersion must equal the package version"
     r = _cli("--version")
     assert r.returncode == 0 and r.stdout.strip() == f"warmfleet {declared}", r.stdout + r.stderr
+
+
+def test_dockerfile_builds_both_images_from_the_wheel_with_the_image_steps():
+    """The two targets the chart names run scripts/image-steps.sh on a wheel built from what the sdist holds."""
+    text = (REPO / "Dockerfile").read_text()
+    stages = dict(re.findall(r"^FROM \S+ AS (\w+)\n(.*?)(?=^FROM |\Z)", text, flags=re.M | re.S))
+    assert {"wheel", "engine", "slim"} <= set(stages), sorted(stages)
+    copied = {src for line in re.findall(r"^COPY (?!--from)(.+)$", stages["wheel"], flags=re.M)
+              for src in line.split()[:-1]}
+    top_level = {rel.split("/", 1)[0] for rel in subprocess.run(
+        ["git", "ls-files", "--", ":(top,glob)*", *PACKAGE_FOLDERS], cwd=REPO, capture_output=True, text=True,
+        check=True).stdout.split()} - {".gitignore", "Dockerfile", "Makefile"}
+    assert top_level <= {c.rstrip("/") for c in copied}, f"the wheel stage does not copy {top_level - copied}"
+    for target in ("engine", "slim"):
+        assert re.search(rf"warmfleet-image-steps {target} /dist", stages[target]), target
+        assert re.search(r"^USER 10001", stages[target], flags=re.M), f"{target} runs as root"
+    slim_steps = [ln for ln in stages["slim"].splitlines() if not ln.lstrip().startswith("#")]
+    assert not [ln for ln in slim_steps if "paddle" in ln.lower()], "the slim image installs no Paddle"
