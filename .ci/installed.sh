@@ -5,7 +5,8 @@
 # build steps (scripts/image-steps.sh) into two fresh virtual environments outside the checkout, one per
 # image (engine: warmfleet[engine,fetch]; slim: warmfleet[router,operator,fetch], no Paddle), and from
 # there runs the commands users run: --version, doctor, make-tiny-model, serve + route with a chat and an
-# image request, promtool on both /metrics, operator render of every example, fetch-model --help.
+# image request, promtool on both /metrics, fetch-model --help. (`operator render` of every example runs
+# from the slim environment in .ci/static.sh, which validates what it prints.)
 #
 # Prints, as its last line, the WARMFLEET_E2E_IMAGES value that makes the e2e suite start its data plane
 # (the processes of the rendered pod specs) from these environments.
@@ -46,11 +47,6 @@ echo "== installed: the commands users run (cwd $WORK)"
 "$E" doctor || fail "warmfleet doctor failed in the engine environment (its fail lines say what to change)"
 "$E" make-tiny-model "$WORK/tiny-vl" --arch qwen2_vl >/dev/null
 "$S" fetch-model --help >/dev/null
-for ex in "$REPO"/examples/inferenceservice*.yaml; do
-  "$S" operator render -f "$ex" --nodes "$REPO/examples/nodes.yaml" >"$WORK/render-$(basename "$ex")" \
-    || fail "operator render -f $ex failed"
-  echo "operator render $(basename "$ex"): $(grep -c '^kind:' "$WORK/render-$(basename "$ex")") objects"
-done
 
 port() { "$WORK/engine/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 rp=$(port) ep=$(port) qp=$(port)

@@ -34,8 +34,13 @@ def png_data_url(seed: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+# long enough that the prompt fills more than one KV block (64 tokens), so a repeat has blocks to hit
+SYSTEM = "You are a careful assistant who describes pictures in plain words. " * 12
+
+
 def chat(router: str, model: str, content) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0}
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": content}]
+    body = {"model": model, "messages": messages, "max_tokens": 4, "temperature": 0}
     r = httpx.post(f"{router}/v1/chat/completions", json=body, timeout=300)
     if r.status_code != 200:
         sys.exit(f"installed smoke: chat through the router answered {r.status_code}: {r.text[:300]}")
