@@ -129,9 +129,9 @@ def test_helm_install_establishes_crd_and_matches_template(e2e_cluster: Cluster,
         f"ClusterRole/{release.name}-app", f"ClusterRole/{release.name}-kopf",
         f"ClusterRoleBinding/{release.name}-app", f"ClusterRoleBinding/{release.name}-kopf",
         f"CustomResourceDefinition/{CRD_NAME}", f"Deployment/{release.name}-operator",
-        f"ServiceAccount/{release.name}"]), kinds
+        f"NetworkPolicy/{release.name}-operator", f"ServiceAccount/{release.name}"]), kinds
     for want in rendered:  # every rendered field is live (the API server may only add defaults)
-        ns = ["-n", release.namespace] if want["kind"] in ("Deployment", "ServiceAccount") else []
+        ns = ["-n", release.namespace] if want["kind"] in ("Deployment", "ServiceAccount", "NetworkPolicy") else []
         live = c.kubectl_json(*ns, "get", f"{want['kind']}.{want['apiVersion'].split('/')[0]}"
                               if "/" in want["apiVersion"] else want["kind"], want["metadata"]["name"])
         if want["kind"] == "Deployment":  # scaled to 0 by the fixture so only the local operator acts

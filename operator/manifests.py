@@ -21,7 +21,12 @@ SERVICE_LABEL = f"{GROUP}/service"
 POOL_LABEL = f"{GROUP}/pool"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "warmfleet-operator"}
-RUN_AS = 1000
+# uid/gid of every container: the images' own user (Dockerfile: useradd --uid 10001), above 10000 so that no
+# account of the node shares it (kube-score's container-security-context-user-group-id; docs/security.md)
+RUN_AS = 10001
+# ephemeral-storage each pod may use besides its emptyDirs: its containers' logs (the kubelet keeps 5 x 10 MiB
+# per container by default; the rest is headroom for a chattier engine)
+LOG_MIB = 256
 
 # How the router is started. NOTE: `warmfleet route` flags live here, in one place (checked
 # against server/router/main.py by a test): change them together with the router's argparse.
@@ -103,6 +108,7 @@ def names(owner: Owner) -> dict[str, str]:
         "router_peers": k8s_name(owner.name, "router-peers"),
         "endpoint": k8s_name(owner.name),
         "pdb": k8s_name(owner.name, "server"),
+        "router_pdb": k8s_name(owner.name, "router"),
     }
 
 
@@ -211,7 +217,8 @@ def _credentials_env(spec: InferenceServiceSpec, src: ModelSource) -> list[dict[
             for key, optional in keys]
 
 
-def fetch_container(spec: InferenceServiceSpec, image: str, volume: str, *, tokenizer_only: bool = False) -> dict[str, Any]:
+def fetch_container(spec: InferenceServiceSpec, image: str, volume: str, *, tokenizer_only: bool = False,
+                    ephemeral: dict[str, str] | None = None) -> dict[str, Any]:
     """The init container that downloads an hf:// or s3:// model into `volume` (mounted at /models) before the
     server (or, with only tokenizer files, the router) starts. Same security as every container; /tmp is its HOME."""
     src = model_source(spec)
@@ -237,19 +244,20 @@ def fetch_container(spec: InferenceServiceSpec, image: str, volume: str, *, toke
         "command": [FETCH_COMMAND[0]],
         "args": args,
         "env": env + _credentials_env(spec, src),
-        "resources": FETCH_RESOURCES,
+        "resources": _with_ephemeral(FETCH_RESOURCES, ephemeral),
         "securityContext": _container_security(),
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": [{"name": volume, "mountPath": MODEL_MOUNT}, {"name": "tmp", "mountPath": "/tmp"}],
     }
 
 
-def _init_containers(spec: InferenceServiceSpec, image: str, volume: str, *, tokenizer_only: bool = False) -> dict[str, Any]:
+def _init_containers(spec: InferenceServiceSpec, image: str, volume: str, *, tokenizer_only: bool = False,
+                     ephemeral: dict[str, str] | None = None) -> dict[str, Any]:
     """{"initContainers": [fetch-model]} for hf:// and s3:// sources, else nothing (templates stay as they were)."""
     src = model_source(spec)
     if src is None or not src.downloads:
         return {}
-    return {"initContainers": [fetch_container(spec, image, volume, tokenizer_only=tokenizer_only)]}
+    return {"initContainers": [fetch_container(spec, image, volume, tokenizer_only=tokenizer_only, ephemeral=ephemeral)]}
 
 
 def _router_model_volume(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
@@ -287,6 +295,30 @@ def _container_security() -> dict[str, Any]:
     return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
 
 
+_MIB = {"Mi": 1, "Gi": 1024, "Ti": 1024 * 1024}
+
+
+def pod_ephemeral_storage(volumes: list[dict[str, Any]]) -> dict[str, str]:
+    """ephemeral-storage of each container of a pod (requests = limits): its disk-backed emptyDirs at their sizeLimit,
+    plus LOG_MIB of logs. The kubelet evicts a pod whose emptyDirs and logs together pass its containers' limits (an
+    init container counts alone, before the others start), and the request lets the scheduler pick a node with that
+    much disk. Memory-backed emptyDirs (/dev/shm) count as memory; hostPath and claims not at all."""
+    mib = LOG_MIB
+    for vol in volumes:
+        empty = vol.get("emptyDir")
+        if empty is None or empty.get("medium") == "Memory":
+            continue
+        size = empty["sizeLimit"]
+        mib += int(size[:-2]) * _MIB[size[-2:]]
+    return {"ephemeral-storage": f"{mib}Mi"}
+
+
+def _with_ephemeral(resources: dict[str, dict[str, str]], ephemeral: dict[str, str] | None) -> dict[str, dict[str, str]]:
+    if not ephemeral:
+        return resources
+    return {"requests": {**resources["requests"], **ephemeral}, "limits": {**resources["limits"], **ephemeral}}
+
+
 def node_affinity(spec: InferenceServiceSpec, pool: Pool) -> dict[str, Any]:
     """Required node affinity to the pool's shape: the service selector, the named pool, GPU labels."""
     wanted = {**spec.node_selector, **dict(pool.selector)}
@@ -317,6 +349,12 @@ def server_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, plan
     d = spec.disruption
     engine = engine_of(spec)
     model_vols, model_mounts = _model_volume(spec)
+    volumes = [
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": format_bytes(sz.shm_bytes)}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": f"{engine.tmp_gib}Gi"}},
+        *model_vols,
+    ]
+    ephemeral = pod_ephemeral_storage(volumes)
     surge = 0 if d.max_unavailable > 0 else 1  # GPUs are scarce: surge only when nothing may be unavailable
     return {
         "apiVersion": "apps/v1",
@@ -333,15 +371,13 @@ def server_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, plan
                     "topologySpreadConstraints": _spread_over_nodes(match),
                     "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
                     "securityContext": _server_pod_security(spec),
+                    # engines never call the API server: no token of the namespace's default ServiceAccount in the pod
+                    "automountServiceAccountToken": False,
                     # preStop, then the engine's SIGTERM drain (`warmfleet serve --drain-timeout-s`, 30 s), then its exit
                     "terminationGracePeriodSeconds": d.drain_seconds + ENGINE_SIGTERM_DRAIN_S + 15,
-                    **_init_containers(spec, fetch_image or image, MODEL_CACHE_VOLUME),
-                    "containers": [_server_container(owner, spec, image, sizing, model_mounts)],
-                    "volumes": [
-                        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": format_bytes(sz.shm_bytes)}},
-                        {"name": "tmp", "emptyDir": {"sizeLimit": f"{engine.tmp_gib}Gi"}},
-                        *model_vols,
-                    ],
+                    **_init_containers(spec, fetch_image or image, MODEL_CACHE_VOLUME, ephemeral=ephemeral),
+                    "containers": [_server_container(owner, spec, image, sizing, model_mounts, ephemeral)],
+                    "volumes": volumes,
                 },
             },
         },
@@ -357,12 +393,12 @@ def _spread_over_nodes(match: dict[str, str]) -> list[dict[str, Any]]:
 
 
 def _server_container(owner: Owner, spec: InferenceServiceSpec, image: str, sizing: PoolSizing,
-                      model_mounts: list[dict]) -> dict[str, Any]:
+                      model_mounts: list[dict], ephemeral: dict[str, str]) -> dict[str, Any]:
     """The engine's container: its command and rendered arguments, GPU resources, probes, preStop drain."""
     assert sizing.sizes is not None
     engine = engine_of(spec)
     mem = format_bytes(sizing.sizes.memory_bytes)
-    amounts = {"cpu": str(spec.server.cpus), "memory": mem, GPU_RESOURCE: str(spec.server.gpus_per_replica)}
+    amounts = {"cpu": str(spec.server.cpus), "memory": mem, GPU_RESOURCE: str(spec.server.gpus_per_replica), **ephemeral}
     container = {
         "name": "server",
         "image": image,
@@ -442,6 +478,8 @@ def router_deployment(owner: Owner, spec: InferenceServiceSpec, image: str) -> d
     n = names(owner)
     pod_labels = labels(owner, "router")
     model_vols, model_mounts = _router_model_volume(spec)
+    volumes = [{"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}}, *model_vols]
+    ephemeral = pod_ephemeral_storage(volumes)
     match = _router_selector(owner)
     return {
         "apiVersion": "apps/v1",
@@ -456,7 +494,7 @@ def router_deployment(owner: Owner, spec: InferenceServiceSpec, image: str) -> d
                     "serviceAccountName": n["router"],
                     "securityContext": _pod_security(),
                     "topologySpreadConstraints": _spread_over_nodes(match),
-                    **_init_containers(spec, image, "model", tokenizer_only=True),
+                    **_init_containers(spec, image, "model", tokenizer_only=True, ephemeral=ephemeral),
                     "containers": [{
                         "name": "router",
                         "image": image,
@@ -468,13 +506,13 @@ def router_deployment(owner: Owner, spec: InferenceServiceSpec, image: str) -> d
                         "env": [{"name": "HOME", "value": "/tmp"},
                                 *_api_key_env(spec, "WARMFLEET_API_KEY", "WARMFLEET_REPLICA_API_KEY")],
                         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
-                        "resources": ROUTER_RESOURCES,
+                        "resources": _with_ephemeral(ROUTER_RESOURCES, ephemeral),
                         "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5},
                         "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 3},
                         "securityContext": _container_security(),
                         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *model_mounts],
                     }],
-                    "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}}, *model_vols],
+                    "volumes": volumes,
                 },
             },
         },
@@ -529,6 +567,17 @@ def pdb(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
     }
 
 
+def router_pdb(owner: Owner) -> dict[str, Any]:
+    """PodDisruptionBudget over the router pods: a node drain takes at most one router at a time, so the endpoint
+    keeps serving while spec.router.replicas > 1 (with one router it cannot help, and does not block the drain)."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(owner, names(owner)["router_pdb"], "router"),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": _router_selector(owner)}},
+    }
+
+
 def config_map(owner: Owner, spec: InferenceServiceSpec, plan: list[PlannedPool]) -> dict[str, Any]:
     """ConfigMap with the sizing report (pools, sizes, inputs) for humans and tools."""
     from warmfleet.operator.schema import to_dict
@@ -557,6 +606,6 @@ def build_children(owner: Owner, spec: InferenceServiceSpec, images: Images, pla
     """Every child object, in apply order; pools that cannot host replicas get no Deployment."""
     objs = [config_map(owner, spec, plan), *router_rbac(owner), replicas_service(owner, spec)]
     objs += [server_deployment(owner, spec, images.engine, p, images.router) for p in plan if p.sizing.fits]
-    objs += [pdb(owner, spec), router_deployment(owner, spec, images.router), router_service(owner, spec),
+    objs += [pdb(owner, spec), router_pdb(owner), router_deployment(owner, spec, images.router), router_service(owner, spec),
              router_peers_service(owner)]
     return objs

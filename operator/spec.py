@@ -90,7 +90,7 @@ class ModelCacheSpec:
     """The node-local cache hf:// and s3:// models are downloaded into, shared by the replicas on a node."""
 
     host_path: Optional[str] = prop(
-        None, doc=f"Directory on each node (default {DEFAULT_MODEL_CACHE}); must be writable by uid/gid 1000 (docs/models.md).",
+        None, doc=f"Directory on each node (default {DEFAULT_MODEL_CACHE}); must be writable by uid/gid 10001 (docs/models.md).",
         pattern="^/[!-~]*$", maxLength=1024,
     )
     pvc: Optional[str] = prop(

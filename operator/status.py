@@ -107,7 +107,9 @@ def healthy_status(
         conds.append(_cond("Ready", False, reason, message))
     conditions = merge_conditions(previous.get("conditions", []), conds, now, generation)
     return {
-        "observedGeneration": generation,
+        # absent, not null, for an object without metadata.generation (`warmfleet operator render` of a file):
+        # the CRD's status schema says integer
+        **({"observedGeneration": generation} if generation is not None else {}),
         "conditions": conditions,
         "replicas": plan.placed,
         "desiredReplicas": plan.desired,
@@ -125,7 +127,8 @@ def healthy_status(
 def invalid_status(*, message: str, generation: int | None, previous: dict[str, Any], now: str) -> dict[str, Any]:
     """Status for a spec that cannot be reconciled: InvalidSpec with the reason; the rest is kept as it was."""
     out = {k: v for k, v in (previous or {}).items()}
-    out["observedGeneration"] = generation
+    if generation is not None:
+        out["observedGeneration"] = generation
     out["conditions"] = merge_conditions(previous.get("conditions", []), [_cond("InvalidSpec", True, "InvalidSpec", message)], now, generation)
     out.setdefault("ready", "False")
     return out

@@ -11,6 +11,7 @@ import yaml
 
 from warmfleet.operator.crd import crd
 from warmfleet.operator.kube import RESOURCES
+from warmfleet.operator.nodes import parse_quantity
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "warmfleet"
@@ -53,7 +54,7 @@ def test_template_objects_validate_against_kubernetes_schemas(helm):
     docs = template(helm, "metrics.dashboard.enabled=true", "operator.watchNamespaces={ml,research}", "operator.verbose=true")
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == sorted(["CustomResourceDefinition", "ServiceAccount", "ClusterRole", "ClusterRole", "ClusterRoleBinding",
-                            "ClusterRoleBinding", "Deployment", "ConfigMap"])
+                            "ClusterRoleBinding", "Deployment", "ConfigMap", "NetworkPolicy"])
     for d in docs:
         kv.validate(d, K8S_VERSION, strict=True)
 
@@ -108,6 +109,25 @@ def test_operator_deployment_is_hardened(helm):
     assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert c["args"][:2] == ["operator", "run"]
+    # what kube-score rightly flagged (.ci/static.sh; docs/security.md): the image's own uid/gid, above 10000;
+    # a CPU limit; ephemeral-storage requested and bounded (its /tmp emptyDir and its logs)
+    assert (pod["securityContext"]["runAsUser"], pod["securityContext"]["runAsGroup"]) == (10001, 10001)
+    res = c["resources"]
+    assert res["limits"]["cpu"] and res["limits"]["memory"]
+    tmp = next(v for v in pod["volumes"] if v["name"] == "tmp")["emptyDir"]["sizeLimit"]
+    assert parse_quantity(tmp) < parse_quantity(res["requests"]["ephemeral-storage"]) <= parse_quantity(res["limits"]["ephemeral-storage"])
+
+
+def test_operator_pod_takes_no_ingress(helm):
+    """A NetworkPolicy selecting exactly the operator pod, denying all ingress (the kubelet's probes come from the
+    node, always allowed); egress is left alone. networkPolicy.enabled=false renders none."""
+    docs = template(helm)
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    (pol,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    assert pol["metadata"]["namespace"] == dep["metadata"]["namespace"] == "warmfleet-system"
+    assert pol["spec"]["podSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"] == dep["spec"]["template"]["metadata"]["labels"]
+    assert pol["spec"]["policyTypes"] == ["Ingress"] and pol["spec"]["ingress"] == []
+    assert not [d for d in template(helm, "networkPolicy.enabled=false") if d["kind"] == "NetworkPolicy"]
 
 
 def test_rbac_covers_exactly_what_the_operator_writes(helm):
@@ -195,3 +215,33 @@ def test_chart_names_both_images_and_the_operator_passes_them_on(helm):
                            "engineImage.tag=t2")
     assert c["image"] == "reg.example/wf-slim:t1"
     assert {"--router-image=reg.example/wf-slim:t1", "--default-image=reg.example/wf:t2"} <= set(c["args"])
+
+
+def test_service_monitor_scrapes_every_metrics_port(helm):
+    """No ServiceMonitor schema offline (kubeconform skips the kind): its selector matches the Services the operator
+    renders, and its endpoints are every port that serves /metrics, FastDeploy's separate one included."""
+    from operator_fixtures.shapes import l4, service
+    from warmfleet.operator import engines
+    from warmfleet.operator.nodes import node_info
+    from warmfleet.operator.manifests import Images
+    from warmfleet.operator.reconcile import render
+
+    assert not [d for d in template(helm) if d["kind"] == "ServiceMonitor"]
+    (sm,) = [d for d in template(helm, "metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.interval=15s")
+             if d["kind"] == "ServiceMonitor"]
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1" and sm["spec"]["namespaceSelector"] == {"any": True}
+    scraped = {e["port"] for e in sm["spec"]["endpoints"]}
+    assert all(e["path"] == "/metrics" and e["interval"] == "15s" for e in sm["spec"]["endpoints"])
+    engine_specs = {"warmfleet": {}, "vllm": {"kind": "vllm", "image": "v:1"}, "fastdeploy": {"kind": "fastdeploy", "image": "f:1"}}
+    for kind, engine in engine_specs.items():
+        body = service(spec={"engine": engine} if engine else {})
+        svcs = [o for o in render(body, [node_info(l4())], Images(engine="e:1", router="r:1")) if o["kind"] == "Service"]
+        assert len(svcs) == 3
+        for svc in svcs:
+            labels = svc["metadata"]["labels"]
+            assert all(labels.get(k) == v for k, v in sm["spec"]["selector"]["matchLabels"].items()), svc["metadata"]
+        replicas = next(s for s in svcs if s["metadata"]["name"].endswith("-replicas"))
+        load = engines.ENGINES[kind].load
+        metrics_port = load.port if load.via == "prometheus" else "http"  # where the engine serves /metrics
+        assert metrics_port in scraped and metrics_port in {p["name"] for p in replicas["spec"]["ports"]}, (kind, load)
+    assert engines.ENGINES["fastdeploy"].load.port == "metrics"

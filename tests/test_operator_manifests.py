@@ -53,8 +53,9 @@ def test_children_and_owner_references():
     items = objs()
     kinds = [o["kind"] for o in items]
     assert kinds.count("Deployment") == 4  # three GPU pools + router; the CPU pool gets none
-    for kind in ("ConfigMap", "ServiceAccount", "Role", "RoleBinding", "PodDisruptionBudget"):
+    for kind in ("ConfigMap", "ServiceAccount", "Role", "RoleBinding"):
         assert kinds.count(kind) == 1
+    assert kinds.count("PodDisruptionBudget") == 2  # server pods, router pods
     assert kinds.count("Service") == 3  # replicas (headless), the endpoint, the routers' peers (headless)
     for o in items:
         (ref,) = o["metadata"]["ownerReferences"]
@@ -127,9 +128,14 @@ def test_replicas_split_across_pools_and_pdb():
     items = objs()
     replicas = {d["metadata"]["labels"][m.POOL_LABEL].split("-")[0]: d["spec"]["replicas"] for d in servers(items)}
     assert replicas == {"a100": 3, "h200": 7, "l4": 2}
-    (pdb,) = by_kind(items, "PodDisruptionBudget")
+    pdb, router_pdb = by_kind(items, "PodDisruptionBudget")
     assert pdb["spec"]["maxUnavailable"] == 1
     assert pdb["spec"]["selector"]["matchLabels"] == m.server_selector(m.Owner("qwen", "default"))
+    # the routers have their own: a node drain never evicts every router at once (kube-score's
+    # deployment-has-poddisruptionbudget; docs/security.md)
+    router = next(d for d in by_kind(items, "Deployment") if d["metadata"]["name"] == "qwen-router")
+    assert router_pdb["metadata"]["name"] == "qwen-router" and router_pdb["spec"]["maxUnavailable"] == 1
+    assert router_pdb["spec"]["selector"]["matchLabels"] == router["spec"]["selector"]["matchLabels"]
 
 
 def test_a_node_in_another_pool_changes_no_pool_template():
@@ -508,3 +514,49 @@ def test_pool_status_names_the_engine():
         st = healthy_status(plan=plan, generation=1, model="qwen", endpoint="", selector="", ready_by_pool={},
                             router_ready=0, previous={}, now="2026-01-01T00:00:00Z")
         assert [p["engine"] for p in st["pools"]] == [kind]
+
+
+# ---- what kube-score rightly flagged (.ci/static.sh; docs/security.md) ----
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("source", [None, "hf://acme/tiny-vl@main"])
+def test_every_container_runs_as_the_images_user_with_bounded_ephemeral_storage(kind, source):
+    model = {"source": source, "hiddenSize": 1536, "dtype": "bfloat16"} if source else {"path": "/models/qwen"}
+    deps = by_kind(objs(engine_service(kind, model=model), [l4()]), "Deployment")
+    assert sorted(d["metadata"]["labels"][m.COMPONENT_LABEL] for d in deps) == ["router", "server"]
+    for dep in deps:
+        pod = dep["spec"]["template"]["spec"]
+        sec = pod["securityContext"]
+        # the images' own user (Dockerfile: useradd --uid 10001), above 10000: no node account shares it
+        assert (sec["runAsUser"], sec["runAsGroup"], sec["fsGroup"], sec["runAsNonRoot"]) == (10001, 10001, 10001, True)
+        disk = [v["emptyDir"] for v in pod["volumes"] if "emptyDir" in v and v["emptyDir"].get("medium") != "Memory"]
+        want = sum(parse_quantity(e["sizeLimit"]) for e in disk) + m.LOG_MIB * 2**20
+        containers = pod["containers"] + pod.get("initContainers", [])
+        assert len(containers) == (2 if source else 1)
+        for c in containers:
+            res = c["resources"]
+            got = {parse_quantity(res["requests"]["ephemeral-storage"]), parse_quantity(res["limits"]["ephemeral-storage"])}
+            assert got == {want}, (dep["metadata"]["name"], c["name"], res)
+            assert res["limits"]["memory"] and res["limits"]["cpu"]  # every container is bounded
+    server = next(d for d in deps if d["metadata"]["labels"][m.COMPONENT_LABEL] == "server")
+    router = next(d for d in deps if d["metadata"]["labels"][m.COMPONENT_LABEL] == "router")
+    # engines never call the API server; routers do (EndpointSlices), with their own ServiceAccount
+    assert server["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    assert "automountServiceAccountToken" not in router["spec"]["template"]["spec"]
+    assert router["spec"]["template"]["spec"]["serviceAccountName"] == "qwen-router"
+    tmp = next(v for v in server["spec"]["template"]["spec"]["volumes"] if v["name"] == "tmp")["emptyDir"]
+    assert parse_quantity(tmp["sizeLimit"]) == engines.ENGINES[kind].tmp_gib * GiB
+
+
+def test_rendered_status_of_a_file_has_no_null_generation(capsys):
+    """`warmfleet operator render` of an object without metadata.generation (every example): observedGeneration is
+    absent, not null (the CRD's status says integer: kubeconform rejected the rendered object)."""
+    from warmfleet.cli import main
+
+    assert "generation" not in yaml.safe_load((REPO / "examples/inferenceservice.yaml").read_text())["metadata"]
+    assert main(["operator", "render", "-f", str(REPO / "examples/inferenceservice.yaml"),
+                 "--nodes", str(REPO / "examples/nodes.yaml")]) == 0
+    last = list(yaml.safe_load_all(capsys.readouterr().out))[-1]
+    assert last["kind"] == "InferenceService" and last["status"]["conditions"]
+    assert "observedGeneration" not in last["status"]
+    assert all("observedGeneration" not in c for c in last["status"]["conditions"])
