@@ -310,7 +310,8 @@ def pod_ephemeral_storage(volumes: list[dict[str, Any]]) -> dict[str, str]:
             continue
         size = empty["sizeLimit"]
         mib += int(size[:-2]) * _MIB[size[-2:]]
-    return {"ephemeral-storage": f"{mib}Mi"}
+    # the API server's canonical spelling, so the live object reads back what was applied
+    return {"ephemeral-storage": f"{mib // 1024}Gi" if mib % 1024 == 0 else f"{mib}Mi"}
 
 
 def _with_ephemeral(resources: dict[str, dict[str, str]], ephemeral: dict[str, str] | None) -> dict[str, dict[str, str]]:

@@ -546,6 +546,10 @@ def test_every_container_runs_as_the_images_user_with_bounded_ephemeral_storage(
     assert router["spec"]["template"]["spec"]["serviceAccountName"] == "qwen-router"
     tmp = next(v for v in server["spec"]["template"]["spec"]["volumes"] if v["name"] == "tmp")["emptyDir"]
     assert parse_quantity(tmp["sizeLimit"]) == engines.ENGINES[kind].tmp_gib * GiB
+    # spelled as the API server spells it back (the e2e suite compares live objects with rendered ones)
+    assert m.pod_ephemeral_storage([{"name": "t", "emptyDir": {"sizeLimit": "768Mi"}}]) == {"ephemeral-storage": "1Gi"}
+    assert m.pod_ephemeral_storage([{"name": "t", "emptyDir": {"sizeLimit": "1Gi"}},
+                                    {"name": "s", "emptyDir": {"medium": "Memory", "sizeLimit": "5Gi"}}]) == {"ephemeral-storage": "1280Mi"}
 
 
 def test_rendered_status_of_a_file_has_no_null_generation(capsys):
