@@ -10,7 +10,7 @@ from typing import Callable, Literal, Mapping, get_args
 
 from warmfleet.operator.schema import SpecError
 from warmfleet.operator.spec import EngineKind, InferenceServiceSpec
-from warmfleet.server.config import GROUPS, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig, flag_of, to_args
+from warmfleet.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig, flag_of, to_args
 
 HTTP_PORT = 8000
 KV_EVENTS_PORT = 5557
@@ -130,7 +130,7 @@ def _num(x: float) -> str:
 
 WARMFLEET_FLAGS: Mapping[str, FlagDoc] = MappingProxyType({
     f.metadata["flag"]: FlagDoc(unit="see help", meaning=f.metadata["help"], source=f"server/config.py {cls.__name__}.{f.name}")
-    for cls in GROUPS.values() for f in dataclasses.fields(cls)
+    for cls in (g.default_factory for g in dataclasses.fields(EngineConfig)) for f in dataclasses.fields(cls)
 } | {"--no-enable-prefix-caching": FlagDoc("-", "BooleanOptionalAction negation", "server/config.py CacheConfig.enable_prefix_caching")})
 
 

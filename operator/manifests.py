@@ -12,7 +12,8 @@ from warmfleet.operator.engines import HTTP_PORT, Engine, RenderInput, engine_of
 from warmfleet.operator.nodes import GPU_MEMORY_LABEL, GPU_PRODUCT_LABEL, GPU_RESOURCE, Pool, format_bytes
 from warmfleet.operator.sizing import PoolSizing
 from warmfleet.operator.spec import DEFAULT_DTYPE, DEFAULT_MODEL_CACHE, GROUP, InferenceServiceSpec, served_name
-from warmfleet.server.config import CacheConfig, flag_of
+from warmfleet.server.flagfields import to_args
+from warmfleet.server.router.settings import PolicyConfig, RouterSettings
 from warmfleet.source import ModelSource, parse_source
 
 MODEL_MOUNT = "/models"
@@ -28,18 +29,10 @@ RUN_AS = 10001
 # per container by default; the rest is headroom for a chattier engine)
 LOG_MIB = 256
 
-# How the router is started. NOTE: `warmfleet route` flags live here, in one place (checked
-# against server/router/main.py by a test): change them together with the router's argparse.
+# How the router is started: the RouterSettings fields the operator sets, rendered in this order (flag names come
+# from server/router/settings.py, so a renamed flag breaks a unit test, not a cluster)
 ROUTER_COMMAND = ["warmfleet", "route"]
-ROUTER_FLAGS: dict[str, str] = {
-    "discover_service": "--discover-service",  # NAMESPACE/NAME of the headless replica Service
-    "host": "--host",
-    "port": "--port",
-    "model": "--model",
-    "load_bound": "--balance-epsilon",  # bounded load: epsilon = loadBound - 1
-    "engine": "--engine",  # warmfleet | vllm | fastdeploy: picks the router's index adapter
-    "peers": "--peers",  # the routers' headless Service: active-active routers share load and client limits
-}
+ROUTER_FIELDS = ("discover_service", "host", "port", "model", "policy.epsilon", "engine", "peers", "block_size")
 ROUTER_RESOURCES = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"cpu": "2", "memory": "2Gi"}}
 
 # The init container of hf:// and s3:// sources. NOTE: `warmfleet fetch-model` flags live here (checked against
@@ -456,22 +449,24 @@ def replicas_service(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]
                      for p in engine_of(spec).ports], clusterIP="None")
 
 
+def router_settings(owner: Owner, spec: InferenceServiceSpec) -> RouterSettings:
+    """What the router pod runs with: discovery of the replica Service, bounded load from loadBound, the engine kind,
+    the routers' headless Service as peers, and the replicas' block size (contract 1: the same hashes)."""
+    return RouterSettings(
+        discover_service=f"{owner.namespace}/{names(owner)['replicas']}",
+        host="0.0.0.0",
+        port=HTTP_PORT,
+        model=_model_dir(spec),
+        policy=PolicyConfig(epsilon=round(spec.router.load_bound - 1, 6)),  # epsilon = loadBound - 1
+        engine=spec.engine.kind,
+        peers=f"http://{names(owner)['router_peers']}.{owner.namespace}.svc:{HTTP_PORT}",
+        block_size=spec.cache.block_size,
+    )
+
+
 def router_args(owner: Owner, spec: InferenceServiceSpec) -> list[str]:
-    """`warmfleet route` arguments (flags from ROUTER_FLAGS)."""
-    values = {
-        "discover_service": f"{owner.namespace}/{names(owner)['replicas']}",
-        "host": "0.0.0.0",
-        "port": str(HTTP_PORT),
-        "model": _model_dir(spec),
-        "load_bound": f"{spec.router.load_bound - 1:g}",
-        "engine": spec.engine.kind,
-        "peers": f"http://{names(owner)['router_peers']}.{owner.namespace}.svc:{HTTP_PORT}",
-    }
-    args = list(ROUTER_COMMAND[1:])
-    for key, value in values.items():
-        args += [ROUTER_FLAGS[key], value]
-    # the router hashes blocks exactly like the replicas (contract 1): same block size
-    return args + [flag_of(CacheConfig, "block_size"), str(spec.cache.block_size)]
+    """`warmfleet route` arguments: ROUTER_FIELDS of `router_settings`, rendered by the settings' own flags."""
+    return [*ROUTER_COMMAND[1:], *to_args(router_settings(owner, spec), ROUTER_FIELDS)]
 
 
 def router_deployment(owner: Owner, spec: InferenceServiceSpec, image: str) -> dict[str, Any]:

@@ -1,17 +1,19 @@
 """`warmfleet serve` flags as dataclasses: the one source of flag names and units (contract 3); no paddle.
 
 The operator imports this module to render pod args, so a renamed flag breaks a unit test,
-not a cluster. Every field carries its flag, help text and unit in `metadata`.
+not a cluster. Every field carries its flag, help text and unit in `metadata` (server/flagfields.py
+turns them into argparse flags and back into args).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
+from . import flagfields
 from .attention import registry as attention_backends
+from .flagfields import flag_of, opt  # noqa: F401  (flag_of: re-exported, the operator reads flag names here)
 
 GiB = 1 << 30
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20  # also the router's default
@@ -21,58 +23,54 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per element o
 DTYPES = tuple(DTYPE_BYTES)
 
 
-def _opt(flag: str, help: str, **kw: Any) -> dict:
-    return {"flag": flag, "help": help, **kw}
-
-
 @dataclass
 class ModelConfig:
-    model: str = field(default="", metadata=_opt("--model", "Hugging Face checkpoint directory."))
+    model: str = field(default="", metadata=opt("--model", "Hugging Face checkpoint directory."))
     served_model_name: Optional[str] = field(
-        default=None, metadata=_opt("--served-model-name", "Name clients use in `model` (default: the directory name).")
+        default=None, metadata=opt("--served-model-name", "Name clients use in `model` (default: the directory name).")
     )
-    dtype: str = field(default="float32", metadata=_opt("--dtype", "Weight and activation dtype.", choices=DTYPES))
+    dtype: str = field(default="float32", metadata=opt("--dtype", "Weight and activation dtype.", choices=DTYPES))
     max_model_len: Optional[int] = field(
-        default=None, metadata=_opt("--max-model-len", "Context length in tokens (default: the checkpoint's).")
+        default=None, metadata=opt("--max-model-len", "Context length in tokens (default: the checkpoint's).")
     )
-    seed: int = field(default=0, metadata=_opt("--seed", "Seed for sampling without a request seed."))
+    seed: int = field(default=0, metadata=opt("--seed", "Seed for sampling without a request seed."))
     engine_cpus: Optional[str] = field(
         default=None,
-        metadata=_opt("--engine-cpus", "CPUs the engine-core process runs on, as a list like 0 or 0-3,6 (default: "
+        metadata=opt("--engine-cpus", "CPUs the engine-core process runs on, as a list like 0 or 0-3,6 (default: "
                       "not pinned). The API process stays unpinned, as vLLM pins only its CPU worker."),
     )
     engine_threads: int = field(
         default=1,
-        metadata=_opt("--engine-threads", "Math threads (MKL/OpenMP) of the engine-core process; the API process "
+        metadata=opt("--engine-threads", "Math threads (MKL/OpenMP) of the engine-core process; the API process "
                       "runs no math. 1 leaves the other cores to the API process, as vLLM's CPU worker does."),
     )
     attention_backend: str = field(
         default=attention_backends.DEFAULT,
-        metadata=_opt("--attention-backend", "Attention backend by name (registered in server/attention/registry.py)."),
+        metadata=opt("--attention-backend", "Attention backend by name (registered in server/attention/registry.py)."),
     )
 
 
 @dataclass
 class CacheConfig:
-    block_size: int = field(default=64, metadata=_opt("--block-size", "Tokens per KV block."))
+    block_size: int = field(default=64, metadata=opt("--block-size", "Tokens per KV block."))
     num_gpu_blocks: Optional[int] = field(
-        default=None, metadata=_opt("--num-gpu-blocks", "Blocks in the primary KV pool (overrides the memory budget).")
+        default=None, metadata=opt("--num-gpu-blocks", "Blocks in the primary KV pool (overrides the memory budget).")
     )
     kv_cache_memory: Optional[float] = field(
-        default=None, metadata=_opt("--kv-cache-memory", "Primary KV pool budget in GiB when running on CPU.")
+        default=None, metadata=opt("--kv-cache-memory", "Primary KV pool budget in GiB when running on CPU.")
     )
     gpu_memory_utilization: float = field(
-        default=0.9, metadata=_opt("--gpu-memory-utilization", "Fraction of GPU memory the engine may use (GPU only).")
+        default=0.9, metadata=opt("--gpu-memory-utilization", "Fraction of GPU memory the engine may use (GPU only).")
     )
     enable_prefix_caching: bool = field(
-        default=True, metadata=_opt("--enable-prefix-caching", "Reuse cached KV blocks across requests.")
+        default=True, metadata=opt("--enable-prefix-caching", "Reuse cached KV blocks across requests.")
     )
     swap_space: float = field(
-        default=0.0, metadata=_opt("--swap-space", "CPU swap tier for evicted KV blocks, in GiB (0 disables).")
+        default=0.0, metadata=opt("--swap-space", "CPU swap tier for evicted KV blocks, in GiB (0 disables).")
     )
     prefix_hash_algo: str = field(
         default="blake3",
-        metadata=_opt(
+        metadata=opt(
             "--prefix-hash-algo",
             "Block-hash digest. blake3/sha256 are collision resistant; xxhash is faster but lets a "
             "tenant who can craft collisions poison shared cache entries.",
@@ -80,52 +78,52 @@ class CacheConfig:
         ),
     )
     max_encoder_cache: int = field(
-        default=16384, metadata=_opt("--max-encoder-cache", "Vision-encoder output cache, in tokens (0 disables).")
+        default=16384, metadata=opt("--max-encoder-cache", "Vision-encoder output cache, in tokens (0 disables).")
     )
     max_processor_cache: float = field(
-        default=1.0, metadata=_opt("--max-processor-cache", "Preprocessed-image cache shared over ZMQ, in GiB (0 disables).")
+        default=1.0, metadata=opt("--max-processor-cache", "Preprocessed-image cache shared over ZMQ, in GiB (0 disables).")
     )
 
 
 @dataclass
 class SchedulerConfig:
     max_num_batched_tokens: int = field(
-        default=2048, metadata=_opt("--max-num-batched-tokens", "Token budget of one engine step (prefill chunks + decodes).")
+        default=2048, metadata=opt("--max-num-batched-tokens", "Token budget of one engine step (prefill chunks + decodes).")
     )
-    max_num_seqs: int = field(default=64, metadata=_opt("--max-num-seqs", "Most requests running at once."))
+    max_num_seqs: int = field(default=64, metadata=opt("--max-num-seqs", "Most requests running at once."))
 
 
 @dataclass
 class ServerConfig:
-    host: str = field(default="127.0.0.1", metadata=_opt("--host", "Address the HTTP API binds."))
-    port: int = field(default=8000, metadata=_opt("--port", "HTTP API port."))
+    host: str = field(default="127.0.0.1", metadata=opt("--host", "Address the HTTP API binds."))
+    port: int = field(default=8000, metadata=opt("--port", "HTTP API port."))
     kv_events_port: Optional[int] = field(
-        default=None, metadata=_opt("--kv-events-port", "Port of the ZMQ PUB socket for KV events (unset disables).")
+        default=None, metadata=opt("--kv-events-port", "Port of the ZMQ PUB socket for KV events (unset disables).")
     )
-    kv_events_host: str = field(default="127.0.0.1", metadata=_opt("--kv-events-host", "Address the KV-event socket binds."))
+    kv_events_host: str = field(default="127.0.0.1", metadata=opt("--kv-events-host", "Address the KV-event socket binds."))
     replica_id: Optional[str] = field(
-        default=None, metadata=_opt("--replica-id", "Identity in KV events (default: host:port).")
+        default=None, metadata=opt("--replica-id", "Identity in KV events (default: host:port).")
     )
     api_key: Optional[str] = field(
-        default=None, metadata=_opt("--api-key", "Require `Authorization: Bearer KEY` (env WARMFLEET_API_KEY also works).")
+        default=None, metadata=opt("--api-key", "Require `Authorization: Bearer KEY` (env WARMFLEET_API_KEY also works).")
     )
     allowed_local_media_path: Optional[str] = field(
-        default=None, metadata=_opt("--allowed-local-media-path", "Directory under which file:// images may be read.")
+        default=None, metadata=opt("--allowed-local-media-path", "Directory under which file:// images may be read.")
     )
     allowed_media_hosts: list = field(
         default_factory=list,
-        metadata=_opt("--allowed-media-host", "Host or CIDR that image URLs may reach even if private (repeatable).", action="append"),
+        metadata=opt("--allowed-media-host", "Host or CIDR that image URLs may reach even if private (repeatable).", action="append"),
     )
     max_request_bytes: int = field(
-        default=DEFAULT_MAX_REQUEST_BYTES, metadata=_opt("--max-request-bytes", "Largest HTTP request body, in bytes (413 above it).")
+        default=DEFAULT_MAX_REQUEST_BYTES, metadata=opt("--max-request-bytes", "Largest HTTP request body, in bytes (413 above it).")
     )
     media_fetch_timeout_s: float = field(
-        default=10.0, metadata=_opt("--media-fetch-timeout-s", "Timeout for downloading one image, in seconds.")
+        default=10.0, metadata=opt("--media-fetch-timeout-s", "Timeout for downloading one image, in seconds.")
     )
     media_max_bytes: int = field(
-        default=20 << 20, metadata=_opt("--media-max-bytes", "Largest image download, in bytes.")
+        default=20 << 20, metadata=opt("--media-max-bytes", "Largest image download, in bytes.")
     )
-    log_level: str = field(default="info", metadata=_opt("--log-level", "Log level.", choices=("debug", "info", "warning", "error")))
+    log_level: str = field(default="info", metadata=opt("--log-level", "Log level.", choices=("debug", "info", "warning", "error")))
 
 
 def replica_id(server: "ServerConfig") -> str:
@@ -177,78 +175,18 @@ def parse_cpu_list(spec: str) -> set[int]:
     return cpus
 
 
-GROUPS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "server": ServerConfig}
-
-
-def flag_of(group: type, name: str) -> str:
-    """The command-line flag of a config field; raises KeyError for an unknown field."""
-    for f in dataclasses.fields(group):
-        if f.name == name:
-            return f.metadata["flag"]
-    raise KeyError(f"{group.__name__} has no field {name!r}")
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per config field, named and documented by the field's metadata."""
-    for gname, cls in GROUPS.items():
-        group = parser.add_argument_group(gname)
-        for f in dataclasses.fields(cls):
-            md = f.metadata
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-            kw: dict[str, Any] = {"dest": f"{gname}.{f.name}", "help": f"{md['help']} (default: {default})", "default": default}
-            if isinstance(default, bool):
-                kw["action"] = argparse.BooleanOptionalAction
-            elif md.get("action") == "append":
-                kw["action"] = "append"
-                kw["default"] = None
-            else:
-                kw["type"] = _field_type(f)
-                if "choices" in md:
-                    kw["choices"] = md["choices"]
-            group.add_argument(md["flag"], **kw)
-
-
-def _field_type(f: dataclasses.Field) -> Any:
-    t = str(f.type)
-    if "float" in t:
-        return float
-    if "int" in t:
-        return int
-    return str
+    """Add one flag per config field, named and documented by the field's metadata (one section a group)."""
+    flagfields.add_arguments(parser, EngineConfig, show_defaults=True, sections=True, metavar_from_flag=False)
 
 
 def from_namespace(ns: argparse.Namespace) -> EngineConfig:
     """Build an EngineConfig from parsed flags and validate it."""
-    parts: dict[str, Any] = {}
-    for gname, cls in GROUPS.items():
-        kwargs = {}
-        for f in dataclasses.fields(cls):
-            v = getattr(ns, f"{gname}.{f.name}")
-            if v is None and f.metadata.get("action") == "append":
-                v = []
-            kwargs[f.name] = v
-        parts[gname] = cls(**kwargs)
-    cfg = EngineConfig(**parts)
+    cfg = flagfields.from_namespace(ns, EngineConfig)
     cfg.validate()
     return cfg
 
 
 def to_args(cfg: EngineConfig) -> list[str]:
     """Render a config as `warmfleet serve` arguments, omitting defaults (used by the operator)."""
-    args: list[str] = []
-    for gname, cls in GROUPS.items():
-        obj = getattr(cfg, gname)
-        ref = cls()
-        for f in dataclasses.fields(cls):
-            v, d = getattr(obj, f.name), getattr(ref, f.name)
-            if v == d:
-                continue
-            flag = f.metadata["flag"]
-            if isinstance(v, bool):
-                args.append(flag if v else "--no-" + flag[2:])
-            elif isinstance(v, list):
-                for item in v:
-                    args += [flag, str(item)]
-            elif v is not None:
-                args += [flag, str(v)]
-    return args
+    return flagfields.to_args(cfg)

@@ -192,7 +192,8 @@ async def test_the_real_router_exports_what_the_autoscaler_reads(tiny_model_dir)
     from bench_scripts import load_bench
     from procs import free_port
     from warmfleet.server.hashing import model_fingerprint
-    from warmfleet.server.router.app import RouterSettings, build_app
+    from warmfleet.server.router.app import RouterRuntime, build_app
+    from warmfleet.server.router.settings import RouterSettings
     from warmfleet.server.router.prompt import HashConfig, PromptRenderer
     from warmfleet.server.router.registry import ReplicaSpec
 
@@ -201,8 +202,8 @@ async def test_the_real_router_exports_what_the_autoscaler_reads(tiny_model_dir)
     fleet = sim.SimFleet(str(tiny_model_dir), 2, block_size=16, gpu_blocks=256, tm=sim.TimeModel(step_s=0.01))
     await fleet.start()
     specs = [ReplicaSpec(u, r.events_endpoint) for u, r in zip(fleet.urls, fleet.replicas)]
-    app = build_app(RouterSettings(hash_cfg=HashConfig(16, model_fingerprint(str(tiny_model_dir))), replicas=specs,
-                                   renderer=PromptRenderer(str(tiny_model_dir)), health_interval_s=0.1))
+    app = build_app(RouterRuntime(hash_cfg=HashConfig(16, model_fingerprint(str(tiny_model_dir))), replicas=specs,
+                                  renderer=PromptRenderer(str(tiny_model_dir)), settings=RouterSettings(health_interval_s=0.1)))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     task = asyncio.create_task(server.serve())

@@ -19,6 +19,7 @@ from warmfleet.operator.reconcile import render
 from warmfleet.operator.schema import SpecError
 from warmfleet.operator.spec import parse_spec
 from warmfleet.server import config as server_config
+from warmfleet.server import flagfields
 
 IMAGES = m.Images(engine="engine:1", router="slim:1")  # the operator's --default-image and --router-image
 
@@ -190,10 +191,11 @@ def test_router_args_parse_with_the_routers_own_argparse():
     assert args[0] == "route"
     parser = argparse.ArgumentParser()
     main.add_arguments(parser)
-    ns = parser.parse_args(args[1:])
-    assert (ns.discover_service, ns.host, ns.port, ns.model) == ("default/qwen-replicas", "0.0.0.0", m.HTTP_PORT, "/models/qwen")
-    assert ns.balance_epsilon == 0.5
-    assert vars(ns)[next(k for k in vars(ns) if k.endswith("block_size"))] == 32
+    got = main.settings_from_args(parser.parse_args(args[1:]))
+    assert (got.discover_service, got.host, got.port, got.model) == ("default/qwen-replicas", "0.0.0.0", m.HTTP_PORT, "/models/qwen")
+    assert got.policy.epsilon == 0.5 and got.block_size == 32
+    assert got.peers == f"http://qwen-router-peers.default.svc:{m.HTTP_PORT}"
+    assert flagfields.to_args(got, m.ROUTER_FIELDS) == args[1:]  # args → settings → args: the same pod spec
 
 
 def test_pvc_is_mounted_read_only():
@@ -455,11 +457,11 @@ def test_router_gets_the_engine_and_its_argparse_accepts_it(kind):
     router = next(d for d in by_kind(items, "Deployment") if d["metadata"]["name"] == "qwen-router")
     rc = container(router)
     args = rc["args"]
-    assert m.ROUTER_FLAGS["engine"] == "--engine" and flag_value(args, "--engine") == kind
+    assert flag_value(args, "--engine") == kind
     assert rc["command"] == ["warmfleet"] and rc["image"] == "slim:1"  # the router is ours (the slim image) whatever the engine
     parser = argparse.ArgumentParser()
     main.add_arguments(parser)
-    assert parser.parse_args(args[1:]).engine == kind
+    assert main.settings_from_args(parser.parse_args(args[1:])).engine == kind
 
 
 def test_engine_image_defaults_for_warmfleet_only():

@@ -8,6 +8,7 @@ HTTP and KV events) behind the real router app in-process.
 from __future__ import annotations
 
 import asyncio
+from typing import Optional
 from urllib.parse import quote
 
 import httpx
@@ -20,13 +21,14 @@ from bench_scripts import load_bench
 import waiting
 from procs import free_port
 from warmfleet.server.hashing import model_fingerprint
-from warmfleet.server.router.app import RouterSettings, build_app
+from warmfleet.server.router.app import RouterRuntime, build_app
 from warmfleet.server.router.auth import Tenants
 from warmfleet.server.router.discovery import replicas_from_slices
 from warmfleet.server.router.fleet import Fleet
 from warmfleet.server.router.metrics import RouterMetrics
 from warmfleet.server.router.prompt import HashConfig, PromptRenderer
 from warmfleet.server.router.registry import ReplicaSpec
+from warmfleet.server.router.settings import RouterSettings
 
 BLOCK = 16
 
@@ -48,8 +50,9 @@ async def until(cond, what: str) -> None:
 class RouterOnSim:
     """A simulated fleet of `n` replicas (each step 20 ms) and the real router app in-process on loopback."""
 
-    def __init__(self, model_dir, n: int = 3, **settings):
+    def __init__(self, model_dir, n: int = 3, tenants: Optional[Tenants] = None, **settings):
         self.model_dir, self.n, self.settings = str(model_dir), n, settings
+        self.tenants = tenants or Tenants({})
 
     async def __aenter__(self) -> "RouterOnSim":
         import uvicorn
@@ -59,9 +62,10 @@ class RouterOnSim:
         await self.sim.start()
         self.url_of = {r.rid: u for r, u in zip(self.sim.replicas, self.sim.urls)}
         specs = [ReplicaSpec(u, r.events_endpoint) for u, r in zip(self.sim.urls, self.sim.replicas)]
-        settings = RouterSettings(hash_cfg=HashConfig(BLOCK, model_fingerprint(self.model_dir)), replicas=specs,
-                                  renderer=PromptRenderer(self.model_dir), health_interval_s=0.1, **self.settings)
-        self.app = build_app(settings)
+        runtime = RouterRuntime(hash_cfg=HashConfig(BLOCK, model_fingerprint(self.model_dir)), replicas=specs,
+                                renderer=PromptRenderer(self.model_dir), tenants=self.tenants,
+                                settings=RouterSettings(health_interval_s=0.1, **self.settings))
+        self.app = build_app(runtime)
         port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning"))
         self.task = asyncio.create_task(self.server.serve())
@@ -149,7 +153,7 @@ async def test_admin_routes_answer_unknown_ids_and_need_the_admin_key_when_keys_
 def test_admin_routes_are_refused_when_tenant_keys_are_checked_but_no_admin_key_is_set():
     from fastapi.testclient import TestClient
 
-    app = build_app(RouterSettings(hash_cfg=HashConfig(BLOCK, "fp"), tenants=Tenants({"k": None})))
+    app = build_app(RouterRuntime(hash_cfg=HashConfig(BLOCK, "fp"), tenants=Tenants({"k": None})))
     with TestClient(app) as c:
         r = c.post("/v1/router/replicas/http%3A%2F%2Fa%3A1/drain", headers={"authorization": "Bearer k"})
         assert r.status_code == 403 and "--admin-key" in r.json()["error"]["message"]

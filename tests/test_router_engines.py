@@ -9,6 +9,7 @@ token ids vLLM's /tokenize gave for each, and every KV-event frame it published.
 import json
 import struct
 from pathlib import Path
+from types import SimpleNamespace
 
 import msgpack
 import pytest
@@ -102,7 +103,7 @@ def test_decode_rejects_malformed_and_foreign_frames(bad):
 
 def test_unknown_engine_kind_is_refused():
     with pytest.raises(ValueError, match="unknown engine kind"):
-        dialect_for("tgi")
+        dialect_for(SimpleNamespace(engine="tgi"))
 
 
 def test_predicted_cache_is_bounded_by_capacity_and_age():

@@ -26,7 +26,7 @@ async def test_a_chunked_body_is_read_whole_and_forwarded_as_sent(tiny_model_dir
 
 async def test_bad_bodies_get_openai_errors_and_hold_no_slot(tiny_model_dir):
     async with Fleet2(tiny_model_dir, max_concurrent_per_client=1) as f:
-        f.app.frontend.settings.max_request_bytes = 1000
+        f.app.frontend.max_request_bytes = 1000
         cases = [
             (b"{" + b" " * 2000 + b"}", {}, 413, "1000 bytes"),  # declared length over the cap
             (chunks(b"{" + b" " * 2000 + b"}", 300), {}, 413, "1000 bytes"),  # no declared length: counted

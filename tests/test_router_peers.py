@@ -12,11 +12,12 @@ import uvicorn
 
 from test_router_proxy import BLOCK, FakeReplica, FakeSharedFailures, Served, until
 from warmfleet.server.hashing import model_fingerprint
-from warmfleet.server.router.app import RouterSettings, build_app
+from warmfleet.server.router.app import RouterRuntime, build_app
 from warmfleet.server.router.auth import ConcurrencyLimiter
 from warmfleet.server.router.peers import PeerLoad, client_digest, parse_peers
 from warmfleet.server.router.prompt import HashConfig, PromptRenderer
 from warmfleet.server.router.registry import Replica, ReplicaSpec
+from warmfleet.server.router.settings import RouterSettings
 from warmfleet.server.tokenizer import Tokenizer
 
 SHORT = {"model": "tiny", "prompt": "hi", "max_tokens": 1, "stream": True}  # shorter than a block: routed by load
@@ -59,13 +60,13 @@ class TwoRouters:
         urls = [b.url for b in self.bound]
         self.apps = []
         for b in self.bound:
-            settings = RouterSettings(
+            runtime = RouterRuntime(
                 hash_cfg=HashConfig(BLOCK, self.fp),
                 replicas=[ReplicaSpec(s.url, r.events) for s, r in zip(self.served, self.replicas)],
-                renderer=PromptRenderer(str(self.model_dir), tokenizer=self.tok), health_interval_s=0.1,
-                max_concurrent_per_client=self.limit, peers=urls if self.peers else [], peer_interval_s=0.05,
-                peer_jitter=0.0)  # deterministic tie-breaks: the tests know which replica a router picks
-            app = build_app(settings)
+                renderer=PromptRenderer(str(self.model_dir), tokenizer=self.tok), peers=urls if self.peers else [],
+                settings=RouterSettings(health_interval_s=0.1, max_concurrent_per_client=self.limit, peer_interval_s=0.05,
+                                        peer_jitter=0.0))  # deterministic tie-breaks: the tests know which replica a router picks
+            app = build_app(runtime)
             await b.start(app)
             self.apps.append(app)
         for app in self.apps:

@@ -20,10 +20,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from waiting import until  # noqa: F401  (test_router_peers imports it from here)
 from warmfleet.server.events import BlockStored, EventBatch, Snapshot, encode
 from warmfleet.server.hashing import block_hashes, model_fingerprint
-from warmfleet.server.router.app import RouterSettings, build_app
+from warmfleet.server.router.app import RouterRuntime, build_app
 from warmfleet.server.router.auth import Tenants, derive_salt
 from warmfleet.server.router.prompt import HashConfig, PromptRenderer
 from warmfleet.server.router.registry import ReplicaSpec
+from warmfleet.server.router.settings import RouterSettings
 from warmfleet.server.tokenizer import Tokenizer
 
 BLOCK = 16
@@ -206,16 +207,17 @@ class Fleet2:
     async def __aenter__(self) -> "Fleet2":
         self.served = [await Served(r.app).start() for r in self.replicas]
         self.by_url = {s.url: r for s, r in zip(self.served, self.replicas)}
-        settings = RouterSettings(
+        runtime = RouterRuntime(
             hash_cfg=HashConfig(BLOCK, self.fp),
             replicas=[ReplicaSpec(s.url, r.events) if self.engine != "fastdeploy" else ReplicaSpec(s.url, metrics=s.url)
                       for s, r in zip(self.served, self.replicas)],
             renderer=PromptRenderer(str(self.model_dir), tokenizer=self.tok),
-            tenants=self.tenants, health_interval_s=self.health_interval_s, health_timeout_s=0.5,
-            max_concurrent_per_client=self.max_concurrent_per_client, engine=self.engine,
-            predicted_capacity_blocks=self.predicted_capacity_blocks,
+            tenants=self.tenants,
+            settings=RouterSettings(health_interval_s=self.health_interval_s, health_timeout_s=0.5,
+                                    max_concurrent_per_client=self.max_concurrent_per_client, engine=self.engine,
+                                    predicted_capacity_blocks=self.predicted_capacity_blocks),
         )
-        self.app = build_app(settings)
+        self.app = build_app(runtime)
         self.router = await Served(self.app).start()
         self.fleet = self.app.state.fleet
         if self.engine == "fastdeploy":  # no events: nothing to sync
@@ -586,10 +588,10 @@ async def test_fastdeploy_replicas_are_routed_on_a_predicted_index(tiny_model_di
 
 
 async def test_oversized_body_is_413_before_routing():
-    from warmfleet.server.router.app import RouterSettings, build_app
+    from warmfleet.server.router.app import RouterRuntime, build_app
     from warmfleet.server.router.prompt import HashConfig
 
-    app = build_app(RouterSettings(hash_cfg=HashConfig(16, "fp"), max_request_bytes=1000))
+    app = build_app(RouterRuntime(hash_cfg=HashConfig(16, "fp"), settings=RouterSettings(max_request_bytes=1000)))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://router") as c:
         for path in ("/v1/chat/completions", "/v1/completions", "/tokenize"):
             r = await c.post(path, content=b"{" + b" " * 2000 + b"}", headers={"content-type": "application/json"})

@@ -203,7 +203,8 @@ def test_real_router_follows_the_simulated_fleet(tiny_model_dir):
     import uvicorn
 
     from warmfleet.server.hashing import model_fingerprint
-    from warmfleet.server.router.app import RouterSettings, build_app
+    from warmfleet.server.router.app import RouterRuntime, build_app
+    from warmfleet.server.router.settings import RouterSettings
     from warmfleet.server.router.prompt import HashConfig, PromptRenderer
     from warmfleet.server.router.registry import ReplicaSpec
 
@@ -214,9 +215,9 @@ def test_real_router_follows_the_simulated_fleet(tiny_model_dir):
         fleet = sim.SimFleet(str(tiny_model_dir), 3, block_size=BLOCK, gpu_blocks=64, cpu_blocks=8)
         await fleet.start()
         specs = [ReplicaSpec(u, r.events_endpoint) for u, r in zip(fleet.urls, fleet.replicas)]
-        settings = RouterSettings(hash_cfg=HashConfig(BLOCK, model_fingerprint(tiny_model_dir)), replicas=specs,
-                                  renderer=PromptRenderer(str(tiny_model_dir)), health_interval_s=0.1)
-        app = build_app(settings)
+        runtime = RouterRuntime(hash_cfg=HashConfig(BLOCK, model_fingerprint(tiny_model_dir)), replicas=specs,
+                                renderer=PromptRenderer(str(tiny_model_dir)), settings=RouterSettings(health_interval_s=0.1))
+        app = build_app(runtime)
         port = free_port()
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         task = asyncio.create_task(server.serve())

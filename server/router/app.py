@@ -16,48 +16,30 @@ from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response
 
 from ..bodies import BodyTooLarge, read_capped
-from ..config import DEFAULT_MAX_REQUEST_BYTES
 from .auth import ConcurrencyLimiter, Tenants
 from .engines import dialect_for
 from .fleet import Fleet
 from .metrics import RouterMetrics
 from .peers import PeerLoad, add_peer_route
-from .policy import PolicyConfig
 from .prompt import HashConfig, PromptRenderer
-from .proxy import Proxy, ProxyConfig, error_response, upstream_session
+from .proxy import Proxy, error_response, upstream_session
 from .registry import ReplicaSpec
-from .warmup import WarmupConfig
+from .settings import RouterSettings
 
 Discovery = Callable[[Fleet], Awaitable[None]]  # runs until cancelled, calling fleet.set_members
 
 
 @dataclass
-class RouterSettings:
-    """Everything `warmfleet route` configures, in one place."""
+class RouterRuntime:
+    """What `build_app` runs: the settings (every flag) and what was built from them."""
 
-    hash_cfg: HashConfig
+    hash_cfg: HashConfig  # block size, digest and the model's fingerprint
+    settings: RouterSettings = field(default_factory=RouterSettings)
     replicas: list[ReplicaSpec] = field(default_factory=list)  # static members (--replica)
     renderer: Optional[PromptRenderer] = None  # None: route by load and cold hashing of nothing (tests only)
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
-    proxy: ProxyConfig = field(default_factory=ProxyConfig)
     tenants: Tenants = field(default_factory=lambda: Tenants({}))
-    max_concurrent_per_client: int = 0  # 0 = unlimited
-    replica_api_key: Optional[str] = None  # sent upstream as Bearer
-    health_interval_s: float = 0.2
-    health_timeout_s: float = 0.5
-    health_failures: int = 2  # failed checks in a row (timeouts, non-200) before a replica leaves; refused: at once
     discovery: Optional[Discovery] = None
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # bodies above it get a 413, never buffered past it
-    engine: str = "warmfleet"  # the replicas' engine kind (engines.KINDS)
-    vllm_hash_seed: Optional[str] = "0"  # vLLM replicas' PYTHONHASHSEED (None: unset there)
-    predicted_capacity_blocks: int = 16_384  # FastDeploy: blocks per replica in the predicted cache
-    predicted_ttl_s: float = 600.0  # FastDeploy: age after which a predicted block is forgotten
-    index_max_blocks: Optional[int] = None  # KV-index entries per replica before least-recently-used ones go
-    warmup: WarmupConfig = field(default_factory=WarmupConfig)  # hot-prefix replay into joining replicas
-    admin_key: Optional[str] = None  # Bearer key of the admin routes (drain); None: open only if tenants are off
-    peers: list[str] = field(default_factory=list)  # peer routers' base URLs: load and client limits shared (peers.py)
-    peer_interval_s: float = 0.1  # how often peers are polled
-    peer_jitter: float = 4.0  # random tie-break noise with peers, in recent requests (peers.py: herding)
+    peers: list[str] = field(default_factory=list)  # peer routers' base URLs (--peers): load and client limits shared
     freeze_gc: bool = False  # gc.freeze() once started (`warmfleet route` sets it; a process-wide act, not for tests)
 
 
@@ -103,19 +85,20 @@ async def receive_capped(receive, declared: Optional[bytes], limit: int) -> Opti
 class Frontend:
     """What every OpenAI route does before the proxy: body cap and JSON, API key and tenant salt, per-client limit."""
 
-    def __init__(self, settings: RouterSettings, limiter: ConcurrencyLimiter, state: dict):
-        self.settings, self.limiter, self.state = settings, limiter, state
+    def __init__(self, rt: RouterRuntime, limiter: ConcurrencyLimiter, state: dict):
+        self.tenants, self.max_request_bytes = rt.tenants, rt.settings.max_request_bytes
+        self.limiter, self.state = limiter, state
 
     def client_headers(self, request: Request) -> dict:
         """Headers passed upstream: the client's auth only when the router itself checks none."""
         auth = request.headers.get("authorization")
-        return {"authorization": auth} if auth and not self.settings.tenants.enabled else {}
+        return {"authorization": auth} if auth and not self.tenants.enabled else {}
 
     def enter(self, host: str, auth: Optional[str], body: Optional[dict]) -> str | Response:
         """Authenticate (and salt `body` for the tenant) and take a per-client slot: the client's key, or the 4xx.
 
         The caller releases the slot (`limiter.release(key)`) when the last byte has been sent."""
-        tenants, limiter = self.settings.tenants, self.limiter
+        tenants, limiter = self.tenants, self.limiter
         client = host
         if tenants.enabled:
             key = tenants.authenticate(auth)
@@ -161,7 +144,7 @@ class Frontend:
             elif name == b"content-length":
                 declared = declared if declared is not None else value
         try:
-            raw = await receive_capped(receive, declared, self.settings.max_request_bytes)
+            raw = await receive_capped(receive, declared, self.max_request_bytes)
         except BodyTooLarge as exc:
             return await error_response(413, str(exc), "invalid_request_error")(scope, receive, send)
         if raw is None:  # the client left before its body arrived: nobody to answer
@@ -174,7 +157,7 @@ class Frontend:
         if isinstance(client, Response):
             return await client(scope, receive, send)
         try:
-            tenants = self.settings.tenants.enabled
+            tenants = self.tenants.enabled
             # the client's bytes go upstream as they came unless the router rewrote the body (tenant salt)
             resp = await self.state["proxy"].forward(scope["path"], kind, parsed,
                                                      {"authorization": auth} if auth and not tenants else {},
@@ -184,12 +167,12 @@ class Frontend:
             self.limiter.release(client)
 
     async def generate(self, request: Request, path: str, kind: str) -> Response:
-        parsed = await json_body(request, self.settings.max_request_bytes)
+        parsed = await json_body(request, self.max_request_bytes)
         if isinstance(parsed, Response):
             return parsed
         body, raw = parsed
         # the client's bytes go upstream as they came unless the router rewrote the body (tenant salt)
-        fwd_raw = None if self.settings.tenants.enabled else raw
+        fwd_raw = None if self.tenants.enabled else raw
         return await self.admit(request, body, lambda: self.state["proxy"].forward(
             path, kind, body, self.client_headers(request), fwd_raw))
 
@@ -198,7 +181,7 @@ class Frontend:
         raw = b""
         if method == "POST":
             try:
-                raw = await read_capped(request, self.settings.max_request_bytes)
+                raw = await read_capped(request, self.max_request_bytes)
             except BodyTooLarge as exc:
                 return error_response(413, str(exc), "invalid_request_error")
         return await self.admit(request, None, lambda: self.state["proxy"].forward_plain(
@@ -260,8 +243,9 @@ def _openai_endpoint(front: Frontend, method: str, path: str,
     return plain
 
 
-def _lifespan(settings: RouterSettings, metrics: RouterMetrics, state: dict, peers: Optional[PeerLoad] = None):
+def _lifespan(rt: RouterRuntime, metrics: RouterMetrics, state: dict, peers: Optional[PeerLoad] = None):
     """Start the fleet (health checks, event feeds, discovery) and the proxy with the app; stop them with it."""
+    settings = rt.settings
     upstream = {"authorization": f"Bearer {settings.replica_api_key}"} if settings.replica_api_key else {}
 
     @asynccontextmanager
@@ -269,25 +253,24 @@ def _lifespan(settings: RouterSettings, metrics: RouterMetrics, state: dict, pee
         http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
         fleet = Fleet(http, metrics, health_interval_s=settings.health_interval_s,
                       health_timeout_s=settings.health_timeout_s,
-                      health_failures=settings.health_failures, model_fingerprint=settings.hash_cfg.model_fingerprint,
-                      block_size=settings.hash_cfg.block_size, upstream_headers=upstream,
-                      dialect=dialect_for(settings.engine, settings.vllm_hash_seed, settings.predicted_capacity_blocks,
-                                          settings.predicted_ttl_s), warmup=settings.warmup,
+                      health_failures=settings.health_failures, model_fingerprint=rt.hash_cfg.model_fingerprint,
+                      block_size=rt.hash_cfg.block_size, upstream_headers=upstream,
+                      dialect=dialect_for(settings), warmup=settings.warmup,
                       index_max_blocks=settings.index_max_blocks)
         state["fleet"] = app.state.fleet = fleet
         session = upstream_session()
-        state["proxy"] = Proxy(fleet, settings.renderer, settings.hash_cfg, metrics, settings.policy, settings.proxy,
+        state["proxy"] = Proxy(fleet, rt.renderer, rt.hash_cfg, metrics, settings.policy, settings.proxy,
                                upstream, session)
         state["proxy"].peers = peers
         app.state.proxy = state["proxy"]
-        await fleet.set_members(settings.replicas)
+        await fleet.set_members(rt.replicas)
         await fleet.start()
-        if settings.freeze_gc:
+        if rt.freeze_gc:
             # what is loaded by now (tokenizer, FastAPI, pydantic: ~85k objects) lives as long as the process; out
             # of the collector's reach, a full collection no longer walks it (35-55 ms a pass under load before:
             # a p99 spike every few seconds; 2-3 ms after; docs/scale.md)
             gc.freeze()
-        disc = asyncio.create_task(settings.discovery(fleet)) if settings.discovery else None
+        disc = asyncio.create_task(rt.discovery(fleet)) if rt.discovery else None
         gossip = asyncio.create_task(peers.run()) if peers else None
         try:
             yield
@@ -352,7 +335,7 @@ def _phase(r) -> str:
     return "warming" if r.warming else "ready" if r.healthy else "down"
 
 
-def _add_admin_routes(app: FastAPI, settings: RouterSettings, state: dict) -> None:
+def _add_admin_routes(app: FastAPI, rt: RouterRuntime, state: dict) -> None:
     """Drain for static fleets and scripted rolling updates: POST starts it, DELETE ends it.
 
     The replica id is its base URL as `/v1/router/replicas` lists it (percent-encode it:
@@ -361,13 +344,13 @@ def _add_admin_routes(app: FastAPI, settings: RouterSettings, state: dict) -> No
     """
 
     def denied(request: Request) -> Optional[Response]:
-        if settings.admin_key:
+        admin_key = rt.settings.admin_key
+        if admin_key:
             scheme, _, token = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                     settings.admin_key.encode()):
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), admin_key.encode()):
                 return error_response(401, "admin routes need `Authorization: Bearer <admin key>`",
                                       "authentication_error")
-        elif settings.tenants.enabled:
+        elif rt.tenants.enabled:
             return error_response(403, "this router checks API keys: start it with --admin-key (or "
                                   "WARMFLEET_ADMIN_KEY) to use its admin routes", "permission_error")
         return None
@@ -394,19 +377,20 @@ def _add_admin_routes(app: FastAPI, settings: RouterSettings, state: dict) -> No
         return await drain_call(request, rid, False)
 
 
-def build_app(settings: RouterSettings) -> FastAPI:
+def build_app(rt: RouterRuntime) -> FastAPI:
     metrics = RouterMetrics()
-    peers = (PeerLoad(settings.peers, interval_s=settings.peer_interval_s, jitter=settings.peer_jitter)
-             if settings.peers else None)
+    settings = rt.settings
+    peers = (PeerLoad(rt.peers, interval_s=settings.peer_interval_s, jitter=settings.peer_jitter)
+             if rt.peers else None)
     limiter = ConcurrencyLimiter(settings.max_concurrent_per_client, remote=peers.client_open if peers else None)
     state: dict = {}  # "fleet" and "proxy", set by the lifespan
-    front = Frontend(settings, limiter, state)
-    app = FastAPI(title="warmfleet router", lifespan=_lifespan(settings, metrics, state, peers))
+    front = Frontend(rt, limiter, state)
+    app = FastAPI(title="warmfleet router", lifespan=_lifespan(rt, metrics, state, peers))
     app.state.metrics = metrics
     app.state.limiter = limiter
     app.state.peers = peers
     _add_openai_routes(app, front)
     _add_status_routes(app, state, metrics)
-    _add_admin_routes(app, settings, state)
+    _add_admin_routes(app, rt, state)
     add_peer_route(app, state, lambda: limiter.open, peers)
     return FastPath(app, front)  # type: ignore[return-value]  # an ASGI app that forwards attributes to `app`

@@ -62,30 +62,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from .settings import PolicyConfig
+
 # decision reasons (metric label values)
 PREFIX_HIT = "prefix_hit"
 COLD_HASH = "cold_hash"
 LOAD_SPILL = "load_spill"
 LEAST_LOAD = "least_load"
 RETRY = "retry"
-
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    cpu_weight: float = 0.5  # a swap-tier block is worth this fraction of a GPU block (it must be copied back)
-    encoder_weight: float = 0.5  # an image whose encoder output is warm saves this fraction of its tokens
-    load_weight: float = 32.0  # prompt tokens of cached prefix that one request of load outweighs
-    queue_weight: float = 0.0  # cost of one uncached prompt token queued ahead on the replica, in tokens saved,
-    #                            when the prompt's cache is at stake (hits differ by >= warm_min_tokens)
-    cold_queue_weight: Optional[float] = 1.0  # the same when nothing is at stake (None: queue_weight)
-    epsilon: float = 0.25  # bounded load: no replica above (1 + epsilon) x mean load while another fits
-    warm_slack: int = 1  # requests above the cap a replica may take when it alone holds much of the prompt
-    warm_min_tokens: int = 64  # cached tokens it must hold beyond the best replica under the cap to use the slack
-    share_epsilon: float = 0.15  # no replica's share of recent requests above (1 + this) x the mean, plus one
-    share_slack_tokens: int = 128  # 0: off; else one more request of share slack per this many warm tokens at stake
-    max_share_slack: int = 1  # cap on that extra share slack
-    warm_inflight_slack: int = 1  # beyond warm_slack, requests above the in-flight bound (only) a warm replica may take
-    common_prefix_free: bool = True  # the leading tokens that more than half of the replicas hold score nothing
 
 
 @dataclass(frozen=True)

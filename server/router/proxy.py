@@ -31,6 +31,7 @@ from .metrics import RouterMetrics
 from .policy import RETRY, Candidate, Decision, PolicyConfig, choose
 from .prompt import HashConfig, Prompt, PromptRenderer
 from .registry import Replica
+from .settings import ProxyConfig
 
 log = logging.getLogger(__name__)
 
@@ -66,14 +67,6 @@ def cached_tokens_of(body: dict) -> Optional[int]:
     details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
     value = details.get("cached_tokens") if isinstance(details, dict) else None
     return value if isinstance(value, int) else None
-
-
-@dataclass(frozen=True)
-class ProxyConfig:
-    max_attempts: int = 3  # replicas tried before the first byte
-    connect_timeout_s: float = 1.0  # connecting to a replica
-    read_timeout_s: float = 600.0  # between two bytes of an answer
-    cold_key_blocks: int = 1  # leading blocks whose chain hash places a prefix nobody holds
 
 
 def upstream_session() -> aiohttp.ClientSession:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 from .policy import rendezvous_weight
+from .settings import WarmupConfig
 
 log = logging.getLogger(__name__)
 
@@ -46,17 +47,6 @@ class HotPrefix:
 
     def score(self, now: float, half_life_s: float) -> float:
         return self.hits * math.pow(0.5, max(0.0, now - self.last) / half_life_s)
-
-
-@dataclass(frozen=True)
-class WarmupConfig:
-    enabled: bool = True
-    budget_tokens: int = 65_536  # prompt tokens replayed into one joining replica, at most
-    budget_s: float = 30.0  # seconds one warm-up may take before the replica takes traffic anyway
-    capacity: int = 1024  # prefixes remembered
-    max_tokens: int = 4_000_000  # token ids remembered, in all
-    half_life_s: float = 300.0  # hits halve every this many seconds
-    concurrency: int = 2  # replay requests in flight per warming replica
 
 
 class HotPrefixes:

@@ -50,9 +50,9 @@ class Dialect(Protocol):
         """Self-check figures of the hash reproduction, if any (shown in /v1/router/replicas)."""
 
 
-def dialect_for(kind: str, vllm_hash_seed: Optional[str] = "0", predicted_capacity_blocks: int = 16_384,
-                predicted_ttl_s: float = 600.0):
-    """The dialect object for an engine kind; raises ValueError for an unknown one."""
+def dialect_for(settings):
+    """The dialect object for `settings.engine` (a RouterSettings); raises ValueError for an unknown kind."""
+    kind = settings.engine
     if kind == "warmfleet":
         from .warmfleet import WarmfleetDialect
 
@@ -60,9 +60,9 @@ def dialect_for(kind: str, vllm_hash_seed: Optional[str] = "0", predicted_capaci
     if kind == "vllm":
         from .vllm import VllmDialect
 
-        return VllmDialect(seed=vllm_hash_seed)
+        return VllmDialect(seed=settings.hash_seed)
     if kind == "fastdeploy":
         from .fastdeploy import PredictedDialect
 
-        return PredictedDialect(predicted_capacity_blocks, predicted_ttl_s)
+        return PredictedDialect(settings.predicted_capacity_blocks, settings.predicted_ttl_s)
     raise ValueError(f"unknown engine kind {kind!r}; choose one of {', '.join(KINDS)}")

@@ -1,0 +1,212 @@
+"""`warmfleet route` flags as dataclasses (the one declaration of their names, defaults, help and checks); no I/O.
+
+Fields carry their flag in `metadata` (server/flagfields.py), in the order `--help` lists them;
+`__post_init__` raises ValueError with one readable line for an impossible value. The operator
+imports this module to render the router's args, so it must not import fastapi, httpx or zmq.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..config import HASH_ALGOS, CacheConfig, ServerConfig
+from ..flagfields import flag_of, opt
+from .engines import KINDS
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """How the policy weighs cached prefix against load (policy.py explains each rule)."""
+
+    cpu_weight: float = field(default=0.5, metadata=opt(  # a swap-tier block is worth this fraction of a GPU block
+        "--cpu-tier-weight", "Worth of a swap-tier block relative to a GPU block in scoring (0..1)."))
+    load_weight: float = field(default=32.0, metadata=opt(  # cached prompt tokens one request of load outweighs
+        "--load-weight", "Cached prompt tokens that one in-flight request on a replica outweighs."))
+    queue_weight: float = field(default=0.0, metadata=opt(  # per uncached token queued ahead, when cache is at stake
+        "--queue-weight", "Cost, in cached tokens, of one uncached prompt token the routers have queued on a replica "
+        "(requests awaiting their first token) when the prompt's cache is at stake; 0 (default) = a warm prefix "
+        "stays where it is whatever prefill is queued there (bounded load still applies)."))
+    cold_queue_weight: Optional[float] = field(default=1.0, metadata=opt(  # the same when nothing is at stake (None: queue_weight)
+        "--cold-queue-weight", "--queue-weight for requests whose cache is not at stake (no replica holds "
+        "--warm-min-tokens more of the prompt than another: a new conversation, a prefix every replica holds); "
+        "1 = a queued token costs as much as one the request computes itself."))
+    epsilon: float = field(default=0.25, metadata=opt(  # bounded load: no replica above (1 + epsilon) x mean load
+        "--balance-epsilon", "Bounded load: no replica above (1 + EPS) x mean load while another can take the request."))
+    share_epsilon: float = field(default=0.15, metadata=opt(  # share of recent requests within (1 + this) x mean + 1
+        "--balance-share-epsilon", "No replica's share of recent requests above (1 + EPS) x the mean + 1 while another "
+        "can take the request (keeps request counts even)."))
+    warm_slack: int = field(default=1, metadata=opt(  # requests above the caps a replica holding much of the prompt may take
+        "--warm-slack", "Requests above the bounded-load cap a replica may take when it holds much more of the prompt "
+        "than any replica under the cap (0 = strict bounded load)."))
+    warm_inflight_slack: int = field(default=1, metadata=opt(  # beyond warm_slack, above the in-flight bound only
+        "--warm-inflight-slack", "Beyond --warm-slack, requests above the in-flight bound (not the share cap) a "
+        "replica may take when it holds much more of the prompt than any replica under the caps."))
+    common_prefix_free: bool = field(default=True, metadata=opt(  # leading tokens most replicas hold score nothing
+        "--common-prefix-free", "The leading tokens of a prompt that more than half of the replicas hold score "
+        "nothing, so replicas lacking a prefix every request shares still get new work (default on)."))
+    warm_min_tokens: int = field(default=64, metadata=opt(  # tokens beyond the best replica under the cap to use the slack
+        "--warm-min-tokens", "Cached prompt tokens a replica must hold beyond the best replica under the cap to use "
+        "--warm-slack."))
+    share_slack_tokens: int = field(default=128, metadata=opt(  # 0: off; one more share slack per this many warm tokens
+        "--share-slack-tokens", "Beyond --warm-slack, one more request of share-cap slack per this many tokens the "
+        "best replica holds over the best one under the caps (0: off)."))
+    max_share_slack: int = field(default=1, metadata=opt(  # cap on that extra share slack
+        "--max-share-slack", "Cap on that extra share-cap slack."))
+    encoder_weight: float = 0.5  # an image whose encoder output is warm saves this fraction of its tokens (no flag)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.cpu_weight <= 1:
+            raise ValueError("--cpu-tier-weight must be in [0, 1]")
+        if min(self.warm_slack, self.warm_inflight_slack, self.warm_min_tokens, self.share_epsilon,
+               self.share_slack_tokens, self.max_share_slack) < 0:
+            raise ValueError("--warm-slack, --warm-inflight-slack, --warm-min-tokens, --balance-share-epsilon, "
+                             "--share-slack-tokens and --max-share-slack must be >= 0")
+        if self.queue_weight < 0 or self.load_weight < 0 or (self.cold_queue_weight or 0) < 0:
+            raise ValueError("--queue-weight, --cold-queue-weight and --load-weight must be >= 0")
+        if self.epsilon < 0:
+            raise ValueError("--balance-epsilon must be >= 0")
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """How one request is placed cold and retried (proxy.py)."""
+
+    cold_key_blocks: int = field(default=1, metadata=opt(  # leading blocks whose chain hash places a prefix nobody holds
+        "--cold-key-blocks", "Leading blocks whose hash places a prefix no replica holds (consistent hashing)."))
+    max_attempts: int = field(default=3, metadata=opt(  # replicas tried before the first byte
+        "--max-attempts", "Replicas tried before the first byte."))
+    connect_timeout_s: float = field(default=1.0, metadata=opt(  # connecting to a replica
+        "--connect-timeout-s", "Connect timeout to a replica, seconds."))
+    read_timeout_s: float = field(default=600.0, metadata=opt(  # between two bytes of an answer
+        "--upstream-timeout-s", "Longest silence from a replica while answering, seconds."))
+
+    def __post_init__(self) -> None:
+        if self.cold_key_blocks < 1 or self.max_attempts < 1:
+            raise ValueError("--cold-key-blocks and --max-attempts must be >= 1")
+
+
+@dataclass(frozen=True)
+class WarmupConfig:
+    """Hot-prefix replay into joining replicas, and what the router remembers for it (warmup.py)."""
+
+    enabled: bool = field(default=True, metadata=opt(
+        "--no-warmup", "Route to a joining or restarted replica at once, cold (default: replay the router's hottest "
+        "prefixes into it first, within the budgets below).", action="store_false"))
+    budget_tokens: int = field(default=65_536, metadata=opt(  # prompt tokens replayed into one joining replica, at most
+        "--warmup-budget-tokens", "Prompt tokens replayed into one joining replica before it takes traffic, at most."))
+    budget_s: float = field(default=30.0, metadata=opt(  # seconds one warm-up may take
+        "--warmup-budget-s", "Seconds a warm-up may take before the replica takes traffic anyway."))
+    capacity: int = 1024  # prefixes remembered
+    max_tokens: int = 4_000_000  # token ids remembered, in all
+    half_life_s: float = 300.0  # hits halve every this many seconds
+    concurrency: int = 2  # replay requests in flight per warming replica
+
+    def __post_init__(self) -> None:
+        if self.budget_tokens < 0 or self.budget_s < 0:
+            raise ValueError("--warmup-budget-tokens and --warmup-budget-s must be >= 0")
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """Every flag of `warmfleet route`, in `--help` order; groups are the policy, proxy and warm-up knobs."""
+
+    model: str = field(default="", metadata=opt(
+        "--model", "Checkpoint directory the replicas serve (tokenizer and chat template are read from it; its "
+        "fingerprint roots every block hash).", required=True))
+    replicas: list = field(default_factory=list, metadata=opt(  # URL[,events=...] strings (registry.parse_replica)
+        "--replica", "A replica's HTTP base URL, optionally with its KV-event endpoint (repeatable).",
+        action="append", metavar="URL[,events=tcp://HOST:PORT]"))
+    kv_events_port: Optional[int] = field(default=None, metadata=opt(
+        "--kv-events-port", "KV-event port of every replica without events=...: tcp://<URL host>:PORT. With "
+        "discovery, used when the EndpointSlice names no 'kv-events' port."))
+    engine: str = field(default="warmfleet", metadata=opt(  # the replicas' engine kind
+        "--engine", "The replicas' engine: how they name KV blocks, publish events and are resynced (fastdeploy "
+        "publishes no events: the router predicts from its own decisions).", choices=KINDS))
+    predicted_capacity_blocks: int = field(default=16_384, metadata=opt(  # FastDeploy: blocks per replica predicted
+        "--predicted-capacity-blocks", "fastdeploy: KV blocks per replica in the router's predicted cache (set to "
+        "the replicas' pool)."))
+    predicted_ttl_s: float = field(default=600.0, metadata=opt(  # FastDeploy: age after which a block is forgotten
+        "--predicted-ttl-s", "fastdeploy: seconds after which a predicted block is forgotten."))
+    index_max_blocks: Optional[int] = field(default=None, metadata=opt(  # KV-index entries per replica (None: unbounded)
+        "--index-max-blocks", "Cap on KV-index entries per replica (blocks, GPU + CPU tier); beyond it the index "
+        "forgets that replica's least recently stored or routed-to blocks, CPU tier first (about 250 bytes an entry; "
+        "default: unbounded, the index mirrors the replicas' pools)."))
+    kv_replay_port: Optional[int] = field(default=None, metadata=opt(
+        "--kv-replay-port", "vLLM: event replay (ROUTER) port of every replica without replay=...; with discovery, "
+        "used when the EndpointSlice names no 'kv-replay' port."))
+    replica_metrics_port: Optional[int] = field(default=None, metadata=opt(
+        "--replica-metrics-port", "fastdeploy: Prometheus port of every replica without metrics=... (its "
+        "--metrics-port); with discovery, used when the EndpointSlice names no 'metrics' port."))
+    vllm_hash_seed: str = field(default="0", metadata=opt(  # "unset": the replicas run without PYTHONHASHSEED
+        "--vllm-hash-seed", "vLLM: the replicas' PYTHONHASHSEED (the operator sets 0); 'unset' if they run "
+        "without one."))
+    discover_service: Optional[str] = field(default=None, metadata=opt(
+        "--discover-service", "Watch the EndpointSlices of this Service for replicas (Ready endpoints only).",
+        metavar="NAMESPACE/NAME"))
+    discover_port_name: str = field(default="http", metadata=opt(
+        "--discover-port-name", "EndpointSlice port name of the HTTP API."))
+    discover_events_port_name: str = field(default="kv-events", metadata=opt(
+        "--discover-events-port-name", "EndpointSlice port name of the KV-event socket."))
+    host: str = field(default="127.0.0.1", metadata=opt("--host", "Address to bind."))
+    port: int = field(default=8080, metadata=opt("--port", "Port to bind."))
+    block_size: int = field(default=CacheConfig.block_size, metadata=opt(
+        flag_of(CacheConfig, "block_size"), "Tokens per KV block; must equal the replicas' (checked against their "
+        "snapshots)."))
+    prefix_hash_algo: str = field(default=CacheConfig.prefix_hash_algo, metadata=opt(
+        flag_of(CacheConfig, "prefix_hash_algo"), "Block-hash digest; must equal the replicas'.", choices=HASH_ALGOS))
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    health_interval_s: float = field(default=0.2, metadata=opt(
+        "--health-interval-s", "Active health-check period, seconds."))
+    health_timeout_s: float = field(default=0.5, metadata=opt("--health-timeout-s", "Health-check timeout, seconds."))
+    health_failures: int = field(default=2, metadata=opt(  # in a row before a replica leaves; refused: at once
+        "--health-failures", "Health checks failed in a row (timeout, non-200) before a replica leaves routing; a "
+        "refused connection takes it out at once."))
+    max_request_bytes: int = field(default=ServerConfig.max_request_bytes, metadata=opt(  # 413 above, never buffered
+        flag_of(ServerConfig, "max_request_bytes"), "Largest request body in bytes; larger ones get a 413 and are "
+        "never buffered."))
+    max_concurrent_per_client: int = field(default=0, metadata=opt(  # 0 = unlimited
+        "--max-concurrent-per-client", "Open requests per API key (or client address without keys); 0 = unlimited."))
+    api_keys: list = field(default_factory=list, metadata=opt(
+        "--api-key", "Accepted client key (repeatable; env WARMFLEET_API_KEY). Each key gets its own cache_salt.",
+        action="append"))
+    api_keys_file: Optional[str] = field(default=None, metadata=opt(
+        "--api-keys-file", 'JSON {"key": "salt" or null}; null derives the salt as HMAC-SHA256(secret, key).'))
+    salt_secret: Optional[str] = field(default=None, metadata=opt(
+        "--salt-secret", "HMAC secret for derived salts (env WARMFLEET_SALT_SECRET); same on every router."))
+    replica_api_key: Optional[str] = field(default=None, metadata=opt(  # sent upstream as Bearer
+        "--replica-api-key", "Key sent to replicas as Bearer (env WARMFLEET_REPLICA_API_KEY)."))
+    admin_key: Optional[str] = field(default=None, metadata=opt(  # None: admin routes open only if no API keys
+        "--admin-key", "Bearer key of the admin routes (POST/DELETE /v1/router/replicas/ID/drain; env "
+        "WARMFLEET_ADMIN_KEY). Without it they are open only while the router checks no API keys."))
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    peers: Optional[str] = field(default=None, metadata=opt(  # peer routers' base URLs (peers.parse_peers)
+        "--peers", "Other router processes in front of the same fleet (base URLs; this router's own URL may be "
+        "listed too). Their in-flight load per replica and open requests per client are polled and added to this "
+        "router's, so balancing and --max-concurrent-per-client hold fleet-wide.", metavar="URL,URL,..."))
+    peer_interval_s: float = field(default=0.1, metadata=opt(
+        "--peer-interval-s", "How often peer routers are polled, seconds."))
+    peer_jitter: float = field(default=4.0, metadata=opt(  # tie-break noise in recent requests (peers.py: herding)
+        "--peer-jitter", "With --peers: random tie-break noise between equally loaded replicas, in recent requests, "
+        "so routers sharing one view do not all pick the same replica between two polls (0: off)."))
+    log_level: str = field(default="info", metadata=opt("--log-level", None, choices=LOG_LEVELS))
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError("--block-size must be >= 1")
+        if self.index_max_blocks is not None and self.index_max_blocks < 1:
+            raise ValueError("--index-max-blocks must be >= 1")
+        if self.predicted_capacity_blocks < 1 or self.predicted_ttl_s <= 0:
+            raise ValueError("--predicted-capacity-blocks must be >= 1 and --predicted-ttl-s > 0")
+        if self.health_failures < 1:
+            raise ValueError("--health-failures must be >= 1")
+        if self.peer_interval_s <= 0 or self.peer_jitter < 0:
+            raise ValueError("--peer-interval-s must be > 0 and --peer-jitter >= 0")
+
+    @property
+    def hash_seed(self) -> Optional[str]:
+        """The vLLM replicas' PYTHONHASHSEED, None for 'unset'."""
+        return None if self.vllm_hash_seed == "unset" else self.vllm_hash_seed
