@@ -6,10 +6,11 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Callable, Literal, Mapping, get_args
+from typing import Callable, Literal, Mapping
 
 from warmfleet.operator.schema import SpecError
 from warmfleet.operator.spec import EngineKind, InferenceServiceSpec
+from warmfleet.server import engine_kinds
 from warmfleet.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig, flag_of, to_args
 
 HTTP_PORT = 8000
@@ -289,7 +290,7 @@ FASTDEPLOY = Engine(
 )
 
 ENGINES: Mapping[str, Engine] = MappingProxyType({e.kind: e for e in (WARMFLEET, VLLM, FASTDEPLOY)})
-assert set(ENGINES) == set(get_args(EngineKind)), "one description per spec.engine.kind"
+assert tuple(ENGINES) == engine_kinds.KINDS, "one description per registered engine kind (server/engine_kinds.py)"
 
 
 def engine_of(spec: InferenceServiceSpec) -> Engine:

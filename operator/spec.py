@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Optional
 
 from warmfleet.operator.schema import Rule, from_dict, prop
+from warmfleet.server import engine_kinds
 from warmfleet.source import DOTDOT_PATTERN, SOURCE_FORMS, SOURCE_PATTERN, check_source
 
 GROUP = "serving.warmfleet.io"
@@ -18,7 +19,7 @@ CATEGORIES = ["warmfleet"]
 
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 Mode = Literal["Auto", "Fixed"]
-EngineKind = Literal["warmfleet", "vllm", "fastdeploy"]  # one description each in engines.py
+EngineKind = Literal[engine_kinds.KINDS]  # type: ignore[valid-type]  # the registered kinds; one description each in engines.py
 
 
 # Shared by every Auto/Fixed size: CEL for the API server, the same check in Python for `render`.

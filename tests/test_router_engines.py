@@ -9,14 +9,12 @@ token ids vLLM's /tokenize gave for each, and every KV-event frame it published.
 import json
 import struct
 from pathlib import Path
-from types import SimpleNamespace
 
 import msgpack
 import pytest
 
 from warmfleet.server.events import AllBlocksCleared, BlockRemoved, BlockStored
 from warmfleet.server.hashing import MMPlaceholder
-from warmfleet.server.router.engines import dialect_for
 from warmfleet.server.router.engines.vllm import VllmDialect, decode_vllm, key_of, vllm_block_digests
 from warmfleet.server.router.prompt import HashConfig, Prompt, PromptRenderer
 
@@ -99,11 +97,6 @@ def test_decode_maps_removed_cleared_and_tiers():
 def test_decode_rejects_malformed_and_foreign_frames(bad):
     with pytest.raises(ValueError):
         decode_vllm(bad)
-
-
-def test_unknown_engine_kind_is_refused():
-    with pytest.raises(ValueError, match="unknown engine kind"):
-        dialect_for(SimpleNamespace(engine="tgi"))
 
 
 def test_predicted_cache_is_bounded_by_capacity_and_age():

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .. import engine_kinds
 from ..config import HASH_ALGOS, CacheConfig, ServerConfig
 from ..flagfields import flag_of, opt
-from .engines import KINDS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -124,7 +124,7 @@ class RouterSettings:
         "discovery, used when the EndpointSlice names no 'kv-events' port."))
     engine: str = field(default="warmfleet", metadata=opt(  # the replicas' engine kind
         "--engine", "The replicas' engine: how they name KV blocks, publish events and are resynced (fastdeploy "
-        "publishes no events: the router predicts from its own decisions).", choices=KINDS))
+        "publishes no events: the router predicts from its own decisions).", choices=engine_kinds.KINDS))
     predicted_capacity_blocks: int = field(default=16_384, metadata=opt(  # FastDeploy: blocks per replica predicted
         "--predicted-capacity-blocks", "fastdeploy: KV blocks per replica in the router's predicted cache (set to "
         "the replicas' pool)."))
@@ -195,6 +195,7 @@ class RouterSettings:
     log_level: str = field(default="info", metadata=opt("--log-level", None, choices=LOG_LEVELS))
 
     def __post_init__(self) -> None:
+        engine_kinds.check(self.engine)
         if self.block_size < 1:
             raise ValueError("--block-size must be >= 1")
         if self.index_max_blocks is not None and self.index_max_blocks < 1:

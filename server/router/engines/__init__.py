@@ -2,7 +2,8 @@
 
 A dialect says how a replica of that engine names its KV blocks (so the router can predict
 hits), how its KV-event frames decode, and how the router rebuilds a replica's cache state
-after a gap, a restart or its own start. Adding an engine is adding one module here.
+after a gap, a restart or its own start. Adding an engine is adding one module here and naming
+it in server/engine_kinds.py.
 
 | kind       | contract        | block names                       | events      | resync             |
 | ---------- | --------------- | --------------------------------- | ----------- | ------------------ |
@@ -15,15 +16,19 @@ from __future__ import annotations
 
 from typing import Optional, Protocol
 
-KINDS = ("warmfleet", "vllm", "fastdeploy")
+from ...engine_kinds import dialect_class
 
 
 class Dialect(Protocol):
-    """What the router's fleet, index and proxy ask of an engine kind."""
+    """What the router's fleet, index and proxy ask of an engine kind (tests/test_router_engines.py checks each)."""
 
-    kind: str
+    kind: str  # its name in engine_kinds.DIALECTS
     contract: str  # "exact" (events tell what the replica holds) | "predicted" (the router's own decisions)
     ready_path: str  # GET path whose 200 means "takes requests now"; the router's active health check asks it
+
+    @classmethod
+    def from_settings(cls, settings) -> "Dialect":
+        """The dialect a router with these RouterSettings speaks (its knobs: --vllm-hash-seed, --predicted-*)."""
 
     def block_hashes(self, prompt, cache_salt: Optional[str], cfg) -> list[bytes]:
         """The index keys of the prompt's full blocks, as this engine names them."""
@@ -50,19 +55,6 @@ class Dialect(Protocol):
         """Self-check figures of the hash reproduction, if any (shown in /v1/router/replicas)."""
 
 
-def dialect_for(settings):
-    """The dialect object for `settings.engine` (a RouterSettings); raises ValueError for an unknown kind."""
-    kind = settings.engine
-    if kind == "warmfleet":
-        from .warmfleet import WarmfleetDialect
-
-        return WarmfleetDialect()
-    if kind == "vllm":
-        from .vllm import VllmDialect
-
-        return VllmDialect(seed=settings.hash_seed)
-    if kind == "fastdeploy":
-        from .fastdeploy import PredictedDialect
-
-        return PredictedDialect(settings.predicted_capacity_blocks, settings.predicted_ttl_s)
-    raise ValueError(f"unknown engine kind {kind!r}; choose one of {', '.join(KINDS)}")
+def dialect_for(settings) -> Dialect:
+    """The dialect of `settings.engine` (a RouterSettings), looked up in engine_kinds; ValueError for an unknown kind."""
+    return dialect_class(settings.engine).from_settings(settings)

@@ -22,8 +22,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from ...events import GPU, EventBatch, Load, Snapshot
 from ..prompt import HashConfig, HashMemo, Prompt, prompt_block_hashes
 
-DEFAULT_CAPACITY_BLOCKS = 16_384  # per replica; set it to the replica's KV pool (blocks) with --predicted-capacity-blocks
-DEFAULT_TTL_S = 600.0
 RUNNING, WAITING = "fastdeploy:num_requests_running", "fastdeploy:num_requests_waiting"  # gauges, per its metrics docs
 
 
@@ -44,13 +42,17 @@ class PredictedDialect:
     contract = "predicted"
     ready_path = "/health"  # the operator's readiness probe for FastDeploy (operator/engines.py)
 
-    def __init__(self, capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS, ttl_s: float = DEFAULT_TTL_S,
-                 memo_capacity: int = 200_000):
+    def __init__(self, capacity_blocks: int, ttl_s: float, memo_capacity: int = 200_000):
         if capacity_blocks < 1 or ttl_s <= 0:
             raise ValueError("the predicted cache needs capacity_blocks >= 1 and ttl_s > 0")
-        self.capacity_blocks, self.ttl_s = capacity_blocks, ttl_s
+        self.capacity_blocks, self.ttl_s = capacity_blocks, ttl_s  # blocks per replica; age before one is forgotten
         self.memo = HashMemo(memo_capacity)
         self.lru: dict[str, OrderedDict] = {}  # replica -> block hash -> last time the router sent it there
+
+    @classmethod
+    def from_settings(cls, settings) -> "PredictedDialect":
+        """--predicted-capacity-blocks (set it to the replicas' KV pool) and --predicted-ttl-s."""
+        return cls(settings.predicted_capacity_blocks, settings.predicted_ttl_s)
 
     def block_hashes(self, prompt: Prompt, cache_salt: Optional[str], cfg: HashConfig) -> list[bytes]:
         return prompt_block_hashes(prompt, cache_salt, cfg, self.memo)

@@ -140,10 +140,14 @@ class VllmDialect:
     contract = "exact"
     ready_path = "/health"  # vLLM listens only once its engine is up; /health is its readiness probe too
 
-    def __init__(self, seed: Optional[str] = "0", memo_capacity: int = 200_000):
+    def __init__(self, seed: Optional[str], memo_capacity: int = 200_000):
         self.seed = seed  # the replicas' PYTHONHASHSEED (the operator pins it); None: unset there
         self.memo = BoundedMemo(memo_capacity)
         self.checked = self.mismatched = 0  # stored blocks whose published names were recomputed; how many differed
+
+    @classmethod
+    def from_settings(cls, settings) -> "VllmDialect":
+        return cls(seed=settings.hash_seed)
 
     def block_hashes(self, prompt: Prompt, cache_salt: Optional[str], cfg: HashConfig) -> list[bytes]:
         digests = vllm_block_digests(prompt.token_ids, prompt.mm_items, cfg.block_size, cache_salt, self.seed, self.memo)

@@ -23,6 +23,10 @@ class WarmfleetDialect:
     def __init__(self, memo_capacity: int = 200_000):
         self.memo = HashMemo(memo_capacity)
 
+    @classmethod
+    def from_settings(cls, settings) -> "WarmfleetDialect":
+        return cls()
+
     def block_hashes(self, prompt: Prompt, cache_salt: Optional[str], cfg: HashConfig) -> list[bytes]:
         return prompt_block_hashes(prompt, cache_salt, cfg, self.memo)
 
