@@ -7,7 +7,8 @@
 # tens of minutes on 2 cores; binaries are cached in ${WARMFLEET_E2E_CACHE:-~/.cache/warmfleet-e2e}.
 #
 # Env: PYTHON (default: python3), WARMFLEET_E2E_INSTALL=0 to skip pip installs,
-#      WARMFLEET_E2E_PYTEST_ARGS extra pytest arguments.
+#      WARMFLEET_E2E_PYTEST_ARGS extra pytest arguments, WARMFLEET_E2E_IMAGES (.ci/installed.sh prints it)
+#      the installed environments that stand for the images the pods run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,6 +45,11 @@ print(" ".join(m for m in mods if u.find_spec(m.split(".")[0]) is None or (u.fin
 [[ -x "$(dirname "$PY")/warmfleet" ]] || "$PY" -P -c 'import warmfleet.cli' \
   || fail "the warmfleet command is not installed for $PY"
 
+if [[ -n "${WARMFLEET_E2E_IMAGES:-}" ]]; then
+  echo "== e2e: pods' processes run from the environments standing for their images: ${WARMFLEET_E2E_IMAGES}"
+else
+  echo "== e2e: pods' processes run from $PY's environment (set WARMFLEET_E2E_IMAGES, as .ci/run does, for installed ones)"
+fi
 echo "== e2e: pytest e2e (cluster up, chart, operator, data plane, cluster down)"
 t1=$(date +%s)
 # -P: do not put the repo root on sys.path (operator/ would shadow the standard library).
