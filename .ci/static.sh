@@ -6,6 +6,7 @@
 #                        docs/security.md and matched below by message (KUBE_SCORE_KEPT); any other fails
 #   promtool check rules every recording/alerting rule (PrometheusRule objects of the chart) and every
 #                        PromQL expression of the Grafana dashboard (charts/warmfleet/files/dashboard.json)
+#   promtool test rules  the alerts' unit tests in tests/alerts against the chart's PrometheusRule
 #   promtool check metrics  live /metrics of running servers and routers (the `metrics` mode)
 #
 # Usage:
@@ -235,6 +236,7 @@ render_all() {  # $1 = output dir; fills chart-*.yaml and operator-*.yaml
     || die "helm template (defaults) failed"
   "$HELM" template wf "$chart" --namespace warmfleet-system \
     --set metrics.serviceMonitor.enabled=true --set metrics.dashboard.enabled=true \
+    --set metrics.prometheusRule.enabled=true \
     --set 'operator.watchNamespaces={ml,research}' --set operator.verbose=true >"$out/chart-full.yaml" \
     || die "helm template (everything on) failed"
   "$HELM" template wf "$chart" --namespace warmfleet-system \
@@ -278,12 +280,13 @@ run_kubeconform() {  # $1 = work dir
   (cd "$crd_dir" && "$PY" "$OPENAPI2JSONSCHEMA" "$REPO"/crds/*.yaml >/dev/null) \
     || die "openapi2jsonschema.py could not convert crds/*.yaml"
   log "kubeconform -strict: $(ls "$crd_dir") from crds/, Kubernetes v$K8S_VERSION schemas"
-  # ServiceMonitor (monitoring.coreos.com) is skipped: no schema of it can be had offline here (the
-  # prometheus-operator module is refused by the Go module proxy); promtool and the chart tests cover it.
+  # ServiceMonitor and PrometheusRule (monitoring.coreos.com) are skipped: no schema of them can be had
+  # offline here (the prometheus-operator module is refused by the Go module proxy); promtool and the chart
+  # tests cover them.
   "$KUBECONFORM" -strict -summary -output text -kubernetes-version "$K8S_VERSION" \
     -schema-location "$K8S_SCHEMAS/{{ .ResourceKind }}{{ .KindSuffix }}.json" \
     -schema-location "$crd_dir/{{ .ResourceKind }}_{{ .ResourceAPIVersion }}.json" \
-    -skip ServiceMonitor \
+    -skip ServiceMonitor,PrometheusRule \
     "$out"/chart-*.yaml "$out"/operator-*.yaml examples/inferenceservice*.yaml examples/networkpolicy.yaml crds/*.yaml >&2 \
     || die "kubeconform found invalid manifests (above)"
 }
@@ -374,6 +377,12 @@ print(f"{n} PrometheusRule objects", file=sys.stderr)
 EOF
   log "promtool check rules: $(cd "$rules" && ls)"
   "$PROMTOOL" check rules "$rules"/*.rules.yaml >&2 || die "promtool check rules failed (above)"
+  # the alerts' unit tests (tests/alerts): each alert fires on its series at the chart's default thresholds
+  local alerts="$rules/prometheusrule-wf-warmfleet.rules.yaml"
+  [[ -f "$alerts" ]] || die "the chart rendered no PrometheusRule with metrics.prometheusRule.enabled=true"
+  cp "$alerts" "$rules/warmfleet.rules.yaml" && cp tests/alerts/*.test.yaml "$rules/"
+  log "promtool test rules: $(cd tests/alerts && ls)"
+  (cd "$rules" && "$PROMTOOL" test rules ./*.test.yaml) >&2 || die "promtool test rules failed (above)"
 }
 
 check_all() {

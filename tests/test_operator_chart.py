@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -245,3 +247,23 @@ def test_service_monitor_scrapes_every_metrics_port(helm):
         metrics_port = load.port if load.via == "prometheus" else "http"  # where the engine serves /metrics
         assert metrics_port in scraped and metrics_port in {p["name"] for p in replicas["spec"]["ports"]}, (kind, load)
     assert engines.ENGINES["fastdeploy"].load.port == "metrics"
+
+
+def test_alerts_use_only_metrics_the_router_and_replicas_export(helm):
+    """Every series an alert reads is one our code registers (promtool's unit tests, run by .ci/static.sh,
+    check that each alert fires on its series)."""
+    (rule,) = [d for d in template(helm, "metrics.prometheusRule.enabled=true") if d["kind"] == "PrometheusRule"]
+    assert not [d for d in template(helm) if d["kind"] == "PrometheusRule"]  # opt-in
+    exprs = [r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]]
+    assert {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]} >= {"WarmfleetNoRoutableReplica", "WarmfleetKVCacheFull"}
+    source = (REPO / "server/api/metrics.py").read_text() + (REPO / "server/router/metrics.py").read_text()
+    names = {n for e in exprs for n in re.findall(r"\b(?:warmfleet_router_\w+|vllm:\w+|warmfleet:\w+)", e)}
+    assert len(names) >= 6, names
+    for name in names:
+        base = re.sub(r"_(bucket|count|sum)$", "", name)
+        registered = base.removeprefix("warmfleet_router_") if base.startswith("warmfleet_router_") else base
+        assert f'"{registered}"' in source or f'"{registered.removesuffix("_total")}"' in source, name
+    # thresholds come from values
+    (tuned,) = [d for d in template(helm, "metrics.prometheusRule.enabled=true", "metrics.prometheusRule.ttftP90Seconds=7")
+                if d["kind"] == "PrometheusRule"]
+    assert "> 2" in json.dumps(rule) and "> 2" not in json.dumps(tuned) and "> 7" in json.dumps(tuned)
