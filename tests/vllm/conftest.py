@@ -58,12 +58,13 @@ L4_NODE = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "l4-a", "lab
 
 def rendered_containers() -> tuple[dict, dict]:
     """The server and router containers the operator renders for SPEC on one L4 node."""
+    from warmfleet.operator.manifests import Images
     from warmfleet.operator.nodes import node_info
     from warmfleet.operator.reconcile import render
 
     svc = {"apiVersion": "serving.warmfleet.io/v1alpha1", "kind": "InferenceService",
            "metadata": {"name": "vllm-it", "namespace": "default"}, "spec": SPEC}
-    deps = [o for o in render(svc, [node_info(L4_NODE)], "warmfleet:test") if o["kind"] == "Deployment"]
+    deps = [o for o in render(svc, [node_info(L4_NODE)], Images(engine="warmfleet:test", router="warmfleet-slim:test")) if o["kind"] == "Deployment"]
     server = next(d for d in deps if not d["metadata"]["name"].endswith("-router"))
     router = next(d for d in deps if d["metadata"]["name"].endswith("-router"))
     return (server["spec"]["template"]["spec"]["containers"][0], router["spec"]["template"]["spec"]["containers"][0])
