@@ -21,11 +21,14 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 class PolicyConfig:
     """How the policy weighs cached prefix against load (policy.py explains each rule)."""
 
-    cpu_weight: float = field(default=0.5, metadata=opt(  # a swap-tier block is worth this fraction of a GPU block
+    # a swap-tier block is worth this fraction of a GPU block (it must be copied back)
+    cpu_weight: float = field(default=0.5, metadata=opt(
         "--cpu-tier-weight", "Worth of a swap-tier block relative to a GPU block in scoring (0..1)."))
     load_weight: float = field(default=32.0, metadata=opt(  # cached prompt tokens one request of load outweighs
         "--load-weight", "Cached prompt tokens that one in-flight request on a replica outweighs."))
-    queue_weight: float = field(default=0.0, metadata=opt(  # per uncached token queued ahead, when cache is at stake
+    # cost of one uncached prompt token queued ahead on the replica, in tokens saved, when the prompt's cache is at
+    # stake (hits differ by >= warm_min_tokens)
+    queue_weight: float = field(default=0.0, metadata=opt(
         "--queue-weight", "Cost, in cached tokens, of one uncached prompt token the routers have queued on a replica "
         "(requests awaiting their first token) when the prompt's cache is at stake; 0 (default) = a warm prefix "
         "stays where it is whatever prefill is queued there (bounded load still applies)."))
