@@ -31,7 +31,7 @@ zero client errors on scale-in and on the rolling update. Writes scaleout.json a
 
 `--autoscale` (with --quick about 3 minutes): no fixed events; the load steps low -> high -> low
 (--rate-low, --rate-high) and the operator's real autoscaler sets the replicas in the loop: every
-scrape interval `autoscale.scrape` of the router, `make_sample`, `decide` (operator/autoscale.py,
+scrape interval `autoscale_pass.scrape` of the router, `make_sample`, `decide` (operator/autoscale_policy.py,
 unchanged), then /sim/start or drain + terminate. Two autoscalers, each with its own fleet and router:
 `cache_aware` (targetQueuedPrefillTokens, hit-ratio protection, warm-up, scale-in of the replica with
 the fewest cached blocks, as pod-deletion-cost does) and `queue_only` (HPA-like: the same `decide`
@@ -442,7 +442,8 @@ class AutoRun(Run):
     async def autoscale_loop(self) -> None:
         import httpx
 
-        from warmfleet.operator import autoscale as a
+        from warmfleet.operator import autoscale_pass
+        from warmfleet.operator import autoscale_policy as a
 
         hist = a.History()
         cfg = self.cfg
@@ -451,7 +452,7 @@ class AutoRun(Run):
         async with httpx.AsyncClient(timeout=30) as client:
             while not self.stop:
                 t = time.monotonic()
-                metrics, views, errors = await a.scrape(client, [self.router])
+                metrics, views, errors = await autoscale_pass.scrape(client, [self.router])
                 n = in_flight((await client.get(self.router + "/metrics")).text) if metrics else None
                 raw = {"queued_tokens": sum(m["queued"] for m in metrics.values()) if metrics else None, "in_flight": n}
                 if metric == "in_flight_requests" and metrics:

@@ -7,7 +7,7 @@ from typing import Any, Awaitable, Callable
 
 import kopf
 
-from warmfleet.operator import autoscaler
+from warmfleet.operator import autoscale_pass
 from warmfleet.operator import manifests as m
 from warmfleet.operator import modelconfig as mc
 from warmfleet.operator.diagnose import slim_pod
@@ -32,12 +32,12 @@ def default_login(**kwargs: Any) -> Any:
 
 def make_registry(*, default_image: str, router_image: str | None = None, login: LoginFn = default_login,
                   router_url_template: str | None = None,
-                  autoscale_interval_s: float = autoscaler.DEFAULT_INTERVAL_S) -> kopf.OperatorRegistry:
+                  autoscale_interval_s: float = autoscale_pass.DEFAULT_INTERVAL_S) -> kopf.OperatorRegistry:
     """A registry holding every handler; `login` is replaceable so tests can point kopf at kmock.
 
     `default_image` runs `warmfleet` engine pods, `router_image` (default: the same) router pods and the
     fetch-model init step, for services whose spec names no image.
-    `router_url_template` overrides where the autoscaler finds a service's routers (autoscaler.router_urls).
+    `router_url_template` overrides where the autoscaler finds a service's routers (autoscale_pass.router_urls).
     The InferenceService's own handlers are defined here: their ids (qualified names) are kopf's progress keys.
     """
     registry = kopf.OperatorRegistry()
@@ -62,7 +62,7 @@ def make_registry(*, default_image: str, router_image: str | None = None, login:
     @kopf.timer(*isvc, id="autoscale", interval=autoscale_interval_s, initial_delay=autoscale_interval_s, registry=registry)
     async def autoscale(body: kopf.Body, memo: kopf.Memo, nodes: kopf.Index, patch: kopf.Patch, **_: Any) -> None:
         """The routers' metrics → spec.replicas (spec.autoscaling with a target), status.warmup, pod-deletion costs."""
-        await autoscaler.run_pass(memo.state, body, _node_list(nodes), patch, template=router_url_template)
+        await autoscale_pass.run_pass(memo.state, body, _node_list(nodes), patch, template=router_url_template)
 
     @kopf.on.delete(*isvc, registry=registry, optional=True)
     def forget(uid: str, memo: kopf.Memo, **_: Any) -> None:

@@ -14,7 +14,7 @@ FIELD_MANAGER = "warmfleet-operator"  # server-side apply: the fields of every c
 # kind → (apiVersion, plural); every kind the operator reads or writes (the chart's RBAC is tested against it)
 RESOURCES: dict[str, tuple[str, str]] = {
     "ConfigMap": ("v1", "configmaps"),
-    "Pod": ("v1", "pods"),  # list (router and server pods' IPs) and apply of the pod-deletion-cost annotation (autoscaler.py)
+    "Pod": ("v1", "pods"),  # list (router and server pods' IPs) and apply of the pod-deletion-cost annotation (autoscale_pass.py)
     "PersistentVolumeClaim": ("v1", "persistentvolumeclaims"),  # read only: does a pod's claim exist?
     "Secret": ("v1", "secrets"),  # read only: spec.model.credentialsSecret, to read config.json (modelconfig.py)
     "Service": ("v1", "services"),

@@ -49,7 +49,7 @@ class OperatorState:
     pod_digests: dict[str, tuple[str | None, str]] = field(default_factory=dict)  # uid → diagnosis of the pods last reconciled
     conditions: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # uid → conditions last written (Event de-dup)
     model_configs: mc.ConfigCache = field(default_factory=mc.ConfigCache)  # config.json reads of hf:// and s3:// sources
-    autoscale: dict[str, Any] = field(default_factory=dict)  # uid → autoscale.History (samples, recommendations)
+    autoscale: dict[str, Any] = field(default_factory=dict)  # uid → autoscale_policy.History (samples, recommendations)
 
     def client(self) -> Kube:
         """The API client, built on first use from the login handler's connection."""

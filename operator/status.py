@@ -119,7 +119,7 @@ def healthy_status(
         "endpoint": endpoint,
         "model": model,
         "pools": [to_dict(p) for p in pools],
-        # written by the autoscaler's timer (autoscaler.py), carried over as they were
+        # written by the autoscaler's timer (autoscale_pass.py), carried over as they were
         **{k: previous[k] for k in AUTOSCALER_KEYS if previous.get(k) is not None},
     }
 

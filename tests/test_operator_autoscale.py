@@ -18,7 +18,7 @@ from operator_fixtures.running import run_operator
 from operator_fixtures.shapes import h200, l4, service
 from test_operator_kmock import ISVC, PODS, _declare
 from waiting import poll
-from warmfleet.operator import autoscale as a
+from warmfleet.operator import autoscale_policy as a
 from warmfleet.operator.sizing import assign_replicas
 from warmfleet.operator.spec import Autoscaling, parse_spec
 from warmfleet.server.router.metrics import RouterMetrics

@@ -1,16 +1,17 @@
 """One pass of the autoscaler for one InferenceService (the kopf timer in handlers.py runs it): scrape the
-service's routers, write spec.replicas when the decision (autoscale.decide) changes it, status.autoscaling
+service's routers, write spec.replicas when the decision (autoscale_policy.decide) changes it, status.autoscaling
 and status.warmup, and the servers' pod-deletion costs."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from typing import Any, Callable, Mapping, MutableMapping
+from typing import Any, Callable, Mapping, MutableMapping, Sequence
 
 import httpx
 
-from warmfleet.operator import autoscale as a
+from warmfleet.operator import autoscale_policy as a
 from warmfleet.operator import manifests as m
 from warmfleet.operator.kube import KubeError
 from warmfleet.operator.nodes import NodeInfo
@@ -60,9 +61,9 @@ async def run_pass(state: OperatorState, body: Mapping[str, Any], nodes: list[No
     urls = router_urls(template, owner, spec.router.port, router_pods)
     if http is None:
         async with httpx.AsyncClient() as client:
-            metrics, views, errors = await a.scrape(client, urls)
+            metrics, views, errors = await scrape(client, urls)
     else:
-        metrics, views, errors = await a.scrape(http, urls)
+        metrics, views, errors = await scrape(http, urls)
     failure = "; ".join(f"{u}: {e}" for u, e in errors.items()) if errors and not metrics else None
     if failure != hist.failure:  # said when it starts or changes, not on every pass
         if failure:
@@ -134,3 +135,28 @@ async def _deletion_costs(kube: Any, owner: m.Owner, views: list[dict[str, Any]]
         hist.costs[name] = cost
     for gone in set(hist.costs) - set(by_name):
         hist.costs.pop(gone, None)
+
+
+# ---- scrape --------------------------------------------------------------------------------
+
+async def scrape(http: httpx.AsyncClient, urls: Sequence[str], timeout_s: float = 5.0
+                 ) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]], dict[str, str]]:
+    """GET /metrics and /v1/router/replicas of every router: (parsed metrics by URL, replica views, errors by URL)."""
+    async def one(url: str) -> tuple[str, Any, Any, str | None]:
+        try:
+            m = await http.get(url + "/metrics", timeout=timeout_s)
+            v = await http.get(url + "/v1/router/replicas", timeout=timeout_s)
+            m.raise_for_status()
+            v.raise_for_status()
+            return url, a.parse_metrics(m.text), v.json(), None
+        except (httpx.HTTPError, ValueError) as exc:
+            return url, None, None, f"{type(exc).__name__}: {exc}"
+
+    metrics, views, errors = {}, [], {}
+    for url, m, v, err in await asyncio.gather(*(one(u) for u in urls)):
+        if err is not None:
+            errors[url] = err
+        else:
+            metrics[url] = m
+            views.append(v)
+    return metrics, views, errors

@@ -1,7 +1,7 @@
-"""Cache-aware autoscaling: the routers' metrics → desired replicas per pool (pure `decide`), pod-deletion costs
-and the warm-up summary (pure), plus the scrape of the routers (httpx); no kopf, no Kubernetes client.
+"""Cache-aware autoscaling policy: the routers' metrics → desired replicas per pool (`decide`), pod-deletion costs
+and the warm-up summary; pure (the scrape and the writes are autoscale_pass.py), no kopf, no Kubernetes client.
 
-The operator's timer (handlers.py) scrapes every router of a service each interval into a
+The operator's timer (handlers.py → autoscale_pass.py) scrapes every router of a service each interval into a
 `Sample`, keeps the samples of the last window and calls `decide`, which works like the HPA's
 algorithm on the routers' own figures and adds what an HPA cannot know:
 
@@ -18,7 +18,6 @@ algorithm on the routers' own figures and adds what an HPA cannot know:
 
 from __future__ import annotations
 
-import asyncio
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
@@ -314,28 +313,3 @@ def warmup_summary(views: Iterable[Mapping[str, Any]]) -> WarmupStatus:
         replayed_tokens=sum(int(w.get("tokens") or 0) for w in last.values()),
         longest_seconds=max((float(w.get("seconds") or 0.0) for w in last.values()), default=0.0),
     )
-
-
-# ---- scrape --------------------------------------------------------------------------------
-
-async def scrape(http: httpx.AsyncClient, urls: Sequence[str], timeout_s: float = 5.0
-                 ) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]], dict[str, str]]:
-    """GET /metrics and /v1/router/replicas of every router: (parsed metrics by URL, replica views, errors by URL)."""
-    async def one(url: str) -> tuple[str, Any, Any, str | None]:
-        try:
-            m = await http.get(url + "/metrics", timeout=timeout_s)
-            v = await http.get(url + "/v1/router/replicas", timeout=timeout_s)
-            m.raise_for_status()
-            v.raise_for_status()
-            return url, parse_metrics(m.text), v.json(), None
-        except (httpx.HTTPError, ValueError) as exc:
-            return url, None, None, f"{type(exc).__name__}: {exc}"
-
-    metrics, views, errors = {}, [], {}
-    for url, m, v, err in await asyncio.gather(*(one(u) for u in urls)):
-        if err is not None:
-            errors[url] = err
-        else:
-            metrics[url] = m
-            views.append(v)
-    return metrics, views, errors
