@@ -86,7 +86,7 @@ def test_tuned_malloc_serves_large_blocks_from_the_heap():
 
     probe = """
 import ctypes, sys
-from warmfleet.server.engine import cpu
+from warmfleet.server.cpu_math import process_setup as cpu
 if sys.argv[1] == "tuned":
     assert cpu.tune_malloc()
 libc = ctypes.CDLL(None)

@@ -313,7 +313,7 @@ def test_rope_config_layouts_agree():
 @pytest.mark.parametrize("name", ["qwen2_tiny", "qwen2_tiny_tied"])
 def test_either_weight_layout_matches_transformers(tmp_path, monkeypatch, name, out_major):
     """The layouts timed at load (layout.py, Paddle's matmul) only change how projections are stored and multiplied."""
-    from warmfleet.server.models import layout, onednn
+    from warmfleet.server.cpu_math import layout, onednn
 
     monkeypatch.setenv(onednn.ENV, "paddle")
     monkeypatch.setattr(layout, "out_major_is_faster", lambda *a: out_major)
@@ -333,7 +333,7 @@ def test_either_weight_layout_matches_transformers(tmp_path, monkeypatch, name, 
 
 
 def test_projection_layout_is_timed_once_per_shape():
-    from warmfleet.server.models import layout
+    from warmfleet.server.cpu_math import layout
 
     layout.out_major_is_faster.cache_clear()
     first = layout.out_major_is_faster(64, 512, "float32")
@@ -344,7 +344,7 @@ def test_projection_layout_is_timed_once_per_shape():
 
 @pytest.mark.parametrize("width", [896, 4096, 32768, 32000, 151936, 128256, 152064, 65536, 262144])
 def test_a_wide_projection_is_timed_on_a_slice_with_its_stride_factor(width):
-    from warmfleet.server.models import layout
+    from warmfleet.server.cpu_math import layout
 
     timed = layout.timed_width(width)
     assert timed <= layout.TIMED_WIDTH
@@ -358,7 +358,7 @@ def test_a_wide_projection_is_timed_on_a_slice_with_its_stride_factor(width):
 
 @pytest.mark.parametrize("rows", [1, 16, 17, 64])
 def test_both_layouts_project_alike_at_every_row_count(rows):
-    from warmfleet.server.models import layout
+    from warmfleet.server.cpu_math import layout
 
     paddle.seed(rows)
     w, x = paddle.randn([24, 40]), paddle.randn([rows, 24])

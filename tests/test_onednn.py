@@ -1,4 +1,4 @@
-"""Projections through oneDNN's matmul on packed weights (server/models/onednn.py) against plain math."""
+"""Projections through oneDNN's matmul on packed weights (server/cpu_math/onednn.py) against plain math."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import paddle
 import pytest
 
 from warmfleet.server.attention.cpu import CpuPagedAttention
-from warmfleet.server.models import onednn
+from warmfleet.server.cpu_math import onednn
 from warmfleet.server.models.loader import load_model
 from warmfleet.server.models.qwen2 import Linear
 from warmfleet.server.models.tiny import make_tiny_model

@@ -18,7 +18,7 @@ from ..events import EventPublisher, Load, Snapshot
 from ..multimodal.mrope import mrope_positions
 from ..multimodal.wire import from_msgpack
 from .block_pool import BlockPool
-from .cpu import configure as configure_cpu
+from ..cpu_math.process_setup import configure as configure_cpu
 from .encoder_cache import EncoderCache
 from .kv_cache_manager import KVCacheManager
 from .model_runner import ModelRunner, kv_layout, log_sizes, num_blocks_for

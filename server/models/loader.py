@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..attention.interface import AttentionBackend
-from . import onednn
+from ..cpu_math import onednn
 
 logger = logging.getLogger("warmfleet.models")
 

@@ -27,7 +27,7 @@ from paddle import nn
 
 from ..config import DTYPES
 from ..attention.interface import AttentionBackend, AttentionMetadata, LayerCache
-from . import layout, onednn
+from ..cpu_math import layout, onednn
 
 log = logging.getLogger("warmfleet.engine")
 

@@ -1,4 +1,4 @@
-"""Math-library setup of the process that runs the model (engine core, offline LLM); imports paddle only inside `configure`.
+"""Math-library setup of the process that runs the model (engine core, offline LLM): MKL path, threads, oneDNN, allocator; imports paddle only inside `configure`.
 
 Call `configure` before the first matmul of the process:
 
@@ -9,7 +9,7 @@ Call `configure` before the first matmul of the process:
 - Math threads (MKL and OpenMP): `--engine-threads`, default 1, as Paddle's own default and as
   vLLM's CPU worker. The API process does no math and starts no math pool.
 - Projections: oneDNN's matmul on weights packed at load where Paddle's wheel ships it
-  (models/onednn.py), on its own OpenMP runtime, given the same thread count here.
+  (onednn.py), on its own OpenMP runtime, given the same thread count here.
 - Allocator: a prefill step allocates and frees tens of megabytes per layer. glibc serves
   blocks above 128 KiB (a threshold it adapts) with mmap and hands freed heap back to the
   kernel, so every step pays page faults to get the same memory again; keeping blocks up to
@@ -54,7 +54,7 @@ def configure(threads: int = 1) -> dict:
         os.environ["MKL_DEBUG_CPU_TYPE"] = MKL_AVX2
     import paddle
 
-    from ..models import onednn
+    from . import onednn
 
     paddle.base.core.set_num_threads(threads)
     applied = {"threads": threads, "mkl_debug_cpu_type": os.environ.get("MKL_DEBUG_CPU_TYPE"),

@@ -1,7 +1,7 @@
 """fp32 projections on CPU through oneDNN's matmul (Paddle's bundled libdnnl) on weights packed once at load.
 
 Paddle's eager CPU matmul calls MKL 2019's sgemm, which re-packs the weight on every call and, on
-CPUs that are not Intel's, runs its AVX2 kernels (cpu.py). oneDNN 3 (shipped inside the Paddle
+CPUs that are not Intel's, runs its AVX2 kernels (process_setup.py). oneDNN 3 (shipped inside the Paddle
 wheel, `paddle/libs/libdnnl.so.3`) picks its kernels by the CPU's instruction sets: its brgemm
 matmul runs AVX-512 where there is AVX-512, and with the weight reordered once into the blocked
 layout the primitive asks for, a call only streams it. On this project's reference machine (AMD

@@ -1,0 +1,42 @@
+"""Which server package may import which: read from the source (ast), so a wrong edge fails here, not at run time."""
+
+import ast
+from pathlib import Path
+
+SERVER = Path(__file__).resolve().parents[1] / "server"
+
+
+def imported_modules(path):
+    """Absolute names (relative to the `warmfleet.server` package) of everything a module imports."""
+    package = path.parent.relative_to(SERVER).parts  # e.g. ("models",)
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.level:  # from ..attention.interface import X
+            base = package[:len(package) - (node.level - 1)]
+            names.append(".".join([*base, *([node.module] if node.module else [])]))
+        elif isinstance(node, ast.ImportFrom):
+            names.append(node.module)
+        elif isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+    return names
+
+
+def server_imports(path):
+    """The `warmfleet.server` modules a file imports, relative names (absolute `warmfleet.server.x` folded in)."""
+    names = [m.removeprefix("warmfleet.server.") if m.startswith("warmfleet.server.") else m
+             for m in imported_modules(path)]
+    return [m for m in names if m.split(".")[0] in {p.stem for p in SERVER.iterdir()}]
+
+
+def test_backends_sit_below_engine_and_models_and_models_see_only_the_interface():
+    for path in (SERVER / "attention").glob("*.py"):
+        assert not [m for m in imported_modules(path) if m.split(".")[0] in ("engine", "models")], path
+    for path in (SERVER / "models").glob("*.py"):
+        mods = imported_modules(path)
+        assert not [m for m in mods if m.startswith("engine")], path
+        assert {m for m in mods if m.startswith("attention")} <= {"attention.interface"}, path
+
+
+def test_cpu_math_imports_nothing_else_of_the_server():
+    for path in (SERVER / "cpu_math").glob("*.py"):
+        assert not [m for m in server_imports(path) if not m.startswith("cpu_math")], path
