@@ -107,7 +107,7 @@ def bench_ttft(quick: bool) -> dict:
     from pathlib import Path
 
     from warmfleet import LLM, SamplingParams
-    from warmfleet.server.multimodal.tiny_vl import make_tiny_vl_model
+    from warmfleet.server.tiny_checkpoints.vl import make_tiny_vl_model
 
     model = Path(os.environ.get("WARMFLEET_CACHE", Path.home() / ".cache" / "warmfleet")) / "models" / "bench-qwen2-vl"
     if not (model / "config.json").exists():

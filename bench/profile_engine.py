@@ -58,7 +58,7 @@ def progress(msg: str) -> None:
 def bench_model_dir(arg: str | None) -> Path:
     if arg:
         return Path(arg)
-    from warmfleet.server.models.tiny import make_tiny_model
+    from warmfleet.server.tiny_checkpoints.text import make_tiny_model
 
     out = Path(os.environ.get("WARMFLEET_CACHE", Path.home() / ".cache" / "warmfleet")) / "models" / "bench-qwen2"
     if not (out / "config.json").exists():

@@ -50,7 +50,7 @@ common = ["warmfleet.cli", "warmfleet.fetch", "warmfleet.server.config", "warmfl
           "warmfleet.server.router.main", "warmfleet.server.router.app", "warmfleet.server.router.engines"]
 modules = {
     "engine": common + ["paddle", "warmfleet.server.api.serve", "warmfleet.server.engine.core_proc",
-                        "warmfleet.server.models.make_tiny"],
+                        "warmfleet.server.tiny_checkpoints.cli"],
     "slim": common + ["warmfleet.operator.main", "warmfleet.operator.handlers", "warmfleet.operator.kube"],
 }[target]
 for name in modules:

@@ -81,7 +81,7 @@ def _reference(model_dir: Path):
 def _golden_for(name: str, args: dict, tmp: Path) -> dict:
     import torch
 
-    from warmfleet.server.models.tiny import make_tiny_model
+    from warmfleet.server.tiny_checkpoints.text import make_tiny_model
 
     model_dir = make_tiny_model(tmp / name, **args)
     tok, model = _reference(model_dir)
@@ -112,7 +112,7 @@ def _golden_for(name: str, args: dict, tmp: Path) -> dict:
 def _tokenizer_golden(tmp: Path) -> dict:
     from transformers import AutoTokenizer
 
-    from warmfleet.server.models.tiny import make_tiny_model
+    from warmfleet.server.tiny_checkpoints.text import make_tiny_model
 
     model_dir = make_tiny_model(tmp / "tokenizer_ref", arch="qwen2", size="tiny", seed=0)
     tok = AutoTokenizer.from_pretrained(model_dir)

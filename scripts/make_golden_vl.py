@@ -124,7 +124,7 @@ def make_model_goldens(arch: str) -> None:
         from transformers import Qwen2VLImageProcessor as ImageProc
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
-    from warmfleet.server.multimodal.tiny_vl import make_tiny_vl_model
+    from warmfleet.server.tiny_checkpoints.vl import make_tiny_vl_model
 
     out_dir = OUT / arch
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ collect_ignore = [] if os.environ.get("WARMFLEET_VLLM_PYTHON") else ["vllm"]
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny Qwen2 checkpoint (2 layers, hidden 64, vocab 1024, ChatML template); treat as read-only."""
-    from warmfleet.server.models.tiny import make_tiny_model
+    from warmfleet.server.tiny_checkpoints.text import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2", size="tiny", seed=0)
 
@@ -23,7 +23,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_vl_dir(tmp_path_factory) -> Path:
     """A tiny Qwen2-VL checkpoint (vision tower, M-RoPE decoder, preprocessor config); treat as read-only."""
-    from warmfleet.server.multimodal.tiny_vl import make_tiny_vl_model
+    from warmfleet.server.tiny_checkpoints.vl import make_tiny_vl_model
 
     return make_tiny_vl_model(tmp_path_factory.mktemp("tiny-qwen2-vl"), arch="qwen2_vl", size="tiny", seed=0)
 
@@ -31,6 +31,6 @@ def tiny_vl_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     """A tiny Llama checkpoint (no q/k/v bias, llama3 RoPE scaling), same tokenizer; treat as read-only."""
-    from warmfleet.server.models.tiny import make_tiny_model
+    from warmfleet.server.tiny_checkpoints.text import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), arch="llama", size="tiny", seed=0)

@@ -40,3 +40,9 @@ def test_backends_sit_below_engine_and_models_and_models_see_only_the_interface(
 def test_cpu_math_imports_nothing_else_of_the_server():
     for path in (SERVER / "cpu_math").glob("*.py"):
         assert not [m for m in server_imports(path) if not m.startswith("cpu_math")], path
+
+
+def test_tiny_checkpoints_sit_above_models_and_multimodal():
+    for room in ("models", "multimodal", "engine", "attention", "api", "cpu_math"):
+        for path in (SERVER / room).rglob("*.py"):
+            assert not [m for m in server_imports(path) if m.startswith("tiny_checkpoints")], path

@@ -26,7 +26,7 @@ from warmfleet.server.multimodal.processor_cache import (
     handle,
 )
 from warmfleet.server.multimodal.prompt import UnknownMediaError
-from warmfleet.server.multimodal.tiny_vl import make_tiny_vl_model
+from warmfleet.server.tiny_checkpoints.vl import make_tiny_vl_model
 from warmfleet.server.tokenizer import Tokenizer
 
 

@@ -17,7 +17,7 @@ from warmfleet.server.multimodal.prompt import (
     image_parts,
     render,
 )
-from warmfleet.server.multimodal.tiny_vl import make_tiny_vl_model
+from warmfleet.server.tiny_checkpoints.vl import make_tiny_vl_model
 from warmfleet.server.tokenizer import Tokenizer
 from images import data_uri, image_bytes
 

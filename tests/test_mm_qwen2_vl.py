@@ -21,7 +21,7 @@ from warmfleet.server.models.loader import load_model
 from warmfleet.server.multimodal.mrope import mrope_positions, positions_for_span
 from warmfleet.server.multimodal.processor import ImageProcessor
 from warmfleet.server.multimodal.prompt import ImageInfo, expand
-from warmfleet.server.multimodal.tiny_vl import make_tiny_vl_model
+from warmfleet.server.tiny_checkpoints.vl import make_tiny_vl_model
 from warmfleet.server.tokenizer import Tokenizer
 from warmfleet.server.hashing import mm_hash
 

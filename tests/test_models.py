@@ -13,7 +13,7 @@ import pytest
 from warmfleet.server.attention.cpu import CpuPagedAttention
 from warmfleet.server.engine.model_runner import kv_layout
 from warmfleet.server.models.loader import load_model, register_model, MODEL_REGISTRY
-from warmfleet.server.models.tiny import make_tiny_model
+from warmfleet.server.tiny_checkpoints.text import make_tiny_model
 
 GOLDEN = Path(__file__).parent / "golden"
 MANIFEST = json.loads((GOLDEN / "manifest.json").read_text(encoding="utf-8"))

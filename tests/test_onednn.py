@@ -12,7 +12,7 @@ from warmfleet.server.attention.cpu import CpuPagedAttention
 from warmfleet.server.cpu_math import onednn
 from warmfleet.server.models.loader import load_model
 from warmfleet.server.models.qwen2 import Linear
-from warmfleet.server.models.tiny import make_tiny_model
+from warmfleet.server.tiny_checkpoints.text import make_tiny_model
 
 
 def weights(k: int, n: int, out_major: bool, bias: bool, seed: int = 0):

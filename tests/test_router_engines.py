@@ -65,7 +65,7 @@ def test_published_names_are_verified_and_a_wrong_seed_is_reported():
 
 
 def test_renderer_tokenizes_chat_as_vllm_does(tmp_path):
-    from warmfleet.server.models.tiny import make_tiny_model
+    from warmfleet.server.tiny_checkpoints.text import make_tiny_model
 
     model = make_tiny_model(tmp_path / "bench", arch="qwen2", size="bench", seed=0)
     r = PromptRenderer(str(model))
@@ -124,7 +124,7 @@ def test_image_blocks_are_reproduced_with_the_uuid_the_router_gives_vllm(tmp_pat
     image part's `uuid` set by VllmDialect.prepare_body (the router's mm_hash)."""
     import copy
 
-    from warmfleet.server.multimodal.tiny_vl import make_tiny_vl_model
+    from warmfleet.server.tiny_checkpoints.vl import make_tiny_vl_model
 
     model = make_tiny_vl_model(tmp_path / "vl", arch="qwen2_vl", size="bench", seed=0)
     body = copy.deepcopy(VL_CAPTURE["body"])

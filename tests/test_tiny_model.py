@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from warmfleet.cli import main as cli_main
-from warmfleet.server.models.tiny import ADDED_TOKENS, SIZES, build_tokenizer, make_tiny_model, weight_shapes
+from warmfleet.server.tiny_checkpoints.text import ADDED_TOKENS, SIZES, build_tokenizer, make_tiny_model, weight_shapes
 
 FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
          "vocab.json", "merges.txt"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from warmfleet.server.models.tiny import ADDED_TOKENS, _arch_config, weight_shapes
+from warmfleet.server.tiny_checkpoints.text import ADDED_TOKENS, _arch_config, weight_shapes
 
 QWEN25_05B_PARAMS = 494_032_768  # Qwen/Qwen2.5-0.5B (tied embeddings), as transformers counts it
 

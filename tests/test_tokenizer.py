@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from warmfleet.server.models.tiny import QWEN2_VL_CHAT_TEMPLATE_PATH
+from warmfleet.server.tiny_checkpoints.text import QWEN2_VL_CHAT_TEMPLATE_PATH
 from warmfleet.server.tokenizer import ChatTemplateError, IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "manifest.json").read_text(encoding="utf-8"))["tokenizer"]

@@ -11,7 +11,7 @@ SUBCOMMANDS = {
     "route": ("warmfleet.server.router.main", "Run the cache-affinity router in front of replicas."),
     "operator": ("warmfleet.operator.main", "Run the kopf operator, or render its objects offline."),
     "fetch-model": ("warmfleet.fetch", "Download an hf:// or s3:// model into a cache directory (resumable, verified)."),
-    "make-tiny-model": ("warmfleet.server.models.make_tiny", "Write a random Hugging Face checkpoint for tests and demos."),
+    "make-tiny-model": ("warmfleet.server.tiny_checkpoints.cli", "Write a random Hugging Face checkpoint for tests and demos."),
     "demo": ("warmfleet.demo", "Start a local fleet on a tiny checkpoint (no cluster needed)."),
     "doctor": ("warmfleet.doctor", "Check this machine: Python, Paddle, CPU, memory for the caches, test and e2e tools."),
 }

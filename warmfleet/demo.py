@@ -58,7 +58,7 @@ def _interrupt(*_args) -> None:
 
 
 def default_model() -> Path:
-    from warmfleet.server.models.tiny import make_tiny_model
+    from warmfleet.server.tiny_checkpoints.text import make_tiny_model
 
     out = Path(os.environ.get("WARMFLEET_CACHE", Path.home() / ".cache" / "warmfleet")) / "models" / "tiny-qwen2"
     if not (out / "config.json").exists():

@@ -1,1 +1,1 @@
-"""Model implementations (Qwen2, Llama), checkpoint loading and the tiny random checkpoints for tests."""
+"""Model implementations (Qwen2, Llama, Qwen2-VL) in Paddle and checkpoint loading."""

@@ -149,7 +149,7 @@ def vllm_python() -> str:
 
 @pytest.fixture(scope="session")
 def vllm_fleet(vllm_python, tmp_path_factory):
-    from warmfleet.server.multimodal.tiny_vl import make_tiny_vl_model
+    from warmfleet.server.tiny_checkpoints.vl import make_tiny_vl_model
 
     work = tmp_path_factory.mktemp("vllm")  # never the repo root: its operator/ folder shadows the stdlib
     # Qwen2-VL, bench size: head_dim 64 (vLLM's CPU attention needs 32-512); serves text and images

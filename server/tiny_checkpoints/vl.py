@@ -1,6 +1,6 @@
 """Tiny random Qwen2-VL / Qwen2.5-VL checkpoints (config, safetensors, tokenizer, preprocessor config); no paddle, no torch.
 
-Reuses `models.tiny` for the tokenizer (which reserves the vision tokens) and the text weights,
+Reuses `text` for the tokenizer (which reserves the vision tokens) and the text weights,
 and adds a vision tower with HF's released tensor names (`visual.*`, `model.*`, `lm_head`).
 Deterministic for a given (arch, size, seed), like the text checkpoints.
 """
@@ -12,8 +12,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..models import tiny
-from .processor import ImageProcessorConfig
+from ..multimodal.processor import ImageProcessorConfig
+from . import text
 
 VL_ARCHS = ("qwen2_vl", "qwen2_5_vl")
 
@@ -28,8 +28,8 @@ VL_SIZES: dict[str, dict[str, Any]] = {
 
 def vl_config(arch: str, size: str, vocab: int, ids: dict[str, int]) -> dict[str, Any]:
     """config.json in the flat layout the released Qwen2-VL / Qwen2.5-VL checkpoints use."""
-    s, vs = tiny.SIZES[size], VL_SIZES[size]
-    cfg = tiny._arch_config("qwen2", size, vocab, ids)
+    s, vs = text.SIZES[size], VL_SIZES[size]
+    cfg = text._arch_config("qwen2", size, vocab, ids)
     cfg.update(
         rope_scaling={"type": "mrope", "mrope_section": list(vs["mrope_section"])},
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
@@ -108,14 +108,14 @@ def random_vision_weights(config: dict[str, Any], seed: int) -> dict[str, np.nda
 def make_tiny_vl_model(out: str | Path, arch: str = "qwen2_vl", size: str = "tiny", seed: int = 0,
                        overrides: Optional[dict[str, Any]] = None) -> Path:
     """Write a random VL checkpoint to `out` and return its path (what `make-tiny-model --arch qwen2_vl` calls)."""
-    out, vocab, tok, ids = tiny.start_checkpoint(out, arch, VL_ARCHS, size, VL_SIZES, what="VL arch")
+    out, vocab, tok, ids = text.start_checkpoint(out, arch, VL_ARCHS, size, VL_SIZES, what="VL arch")
     config = vl_config(arch, size, vocab, ids)
     config.update(overrides or {})
-    weights = tiny.random_weights({**config, "model_type": "qwen2"}, seed)
+    weights = text.random_weights({**config, "model_type": "qwen2"}, seed)
     weights.update(random_vision_weights(config, seed))
     proc = ImageProcessorConfig(max_pixels=VL_SIZES[size]["max_pixels"]).to_hf_dict()
     if arch == "qwen2_5_vl":
         proc["processor_class"] = "Qwen2_5_VLProcessor"
-    template = tiny.QWEN2_VL_CHAT_TEMPLATE_PATH.read_text(encoding="utf-8")
-    return tiny.write_checkpoint(out, config, weights, tok, ids, template, extra={
+    template = text.QWEN2_VL_CHAT_TEMPLATE_PATH.read_text(encoding="utf-8")
+    return text.write_checkpoint(out, config, weights, tok, ids, template, extra={
         "preprocessor_config.json": proc, "chat_template.json": {"chat_template": template}})

@@ -1,12 +1,12 @@
-"""`warmfleet make-tiny-model`: writes a tiny random text (models.tiny) or VL (multimodal.tiny_vl) checkpoint."""
+"""`warmfleet make-tiny-model`: writes a tiny random text (text.py) or VL (vl.py) checkpoint."""
 
 from __future__ import annotations
 
 import argparse
 import time
 
-from ..multimodal.tiny_vl import VL_ARCHS, make_tiny_vl_model
-from .tiny import ARCHS, SIZES, make_tiny_model
+from .text import ARCHS, SIZES, make_tiny_model
+from .vl import VL_ARCHS, make_tiny_vl_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

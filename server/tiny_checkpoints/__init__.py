@@ -1,0 +1,1 @@
+"""Tiny random Hugging Face checkpoints (text and VL) for tests, demos and benchmarks, and `warmfleet make-tiny-model`; uses models and multimodal, which never import it."""
