@@ -49,7 +49,7 @@ target = sys.argv[1]
 common = ["warmfleet.cli", "warmfleet.fetch", "warmfleet.server.config", "warmfleet.server.hashing",
           "warmfleet.server.router.main", "warmfleet.server.router.app", "warmfleet.server.router.engines"]
 modules = {
-    "engine": common + ["paddle", "warmfleet.server.api.serve", "warmfleet.server.engine.core_proc",
+    "engine": common + ["paddle", "warmfleet.server.api.main", "warmfleet.server.engine.core_proc",
                         "warmfleet.server.tiny_checkpoints.cli"],
     "slim": common + ["warmfleet.operator.main", "warmfleet.operator.handlers", "warmfleet.operator.kube"],
 }[target]

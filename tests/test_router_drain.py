@@ -213,7 +213,7 @@ def test_the_server_pods_grace_period_covers_the_engines_own_sigterm_drain():
     import argparse
 
     from warmfleet.operator import manifests
-    from warmfleet.server.api.serve import add_arguments
+    from warmfleet.server.api.main import add_arguments
 
     p = argparse.ArgumentParser()
     add_arguments(p)

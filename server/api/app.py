@@ -17,7 +17,7 @@ from . import errors
 from .errors import APIError, bad_request
 from .metrics import CONTENT_TYPE
 from .protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
-from .serving import (
+from .completions import (
     chat_completions,
     check_token_ids,
     completions,
