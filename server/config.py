@@ -1,8 +1,9 @@
-"""`warmfleet serve` flags as dataclasses: the one source of flag names and units (contract 3); no paddle.
+"""`warmfleet serve` flags as dataclasses: the one source of flag names and units (contract 3); no paddle, nothing of attention/.
 
 The operator imports this module to render pod args, so a renamed flag breaks a unit test,
 not a cluster. Every field carries its flag, help text and unit in `metadata` (server/flagfields.py
-turns them into argparse flags and back into args).
+turns them into argparse flags and back into args). Names that another package registers (attention backends)
+are checked where that package is asked for them (attention/registry.py `check`, called by serve and LLM).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from . import flagfields
-from .attention import registry as attention_backends
 from .flagfields import flag_of, opt  # noqa: F401  (flag_of: re-exported, the operator reads flag names here)
 
 GiB = 1 << 30
@@ -21,6 +21,7 @@ DEFAULT_MAX_REQUEST_BYTES = 64 << 20  # also the router's default
 HASH_ALGOS = ("blake3", "sha256", "xxhash")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per element of each --dtype
 DTYPES = tuple(DTYPE_BYTES)
+DEFAULT_ATTENTION_BACKEND = "cpu"  # a name in attention/registry.py BACKENDS (tests/test_attention.py checks)
 
 
 @dataclass
@@ -45,7 +46,7 @@ class ModelConfig:
                       "runs no math. 1 leaves the other cores to the API process, as vLLM's CPU worker does."),
     )
     attention_backend: str = field(
-        default=attention_backends.DEFAULT,
+        default=DEFAULT_ATTENTION_BACKEND,
         metadata=opt("--attention-backend", "Attention backend by name (registered in server/attention/registry.py)."),
     )
 
@@ -159,7 +160,6 @@ class EngineConfig:
             raise ValueError(f"--engine-threads must be >= 1, got {self.model.engine_threads}")
         if self.model.engine_cpus is not None:
             parse_cpu_list(self.model.engine_cpus)
-        attention_backends.check(self.model.attention_backend)
         if not 0 < self.server.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.server.port}")
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 from . import rendering
+from .attention import registry as attention_backends
 from .config import GiB, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
 from .engine.core import EngineCore
 from .engine.protocol import GenerateRequest
@@ -55,6 +56,7 @@ class LLM:
                 raise TypeError(f"LLM() got an unknown option {k!r}")
         self.config = EngineConfig(**groups)
         self.config.validate()
+        attention_backends.check(self.config.model.attention_backend)  # before any model is loaded
         self.engine = EngineCore(self.config)
         self.tokenizer = Tokenizer(model)
         self._ids = itertools.count()

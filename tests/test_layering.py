@@ -1,6 +1,8 @@
 """Which server package may import which: read from the source (ast), so a wrong edge fails here, not at run time."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 SERVER = Path(__file__).resolve().parents[1] / "server"
@@ -46,3 +48,13 @@ def test_tiny_checkpoints_sit_above_models_and_multimodal():
     for room in ("models", "multimodal", "engine", "attention", "api", "cpu_math"):
         for path in (SERVER / room).rglob("*.py"):
             assert not [m for m in server_imports(path) if m.startswith("tiny_checkpoints")], path
+
+
+def test_the_flags_contract_loads_nothing_of_attention_or_paddle(tmp_path):
+    """In a fresh interpreter, importing warmfleet.server.config (the operator does) loads no attention module
+    and no paddle: the backend names are checked by attention/registry.py, which imports config, not back."""
+    code = ("import sys, warmfleet.server.config; "
+            "bad = sorted(m for m in sys.modules if m.startswith('warmfleet.server.attention') or m.split('.')[0] == 'paddle'); "
+            "assert not bad, bad")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr

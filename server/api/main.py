@@ -26,6 +26,7 @@ from typing import Any, Optional
 import prometheus_client
 import uvicorn
 
+from ..attention import registry as attention_backends
 from ..config import EngineConfig, add_arguments as add_config_arguments, from_namespace
 from ..logging_setup import setup_logging
 from .app import attach_engine, build_app
@@ -45,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = from_namespace(args)
+    attention_backends.check(cfg.model.attention_backend)
     if not cfg.model.model:
         raise ValueError("--model is required (a Hugging Face checkpoint directory)")
     if not Path(cfg.model.model).is_dir():

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
+from ..config import DEFAULT_ATTENTION_BACKEND
+
 if TYPE_CHECKING:
     from .interface import AttentionBackend
 
-DEFAULT = "cpu"
+DEFAULT = DEFAULT_ATTENTION_BACKEND  # the flag's default lives with the flag (contract 3)
 
 
 def _cpu(native: bool = True) -> "AttentionBackend":
