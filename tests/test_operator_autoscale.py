@@ -8,13 +8,12 @@ import math
 import time
 from typing import Any, AsyncContextManager, Callable
 
-import attrs
 import kmock
 import pytest
 
 from fakerouter import FakeRouter
-from operator_fixtures.kmock_apply import FakeApplyEmulator
-from operator_fixtures.running import run_operator
+from operator_fixtures.kmock_apply import FakeVersionedEmulator
+from operator_fixtures.running import InProcessOperator, run_operator
 from operator_fixtures.shapes import h200, l4, service
 from test_operator_kmock import ISVC, PODS, _declare
 from waiting import poll
@@ -263,25 +262,6 @@ def test_warmup_summary_merges_routers():
 
 TIMEOUT_S = 30
 
-
-@attrs.define(kw_only=True)
-class FakeVersionedEmulator(FakeApplyEmulator):
-    """Bumps an InferenceService's resourceVersion on each merge patch, as a real API server does.
-
-    kmock keeps it constant; kopf then cannot tell a fresh body from its own echo and hands handlers
-    a stale spec once the operator itself writes spec.replicas (which only the autoscaler does).
-    """
-
-    version: int = attrs.field(default=100, init=False)
-
-    async def _handle(self, request: kmock.Request) -> Any:
-        if (request.method == kmock.method.PATCH and isinstance(request.data, dict) and request.resource is not None
-                and request.resource.plural == "inferenceservices"):
-            self.version += 1
-            request.data.setdefault("metadata", {})["resourceVersion"] = str(self.version)
-        return await super()._handle(request)
-
-
 pytestmark = pytest.mark.kmock(cls=FakeVersionedEmulator)
 
 
@@ -290,7 +270,7 @@ def cluster(kmock: FakeVersionedEmulator) -> FakeVersionedEmulator:
     return _declare(kmock)  # the resources tests/test_operator_kmock.py's operator runs against
 
 
-def operator(cluster: kmock.KubernetesEmulator, router_url: str) -> AsyncContextManager[asyncio.Task]:
+def operator(cluster: kmock.KubernetesEmulator, router_url: str) -> AsyncContextManager[InProcessOperator]:
     return run_operator(cluster, TIMEOUT_S, router_url_template=router_url, autoscale_interval_s=1.0)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any, AsyncContextManager, AsyncIterator, Callable
 
@@ -11,7 +10,7 @@ import pytest
 
 from fakehub import FakeHub
 from operator_fixtures.kmock_apply import FakeApplyEmulator
-from operator_fixtures.running import run_operator
+from operator_fixtures.running import InProcessOperator, run_operator
 from operator_fixtures.shapes import GiB, TiB, a100, h200, l4, service
 from waiting import poll
 from warmfleet.operator.manifests import SIZING_HASH_ANNOTATION
@@ -49,7 +48,7 @@ def _declare(cluster: FakeApplyEmulator) -> FakeApplyEmulator:
     return cluster
 
 
-def operator(cluster: kmock.KubernetesEmulator) -> AsyncContextManager[asyncio.Task]:
+def operator(cluster: kmock.KubernetesEmulator) -> AsyncContextManager[InProcessOperator]:
     """Run the operator in-process until the block ends."""
     return run_operator(cluster, TIMEOUT_S)
 

@@ -4,7 +4,8 @@ the fields its field manager applied last time but not this time.
 kmock 0.8 answers an apply-PATCH to a missing object with 404 and merges every PATCH body into the
 object, so a dropped field would stay. This emulation is what the operator relies on from a real API
 server; it is simplified: lists are atomic (no merge keys), nothing conflicts, managedFields are not
-written. Use with `pytestmark = pytest.mark.kmock(cls=FakeApplyEmulator)`.
+written. Use with `pytestmark = pytest.mark.kmock(cls=FakeApplyEmulator)`. `FakeVersionedEmulator` also bumps
+an InferenceService's resourceVersion on each merge patch.
 """
 
 from __future__ import annotations
@@ -59,3 +60,23 @@ class FakeApplyEmulator(kmock.KubernetesEmulator):
             return {"type": "ADDED", "object": obj.raw}
         obj.patch(apply_as_merge_patch(previous, intent))
         return {"type": "MODIFIED", "object": obj.raw}
+
+
+@attrs.define(kw_only=True)
+class FakeVersionedEmulator(FakeApplyEmulator):
+    """Bumps an InferenceService's resourceVersion on each merge patch (status included), as a real API server does.
+
+    kmock keeps it constant; kopf then cannot tell a fresh body from its own echo (its consistency check waits for
+    the resourceVersion its last patch returned): it hands handlers a stale spec once the operator itself writes
+    spec.replicas (which only the autoscaler does), and it runs the handlers again for every queued event of its
+    own or another replica's writes, each one with the stale last-handled configuration.
+    """
+
+    version: int = attrs.field(default=100, init=False)
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        if (request.method == kmock.method.PATCH and isinstance(request.data, dict) and request.resource is not None
+                and request.resource.plural == "inferenceservices"):
+            self.version += 1
+            request.data.setdefault("metadata", {})["resourceVersion"] = str(self.version)
+        return await super()._handle(request)

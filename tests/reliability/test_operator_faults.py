@@ -1,5 +1,6 @@
 """Operator under faults, kopf in-process against kmock: API errors for a while, children deleted or hand-edited,
-the operator killed mid-reconcile and restarted, two operator replicas at once. Each converges with no duplicates.
+the operator killed mid-reconcile and restarted, two operator replicas at once (then one of them removed). Each
+converges with no duplicates.
 
 The emulator is tests/operator_fixtures' server-side-apply kmock plus scripted faults on the
 operator's writes to children (`FakeFaultyEmulator`): a queue of error statuses answered one per
@@ -11,31 +12,33 @@ tests hold whatever client the operator uses underneath.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import Any, AsyncContextManager
 
 import aiohttp.web
 import attrs
 import kmock
-import kopf
 import pytest
 
-from operator_fixtures.kmock_apply import FakeApplyEmulator
-from operator_fixtures.running import run_operator
+from operator_fixtures.kmock_apply import FakeApplyEmulator, FakeVersionedEmulator
+from operator_fixtures.running import InProcessOperator, make_operator_registry, run_operator
 from operator_fixtures.shapes import h200, l4, service
 from test_operator_kmock import DEPLOY, ISVC, _declare, condition, obj, seed, server_deployments, status
 from waiting import poll
-from warmfleet.operator.handlers import make_registry
 
-STOP_S = 60  # kopf finishes its retried API calls before it stops; two operators on a busy host take a while
+STOP_S = 60  # bounds a start or a stop (a stop takes ~2 s: kopf gives busy workers 2 s to finish their queues)
 RETRY_WAIT_S = 60  # the operator retries a failed write after 5 s (kopf.TemporaryError); a busy host is slow
 CHILDREN = [("v1/services", "qwen"), ("v1/services", "qwen-replicas"), ("v1/configmaps", "qwen-config"),
             ("policy/v1/poddisruptionbudgets", "qwen-server"), (DEPLOY, "qwen-router")]
 
 
 @attrs.define(kw_only=True)
-class FakeFaultyEmulator(FakeApplyEmulator):
-    """Server-side-apply kmock whose child writes can fail (`fail_with` statuses, one per write) or hang (`hold`)."""
+class FakeFaultyEmulator(FakeVersionedEmulator):
+    """Server-side-apply kmock whose child writes can fail (`fail_with` statuses, one per write) or hang (`hold`).
+
+    Versioned (resourceVersion bumped on each InferenceService patch): two replicas write the service in turn,
+    and with a constant resourceVersion each one would run its handlers again for every queued event of those
+    writes, each with a stale last-handled configuration (a backlog that grows faster than a busy host clears it).
+    """
 
     fail_with: list[int] = attrs.field(factory=list, init=False)
     failed: list[int] = attrs.field(factory=list, init=False)
@@ -58,7 +61,7 @@ class FakeFaultyEmulator(FakeApplyEmulator):
         return await super()._handle(request)
 
 
-def operator(cluster: kmock.KubernetesEmulator) -> AsyncContextManager[asyncio.Task]:
+def operator(cluster: kmock.KubernetesEmulator) -> AsyncContextManager[InProcessOperator]:
     """Run the operator in-process until the block ends (tests/test_operator_kmock.py's, with wider bounds)."""
     return run_operator(cluster, STOP_S)
 
@@ -119,13 +122,10 @@ async def test_killed_mid_reconcile_then_restarted_converges(cluster):
     seed(cluster, h200("h1"), l4("l1"))
     seed(cluster, service(spec={"replicas": 3}), res=ISVC)
     cluster.hold = asyncio.Event()  # the API server stops answering writes
-    registry = make_registry(default_image="img:test", login=lambda **_: kopf.ConnectionInfo(server=str(cluster.url)))
-    task = asyncio.create_task(kopf.operator(registry=registry, clusterwide=True, standalone=True,
-                                             stop_flag=asyncio.Event(), liveness_endpoint=None))
+    killed = InProcessOperator(make_operator_registry(cluster))
+    await killed.start(STOP_S)
     await eventually_for(lambda: cluster.held > 0, "the operator waiting on a write", RETRY_WAIT_S)
-    task.cancel()  # killed mid-reconcile: no cleanup, no status written
-    with contextlib.suppress(asyncio.CancelledError, Exception):  # a killed operator ends however it ends
-        await asyncio.wait_for(task, STOP_S)
+    await killed.kill(STOP_S)  # killed mid-reconcile: no cleanup, no status written; it ends however it ends
     cluster.hold.set()  # the API server answers again (the killed operator's held write may still land)
     async with operator(cluster):  # the replacement resumes and finishes the job
         await eventually_for(lambda: converged(cluster, 2), "converged after the restart", RETRY_WAIT_S)
@@ -136,15 +136,38 @@ async def test_killed_mid_reconcile_then_restarted_converges(cluster):
 async def test_two_operator_replicas_at_once_converge_without_duplicates(cluster):
     seed(cluster, h200("h1"), l4("l1"))
     seed(cluster, service(spec={"replicas": 3}), res=ISVC)
-    async with operator(cluster), operator(cluster):  # started by mistake: both standalone, both reconcile
-        await eventually_for(lambda: converged(cluster, 2), "converged with two operators", RETRY_WAIT_S)
-        await cluster.patch(f"/apis/{ISVC.rsplit('/', 1)[0]}/namespaces/default/inferenceservices/qwen",
-                            json={"metadata": {"generation": 2}, "spec": {"replicas": 5}})
-        await eventually_for(lambda: status(cluster).get("observedGeneration") == 2
-                             and sum(d["spec"]["replicas"] for d in server_deployments(cluster).values()) == 5,
-                             "the update applied once", RETRY_WAIT_S)
+    path = f"/apis/{ISVC.rsplit('/', 1)[0]}/namespaces/default/inferenceservices/qwen"
+    async with operator(cluster):
+        async with operator(cluster):  # started by mistake: both standalone, both reconcile
+            await eventually_for(lambda: converged(cluster, 2), "converged with two operators", RETRY_WAIT_S)
+            await cluster.patch(path, json={"metadata": {"generation": 2}, "spec": {"replicas": 5}})
+            await eventually_for(lambda: status(cluster).get("observedGeneration") == 2
+                                 and sum(d["spec"]["replicas"] for d in server_deployments(cluster).values()) == 5,
+                                 "the update applied once", RETRY_WAIT_S)
+        assert_no_duplicates(cluster)
+        assert status(cluster)["desiredReplicas"] == 5
+        # one replica is removed: the other one still watches and reconciles on its own
+        await cluster.patch(path, json={"metadata": {"generation": 3}, "spec": {"replicas": 4}})
+        await eventually_for(lambda: status(cluster).get("observedGeneration") == 3
+                             and sum(d["spec"]["replicas"] for d in server_deployments(cluster).values()) == 4,
+                             "the next update applied by the remaining replica", RETRY_WAIT_S)
     assert_no_duplicates(cluster)
-    assert status(cluster)["desiredReplicas"] == 5
+    assert status(cluster)["desiredReplicas"] == 4
+
+
+async def test_stopping_an_operator_cancels_no_task_it_does_not_own(cluster):
+    """kopf.operator() cancels, as it exits, every task of its event loop created since it started (it takes them
+    for its own): run in the tests' loop, it cancelled the emulator's request handlers and the other replica's
+    watchers. The harness runs each operator on a loop of its own, as production does."""
+    seed(cluster, h200("h1"))
+    seed(cluster, service(spec={"replicas": 1}), res=ISVC)
+    async with operator(cluster):
+        bystander = asyncio.create_task(asyncio.Event().wait(), name="bystander")  # a task of the test, not of kopf
+        await eventually_for(lambda: converged(cluster, 1), "reconciled", RETRY_WAIT_S)
+    try:
+        assert not bystander.done(), "the operator's stop cancelled a task of the test's event loop"
+    finally:
+        bystander.cancel()
 
 
 async def eventually_for(check, what: str, timeout_s: float) -> Any:
