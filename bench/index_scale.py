@@ -2,7 +2,7 @@
 
     python -P bench/index_scale.py [--entries 1000000] [--replicas 16,64,128] [--json] [--out DIR]
 
-Fills `server/router/index.KVIndex` through its public path (`apply_snapshot` / `apply_batch` with
+Fills `server/router/core/index.KVIndex` through its public path (`apply_snapshot` / `apply_batch` with
 BlockStored events of 32-byte contract-1 digests, as KV events deliver them) and measures:
 
 * memory: tracemalloc bytes after / before, per (block, replica) entry and per distinct block, for
@@ -13,8 +13,8 @@ BlockStored events of 32-byte contract-1 digests, as KV events deliver them) and
   fully cached on one replica, against all replicas;
 * event apply rate: blocks per second through `apply_batch` (16-block BlockStored batches);
 * with --index-max-blocks, the same with a per-replica cap (least recently used entries go first);
-* --index-module PATH measures another version of server/router/index.py (e.g. `git show
-  HEAD:server/router/index.py > /tmp/index_head.py`) side by side with the current one.
+* --index-module PATH measures another version of server/router/core/index.py (e.g. `git show
+  HEAD:server/router/core/index.py > /tmp/index_head.py`) side by side with the current one.
 
 With a hot quarter, the looked-up prompt starts with hot blocks (held by every replica), then the
 replica's own ones: the lookup's worst case, every replica alive for the first blocks.
@@ -54,7 +54,7 @@ def fill(index, replicas: list[str], per_replica: list[list[bytes]]) -> None:
 def index_class(module_path: str | None):
     """KVIndex of the current tree, or of another index.py loaded as a module of the same package."""
     if not module_path:
-        from warmfleet.server.router.index import KVIndex
+        from warmfleet.server.router.core.index import KVIndex
 
         return KVIndex
     import importlib.util
@@ -92,7 +92,7 @@ def memory_case(n_entries: int, n_rep: int, hot_share: float, max_blocks: int | 
     distinct = index.num_blocks()
     # lookups: a prompt cached on replica 0 (its hot prefix + own blocks), against every replica
     own = per[0][n_hot:] if len(per[0]) > n_hot else per[0]
-    res = {"index": module_path or "server/router/index.py", "replicas": n_rep, "hot_share": hot_share,
+    res = {"index": module_path or "server/router/core/index.py", "replicas": n_rep, "hot_share": hot_share,
            "max_blocks_per_replica": max_blocks,
            "entries": entries, "distinct_blocks": distinct,
            "bytes_per_entry": round(used / max(1, entries), 1),

@@ -169,8 +169,8 @@ def oracle_hits(model: Path, trace: list[list[dict]], capacity: int | None = Non
     from collections import OrderedDict
 
     from warmfleet.server.hashing import block_hashes, model_fingerprint
-    from warmfleet.server.router.policy import cacheable_tokens
-    from warmfleet.server.router.prompt import PromptRenderer
+    from warmfleet.server.router.core.policy import cacheable_tokens
+    from warmfleet.server.router.core.prompt import PromptRenderer
 
     r, fp = PromptRenderer(str(model)), model_fingerprint(model)
     seen: OrderedDict = OrderedDict()

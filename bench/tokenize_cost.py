@@ -31,7 +31,7 @@ def main() -> int:
     trace = importlib.util.module_from_spec(spec)
     sys.modules["wf_bench_trace"] = trace
     spec.loader.exec_module(trace)
-    from warmfleet.server.router.prompt import ids_encoder
+    from warmfleet.server.router.core.prompt import ids_encoder
     from warmfleet.server.tokenizer import Tokenizer
 
     tok = Tokenizer(str(trace.tiny_model()))

@@ -174,7 +174,7 @@ def bound_hits(reqs: list[dict], block: int, fingerprint: str, capacity: int | N
     """bench/routing.py's oracle_hits on token ids: per request (cached, prompt) for one cache of `capacity` blocks
     (None: unbounded) that saw every earlier request; hit = leading blocks present, capped at the last token."""
     from warmfleet.server.hashing import block_hashes
-    from warmfleet.server.router.policy import cacheable_tokens
+    from warmfleet.server.router.core.policy import cacheable_tokens
 
     seen: OrderedDict = OrderedDict()
     out = []
@@ -193,7 +193,7 @@ def affinity_hits(reqs: list[dict], block: int, n: int, capacity: int, hashes: l
     each replica one LRU of `capacity` blocks (its GPU and CPU tiers as one). What a router that never moves a
     prefix for load gets from per-replica caches; returns per request (cached, prompt) and the spread (max /
     mean requests per replica) it costs."""
-    from warmfleet.server.router.policy import cacheable_tokens
+    from warmfleet.server.router.core.policy import cacheable_tokens
 
     caches = [OrderedDict() for _ in range(n)]
     counts = [0] * n

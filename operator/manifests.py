@@ -13,7 +13,7 @@ from warmfleet.operator.nodes import GPU_MEMORY_LABEL, GPU_PRODUCT_LABEL, GPU_RE
 from warmfleet.operator.sizing import PoolSizing
 from warmfleet.operator.spec import DEFAULT_DTYPE, DEFAULT_MODEL_CACHE, GROUP, InferenceServiceSpec, served_name
 from warmfleet.server.flagfields import to_args
-from warmfleet.server.router.settings import PolicyConfig, RouterSettings
+from warmfleet.server.router.core.settings import PolicyConfig, RouterSettings
 from warmfleet.source import ModelSource, parse_source
 
 MODEL_MOUNT = "/models"
@@ -30,7 +30,7 @@ RUN_AS = 10001
 LOG_MIB = 256
 
 # How the router is started: the RouterSettings fields the operator sets, rendered in this order (flag names come
-# from server/router/settings.py, so a renamed flag breaks a unit test, not a cluster)
+# from server/router/core/settings.py, so a renamed flag breaks a unit test, not a cluster)
 ROUTER_COMMAND = ["warmfleet", "route"]
 ROUTER_FIELDS = ("discover_service", "host", "port", "model", "policy.epsilon", "engine", "peers", "block_size")
 ROUTER_RESOURCES = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"cpu": "2", "memory": "2Gi"}}

@@ -47,7 +47,7 @@ import importlib, importlib.util, sys
 
 target = sys.argv[1]
 common = ["warmfleet.cli", "warmfleet.fetch", "warmfleet.server.config", "warmfleet.server.hashing",
-          "warmfleet.server.router.main", "warmfleet.server.router.app", "warmfleet.server.router.engines"]
+          "warmfleet.server.router.http.main", "warmfleet.server.router.http.app", "warmfleet.server.router.core.engines"]
 modules = {
     "engine": common + ["paddle", "warmfleet.server.api.main", "warmfleet.server.engine.core_proc",
                         "warmfleet.server.tiny_checkpoints.cli"],

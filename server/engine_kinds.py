@@ -2,7 +2,7 @@
 
 Stdlib only (the operator imports it): a kind's router dialect is named here as "module:class"
 and imported only when a router picks that kind. Adding an engine is one entry here, one dialect
-module (server/router/engines/) and one description (operator/engines.py); tests check that the
+module (server/router/core/engines/) and one description (operator/engines.py); tests check that the
 three agree.
 """
 
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import importlib
 
-# kind -> the router's dialect for it (server/router/engines/__init__.py: the Dialect protocol it follows)
+# kind -> the router's dialect for it (server/router/core/engines/__init__.py: the Dialect protocol it follows)
 DIALECTS: dict[str, str] = {
-    "warmfleet": "warmfleet.server.router.engines.warmfleet:WarmfleetDialect",
-    "vllm": "warmfleet.server.router.engines.vllm:VllmDialect",
-    "fastdeploy": "warmfleet.server.router.engines.fastdeploy:PredictedDialect",
+    "warmfleet": "warmfleet.server.router.core.engines.warmfleet:WarmfleetDialect",
+    "vllm": "warmfleet.server.router.core.engines.vllm:VllmDialect",
+    "fastdeploy": "warmfleet.server.router.core.engines.fastdeploy:PredictedDialect",
 }
 KINDS: tuple[str, ...] = tuple(DIALECTS)  # in this order in the CRD enum and in `warmfleet route --engine`
 

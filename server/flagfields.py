@@ -4,7 +4,7 @@ A field's `metadata` (built by `opt`) holds its flag, help text and argparse ext
 metavar, required, action). A field whose default factory is itself such a dataclass is a group:
 its fields are walked in place, and their argparse dest is the dotted path (`cache.block_size`).
 Fields without a flag are not on the command line. `warmfleet serve` (server/config.py) and
-`warmfleet route` (server/router/settings.py) declare their flags this way; the operator renders
+`warmfleet route` (server/router/core/settings.py) declare their flags this way; the operator renders
 pod args with `to_args`, so it imports this module and must find nothing heavy here.
 """
 

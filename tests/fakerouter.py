@@ -9,7 +9,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from warmfleet.server.router.metrics import RouterMetrics
+from warmfleet.server.router.core.metrics import RouterMetrics
 
 
 class FakeRouter:

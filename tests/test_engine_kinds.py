@@ -15,12 +15,12 @@ from warmfleet.operator.crd import crd
 from warmfleet.operator.engines import ENGINES
 from warmfleet.server import engine_kinds
 from warmfleet.server.events import EventBatch, Snapshot
-from warmfleet.server.router import main
-from warmfleet.server.router.engines import Dialect, dialect_for
-from warmfleet.server.router.index import KVIndex
-from warmfleet.server.router.prompt import HashConfig, Prompt
-from warmfleet.server.router.registry import Replica, ReplicaSpec
-from warmfleet.server.router.settings import RouterSettings
+from warmfleet.server.router.core.engines import Dialect, dialect_for
+from warmfleet.server.router.core.index import KVIndex
+from warmfleet.server.router.core.prompt import HashConfig, Prompt
+from warmfleet.server.router.core.registry import Replica, ReplicaSpec
+from warmfleet.server.router.core.settings import RouterSettings
+from warmfleet.server.router.http import main
 
 CFG = HashConfig(16, "fp")
 PROMPT = Prompt(list(range(100, 170)), [], 70)  # four full blocks of 16 and a partial one

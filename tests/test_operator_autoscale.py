@@ -20,7 +20,7 @@ from waiting import poll
 from warmfleet.operator import autoscale_policy as a
 from warmfleet.operator.sizing import assign_replicas
 from warmfleet.operator.spec import Autoscaling, parse_spec
-from warmfleet.server.router.metrics import RouterMetrics
+from warmfleet.server.router.core.metrics import RouterMetrics
 
 
 def cfg(**kw: Any) -> Autoscaling:
@@ -191,10 +191,11 @@ async def test_the_real_router_exports_what_the_autoscaler_reads(tiny_model_dir)
     from bench_scripts import load_bench
     from procs import free_port
     from warmfleet.server.hashing import model_fingerprint
-    from warmfleet.server.router.app import RouterRuntime, build_app
-    from warmfleet.server.router.settings import RouterSettings
-    from warmfleet.server.router.prompt import HashConfig, PromptRenderer
-    from warmfleet.server.router.registry import ReplicaSpec
+    from warmfleet.server.router.core.prompt import HashConfig, PromptRenderer
+    from warmfleet.server.router.core.registry import ReplicaSpec
+    from warmfleet.server.router.core.runtime import RouterRuntime
+    from warmfleet.server.router.core.settings import RouterSettings
+    from warmfleet.server.router.http.app import build_app
 
     sim = load_bench("simfleet.py", "wf_test_autoscale_simfleet")
 

@@ -256,7 +256,7 @@ def test_alerts_use_only_metrics_the_router_and_replicas_export(helm):
     assert not [d for d in template(helm) if d["kind"] == "PrometheusRule"]  # opt-in
     exprs = [r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]]
     assert {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]} >= {"WarmfleetNoRoutableReplica", "WarmfleetKVCacheFull"}
-    source = (REPO / "server/api/metrics.py").read_text() + (REPO / "server/router/metrics.py").read_text()
+    source = (REPO / "server/api/metrics.py").read_text() + (REPO / "server/router/core/metrics.py").read_text()
     names = {n for e in exprs for n in re.findall(r"\b(?:warmfleet_router_\w+|vllm:\w+|warmfleet:\w+)", e)}
     assert len(names) >= 6, names
     for name in names:

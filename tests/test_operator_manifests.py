@@ -183,7 +183,8 @@ def test_headless_service_router_and_rbac():
 
 
 def test_router_args_parse_with_the_routers_own_argparse():
-    from warmfleet.server.router import main
+    from warmfleet.server.router.core import runtime
+    from warmfleet.server.router.http import main
 
     items = objs(service(spec={"router": {"loadBound": 1.5}, "cache": {"blockSize": 32}}), [l4()])
     router = next(d for d in by_kind(items, "Deployment") if d["metadata"]["name"] == "qwen-router")
@@ -191,7 +192,7 @@ def test_router_args_parse_with_the_routers_own_argparse():
     assert args[0] == "route"
     parser = argparse.ArgumentParser()
     main.add_arguments(parser)
-    got = main.settings_from_args(parser.parse_args(args[1:]))
+    got = runtime.settings_from_args(parser.parse_args(args[1:]))
     assert (got.discover_service, got.host, got.port, got.model) == ("default/qwen-replicas", "0.0.0.0", m.HTTP_PORT, "/models/qwen")
     assert got.policy.epsilon == 0.5 and got.block_size == 32
     assert got.peers == f"http://qwen-router-peers.default.svc:{m.HTTP_PORT}"
@@ -451,7 +452,8 @@ def test_probes_and_api_key_per_engine(kind, probes, key_env):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_router_gets_the_engine_and_its_argparse_accepts_it(kind):
-    from warmfleet.server.router import main
+    from warmfleet.server.router.core import runtime
+    from warmfleet.server.router.http import main
 
     items = objs(engine_service(kind), [l4()])
     router = next(d for d in by_kind(items, "Deployment") if d["metadata"]["name"] == "qwen-router")
@@ -461,7 +463,7 @@ def test_router_gets_the_engine_and_its_argparse_accepts_it(kind):
     assert rc["command"] == ["warmfleet"] and rc["image"] == "slim:1"  # the router is ours (the slim image) whatever the engine
     parser = argparse.ArgumentParser()
     main.add_arguments(parser)
-    assert main.settings_from_args(parser.parse_args(args[1:])).engine == kind
+    assert runtime.settings_from_args(parser.parse_args(args[1:])).engine == kind
 
 
 def test_engine_image_defaults_for_warmfleet_only():

@@ -123,7 +123,7 @@ def test_wheel_and_sdist_hold_every_tracked_package_file(built):
     assert not missing_wheel, f"not in the wheel: {missing_wheel}"
     assert not missing_sdist, f"not in the sdist: {missing_sdist}"
     # every console script's module ships, and nothing of the checkout that is not a package leaks in
-    assert {"warmfleet/cli.py", "warmfleet/server/router/engines/vllm.py"} <= built["wheel"]
+    assert {"warmfleet/cli.py", "warmfleet/server/router/core/engines/vllm.py"} <= built["wheel"]
     assert not [n for n in built["wheel"] if n.startswith(("tests/", "server/", "operator/", "bench/"))]
 
 

@@ -17,7 +17,7 @@ from images import data_uri, image_bytes, image_part
 from warmfleet.server import rendering
 from warmfleet.server.api.app import build_app
 from warmfleet.server.config import EngineConfig
-from warmfleet.server.router.prompt import PromptRenderer
+from warmfleet.server.router.core.prompt import PromptRenderer
 from warmfleet.server.tokenizer import Tokenizer
 
 BOS = "<|endoftext|>"  # stands in for a BOS token: the test checkpoint's tokenizer prepends it to plain text

@@ -11,8 +11,8 @@ from kubernetes.client import (
 )
 
 from waiting import until
-from warmfleet.server.router.discovery import EndpointSliceDiscovery, replicas_from_slices
-from warmfleet.server.router.registry import ReplicaSpec, parse_replica
+from warmfleet.server.router.core.discovery import EndpointSliceDiscovery, replicas_from_slices
+from warmfleet.server.router.core.registry import ReplicaSpec, parse_replica
 
 
 def eps(name: str, *endpoints: tuple[str, bool | None], events_port: bool = True) -> V1EndpointSlice:
@@ -120,7 +120,7 @@ async def test_discovery_lists_and_watches_through_the_shared_client(kmock):
     from kubernetes.aio.client import Configuration
 
     from warmfleet.kube import Kube
-    from warmfleet.server.router.discovery import ENDPOINT_SLICES
+    from warmfleet.server.router.core.discovery import ENDPOINT_SLICES
 
     res = "discovery.k8s.io/v1/endpointslices"
     kmock.resources[res] = kmock_lib.ResourceInfo(kind="EndpointSlice", namespaced=True, verbs={"list", "watch", "get"})

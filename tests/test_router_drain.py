@@ -21,14 +21,15 @@ from bench_scripts import load_bench
 import waiting
 from procs import free_port
 from warmfleet.server.hashing import model_fingerprint
-from warmfleet.server.router.app import RouterRuntime, build_app
-from warmfleet.server.router.auth import Tenants
-from warmfleet.server.router.discovery import replicas_from_slices
-from warmfleet.server.router.fleet import Fleet
-from warmfleet.server.router.metrics import RouterMetrics
-from warmfleet.server.router.prompt import HashConfig, PromptRenderer
-from warmfleet.server.router.registry import ReplicaSpec
-from warmfleet.server.router.settings import RouterSettings
+from warmfleet.server.router.core.discovery import replicas_from_slices
+from warmfleet.server.router.core.fleet import Fleet
+from warmfleet.server.router.core.metrics import RouterMetrics
+from warmfleet.server.router.core.prompt import HashConfig, PromptRenderer
+from warmfleet.server.router.core.registry import ReplicaSpec
+from warmfleet.server.router.core.runtime import RouterRuntime
+from warmfleet.server.router.core.settings import RouterSettings
+from warmfleet.server.router.core.tenants import Tenants
+from warmfleet.server.router.http.app import build_app
 
 BLOCK = 16
 
@@ -223,8 +224,8 @@ def test_the_server_pods_grace_period_covers_the_engines_own_sigterm_drain():
 
 def test_replays_are_queued_work_for_routing_but_not_in_the_queued_tokens_metric():
     """The autoscaler reads the metric: a scale-in's own hand-off replays must not read as client load."""
-    from warmfleet.server.router.proxy import Proxy
-    from warmfleet.server.router.registry import Replica
+    from warmfleet.server.router.core.registry import Replica
+    from warmfleet.server.router.core.router import Router
 
     class FakeFleet:
         def __init__(self, rep):
@@ -233,9 +234,9 @@ def test_replays_are_queued_work_for_routing_but_not_in_the_queued_tokens_metric
     metrics = RouterMetrics()
     rep = Replica(ReplicaSpec("http://10.0.0.1:8000"))
     rep.queued_tokens = rep.replay_tokens = 300  # a hand-off replay under way on it
-    proxy = Proxy(FakeFleet(rep), None, HashConfig(16, "fp"), metrics)
-    proxy._enter(rep, queued_tokens=40)
+    router = Router(FakeFleet(rep), None, HashConfig(16, "fp"), metrics)
+    router.enter(rep, queued_tokens=40)
     gauge = metrics.registry.get_sample_value("warmfleet_router_replica_queued_tokens", {"replica": rep.id})
     assert rep.queued_tokens == 340 and gauge == 40
-    proxy._prefilled(rep, 40)
+    router.prefilled(rep, 40)
     assert metrics.registry.get_sample_value("warmfleet_router_replica_queued_tokens", {"replica": rep.id}) == 0

@@ -15,8 +15,8 @@ import pytest
 
 from warmfleet.server.events import AllBlocksCleared, BlockRemoved, BlockStored
 from warmfleet.server.hashing import MMPlaceholder
-from warmfleet.server.router.engines.vllm import VllmDialect, decode_vllm, key_of, vllm_block_digests
-from warmfleet.server.router.prompt import HashConfig, Prompt, PromptRenderer
+from warmfleet.server.router.core.engines.vllm import VllmDialect, decode_vllm, key_of, vllm_block_digests
+from warmfleet.server.router.core.prompt import HashConfig, Prompt, PromptRenderer
 
 CAPTURE = json.loads((Path(__file__).parent / "fixtures" / "vllm-0.32.0-events.json").read_text())
 FRAMES = [[bytes.fromhex(x) for x in fr] for fr in CAPTURE["frames"]]
@@ -100,8 +100,8 @@ def test_decode_rejects_malformed_and_foreign_frames(bad):
 
 
 def test_predicted_cache_is_bounded_by_capacity_and_age():
-    from warmfleet.server.router.engines.fastdeploy import PredictedDialect
-    from warmfleet.server.router.index import KVIndex
+    from warmfleet.server.router.core.engines.fastdeploy import PredictedDialect
+    from warmfleet.server.router.core.index import KVIndex
 
     d, idx = PredictedDialect(capacity_blocks=4, ttl_s=10), KVIndex()
     hs = [bytes([i]) * 8 for i in range(6)]
@@ -141,7 +141,7 @@ def test_image_blocks_are_reproduced_with_the_uuid_the_router_gives_vllm(tmp_pat
 
 
 def test_fastdeploy_load_is_read_from_its_prometheus_gauges():
-    from warmfleet.server.router.engines.fastdeploy import parse_load
+    from warmfleet.server.router.core.engines.fastdeploy import parse_load
 
     text = ("# HELP fastdeploy:num_requests_running Number of requests currently running\n"
             "# TYPE fastdeploy:num_requests_running gauge\nfastdeploy:num_requests_running 5.0\n"
@@ -153,7 +153,7 @@ def test_fastdeploy_load_is_read_from_its_prometheus_gauges():
 
 
 def test_replica_flag_options():
-    from warmfleet.server.router.registry import parse_replica
+    from warmfleet.server.router.core.registry import parse_replica
 
     spec = parse_replica("http://10.0.0.7:8000", 5557, 5558, 8001)
     assert (spec.events, spec.replay, spec.metrics) == ("tcp://10.0.0.7:5557", "tcp://10.0.0.7:5558",

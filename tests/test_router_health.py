@@ -7,9 +7,9 @@ import asyncio
 import httpx
 from aiohttp import web
 
-from warmfleet.server.router.fleet import Fleet
-from warmfleet.server.router.metrics import RouterMetrics
-from warmfleet.server.router.registry import ReplicaSpec
+from warmfleet.server.router.core.fleet import Fleet
+from warmfleet.server.router.core.metrics import RouterMetrics
+from warmfleet.server.router.core.registry import ReplicaSpec
 
 BLOCK = b"\x01" * 32
 

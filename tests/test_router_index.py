@@ -3,7 +3,7 @@
 from warmfleet.server.events import (
     CPU, GPU, AllBlocksCleared, BlockRemoved, BlockStored, EncoderRemoved, EncoderStored, EventBatch, Load, Snapshot,
 )
-from warmfleet.server.router.index import Applied, KVIndex, PrefixMatch
+from warmfleet.server.router.core.index import Applied, KVIndex, PrefixMatch
 
 
 def H(i: int) -> bytes:

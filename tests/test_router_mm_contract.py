@@ -6,7 +6,7 @@ import pytest
 from warmfleet.server.multimodal.inputs import ImageInputPreparer
 from warmfleet.server.multimodal.media import MediaConfig, MediaLoader
 from warmfleet.server.multimodal.processor import ImageProcessor
-from warmfleet.server.router.prompt import PromptRenderer
+from warmfleet.server.router.core.prompt import PromptRenderer
 from warmfleet.server.tokenizer import Tokenizer
 from images import data_uri, image_bytes
 

@@ -12,12 +12,13 @@ import uvicorn
 
 from test_router_proxy import BLOCK, FakeReplica, FakeSharedFailures, Served, until
 from warmfleet.server.hashing import model_fingerprint
-from warmfleet.server.router.app import RouterRuntime, build_app
-from warmfleet.server.router.auth import ConcurrencyLimiter
-from warmfleet.server.router.peers import PeerLoad, client_digest, parse_peers
-from warmfleet.server.router.prompt import HashConfig, PromptRenderer
-from warmfleet.server.router.registry import Replica, ReplicaSpec
-from warmfleet.server.router.settings import RouterSettings
+from warmfleet.server.router.core.peers import PeerLoad, client_digest, parse_peers
+from warmfleet.server.router.core.prompt import HashConfig, PromptRenderer
+from warmfleet.server.router.core.registry import Replica, ReplicaSpec
+from warmfleet.server.router.core.runtime import RouterRuntime
+from warmfleet.server.router.core.settings import RouterSettings
+from warmfleet.server.router.core.tenants import ConcurrencyLimiter
+from warmfleet.server.router.http.app import build_app
 from warmfleet.server.tokenizer import Tokenizer
 
 SHORT = {"model": "tiny", "prompt": "hi", "max_tokens": 1, "stream": True}  # shorter than a block: routed by load

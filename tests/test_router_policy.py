@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from warmfleet.server.router.policy import (
+from warmfleet.server.router.core.policy import (
     COLD_HASH, LEAST_LOAD, LOAD_SPILL, PREFIX_HIT, Candidate, PolicyConfig, cacheable_tokens, choose, load_cap,
     share_cap,
 )

@@ -6,9 +6,9 @@ import asyncio
 import random
 
 from warmfleet.server.hashing import MMPlaceholder, block_hashes, model_fingerprint
-from warmfleet.server.router.prompt import HashConfig, HashMemo, Prompt, PromptRenderer, SegmentEncoder, \
+from warmfleet.server.router.core.prompt import HashConfig, HashMemo, Prompt, PromptRenderer, SegmentEncoder, \
     prompt_block_hashes
-from warmfleet.server.router.transport import CoalescingTransport
+from warmfleet.server.router.http.transport import CoalescingTransport
 from warmfleet.server.tokenizer import Tokenizer
 
 
@@ -98,7 +98,7 @@ async def test_router_protocol_parses_with_httptools_and_coalesces_writes():
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     from uvicorn.server import ServerState
 
-    from warmfleet.server.router.transport import coalescing_protocol
+    from warmfleet.server.router.http.transport import coalescing_protocol
 
     cls = coalescing_protocol()
     assert issubclass(cls, HttpToolsProtocol)

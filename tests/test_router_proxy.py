@@ -20,11 +20,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from waiting import until  # noqa: F401  (test_router_peers imports it from here)
 from warmfleet.server.events import BlockStored, EventBatch, Snapshot, encode
 from warmfleet.server.hashing import block_hashes, model_fingerprint
-from warmfleet.server.router.app import RouterRuntime, build_app
-from warmfleet.server.router.auth import Tenants, derive_salt
-from warmfleet.server.router.prompt import HashConfig, PromptRenderer
-from warmfleet.server.router.registry import ReplicaSpec
-from warmfleet.server.router.settings import RouterSettings
+from warmfleet.server.router.core.prompt import HashConfig, PromptRenderer
+from warmfleet.server.router.core.registry import ReplicaSpec
+from warmfleet.server.router.core.runtime import RouterRuntime
+from warmfleet.server.router.core.settings import RouterSettings
+from warmfleet.server.router.core.tenants import Tenants, derive_salt
+from warmfleet.server.router.http.app import build_app
 from warmfleet.server.tokenizer import Tokenizer
 
 BLOCK = 16
@@ -310,8 +311,8 @@ class FakeSlowImageRenderer:
 
 async def test_an_image_request_being_hashed_does_not_hold_text_requests(tiny_model_dir):
     async with Fleet2(tiny_model_dir) as f:
-        proxy = f.app.state.proxy
-        proxy.renderer = slow = FakeSlowImageRenderer(proxy.renderer)
+        router = f.app.state.router
+        router.renderer = slow = FakeSlowImageRenderer(router.renderer)
         image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
         body = {"model": "tiny", "max_tokens": 1,
                 "messages": [{"role": "user", "content": [image, {"type": "text", "text": "what is it?"}]}]}
@@ -588,8 +589,9 @@ async def test_fastdeploy_replicas_are_routed_on_a_predicted_index(tiny_model_di
 
 
 async def test_oversized_body_is_413_before_routing():
-    from warmfleet.server.router.app import RouterRuntime, build_app
-    from warmfleet.server.router.prompt import HashConfig
+    from warmfleet.server.router.core.prompt import HashConfig
+    from warmfleet.server.router.core.runtime import RouterRuntime
+    from warmfleet.server.router.http.app import build_app
 
     app = build_app(RouterRuntime(hash_cfg=HashConfig(16, "fp"), settings=RouterSettings(max_request_bytes=1000)))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://router") as c:

@@ -15,8 +15,8 @@ from typing import Optional, Sequence
 import pytest
 
 from warmfleet.server.events import CPU, GPU, BlockRemoved, BlockStored, EventBatch, Snapshot
-from warmfleet.server.router.index import KVIndex, PrefixMatch
-from warmfleet.server.router.policy import (
+from warmfleet.server.router.core.index import KVIndex, PrefixMatch
+from warmfleet.server.router.core.policy import (
     COLD_HASH, LEAST_LOAD, LOAD_SPILL, PREFIX_HIT, Candidate, Decision, PolicyConfig, cacheable_tokens, choose,
     load_cap, rendezvous_weight, share_cap,
 )
@@ -202,7 +202,7 @@ def test_choose_equals_the_reference(seed):
 # --- tokenizing without offsets: the same ids as the replica's encoder ------------------------------
 def test_router_completion_ids_equal_the_replicas(tiny_model_dir):
     from warmfleet.server import rendering
-    from warmfleet.server.router.prompt import PromptRenderer, ids_encoder
+    from warmfleet.server.router.core.prompt import PromptRenderer, ids_encoder
     from warmfleet.server.tokenizer import Tokenizer
 
     tok = Tokenizer(tiny_model_dir)

@@ -1,4 +1,4 @@
-"""`warmfleet route` settings: declared once (server/router/settings.py), read from flags and rendered back to them."""
+"""`warmfleet route` settings: declared once (server/router/core/settings.py), read from flags and rendered back to them."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import argparse
 import pytest
 
 from warmfleet.server import flagfields
-from warmfleet.server.router import main
-from warmfleet.server.router.settings import PolicyConfig, ProxyConfig, RouterSettings, WarmupConfig
+from warmfleet.server.router.core.settings import PolicyConfig, ProxyConfig, RouterSettings, WarmupConfig
+from warmfleet.server.router.http import main
 
 
 def parse(args: list[str]) -> RouterSettings:

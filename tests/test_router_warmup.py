@@ -1,7 +1,7 @@
 """Hot-prefix memory for warm-up: conversations fold into one entry, hits decay, bounds hold, selection owns first."""
 
-from warmfleet.server.router.policy import rendezvous_weight
-from warmfleet.server.router.warmup import HotPrefixes, WarmupConfig
+from warmfleet.server.router.core.policy import rendezvous_weight
+from warmfleet.server.router.core.warmup import HotPrefixes, WarmupConfig
 
 BS = 4
 

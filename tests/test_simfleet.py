@@ -203,10 +203,11 @@ def test_real_router_follows_the_simulated_fleet(tiny_model_dir):
     import uvicorn
 
     from warmfleet.server.hashing import model_fingerprint
-    from warmfleet.server.router.app import RouterRuntime, build_app
-    from warmfleet.server.router.settings import RouterSettings
-    from warmfleet.server.router.prompt import HashConfig, PromptRenderer
-    from warmfleet.server.router.registry import ReplicaSpec
+    from warmfleet.server.router.core.prompt import HashConfig, PromptRenderer
+    from warmfleet.server.router.core.registry import ReplicaSpec
+    from warmfleet.server.router.core.runtime import RouterRuntime
+    from warmfleet.server.router.core.settings import RouterSettings
+    from warmfleet.server.router.http.app import build_app
 
     async def until(cond, what):
         await waiting.until(cond, what, timeout_s=15.0, interval_s=0.05)

@@ -8,7 +8,7 @@ import sys
 # subcommand -> (module, one-line help); each module defines add_arguments(parser) and run(args) -> int
 SUBCOMMANDS = {
     "serve": ("warmfleet.server.api.main", "Run one replica: engine + OpenAI-compatible HTTP API."),
-    "route": ("warmfleet.server.router.main", "Run the cache-affinity router in front of replicas."),
+    "route": ("warmfleet.server.router.http.main", "Run the cache-affinity router in front of replicas."),
     "operator": ("warmfleet.operator.main", "Run the kopf operator, or render its objects offline."),
     "fetch-model": ("warmfleet.fetch", "Download an hf:// or s3:// model into a cache directory (resumable, verified)."),
     "make-tiny-model": ("warmfleet.server.tiny_checkpoints.cli", "Write a random Hugging Face checkpoint for tests and demos."),

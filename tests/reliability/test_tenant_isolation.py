@@ -1,7 +1,7 @@
 """Tenant isolation through a router with API keys: tenant B never gets tenant A's cache hits, images or uuids.
 
 One replica of the tiny Qwen2-VL checkpoint behind a router started with two keys. The router
-writes each key's salt into the forwarded `cache_salt` (server/router/auth.py), which roots every
+writes each key's salt into the forwarded `cache_salt` (server/router/core/tenants.py), which roots every
 block hash and scopes client uuids. What B could learn of A is checked where it would show:
 `usage.prompt_tokens_details.cached_tokens`, the router's decision header (`x-warmfleet-route`,
 `prefix_hit` would say "someone sent this"), and uuid-only image parts (A's uuid must be unknown to
@@ -15,7 +15,7 @@ import pytest
 
 from images import data_uri, image_bytes, image_part
 from procs import MODEL_NAME, LiveFleet
-from warmfleet.server.router.auth import derive_salt
+from warmfleet.server.router.core.tenants import derive_salt
 
 pytestmark = pytest.mark.slow
 

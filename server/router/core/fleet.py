@@ -35,7 +35,7 @@ from typing import Iterable, Optional
 import aiohttp
 import httpx
 
-from ..events import EventBatch, Snapshot
+from ...events import EventBatch, Snapshot
 from .engines.warmfleet import WarmfleetDialect
 from .index import Applied, KVIndex
 from .metrics import RouterMetrics

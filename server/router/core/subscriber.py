@@ -10,7 +10,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from ..events import EventBatch
+from ...events import EventBatch
 
 log = logging.getLogger(__name__)
 

@@ -56,7 +56,7 @@ import socket
 import time
 import urllib.parse
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Iterable, Optional
 
 import aiohttp
 
@@ -249,17 +249,3 @@ def _is_ip(host: str) -> bool:
     except ValueError:
         return False
 
-
-def add_peer_route(app, state: dict, open_by_client: Callable[[], dict], peers: Optional[PeerLoad]) -> None:
-    """`GET /v1/router/peer-load`: this router's own figures (served even without --peers, so others can poll it)."""
-    from starlette.responses import JSONResponse
-
-    local = peers or PeerLoad([])
-
-    @app.get(PEER_LOAD_PATH, response_model=None)  # the annotation names a local import: no schema from it
-    async def peer_load() -> JSONResponse:
-        fleet = state.get("fleet")
-        reps = fleet.registry.replicas.values() if fleet is not None else []
-        out = local.local_report(reps, open_by_client())
-        out["peers"] = local.view()
-        return JSONResponse(out)

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .. import engine_kinds
-from ..config import HASH_ALGOS, CacheConfig, ServerConfig
-from ..flagfields import flag_of, opt
+from ... import engine_kinds
+from ...config import HASH_ALGOS, CacheConfig, ServerConfig
+from ...flagfields import flag_of, opt
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -75,7 +75,7 @@ class PolicyConfig:
 
 @dataclass(frozen=True)
 class ProxyConfig:
-    """How one request is placed cold and retried (proxy.py)."""
+    """How one request is placed cold (router.py) and retried (the HTTP relay, http/proxy.py)."""
 
     cold_key_blocks: int = field(default=1, metadata=opt(  # leading blocks whose chain hash places a prefix nobody holds
         "--cold-key-blocks", "Leading blocks whose hash places a prefix no replica holds (consistent hashing)."))

@@ -2,45 +2,22 @@
 
 from __future__ import annotations
 
-import asyncio
-import gc
 import hmac
 import json
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Optional
 
-import httpx
 from fastapi import FastAPI, Request
 from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response
 
-from ..bodies import BodyTooLarge, read_capped
-from .auth import ConcurrencyLimiter, Tenants
-from .engines import dialect_for
-from .fleet import Fleet
-from .metrics import RouterMetrics
-from .peers import PeerLoad, add_peer_route
-from .prompt import HashConfig, PromptRenderer
+from ...bodies import BodyTooLarge, read_capped
+from ..core.fleet import Fleet
+from ..core.metrics import RouterMetrics
+from ..core.peers import PEER_LOAD_PATH, PeerLoad
+from ..core.runtime import RouterRuntime, running, upstream_headers
+from ..core.tenants import ConcurrencyLimiter
 from .proxy import Proxy, error_response, upstream_session
-from .registry import ReplicaSpec
-from .settings import RouterSettings
-
-Discovery = Callable[[Fleet], Awaitable[None]]  # runs until cancelled, calling fleet.set_members
-
-
-@dataclass
-class RouterRuntime:
-    """What `build_app` runs: the settings (every flag) and what was built from them."""
-
-    hash_cfg: HashConfig  # block size, digest and the model's fingerprint
-    settings: RouterSettings = field(default_factory=RouterSettings)
-    replicas: list[ReplicaSpec] = field(default_factory=list)  # static members (--replica)
-    renderer: Optional[PromptRenderer] = None  # None: route by load and cold hashing of nothing (tests only)
-    tenants: Tenants = field(default_factory=lambda: Tenants({}))
-    discovery: Optional[Discovery] = None
-    peers: list[str] = field(default_factory=list)  # peer routers' base URLs (--peers): load and client limits shared
-    freeze_gc: bool = False  # gc.freeze() once started (`warmfleet route` sets it; a process-wide act, not for tests)
 
 
 def parse_json_object(raw: bytes) -> dict | Response:
@@ -244,46 +221,19 @@ def _openai_endpoint(front: Frontend, method: str, path: str,
 
 
 def _lifespan(rt: RouterRuntime, metrics: RouterMetrics, state: dict, peers: Optional[PeerLoad] = None):
-    """Start the fleet (health checks, event feeds, discovery) and the proxy with the app; stop them with it."""
-    settings = rt.settings
-    upstream = {"authorization": f"Bearer {settings.replica_api_key}"} if settings.replica_api_key else {}
+    """Start the core (fleet, discovery, peer polling: core/runtime.py) and the proxy with the app; stop all with it."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
-        fleet = Fleet(http, metrics, health_interval_s=settings.health_interval_s,
-                      health_timeout_s=settings.health_timeout_s,
-                      health_failures=settings.health_failures, model_fingerprint=rt.hash_cfg.model_fingerprint,
-                      block_size=rt.hash_cfg.block_size, upstream_headers=upstream,
-                      dialect=dialect_for(settings), warmup=settings.warmup,
-                      index_max_blocks=settings.index_max_blocks)
-        state["fleet"] = app.state.fleet = fleet
         session = upstream_session()
-        state["proxy"] = Proxy(fleet, rt.renderer, rt.hash_cfg, metrics, settings.policy, settings.proxy,
-                               upstream, session)
-        state["proxy"].peers = peers
-        app.state.proxy = state["proxy"]
-        await fleet.set_members(rt.replicas)
-        await fleet.start()
-        if rt.freeze_gc:
-            # what is loaded by now (tokenizer, FastAPI, pydantic: ~85k objects) lives as long as the process; out
-            # of the collector's reach, a full collection no longer walks it (35-55 ms a pass under load before:
-            # a p99 spike every few seconds; 2-3 ms after; docs/scale.md)
-            gc.freeze()
-        disc = asyncio.create_task(rt.discovery(fleet)) if rt.discovery else None
-        gossip = asyncio.create_task(peers.run()) if peers else None
         try:
-            yield
+            async with running(rt, metrics, peers) as router:
+                state["fleet"] = app.state.fleet = router.fleet
+                app.state.router = router
+                state["proxy"] = app.state.proxy = Proxy(router, rt.settings.proxy, upstream_headers(rt.settings),
+                                                         session)
+                yield
         finally:
-            if gossip is not None:
-                gossip.cancel()
-                await asyncio.gather(gossip, return_exceptions=True)
-            if disc is not None:
-                disc.cancel()
-                await asyncio.gather(disc, return_exceptions=True)
-            await fleet.stop()
-            state["proxy"].close()
-            await http.aclose()
             await session.close()
 
     return lifespan
@@ -377,6 +327,19 @@ def _add_admin_routes(app: FastAPI, rt: RouterRuntime, state: dict) -> None:
         return await drain_call(request, rid, False)
 
 
+def _add_peer_route(app: FastAPI, state: dict, open_by_client: Callable[[], dict], peers: Optional[PeerLoad]) -> None:
+    """`GET /v1/router/peer-load`: this router's own figures (served even without --peers, so others can poll it)."""
+    local = peers or PeerLoad([])
+
+    @app.get(PEER_LOAD_PATH, response_model=None)  # no schema from the return annotation
+    async def peer_load() -> JSONResponse:
+        fleet = state.get("fleet")
+        reps = fleet.registry.replicas.values() if fleet is not None else []
+        out = local.local_report(reps, open_by_client())
+        out["peers"] = local.view()
+        return JSONResponse(out)
+
+
 def build_app(rt: RouterRuntime) -> FastAPI:
     metrics = RouterMetrics()
     settings = rt.settings
@@ -392,5 +355,5 @@ def build_app(rt: RouterRuntime) -> FastAPI:
     _add_openai_routes(app, front)
     _add_status_routes(app, state, metrics)
     _add_admin_routes(app, rt, state)
-    add_peer_route(app, state, lambda: limiter.open, peers)
+    _add_peer_route(app, state, lambda: limiter.open, peers)
     return FastPath(app, front)  # type: ignore[return-value]  # an ASGI app that forwards attributes to `app`

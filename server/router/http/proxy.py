@@ -1,4 +1,4 @@
-"""Route one request and relay the replica's answer: retries before the first byte, streams without buffering.
+"""Relay a request to the replicas the core chose, and their answer back: retries before the first byte, no buffering.
 
     client ◀─ headers + first event ─┐   nothing reached the client yet: a refused/reset
     attempt 1 ──✗ connect/reset      │   connection or 502/503/504 moves the request to
@@ -13,31 +13,24 @@ the client sees a byte: any failure before then is retried too.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import json
 import logging
-import random
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Iterator, Optional
+from typing import AsyncIterator, Optional
 
 import aiohttp
 import httpx
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from .. import rendering
-from .fleet import Fleet
-from .metrics import RouterMetrics
-from .policy import RETRY, Candidate, Decision, PolicyConfig, choose
-from .prompt import HashConfig, Prompt, PromptRenderer
-from .registry import Replica
-from .settings import ProxyConfig
+from ..core.policy import RETRY, Decision
+from ..core.registry import Replica
+from ..core.router import Router, cached_tokens_of
+from ..core.settings import ProxyConfig
 
 log = logging.getLogger(__name__)
 
 RETRYABLE_STATUS = {502, 503, 504}
-SHARE_WINDOW = 512  # requests over which the policy's share cap evens out request counts
-SHARE_DECAY = 1.0 - 1.0 / SHARE_WINDOW
 CONNECT_FAILURES = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
                     httpx.WriteError, httpx.PoolTimeout)  # forward_plain (httpx)
 # forwarding (aiohttp): a connect timeout counts as a failed health check (fleet.report_timeout), a refused or
@@ -62,13 +55,6 @@ def _event_boundary(buf: bytes) -> int:
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
-def cached_tokens_of(body: dict) -> Optional[int]:
-    usage = body.get("usage") if isinstance(body, dict) else None
-    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-    value = details.get("cached_tokens") if isinstance(details, dict) else None
-    return value if isinstance(value, int) else None
-
-
 def upstream_session() -> aiohttp.ClientSession:
     """Pooled keep-alive connections for forwarding (aiohttp writes headers and a small body in one send)."""
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=None, keepalive_timeout=60),
@@ -88,142 +74,44 @@ class _Attempt:
     t_arrival: float  # perf_counter() when the request arrived (TTFT)
 
 
-def _has_images(body: dict) -> bool:
-    """Whether a chat body holds an image part (cheap: no decoding)."""
-    messages = body.get("messages")
-    return isinstance(messages, list) and rendering.has_images(messages)
-
-
 class Proxy:
-    peers = None  # peers.PeerLoad when other routers share the fleet: their load is added to this router's
+    """The HTTP relay of `warmfleet route`: asks the core where a request goes (`Router.route`), then sends it."""
 
-    def __init__(self, fleet: Fleet, renderer: Optional[PromptRenderer], hash_cfg: HashConfig,
-                 metrics: RouterMetrics, policy: PolicyConfig = PolicyConfig(), cfg: ProxyConfig = ProxyConfig(),
-                 upstream_headers: Optional[dict] = None, session: Optional[aiohttp.ClientSession] = None):
-        self.fleet, self.renderer, self.hash_cfg = fleet, renderer, hash_cfg
-        self.metrics, self.policy, self.cfg = metrics, policy, cfg
+    def __init__(self, router: Router, cfg: ProxyConfig = ProxyConfig(), upstream_headers: Optional[dict] = None,
+                 session: Optional[aiohttp.ClientSession] = None):
+        self.router, self.fleet, self.metrics, self.cfg = router, router.fleet, router.metrics, cfg
         self.upstream_headers = upstream_headers or {}
         self.timeout = httpx.Timeout(cfg.read_timeout_s, connect=cfg.connect_timeout_s)
         self.session = session  # created lazily inside the running loop when not given
-        self._media_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None  # render_off_loop's thread
         self.aio_timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s,
                                                  sock_read=cfg.read_timeout_s)
-
-    # --- decision ---------------------------------------------------------------------------
-    def render(self, kind: str, body: dict) -> Optional[Prompt]:
-        if self.renderer is None:
-            return None
-        try:
-            return self.renderer.chat(body) if kind == "chat" else self.renderer.completion(body)
-        except Exception as exc:  # the replica will judge the request; the router only loses its prediction
-            log.debug("cannot render %s request: %s", kind, exc)
-            return None
-
-    async def render_off_loop(self, kind: str, body: dict) -> Optional[Prompt]:
-        """`render` for a request with images (decoding and hashing them is CPU work: 5,000 parts held the loop
-        ~3.5 s) on one worker thread, so text requests keep flowing; one thread keeps the image memo single-writer."""
-        if self._media_pool is None:
-            self._media_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="router-media")
-        return await asyncio.get_running_loop().run_in_executor(self._media_pool, self.render, kind, body)
-
-    def close(self) -> None:
-        """Stop render_off_loop's thread (a render under way finishes; nothing waits for it)."""
-        if self._media_pool is not None:
-            self._media_pool.shutdown(wait=False, cancel_futures=True)
-
-    def decide(self, kind: str, body: dict, replicas: list[Replica],
-               rendered: Optional[tuple[Optional[Prompt]]] = None) -> tuple[Decision, Optional[Prompt], list[bytes]]:
-        """The routing decision, the rendered prompt (None if the router cannot render it) and its block names.
-
-        `rendered` is `(prompt,)` when the caller rendered it already (off the loop); else it is rendered here."""
-        t0 = time.perf_counter()
-        prompt = rendered[0] if rendered is not None else self.render(kind, body)
-        bs = self.hash_cfg.block_size
-        salt = body.get("cache_salt")
-        salt = salt if isinstance(salt, str) else None  # not a string: the replica answers the 400, not a crash here
-        hashes = self.fleet.dialect.block_hashes(prompt, salt, self.hash_cfg) if prompt else []
-        matches = self.fleet.index.match(hashes, [r.id for r in replicas])
-        cands = []
-        combined = self.peers.combined if self.peers is not None else None
-        for r in replicas:
-            m = matches[r.id]
-            warm = 0
-            if prompt and prompt.mm_items:
-                hits = self.fleet.index.encoder_hits(r.id, [i.mm_hash for i in prompt.mm_items])
-                warm = sum(i.length for i in prompt.mm_items if i.mm_hash in hits and i.offset >= m.blocks * bs)
-            if combined is None:
-                cands.append(Candidate(r.id, m.gpu_blocks, m.cpu_blocks, warm,
-                                       load=max(r.in_flight, self.fleet.engine_load(r.id)),
-                                       queued_tokens=r.queued_tokens, sent=r.sent))
-            else:  # every router's load on it: ours exact, the peers' as of their last report (peers.py)
-                in_flight, queued, sent = combined(r.id, r.in_flight, r.queued_tokens, r.sent)
-                cands.append(Candidate(r.id, m.gpu_blocks, m.cpu_blocks, warm,
-                                       load=max(in_flight, self.fleet.engine_load(r.id)),
-                                       queued_tokens=queued, sent=sent, tie=random.random() * self.peers.jitter,
-                                       unseen=self.peers.fresh))
-        cold_key = hashes[min(len(hashes), self.cfg.cold_key_blocks) - 1] if hashes else None
-        num_tokens = prompt.num_tokens if prompt else 0
-        decision = choose(cands, block_size=bs, num_prompt_tokens=num_tokens, cold_key=cold_key, cfg=self.policy)
-        if self.fleet.index.max_blocks_per_replica is not None and decision.order:  # capped index: LRU by use
-            used = matches.get(decision.order[0])
-            if used is not None and used.blocks:
-                self.fleet.index.touch(decision.order[0], hashes[:used.blocks])
-        if prompt is not None and not prompt.mm_items:  # remembered for warming replicas that join later
-            self.fleet.warmer.hot.observe(prompt.token_ids, hashes, bs, body.get("cache_salt"), body.get("model"),
-                                          cold_key, time.monotonic())
-        self.metrics.route_seconds.observe(time.perf_counter() - t0)
-        self.metrics.decisions.labels(decision.reason).inc()
-        if self.fleet.dialect.contract == "predicted":
-            self.metrics.predicted_decisions.labels(decision.reason).inc()
-        self.metrics.prompt_tokens.inc(num_tokens)
-        return decision, prompt, hashes
 
     # --- forwarding -------------------------------------------------------------------------
     async def forward(self, path: str, kind: str, body: dict, client_headers: dict,
                       raw: Optional[bytes] = None) -> Response:
         """Route and relay; `raw` is the client's body when `body` is still exactly it (no re-serialising)."""
         t_arrival = time.perf_counter()
-        rendered = None
-        if kind == "chat" and self.renderer is not None and _has_images(body):
-            rendered = (await self.render_off_loop(kind, body),)
-        replicas = self.fleet.routable()  # after the render: the fleet may change while it runs
-        if not replicas:
+        routed = await self.router.route(kind, body)
+        if routed is None:
             return self._count(error_response(503, "no healthy replica", "service_unavailable"))
-        decision, prompt, hashes = self.decide(kind, body, replicas, rendered)
-        if prompt is not None and self.fleet.dialect.prepare_body(body, prompt):
+        if routed.body_changed:
             raw = None  # the engine needs what the router computed (e.g. vLLM: image uuids)
         attempt = _Attempt(path, raw if raw is not None else json.dumps(body).encode(),
                            {"content-type": "application/json", **client_headers, **self.upstream_headers},
-                           bool(body.get("stream")), decision, hashes, t_arrival)
+                           bool(body.get("stream")), routed.decision, routed.hashes, t_arrival)
         last_error = "no replica accepted the request"
-        for tried, rep in enumerate(self._retry_order(decision), 1):
+        for tried, rep in enumerate(self.router.retry_order(routed.decision, self.cfg.max_attempts), 1):
             outcome = await self._try(rep, attempt, retried=tried > 1)
             if isinstance(outcome, Response):
                 return outcome
             last_error = outcome
         return self._count(error_response(502, last_error, "upstream_error"))
 
-    def _retry_order(self, decision: Decision) -> Iterator[Replica]:
-        """The decision's replicas still healthy when their turn comes, at most max_attempts; each after the first
-        counts as a retry."""
-        tried = 0
-        for rid in decision.order:
-            rep = self.fleet.registry.get(rid)
-            if rep is None or not rep.healthy:
-                continue
-            if tried == self.cfg.max_attempts:
-                return
-            if tried:
-                self.metrics.retries.inc()
-                self.metrics.decisions.labels(RETRY).inc()
-            tried += 1
-            yield rep
-
     async def _try(self, rep: Replica, a: _Attempt, retried: bool) -> Response | str:
         """One replica's try: the answer for the client, or why the next replica should be tried."""
         rid = rep.id
         queued = a.decision.uncached_for(rid)
-        self._enter(rep, queued)  # queued prefill until the first token, the answer or a failure
+        self.router.enter(rep, queued)  # queued prefill until the first token, the answer or a failure
         released = False
         resp: Optional[aiohttp.ClientResponse] = None
         try:
@@ -254,9 +142,9 @@ class Proxy:
             self.fleet.report_failure(rid, f"{rid}: {type(exc).__name__}")
             return f"{rid}: {type(exc).__name__}"
         finally:
-            self._prefilled(rep, queued)
+            self.router.prefilled(rep, queued)
             if not released:
-                self._leave(rep)
+                self.router.leave(rep)
 
     async def _first_event(self, rep: Replica, resp: aiohttp.ClientResponse, a: _Attempt,
                            retried: bool) -> StreamingResponse:
@@ -318,7 +206,7 @@ class Proxy:
                 yield (b"\n\n" if buf else b"") + sse_error(f"replica {rep.id} failed mid-stream ({type(exc).__name__})")
             finally:
                 resp.close() if not resp.content.at_eof() else resp.release()
-                self._leave(rep)
+                self.router.leave(rep)
 
         return self._count(StreamingResponse(relay(), resp.status, self._reply_headers(resp, rep, decision, retried)))
 
@@ -331,24 +219,6 @@ class Proxy:
             out["x-warmfleet-route"] = f"{reason}; predicted_cached_tokens={decision.predicted_for(rep.id)}"
         return out
 
-    def _enter(self, rep: Replica, queued_tokens: int = 0) -> None:
-        rep.in_flight += 1
-        rep.queued_tokens += queued_tokens
-        for r in self.fleet.registry.replicas.values():  # recent share: counts decay over ~SHARE_WINDOW requests
-            r.sent *= SHARE_DECAY
-        rep.sent += 1
-        self.metrics.replica_in_flight.labels(rep.id).set(rep.in_flight)
-        self.metrics.replica_queued_tokens.labels(rep.id).set(rep.queued_tokens - rep.replay_tokens)
-
-    def _prefilled(self, rep: Replica, queued_tokens: int) -> None:
-        """The request's prompt is no longer work queued ahead of others (first token, answer or failure)."""
-        rep.queued_tokens -= queued_tokens
-        self.metrics.replica_queued_tokens.labels(rep.id).set(rep.queued_tokens - rep.replay_tokens)
-
-    def _leave(self, rep: Replica) -> None:
-        rep.in_flight -= 1
-        self.metrics.replica_in_flight.labels(rep.id).set(rep.in_flight)
-
     def _count(self, resp: Response) -> Response:
         self.metrics.requests.labels(f"{resp.status_code // 100}xx").inc()
         return resp
@@ -358,23 +228,13 @@ class Proxy:
             actual = cached_tokens_of(json.loads(content))
         except (ValueError, UnicodeDecodeError):
             return
-        self._record_actual(decision, rid, actual)
+        self.router.record_actual(decision, rid, actual)
 
     def _observe_sse_usage(self, decision: Decision, events: bytes, rid: str) -> None:
         for line in events.splitlines():
             if line.startswith(b"data: {") and b'"cached_tokens"' in line:
                 try:
-                    self._record_actual(decision, rid, cached_tokens_of(json.loads(line[6:])))
+                    self.router.record_actual(decision, rid, cached_tokens_of(json.loads(line[6:])))
                 except (ValueError, UnicodeDecodeError):
                     pass
                 return
-
-    def _record_actual(self, decision: Decision, rid: str, actual: Optional[int]) -> None:
-        """Actual vs predicted for the replica that answered (after a retry: that replica's own prediction)."""
-        if actual is None:
-            return
-        predicted = decision.predicted_for(rid)
-        self.metrics.actual_cached_tokens.inc(actual)
-        self.metrics.usage_prompt_tokens.inc(decision.num_prompt_tokens)
-        self.metrics.predicted_cached_tokens.inc(predicted)
-        self.metrics.prediction_error.observe(actual - predicted)

@@ -34,8 +34,8 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from ...events import CPU, GPU, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, Snapshot
-from ...hashing import MMPlaceholder
+from ....events import CPU, GPU, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, Snapshot
+from ....hashing import MMPlaceholder
 from ..prompt import BoundedMemo, HashConfig, Prompt
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from ...events import GPU, EventBatch, Load, Snapshot
+from ....events import GPU, EventBatch, Load, Snapshot
 from ..prompt import HashConfig, HashMemo, Prompt, prompt_block_hashes
 
 RUNNING, WAITING = "fastdeploy:num_requests_running", "fastdeploy:num_requests_waiting"  # gauges, per its metrics docs

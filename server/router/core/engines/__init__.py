@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Optional, Protocol
 
-from ...engine_kinds import dialect_class
+from ....engine_kinds import dialect_class
 
 
 class Dialect(Protocol):

@@ -7,7 +7,7 @@ from typing import Optional
 
 import httpx
 
-from ...events import EventBatch, Snapshot, decode
+from ....events import EventBatch, Snapshot, decode
 from ..prompt import HashConfig, HashMemo, Prompt, prompt_block_hashes
 
 log = logging.getLogger(__name__)

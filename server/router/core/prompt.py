@@ -16,8 +16,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from .. import rendering
-from ..hashing import MMPlaceholder, block_extra_keys, block_hashes, hash_block, root_hash
+from ... import rendering
+from ...hashing import MMPlaceholder, block_extra_keys, block_hashes, hash_block, root_hash
 
 IMAGE_PAD_TOKENS = ("<|image_pad|>", "<image>")  # placeholder tokens a template emits per image, by model family
 
@@ -155,14 +155,14 @@ class SegmentEncoder:
 class PromptRenderer:
     """Owns the tokenizer; `chat(body)` / `completion(body)` raise ValueError for what they cannot render.
 
-    Mirrors the replica's API (server/api/serving.py): the chat template gets the messages and
+    Mirrors the replica's API (server/api/completions.py): the chat template gets the messages and
     `add_generation_prompt` only, and is encoded without special tokens; a completion's text
     prompt is encoded with them.
     """
 
     def __init__(self, model_dir: str, tokenizer: Any = None, hash_algo: str = "blake3"):
         if tokenizer is None:
-            from ..tokenizer import Tokenizer
+            from ...tokenizer import Tokenizer
 
             tokenizer = Tokenizer(model_dir)
         self.tokenizer = tokenizer
@@ -193,7 +193,7 @@ class PromptRenderer:
     def _chat_with_images(self, messages: list, add_gen: bool, cache_salt: Optional[str] = None) -> Prompt:
         if self._mm_render is not None and self._image_pad_ids:
             if self._processor_cfg is None:
-                from ..multimodal.processor import ImageProcessorConfig
+                from ...multimodal.processor import ImageProcessorConfig
 
                 self._processor_cfg = ImageProcessorConfig.from_model_dir(self.tokenizer.model_dir)
             ids, items = self._mm_render(self.tokenizer, messages, processor_cfg=self._processor_cfg,

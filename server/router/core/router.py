@@ -1,0 +1,199 @@
+"""The decision every front door asks for (`Router.route`: render, hash, match, score) and the load it books; no HTTP.
+
+    front door (HTTP proxy, Endpoint Picker)
+      │ route(kind, body)          → Routed: the decision's replica order, prompt, block names
+      │ retry_order(decision, n)   → the replicas to try, healthy when their turn comes
+      │ enter / prefilled / leave  → in flight and queued prefill per replica (what the policy weighs)
+      │ record_actual              → actual vs predicted cached tokens (the replica's usage)
+      ▼
+    fleet (membership, health, KV index, warm-up) · policy.choose · peers (other routers' load)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+from ... import rendering
+from .fleet import Fleet
+from .metrics import RouterMetrics
+from .policy import RETRY, Candidate, Decision, PolicyConfig, choose
+from .prompt import HashConfig, Prompt, PromptRenderer
+from .registry import Replica
+
+log = logging.getLogger(__name__)
+
+SHARE_WINDOW = 512  # requests over which the policy's share cap evens out request counts
+SHARE_DECAY = 1.0 - 1.0 / SHARE_WINDOW
+
+
+def has_images(body: dict) -> bool:
+    """Whether a chat body holds an image part (cheap: no decoding)."""
+    messages = body.get("messages")
+    return isinstance(messages, list) and rendering.has_images(messages)
+
+
+def cached_tokens_of(body: dict) -> Optional[int]:
+    """`usage.prompt_tokens_details.cached_tokens` of an OpenAI answer (or stream event), None if it has none."""
+    usage = body.get("usage") if isinstance(body, dict) else None
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    value = details.get("cached_tokens") if isinstance(details, dict) else None
+    return value if isinstance(value, int) else None
+
+
+@dataclass(frozen=True)
+class Routed:
+    """One request's routing outcome: what a front door needs to send it."""
+
+    decision: Decision  # replicas in the order to try them, the reason, predicted hits per replica
+    prompt: Optional[Prompt]  # None: the router cannot render the request (the replica will judge it)
+    hashes: list[bytes]  # the prompt's block names as the fleet's engine names them
+    body_changed: bool  # the dialect rewrote the body (e.g. vLLM: image uuids): the client's bytes no longer do
+
+
+class Router:
+    """One router's decisions over its fleet, and the load they put on it; shared by every front door."""
+
+    peers = None  # peers.PeerLoad when other routers share the fleet: their load is added to this router's
+
+    def __init__(self, fleet: Fleet, renderer: Optional[PromptRenderer], hash_cfg: HashConfig,
+                 metrics: RouterMetrics, policy: PolicyConfig = PolicyConfig(), cold_key_blocks: int = 1):
+        self.fleet, self.renderer, self.hash_cfg = fleet, renderer, hash_cfg
+        self.metrics, self.policy, self.cold_key_blocks = metrics, policy, cold_key_blocks
+        self._media_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None  # render_off_loop's thread
+
+    # --- decision ---------------------------------------------------------------------------
+    async def route(self, kind: str, body: dict) -> Optional[Routed]:
+        """Decide where `body` (a `kind` = "chat" | "completion" request) goes; None if no replica is routable.
+
+        A chat request with images is rendered off the event loop first; the dialect may then rewrite
+        `body` in place so the engine names its blocks as predicted."""
+        rendered = None
+        if kind == "chat" and self.renderer is not None and has_images(body):
+            rendered = (await self.render_off_loop(kind, body),)
+        replicas = self.fleet.routable()  # after the render: the fleet may change while it runs
+        if not replicas:
+            return None
+        decision, prompt, hashes = self.decide(kind, body, replicas, rendered)
+        changed = prompt is not None and self.fleet.dialect.prepare_body(body, prompt)
+        return Routed(decision, prompt, hashes, changed)
+
+    def render(self, kind: str, body: dict) -> Optional[Prompt]:
+        if self.renderer is None:
+            return None
+        try:
+            return self.renderer.chat(body) if kind == "chat" else self.renderer.completion(body)
+        except Exception as exc:  # the replica will judge the request; the router only loses its prediction
+            log.debug("cannot render %s request: %s", kind, exc)
+            return None
+
+    async def render_off_loop(self, kind: str, body: dict) -> Optional[Prompt]:
+        """`render` for a request with images (decoding and hashing them is CPU work: 5,000 parts held the loop
+        ~3.5 s) on one worker thread, so text requests keep flowing; one thread keeps the image memo single-writer."""
+        if self._media_pool is None:
+            self._media_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="router-media")
+        return await asyncio.get_running_loop().run_in_executor(self._media_pool, self.render, kind, body)
+
+    def close(self) -> None:
+        """Stop render_off_loop's thread (a render under way finishes; nothing waits for it)."""
+        if self._media_pool is not None:
+            self._media_pool.shutdown(wait=False, cancel_futures=True)
+
+    def decide(self, kind: str, body: dict, replicas: list[Replica],
+               rendered: Optional[tuple[Optional[Prompt]]] = None) -> tuple[Decision, Optional[Prompt], list[bytes]]:
+        """The routing decision, the rendered prompt (None if the router cannot render it) and its block names.
+
+        `rendered` is `(prompt,)` when the caller rendered it already (off the loop); else it is rendered here."""
+        t0 = time.perf_counter()
+        prompt = rendered[0] if rendered is not None else self.render(kind, body)
+        bs = self.hash_cfg.block_size
+        salt = body.get("cache_salt")
+        salt = salt if isinstance(salt, str) else None  # not a string: the replica answers the 400, not a crash here
+        hashes = self.fleet.dialect.block_hashes(prompt, salt, self.hash_cfg) if prompt else []
+        matches = self.fleet.index.match(hashes, [r.id for r in replicas])
+        cands = []
+        combined = self.peers.combined if self.peers is not None else None
+        for r in replicas:
+            m = matches[r.id]
+            warm = 0
+            if prompt and prompt.mm_items:
+                hits = self.fleet.index.encoder_hits(r.id, [i.mm_hash for i in prompt.mm_items])
+                warm = sum(i.length for i in prompt.mm_items if i.mm_hash in hits and i.offset >= m.blocks * bs)
+            if combined is None:
+                cands.append(Candidate(r.id, m.gpu_blocks, m.cpu_blocks, warm,
+                                       load=max(r.in_flight, self.fleet.engine_load(r.id)),
+                                       queued_tokens=r.queued_tokens, sent=r.sent))
+            else:  # every router's load on it: ours exact, the peers' as of their last report (peers.py)
+                in_flight, queued, sent = combined(r.id, r.in_flight, r.queued_tokens, r.sent)
+                cands.append(Candidate(r.id, m.gpu_blocks, m.cpu_blocks, warm,
+                                       load=max(in_flight, self.fleet.engine_load(r.id)),
+                                       queued_tokens=queued, sent=sent, tie=random.random() * self.peers.jitter,
+                                       unseen=self.peers.fresh))
+        cold_key = hashes[min(len(hashes), self.cold_key_blocks) - 1] if hashes else None
+        num_tokens = prompt.num_tokens if prompt else 0
+        decision = choose(cands, block_size=bs, num_prompt_tokens=num_tokens, cold_key=cold_key, cfg=self.policy)
+        if self.fleet.index.max_blocks_per_replica is not None and decision.order:  # capped index: LRU by use
+            used = matches.get(decision.order[0])
+            if used is not None and used.blocks:
+                self.fleet.index.touch(decision.order[0], hashes[:used.blocks])
+        if prompt is not None and not prompt.mm_items:  # remembered for warming replicas that join later
+            self.fleet.warmer.hot.observe(prompt.token_ids, hashes, bs, body.get("cache_salt"), body.get("model"),
+                                          cold_key, time.monotonic())
+        self.metrics.route_seconds.observe(time.perf_counter() - t0)
+        self.metrics.decisions.labels(decision.reason).inc()
+        if self.fleet.dialect.contract == "predicted":
+            self.metrics.predicted_decisions.labels(decision.reason).inc()
+        self.metrics.prompt_tokens.inc(num_tokens)
+        return decision, prompt, hashes
+
+    def retry_order(self, decision: Decision, max_attempts: int) -> Iterator[Replica]:
+        """The decision's replicas still healthy when their turn comes, at most `max_attempts`; each after the first
+        counts as a retry."""
+        tried = 0
+        for rid in decision.order:
+            rep = self.fleet.registry.get(rid)
+            if rep is None or not rep.healthy:
+                continue
+            if tried == max_attempts:
+                return
+            if tried:
+                self.metrics.retries.inc()
+                self.metrics.decisions.labels(RETRY).inc()
+            tried += 1
+            yield rep
+
+    # --- load this router put on the replicas ---------------------------------------------------
+    def enter(self, rep: Replica, queued_tokens: int = 0) -> None:
+        """A request goes to `rep`: one more in flight, its uncached prompt queued until its first token."""
+        rep.in_flight += 1
+        rep.queued_tokens += queued_tokens
+        for r in self.fleet.registry.replicas.values():  # recent share: counts decay over ~SHARE_WINDOW requests
+            r.sent *= SHARE_DECAY
+        rep.sent += 1
+        self.metrics.replica_in_flight.labels(rep.id).set(rep.in_flight)
+        self.metrics.replica_queued_tokens.labels(rep.id).set(rep.queued_tokens - rep.replay_tokens)
+
+    def prefilled(self, rep: Replica, queued_tokens: int) -> None:
+        """The request's prompt is no longer work queued ahead of others (first token, answer or failure)."""
+        rep.queued_tokens -= queued_tokens
+        self.metrics.replica_queued_tokens.labels(rep.id).set(rep.queued_tokens - rep.replay_tokens)
+
+    def leave(self, rep: Replica) -> None:
+        """The request's last byte has gone (or it failed): one fewer in flight on `rep`."""
+        rep.in_flight -= 1
+        self.metrics.replica_in_flight.labels(rep.id).set(rep.in_flight)
+
+    def record_actual(self, decision: Decision, rid: str, actual: Optional[int]) -> None:
+        """Actual vs predicted for the replica that answered (after a retry: that replica's own prediction)."""
+        if actual is None:
+            return
+        predicted = decision.predicted_for(rid)
+        self.metrics.actual_cached_tokens.inc(actual)
+        self.metrics.usage_prompt_tokens.inc(decision.num_prompt_tokens)
+        self.metrics.predicted_cached_tokens.inc(predicted)
+        self.metrics.prediction_error.observe(actual - predicted)

@@ -1,0 +1,1 @@
+"""`warmfleet route`, the OpenAI-compatible HTTP front door: FastAPI app, streaming relay, uvicorn transport, CLI."""
