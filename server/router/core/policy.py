@@ -60,7 +60,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 from .settings import PolicyConfig
 
@@ -134,88 +134,116 @@ def cacheable_tokens(num_prompt_tokens: int, block_size: int) -> int:
     return max(0, (num_prompt_tokens - 1) // block_size * block_size)
 
 
+def prefix_at_stake(hits: Iterable[int], warm_min_tokens: int) -> bool:
+    """Whether some replica holds at least `warm_min_tokens` more of the prompt than another."""
+    return max(hits) - min(hits) >= warm_min_tokens
+
+
+def queue_weight_for(at_stake: bool, cfg: PolicyConfig) -> float:
+    """What one queued prompt token costs: `queue_weight` when the cache is at stake, else `cold_queue_weight`."""
+    if cfg.cold_queue_weight is not None and not at_stake:  # nothing at stake: moving costs nothing
+        return cfg.cold_queue_weight
+    return cfg.queue_weight
+
+
+def prefix_value(c: Candidate, block_size: int, limit: int, cpu_weight: float) -> float:
+    """Worth of the prompt prefix `c` caches, in tokens: GPU blocks in full, swap-tier blocks at `cpu_weight`."""
+    gpu = min(c.gpu_blocks * block_size, limit)
+    cpu = min(c.cpu_blocks * block_size, limit - gpu)
+    return gpu + cpu_weight * cpu
+
+
+def common_prefix_level(values: Iterable[float], num_replicas: int, block_size: int, warm_min_tokens: int) -> float:
+    """The prefix worth more than half of the replicas hold, capped at the longest whole block not at stake."""
+    # holding it or less scores the same, 0, so ranking changes only among the replicas at or below it. Capped
+    # below warm_min_tokens: a long prefix (a history held twice after a spill) is never given away for this.
+    short = (warm_min_tokens - 1) // block_size * block_size  # the longest whole-block prefix not at stake
+    return min(sorted(values, reverse=True)[num_replicas // 2], short)
+
+
+def under_caps(cands: Sequence[Candidate], cap: float, scap: float) -> list[Candidate]:
+    """The replicas under the load cap among those under the share cap (all of them if none is)."""
+    in_share = [c for c in cands if c.sent + 1 <= scap] or cands
+    return [c for c in in_share if c.load + 1 <= cap]
+
+
+def warm_share_slack(advantage: int, cfg: PolicyConfig) -> int:
+    """Requests above the share cap a replica holding `advantage` more tokens than the best under the caps may take."""
+    if cfg.share_slack_tokens > 0 and advantage > 0:
+        return cfg.warm_slack + min(cfg.max_share_slack, advantage // cfg.share_slack_tokens)
+    return cfg.warm_slack
+
+
+def keeps_warm(best: Candidate, advantage: int, cap: float, scap: float, cfg: PolicyConfig) -> bool:
+    """Whether `best`, over a cap, keeps the request for the `advantage` tokens it holds over the best under them."""
+    return (advantage >= cfg.warm_min_tokens
+            and best.load + 1 <= cap + cfg.warm_slack + cfg.warm_inflight_slack + best.unseen
+            and best.sent + 1 <= scap + warm_share_slack(advantage, cfg))
+
+
+def warm_order(cands: Sequence[Candidate], fits: list[Candidate], fit_ids: set, hits: dict[str, int], scores: dict,
+               cap: float, scap: float, cfg: PolicyConfig) -> tuple[list[Candidate], str]:
+    """Best score first under the caps, then the rest, unless the best over them keeps the request warm; and why."""
+    def rank(c: Candidate) -> tuple:
+        return (-scores[id(c)], c.load, c.sent + c.tie, c.replica)
+
+    ranked = sorted(fits, key=rank) + sorted([c for c in cands if id(c) not in fit_ids], key=rank)
+    best = min(cands, key=rank)  # replica names are unique: the same as sorted(cands, key=rank)[0]
+    best_is_over = id(best) not in fit_ids
+    advantage = hits[best.replica] - max((hits[c.replica] for c in fits), default=0)
+    kept_warm = best_is_over and keeps_warm(best, advantage, cap, scap, cfg)
+    if kept_warm:
+        ranked = [best] + [c for c in ranked if c is not best]
+    target = ranked[0]
+    if scores[id(best)] > scores[id(target)] and best_is_over and not kept_warm:
+        return ranked, LOAD_SPILL
+    if hits[target.replica] > 0 or target.warm_image_tokens > 0:
+        return ranked, PREFIX_HIT
+    return ranked, LEAST_LOAD  # the warm replicas are too busy to be worth it
+
+
+def cold_order(cands: Sequence[Candidate], fits: list[Candidate], fit_ids: set, scores: dict,
+               cold_key: bytes) -> tuple[list[Candidate], str]:
+    """A prefix nobody holds: rendezvous order of `cold_key` under the caps, then the rest by score; and why."""
+    weight = {c.replica: rendezvous_weight(cold_key, c.replica) for c in cands}
+    over = [c for c in cands if id(c) not in fit_ids]
+    ranked = (sorted(fits, key=lambda c: -weight[c.replica])
+              + sorted(over, key=lambda c: (-scores[id(c)], c.load, c.sent + c.tie, c.replica)))
+    top_any = max(cands, key=lambda c: weight[c.replica])
+    return ranked, COLD_HASH if ranked[0] is top_any else LOAD_SPILL
+
+
+def spread_order(cands: Sequence[Candidate]) -> list[Candidate]:
+    """A prompt shorter than one block (nothing to cache): least load first, then fewest sent."""
+    return sorted(cands, key=lambda c: (c.load, c.sent + c.tie, c.replica))
+
+
 def choose(cands: Sequence[Candidate], *, block_size: int, num_prompt_tokens: int,
            cold_key: Optional[bytes], cfg: PolicyConfig = PolicyConfig()) -> Decision:
     """Order replicas for one request; raises ValueError if there are none."""
     if not cands:
         raise ValueError("no routable replicas")
-    cap = load_cap([c.load for c in cands], cfg.epsilon)
     limit = cacheable_tokens(num_prompt_tokens, block_size)
-
-    def hit_tokens(c: Candidate) -> int:
-        return min(c.gpu_blocks * block_size + c.cpu_blocks * block_size, limit)
-
-    hit_list = [hit_tokens(c) for c in cands]
-    at_stake = max(hit_list) - min(hit_list) >= cfg.warm_min_tokens
-    queue_weight = cfg.queue_weight
-    if cfg.cold_queue_weight is not None and not at_stake:  # nothing at stake: moving costs nothing
-        queue_weight = cfg.cold_queue_weight
-
-    def prefix_value(c: Candidate) -> float:
-        gpu = min(c.gpu_blocks * block_size, limit)
-        cpu = min(c.cpu_blocks * block_size, limit - gpu)
-        return gpu + cfg.cpu_weight * cpu
-
-    values = {id(c): prefix_value(c) for c in cands}
-    # the fleet-common level: what more than half of the replicas hold (a first block every request shares);
-    # holding it or less scores the same, 0, so ranking changes only among the replicas at or below it. Capped
-    # below warm_min_tokens: a long prefix (a history held twice after a spill) is never given away for this.
+    # tokens each replica should serve from cache: the Decision's `hits`, and whether the prompt is warm anywhere
+    hits = {c.replica: min(c.gpu_blocks * block_size + c.cpu_blocks * block_size, limit) for c in cands}
+    queue_weight = queue_weight_for(prefix_at_stake(hits.values(), cfg.warm_min_tokens), cfg)
+    values = {id(c): prefix_value(c, block_size, limit, cfg.cpu_weight) for c in cands}
     common = 0.0
     if cfg.common_prefix_free:
-        short = (cfg.warm_min_tokens - 1) // block_size * block_size  # the longest whole-block prefix not at stake
-        common = min(sorted(values.values(), reverse=True)[len(cands) // 2], short)
-
-    def score(c: Candidate) -> float:
-        return (max(0.0, values[id(c)] - common) + cfg.encoder_weight * c.warm_image_tokens
-                - queue_weight * c.queued_tokens - cfg.load_weight * c.load)
-
+        common = common_prefix_level(values.values(), len(cands), block_size, cfg.warm_min_tokens)
     # Linear in the number of replicas: membership by identity, each score and rendezvous weight
     # computed once (list membership compared dataclasses field by field: 1.2 ms a request at 64
     # replicas, 4.4 ms at 128; docs/scale.md).
+    scores = {id(c): (max(0.0, values[id(c)] - common) + cfg.encoder_weight * c.warm_image_tokens
+                      - queue_weight * c.queued_tokens - cfg.load_weight * c.load) for c in cands}
+    cap = load_cap([c.load for c in cands], cfg.epsilon)
     scap = share_cap([c.sent for c in cands], cfg.share_epsilon)
-    in_share = [c for c in cands if c.sent + 1 <= scap] or list(cands)
-    fits = [c for c in in_share if c.load + 1 <= cap]
+    fits = under_caps(cands, cap, scap)
     fit_ids = {id(c) for c in fits}
-    over = [c for c in cands if id(c) not in fit_ids]
-    warm = any(hit_tokens(c) > 0 or c.warm_image_tokens > 0 for c in cands)
-    scores = {id(c): score(c) for c in cands}
-
-    def rank(c: Candidate) -> tuple:
-        return (-scores[id(c)], c.load, c.sent + c.tie, c.replica)
-
-    def by_score(cs: list[Candidate]) -> list[Candidate]:
-        return sorted(cs, key=rank)
-
-    if warm:
-        ranked = by_score(fits) + by_score(over)
-        best_anywhere = min(cands, key=rank)  # replica names are unique: the same as by_score(cands)[0]
-        kept_warm = False
-        best_fit_hits = max((hit_tokens(c) for c in fits), default=0)
-        advantage = hit_tokens(best_anywhere) - best_fit_hits
-        share_slack = cfg.warm_slack
-        if cfg.share_slack_tokens > 0 and advantage > 0:
-            share_slack += min(cfg.max_share_slack, advantage // cfg.share_slack_tokens)
-        best_is_over = id(best_anywhere) not in fit_ids
-        inflight_slack = cfg.warm_slack + cfg.warm_inflight_slack + best_anywhere.unseen
-        if (best_is_over and best_anywhere.load + 1 <= cap + inflight_slack
-                and best_anywhere.sent + 1 <= scap + share_slack):
-            if advantage >= cfg.warm_min_tokens:
-                ranked = [best_anywhere] + [c for c in ranked if c is not best_anywhere]
-                kept_warm = True
-        target = ranked[0]
-        if scores[id(best_anywhere)] > scores[id(target)] and best_is_over and not kept_warm:
-            reason = LOAD_SPILL
-        elif hit_tokens(target) > 0 or target.warm_image_tokens > 0:
-            reason = PREFIX_HIT
-        else:
-            reason = LEAST_LOAD  # the warm replicas are too busy to be worth it
+    if any(hits[c.replica] > 0 or c.warm_image_tokens > 0 for c in cands):
+        ranked, reason = warm_order(cands, fits, fit_ids, hits, scores, cap, scap, cfg)
     elif cold_key is not None:
-        weight = {c.replica: rendezvous_weight(cold_key, c.replica) for c in cands}
-        ranked = sorted(fits, key=lambda c: -weight[c.replica]) + by_score(over)
-        top_any = max(cands, key=lambda c: weight[c.replica])
-        reason = COLD_HASH if ranked[0] is top_any else LOAD_SPILL
-    else:  # shorter than one block: nothing to cache, spread by load
-        ranked = sorted(cands, key=lambda c: (c.load, c.sent + c.tie, c.replica))
-        reason = LEAST_LOAD
-    return Decision([c.replica for c in ranked], reason, hit_tokens(ranked[0]),
-                    {c.replica: hit_tokens(c) for c in cands}, num_prompt_tokens)
+        ranked, reason = cold_order(cands, fits, fit_ids, scores, cold_key)
+    else:
+        ranked, reason = spread_order(cands), LEAST_LOAD
+    return Decision([c.replica for c in ranked], reason, hits[ranked[0].replica], hits, num_prompt_tokens)
