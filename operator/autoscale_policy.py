@@ -174,6 +174,85 @@ def _proportional(current: int, value: float, target: float) -> int:
     return math.ceil(current * ratio - 1e-9)
 
 
+def replica_range(capacities: Mapping[str, int], floors: Mapping[str, int] | None,
+                  cfg: Autoscaling) -> tuple[list[int], int, int]:
+    """Per-pool minima (at most each pool's capacity) and the fleet's bounds: (minima, lo, hi)."""
+    low = [min((floors or {}).get(n, 0), capacities[n]) for n in capacities]
+    lo = max(cfg.min_replicas, sum(low))
+    return low, lo, max(lo, min(cfg.max_replicas, sum(capacities.values())))
+
+
+def queued_recommendation(window: Sequence[Sample], cur: int, target: float) -> tuple[str, int]:
+    """Replicas that keep the window's mean queued prefill tokens per replica at `target`; its figure first."""
+    queued = sum(s.queued_tokens for s in window) / len(window)
+    per = queued / cur if cur else queued
+    figure = f"queued prefill tokens per replica {per:.0f} (target {target})"
+    if cur and abs(per / target - 1.0) <= TOLERANCE:
+        return figure, cur
+    return figure, math.ceil(queued / target - 1e-9)
+
+
+def ttft_recommendation(span: Sequence[Sample], cur: int, target: float) -> tuple[str, int | None]:
+    """Replicas that bring the TTFT p90 between the span's ends to `target` (None: nothing streamed); figure first."""
+    delta = _delta_buckets(span[0], span[-1]) if len(span) >= 2 else None
+    p90 = quantile(0.9, delta) if delta else None
+    if p90 is None:
+        return "TTFT p90 unknown (no streamed request in the window)", None
+    return f"TTFT p90 {p90:.3f} s (target {target:g} s)", _proportional(cur, p90, target)
+
+
+def metric_recommendations(start: list[Sample], window: list[Sample], cur: int,
+                           cfg: Autoscaling) -> tuple[list[str], list[tuple[int, str]]]:
+    """The figures of each target set in `cfg`, and the (replicas, metric) each one recommends."""
+    figures: list[str] = []
+    recs: list[tuple[int, str]] = []
+    if cfg.target_queued_prefill_tokens is not None:
+        figure, rec = queued_recommendation(window, cur, cfg.target_queued_prefill_tokens)
+        figures.append(figure)
+        recs.append((rec, "queued prefill tokens"))
+    if cfg.target_ttft_p90_seconds is not None:
+        figure, ttft_rec = ttft_recommendation(start + window, cur, cfg.target_ttft_p90_seconds)
+        figures.append(figure)
+        if ttft_rec is not None:
+            recs.append((ttft_rec, "TTFT p90"))
+    return figures, recs
+
+
+def bounded_recommendation(recs: Sequence[tuple[int, str]], cur: int, lo: int, hi: int) -> tuple[int, str]:
+    """The largest recommendation, at most one scale-out step above `cur`, within [lo, hi]; and the metric asking."""
+    raw, why = max(recs)
+    raw = min(raw, max(SCALE_UP_FACTOR * cur, cur + SCALE_UP_PODS))
+    return min(max(raw, lo), hi), why
+
+
+def scale_up(rec: int, cur: int, seen: Sequence[tuple[float, int]], now: float, cfg: Autoscaling,
+             why: str, message: str) -> tuple[int, str, str]:
+    """The lowest recommendation of the scale-up window: (total, ScaleOut or Stabilizing, message)."""
+    up = [r for t, r in seen if t >= now - cfg.scale_up_stabilization_seconds]
+    desired = max(cur, min(up))
+    if desired == cur:
+        return cur, "Stabilizing", f"{why} asks {rec}, held by the scale-up window; {message}"
+    return desired, "ScaleOut", f"{why}: {cur} -> {desired}; {message}"
+
+
+def scale_down(rec: int, cur: int, recommendations: Sequence[tuple[float, int]], now: float, cfg: Autoscaling,
+               trend_samples: Sequence[Sample], message: str) -> tuple[int, str, str]:
+    """The scale-down window's highest recommendation, unless unwatched or the hit ratio falls: (total, reason, msg)."""
+    window_s = cfg.scale_down_stabilization_seconds
+    down = [r for t, r in [*recommendations, (now, rec)] if t >= now - window_s]
+    desired = min(cur, max(down))
+    # a window the operator has not watched whole (it just started) may have held a higher recommendation
+    covered = window_s == 0 or any(t <= now - window_s for t, _ in recommendations)
+    if desired == cur or not covered:
+        why_held = "the scale-down window" if covered else "the scale-down window (not yet watched whole)"
+        return cur, "Stabilizing", f"metrics ask {rec}, held by {why_held}; {message}"
+    trend = hit_ratio_trend(trend_samples) if cfg.protect_hit_ratio else None
+    if trend is not None and trend[1] < trend[0] - cfg.hit_ratio_drop:
+        return cur, "HitRatioFalling", (f"metrics ask {desired}, but the cached-token ratio fell "
+                                        f"{trend[0]:.2f} -> {trend[1]:.2f}; {message}")
+    return desired, "ScaleIn", f"{cur} -> {desired}; {message}"
+
+
 def decide(*, current: Mapping[str, int], capacities: Mapping[str, int], floors: Mapping[str, int] | None = None,
            cfg: Autoscaling, samples: Sequence[Sample], recommendations: Sequence[tuple[float, int]],
            now: float) -> Decision:
@@ -183,77 +262,33 @@ def decide(*, current: Mapping[str, int], capacities: Mapping[str, int], floors:
     `floors`: per-pool minima; `recommendations`: earlier results' `recommendation` with their times
     (the stabilisation windows read them; the caller appends this one's).
     """
-    names = list(capacities)
-    caps = [capacities[n] for n in names]
-    low = [min((floors or {}).get(n, 0), capacities[n]) for n in names]
+    low, lo, hi = replica_range(capacities, floors, cfg)
     cur = sum(current.values())
-    lo = max(cfg.min_replicas, sum(low))
-    hi = max(lo, min(cfg.max_replicas, sum(caps)))
 
     def result(total: int, reason: str, message: str, rec: int) -> Decision:
-        split = assign_replicas(total, caps, low)
-        return Decision(total, dict(zip(names, split)), reason, message, rec)
+        split = assign_replicas(total, list(capacities.values()), low)
+        return Decision(total, dict(zip(capacities, split)), reason, message, rec)
 
     window = [s for s in samples if s.t >= now - cfg.metrics_window_seconds]
     start = [s for s in samples if s.t < now - cfg.metrics_window_seconds][-1:]  # the rate's left edge
-    if not window:
-        held = min(max(cur, lo), hi)
-        reason = "BelowMin" if cur < lo else "AboveMax" if cur > hi else "NoMetrics"
-        return result(held, reason, "no router answered within the metrics window; replicas held within the bounds", held)
-
-    figures: list[str] = []
-    recs: list[tuple[int, str]] = []
-    if cfg.target_queued_prefill_tokens is not None:
-        queued = sum(s.queued_tokens for s in window) / len(window)
-        per = queued / cur if cur else queued
-        figures.append(f"queued prefill tokens per replica {per:.0f} (target {cfg.target_queued_prefill_tokens})")
-        if cur and abs(per / cfg.target_queued_prefill_tokens - 1.0) <= TOLERANCE:
-            recs.append((cur, "queued prefill tokens"))
-        else:
-            recs.append((math.ceil(queued / cfg.target_queued_prefill_tokens - 1e-9), "queued prefill tokens"))
-    if cfg.target_ttft_p90_seconds is not None:
-        span = start + window
-        delta = _delta_buckets(span[0], span[-1]) if len(span) >= 2 else None
-        p90 = quantile(0.9, delta) if delta else None
-        if p90 is None:
-            figures.append("TTFT p90 unknown (no streamed request in the window)")
-        else:
-            figures.append(f"TTFT p90 {p90:.3f} s (target {cfg.target_ttft_p90_seconds:g} s)")
-            recs.append((_proportional(cur, p90, cfg.target_ttft_p90_seconds), "TTFT p90"))
+    figures, recs = metric_recommendations(start, window, cur, cfg) if window else ([], [])
     if not recs:
         held = min(max(cur, lo), hi)
-        return result(held, "NoMetrics", "; ".join(figures) or "no target set", held)
-
-    raw, why = max(recs)
-    raw = min(raw, max(SCALE_UP_FACTOR * cur, cur + SCALE_UP_PODS))
-    rec = min(max(raw, lo), hi)
+        if window:
+            return result(held, "NoMetrics", "; ".join(figures) or "no target set", held)
+        reason = "BelowMin" if cur < lo else "AboveMax" if cur > hi else "NoMetrics"
+        return result(held, reason, "no router answered within the metrics window; replicas held within the bounds",
+                      held)
+    rec, why = bounded_recommendation(recs, cur, lo, hi)
     message = "; ".join(figures)
     if cur < lo:
         return result(max(rec, lo), "BelowMin", f"below minReplicas {lo}; {message}", rec)
     if cur > hi:
         return result(min(rec, hi), "AboveMax", f"above maxReplicas {hi}; {message}", rec)
-
-    seen = [*recommendations, (now, rec)]
     if rec > cur:
-        up = [r for t, r in seen if t >= now - cfg.scale_up_stabilization_seconds]
-        desired = max(cur, min(up))
-        if desired == cur:
-            return result(cur, "Stabilizing", f"{why} asks {rec}, held by the scale-up window; {message}", rec)
-        return result(desired, "ScaleOut", f"{why}: {cur} -> {desired}; {message}", rec)
+        return result(*scale_up(rec, cur, [*recommendations, (now, rec)], now, cfg, why, message), rec)
     if rec < cur:
-        window_s = cfg.scale_down_stabilization_seconds
-        down = [r for t, r in seen if t >= now - window_s]
-        desired = min(cur, max(down))
-        # a window the operator has not watched whole (it just started) may have held a higher recommendation
-        covered = window_s == 0 or any(t <= now - window_s for t, _ in recommendations)
-        if desired == cur or not covered:
-            why_held = "the scale-down window" if covered else "the scale-down window (not yet watched whole)"
-            return result(cur, "Stabilizing", f"metrics ask {rec}, held by {why_held}; {message}", rec)
-        trend = hit_ratio_trend(start + window) if cfg.protect_hit_ratio else None
-        if trend is not None and trend[1] < trend[0] - cfg.hit_ratio_drop:
-            return result(cur, "HitRatioFalling", f"metrics ask {desired}, but the cached-token ratio fell "
-                          f"{trend[0]:.2f} -> {trend[1]:.2f}; {message}", rec)
-        return result(desired, "ScaleIn", f"{cur} -> {desired}; {message}", rec)
+        return result(*scale_down(rec, cur, recommendations, now, cfg, start + window, message), rec)
     return result(cur, "WithinTarget", message, rec)
 
 
