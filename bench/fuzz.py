@@ -26,13 +26,13 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))  # one harness with tests/reliability
-sys.path.insert(0, str(REPO / "bench"))
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/harness.py, after the stdlib
+import harness  # noqa: E402
+
+harness.use_test_harness()
 
 from procs import LiveFleet  # noqa: E402
 from reliability import fuzzing  # noqa: E402
-from soak import model_dir  # noqa: E402
 
 MAX_MODEL_LEN = 512
 MEMORY_BOUND_MIB = 1536
@@ -47,7 +47,8 @@ def main() -> int:
     args = ap.parse_args()
 
     t0 = time.monotonic()
-    fleet = LiveFleet(model_dir(args.model, quick=True), Path(tempfile.mkdtemp(prefix="warmfleet-fuzz-")), n=1,
+    model = harness.model_dir(args.model, "tiny", "qwen2_vl")
+    fleet = LiveFleet(model, Path(tempfile.mkdtemp(prefix="warmfleet-fuzz-")), n=1,
                       replica_args=("--max-model-len", str(MAX_MODEL_LEN)))
     fleet.start()
     report: dict = {"examples_per_operation_and_mode": args.examples, "servers": {}}

@@ -32,6 +32,9 @@ from warmfleet.server.multimodal.media import decode_image
 from warmfleet.server.multimodal.processor import ImageProcessor
 from warmfleet.server.multimodal.processor_cache import ProcessorCacheClient, ProcessorCacheProcess
 
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/harness.py, after the stdlib
+import harness  # noqa: E402
+
 
 # figure -> target: hash_speedup at least this, the hit/miss ratios at most these
 TARGETS = {"hash_speedup": 5.0, "processor_hit_over_miss": 0.05, "ttft_image_hit_over_miss": 0.15,
@@ -97,8 +100,7 @@ def bench_processor_cache(proc: ImageProcessor, repeats: int) -> dict:
             "processor_hit_over_miss": hit / miss, "processor_hit_read_over_miss": hit_read / miss}
 
 
-def _progress(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+_progress = harness.reporter("bench")
 
 
 def bench_ttft(quick: bool) -> dict:

@@ -43,6 +43,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/harness.py, after the stdlib
+import harness  # noqa: E402
+
 PREFIX_TOKENS = 2048
 QUESTION_TOKENS = 64
 BLOCK_SIZE = 64
@@ -51,8 +54,7 @@ DECODE_PROMPT_TOKENS = 32
 SIZES = ("bench", "qwen2.5-0.5b")
 
 
-def progress(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+progress = harness.reporter("bench")
 
 
 def bench_model_dir(arg: str | None, size: str = "bench") -> Path:
@@ -143,11 +145,8 @@ ENGINE_FLAGS = ["--max-num-batched-tokens", "4096", "--max-num-seqs", str(max(DE
 
 
 def bench_helpers():
-    """bench/routing.py's process helpers (this folder is no package; `python -P` leaves it off sys.path)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import routing
-
-    return routing
+    """bench/routing.py's process helpers."""
+    return harness.sibling("routing")
 
 
 class Server:

@@ -44,6 +44,9 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/harness.py, after the stdlib
+import harness  # noqa: E402
+
 PREFIX_TOKENS = 2048
 QUESTION_TOKENS = 64
 BLOCK_SIZE = 64
@@ -51,8 +54,7 @@ DECODE_PROMPT_TOKENS = 32
 SECTIONS = ("prefill", "hit", "tail", "decode1", "decode16", "decode64", "prefill16x32", "prefill64x32")
 
 
-def progress(msg: str) -> None:
-    print(f"[profile {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+progress = harness.reporter("profile")
 
 
 def bench_model_dir(arg: str | None) -> Path:

@@ -14,7 +14,6 @@ Writes router_cpu_ab.json and router_cpu_ab.png in --out.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -25,11 +24,12 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/harness.py, after the stdlib
+import harness  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
-_spec = importlib.util.spec_from_file_location("wf_bench_router_throughput", HERE / "router_throughput.py")
-rt = sys.modules["wf_bench_router_throughput"] = importlib.util.module_from_spec(_spec)  # bench/ is not a package
-_spec.loader.exec_module(rt)
-trace = rt.trace
+rt = harness.sibling("router_throughput")
+trace = harness.sibling("trace")
 
 
 def checkout(commit: str, dest: Path) -> Path:

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import importlib.util
 import io
 import json
 import os
@@ -48,16 +47,16 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/harness.py, after the stdlib
+import harness  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 
 
-def progress(msg: str) -> None:
-    print(f"[throughput {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+progress = harness.reporter("throughput")
 
 
-_spec = importlib.util.spec_from_file_location("wf_bench_trace", HERE / "trace.py")
-trace = sys.modules["wf_bench_trace"] = importlib.util.module_from_spec(_spec)  # bench/ is not a package
-_spec.loader.exec_module(trace)
+trace = harness.sibling("trace")
 
 
 def hey_path() -> str:

@@ -15,12 +15,12 @@ the replicas do not accept images). Runs are interleaved per (rate, seed): every
 the same machine load, so ratios between routers are measured side by side.
 
 Reports per router the fleet cached-token ratio (from `usage`), TTFT p50/p90 (to the first
-token), request spread (max/mean per replica), errors, and for warmfleet the router-added latency against direct
-requests, decision reasons with the tokens each reason lost against the oracle, and a churn
-run (one replica killed mid-run and restarted cold). The oracle is the cached-token ratio of
-an unbounded cache that saw every earlier request. Writes `routing.json` and `routing.png`
-(bar charts per router) to --out. Peer routers come from `pip install 'warmfleet[peers]'`; a missing
-one is skipped, said up front and recorded under "skipped_routers".
+token), request spread (max / mean requests per replica over all replicas: one that got none counts as 0),
+errors, and for warmfleet the router-added latency against direct requests, decision reasons with the
+tokens each reason lost against the oracle, and a churn run (one replica killed mid-run and restarted cold).
+The oracle is the cached-token ratio of an unbounded cache that saw every earlier request.
+Writes `routing.json` and `routing.png` (bar charts per router) to --out.
+Peer routers come from `pip install 'warmfleet[peers]'`; a missing one is skipped, said up front and recorded under "skipped_routers".
 Progress goes to stderr; with --json the last stdout line is one JSON object. Targets met are booleans:
 per workload under "text"/"images" -> "targets", churn and added latency under the top-level "targets".
 
@@ -69,13 +69,15 @@ import httpx
 
 from warmfleet.localprocs import free_port  # one never-twice port registry for benches, tests and the demo
 
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/harness.py, after the stdlib
+import harness  # noqa: E402
+
 BLOCK = 16
 VLLM_BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
 EXE = [sys.executable, "-P", "-m", "warmfleet.cli"]
 
 
-def progress(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+progress = harness.reporter("bench")
 
 
 def write_results(out: Path, stem: str, results: dict, chart_fn, say) -> None:
@@ -87,16 +89,7 @@ def write_results(out: Path, stem: str, results: dict, chart_fn, say) -> None:
 
 
 def model_dir(arg: str | None, quick: bool, arch: str = "qwen2") -> Path:
-    if arg:
-        return Path(arg)
-    size = "tiny" if quick else "bench"
-    name = f"{size}-{arch.replace('_', '-')}"
-    out = Path(os.environ.get("WARMFLEET_CACHE", Path.home() / ".cache" / "warmfleet")) / "models" / name
-    if not (out / "config.json").exists():
-        progress(f"writing the {size} {arch} checkpoint to {out}")
-        subprocess.run(EXE + ["make-tiny-model", str(out), "--arch", arch, "--size", size], check=True,
-                       cwd=tempfile.gettempdir(), stdout=subprocess.DEVNULL)
-    return out
+    return harness.model_dir(arg, "tiny" if quick else "bench", arch, say=progress)
 
 
 # --- workload -------------------------------------------------------------------------------
@@ -183,16 +176,7 @@ def oracle_hits(model: Path, trace: list[list[dict]], capacity: int | None = Non
     return out
 
 
-def lru_prefix(seen, hs: list, capacity) -> int:
-    """Leading blocks of `hs` found in the LRU `seen` (an OrderedDict); then `hs` are the most recent, and `seen`
-    is cut to `capacity` blocks (None: unbounded)."""
-    hit = next((i for i, h in enumerate(hs) if h not in seen), len(hs))
-    for h in hs:
-        seen[h] = None
-        seen.move_to_end(h)
-    while capacity is not None and len(seen) > capacity:
-        seen.popitem(last=False)
-    return hit
+lru_prefix = harness.lru_prefix
 
 
 def oracle_ratio(model: Path, trace: list[list[dict]]) -> float:
@@ -534,7 +518,7 @@ async def drive(bases: list[str], trace: list, rate: float, seed: int, on_tick=N
     return rec
 
 
-def summarize(rec: list[dict], oracle: list[tuple[int, int]] | None = None) -> dict:
+def summarize(rec: list[dict], num_replicas: int, oracle: list[tuple[int, int]] | None = None) -> dict:
     ok = [r for r in rec if not r["error"]]
     ttfts = sorted(r["ttft"] for r in ok if r["ttft"] is not None)
     per = {}
@@ -548,7 +532,7 @@ def summarize(rec: list[dict], oracle: list[tuple[int, int]] | None = None) -> d
     prompt = sum(r["prompt"] for r in ok)
     out = {"cached_ratio": round(sum(r["cached"] for r in ok) / prompt, 4) if prompt else None,
            "ttft_p50_s": q(0.5), "ttft_p90_s": q(0.9), "errors": len(rec) - len(ok),
-           "spread": spread_of(list(per.values()))}
+           "spread": harness.spread(list(per.values()), num_replicas)}
     if oracle is not None:
         # TTFT over the requests a cache could serve mostly warm (the oracle holds at least half the
         # prompt): first sightings of a prefix or image are cold for every router, and when they are
@@ -567,11 +551,6 @@ def summarize(rec: list[dict], oracle: list[tuple[int, int]] | None = None) -> d
             d["mispredicted"] += abs(predicted - r["cached"])
         out["reasons"] = reasons
     return out
-
-
-def spread_of(counts: list[float]) -> float | None:
-    """max/mean requests per replica."""
-    return round(max(counts) / statistics.mean(counts), 3) if counts and sum(counts) else None
 
 
 async def added_latency(router: str, direct: str, n: int) -> dict:
@@ -688,11 +667,10 @@ def chart(results: dict, path: Path) -> None:
 
     loads = [w for w in ("text", "images") if results.get(w)]
     fig, axes = plt.subplots(len(loads), 3, figsize=(13, 3.6 * len(loads)), squeeze=False)
-    colors = {"rr": "#999999", "sglang": "#d9822b", "vllm": "#4a7ebb", "warmfleet": "#2e9e5b"}
     for row, w in zip(axes, loads):
         res = results[w]["routers"]
         names = list(res)
-        c = [colors.get(n, "#555555") for n in names]
+        c = harness.router_colors(names)
         row[0].bar(names, [res[n]["cached_ratio"] or 0 for n in names], color=c)
         row[0].axhline(results[w]["oracle_cached_ratio"], ls="--", color="k", lw=1, label="oracle")
         row[0].axhline(0.9 * results[w]["oracle_cached_ratio"], ls=":", color="k", lw=1, label="0.9 x oracle")
@@ -702,15 +680,8 @@ def chart(results: dict, path: Path) -> None:
         where = f"{w} (rates {results[w]['rates']}/s, seeds {results[w]['seeds']})"
         row[0].set_title(f"{where}: cached-token ratio", fontsize=9)
         row[0].legend(fontsize=8)
-        x = range(len(names))
-        row[1].bar([i - 0.2 for i in x], [res[n]["ttft_p50_s"] or 0 for n in names], 0.4, color=c, alpha=0.5,
-                   label="p50")
-        row[1].bar([i + 0.2 for i in x], [res[n]["ttft_p90_s"] or 0 for n in names], 0.4, color=c, label="p90")
-        row[1].set_xticks(list(x), names)
-        row[1].set_title(f"{w}: TTFT to the first token (s), p50 light / p90 dark", fontsize=9)
-        row[2].bar(names, [res[n]["spread"] or 0 for n in names], color=c)
-        row[2].axhline(1.25, ls="--", color="k", lw=1)
-        row[2].set_title(f"{w}: spread (max/mean requests per replica)", fontsize=9)
+        harness.ttft_panel(row[1], res, names, c, f"{w}: TTFT to the first token (s)")
+        harness.spread_panel(row[2], res, names, c, w)
     fig.suptitle(f"warmfleet routing bench: {results['replicas']} {results.get('engine', 'warmfleet')} replicas "
                  "(means over runs)", fontsize=10)
     fig.tight_layout()
@@ -753,9 +724,9 @@ def run_workload(name: str, model: Path, make_trace, routers: list[str], n: int,
                         served = fleet.served() if fleet.engine == "vllm" else None
                         t0 = time.monotonic()
                         rec = asyncio.run(drive(bases, traces[seed], rate, seed))
-                        summ = summarize(rec, oracles[seed])
+                        summ = summarize(rec, len(fleet.replicas), oracles[seed])
                         if served is not None:  # vLLM names no replica in its answers: count at the replicas
-                            summ["spread"] = spread_of([v - served[u] for u, v in fleet.served().items()])
+                            summ["spread"] = harness.spread([v - served[u] for u, v in fleet.served().items()], len(fleet.replicas))
                         if hasattr(proc, "metrics_url"):
                             results.setdefault("vllm_router_kv_counters", []).append(
                                 {"rate": rate, "seed": seed, **kv_routing_counters(proc.metrics_url)})

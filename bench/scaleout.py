@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
 import random
@@ -57,19 +56,19 @@ import time
 from pathlib import Path
 from urllib.parse import quote
 
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/harness.py, after the stdlib
+import harness  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 BLOCK = 16
 SPEEDUP = 10.0  # the calibrated engine x10, as bench/trace.py
 PRESTOP_S = 1.0  # time between the router's drain notice and the replica's SIGTERM (a preStop sleep)
 
 
-def progress(msg: str) -> None:
-    print(f"[scaleout {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+progress = harness.reporter("scaleout")
 
 
-_spec = importlib.util.spec_from_file_location("wf_bench_trace_scaleout", HERE / "trace.py")
-trace = sys.modules["wf_bench_trace_scaleout"] = importlib.util.module_from_spec(_spec)  # bench/ is not a package
-_spec.loader.exec_module(trace)
+trace = harness.sibling("trace")
 
 
 # --- workload ---------------------------------------------------------------------------------
@@ -264,9 +263,7 @@ class Run:
 
 
 # --- figures ------------------------------------------------------------------------------------
-def quantile(xs: list[float], p: float) -> float | None:
-    xs = sorted(x for x in xs if x is not None)
-    return round(xs[min(len(xs) - 1, int(p * len(xs)))], 4) if xs else None
+quantile = harness.quantile
 
 
 def window(rec: list[dict], t0: float, t1: float) -> dict:

@@ -39,7 +39,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,12 +47,14 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))  # one process harness with tests/reliability (and tests/images.py)
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/harness.py, after the stdlib
+import harness  # noqa: E402
+
+harness.use_test_harness()
 
 from images import data_uri, image_bytes  # noqa: E402
 from reliability.load import Outcome, question, send_chat, tenant_systems  # noqa: E402
-from procs import EXE, LiveFleet, Proc, Replica, metric, tree_pids  # noqa: E402
+from procs import LiveFleet, Proc, Replica, metric, tree_pids  # noqa: E402
 
 T0 = time.monotonic()
 
@@ -63,15 +64,7 @@ def progress(msg: str) -> None:
 
 
 def model_dir(arg: str | None, quick: bool) -> Path:
-    if arg:
-        return Path(arg)
-    size = "tiny" if quick else "bench"
-    out = Path(os.environ.get("WARMFLEET_CACHE", Path.home() / ".cache" / "warmfleet")) / "models" / f"{size}-qwen2-vl"
-    if not (out / "config.json").exists():
-        progress(f"writing the {size} qwen2_vl checkpoint to {out}")
-        subprocess.run(EXE + ["make-tiny-model", str(out), "--arch", "qwen2_vl", "--size", size], check=True,
-                       cwd=tempfile.gettempdir(), stdout=subprocess.DEVNULL)
-    return out
+    return harness.model_dir(arg, "tiny" if quick else "bench", "qwen2_vl", say=progress)
 
 
 # --- traffic ----------------------------------------------------------------------------------
@@ -277,9 +270,7 @@ def _status_fields(pid: int) -> dict:
 
 
 # --- report -----------------------------------------------------------------------------------
-def quantile(xs: list[float], q: float) -> float | None:
-    xs = sorted(xs)
-    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 4) if xs else None
+quantile = harness.quantile
 
 
 def cause_of(o: Outcome, faults: list[dict]) -> str:

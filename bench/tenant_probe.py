@@ -33,26 +33,19 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/harness.py, after the stdlib
+import harness  # noqa: E402
 
-from procs import EXE, MODEL_NAME, LiveFleet  # noqa: E402
+harness.use_test_harness()
+
+from procs import MODEL_NAME, LiveFleet  # noqa: E402
 
 KEY_A, KEY_B = "probe-tenant-a", "probe-tenant-b"
 GROUPS = ("b_on_a_warm", "b_cold", "a_warm", "a_cold")
 
 
 def model_dir(arg: str | None) -> Path:
-    import os
-    import subprocess
-
-    if arg:
-        return Path(arg)
-    out = Path(os.environ.get("WARMFLEET_CACHE", Path.home() / ".cache" / "warmfleet")) / "models" / "bench-qwen2"
-    if not (out / "config.json").exists():
-        subprocess.run(EXE + ["make-tiny-model", str(out), "--arch", "qwen2", "--size", "bench"], check=True,
-                       cwd=tempfile.gettempdir(), stdout=subprocess.DEVNULL)
-    return out
+    return harness.model_dir(arg, "bench", "qwen2")
 
 
 def ttft(client: httpx.Client, url: str, key: str, system: str, question: str) -> tuple[float, int]:

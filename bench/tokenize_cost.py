@@ -11,12 +11,14 @@ paths are compared for every prompt. With --json the last stdout line is one JSO
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
+
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/harness.py, after the stdlib
+import harness  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -27,10 +29,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    spec = importlib.util.spec_from_file_location("wf_bench_trace", HERE / "trace.py")
-    trace = importlib.util.module_from_spec(spec)
-    sys.modules["wf_bench_trace"] = trace
-    spec.loader.exec_module(trace)
+    trace = harness.sibling("trace")
     from warmfleet.server.router.core.prompt import ids_encoder
     from warmfleet.server.tokenizer import Tokenizer
 

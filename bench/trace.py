@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import math
 import os
@@ -68,9 +67,11 @@ from collections import OrderedDict
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.append(str(HERE))  # bench/harness.py, after the stdlib
+import harness  # noqa: E402
 EXCERPT = HERE / "traces" / "mooncake_conversation_head600.jsonl"
 TRACE_BLOCK = 512  # tokens per Mooncake hash id
-EXE = [sys.executable, "-P", "-m", "warmfleet.cli"]
+EXE = harness.EXE
 # One simulator process hosts every replica, so one host stall (seen here at load average 10-14 on 2 cores) times
 # out the health checks of the whole fleet at once and the router's defaults (0.5 s, 2 in a row) take every replica
 # out: 503s and a wrecked run that measure the machine, not routing. The same stall makes the replicas' accept
@@ -80,26 +81,11 @@ WARMFLEET_HEALTH = ["--health-timeout-s", "2", "--health-failures", "4", "--conn
 PEERS = ("rr", "sglang", "vllm")
 
 
-def progress(msg: str) -> None:
-    print(f"[trace {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def load_module(name: str, path: Path):
-    """A sibling bench script as a module (bench/ is not a package and must not shadow the stdlib)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+progress = harness.reporter("trace")
 
 
 def tiny_model() -> Path:
-    out = Path(os.environ.get("WARMFLEET_CACHE", Path.home() / ".cache" / "warmfleet")) / "models" / "tiny-qwen2"
-    if not (out / "config.json").exists():
-        progress(f"writing the tiny checkpoint to {out}")
-        subprocess.run(EXE + ["make-tiny-model", str(out), "--arch", "qwen2", "--size", "tiny"], check=True,
-                       cwd=tempfile.gettempdir(), stdout=subprocess.DEVNULL)
-    return out
+    return harness.model_dir(None, "tiny", "qwen2", say=progress)
 
 
 # --- requests from the trace ----------------------------------------------------------------
@@ -180,7 +166,7 @@ def bound_hits(reqs: list[dict], block: int, fingerprint: str, capacity: int | N
     out = []
     for k, r in enumerate(reqs):
         hs = hashes[k] if hashes is not None else block_hashes(r["ids"], [], block, fingerprint)
-        hit = _routing.lru_prefix(seen, hs, capacity)
+        hit = harness.lru_prefix(seen, hs, capacity)
         out.append((min(hit * block, cacheable_tokens(len(r["ids"]), block)), len(r["ids"])))
     return out
 
@@ -215,12 +201,8 @@ def affinity_hits(reqs: list[dict], block: int, n: int, capacity: int, hashes: l
         cache = caches[best]
         counts[best] += 1
         out.append((min(best_hit * block, cacheable_tokens(len(r["ids"]), block)), len(r["ids"])))
-        for h in hs:
-            cache[h] = None
-            cache.move_to_end(h)
-        while len(cache) > capacity:
-            cache.popitem(last=False)
-    return out, round(max(counts) / (len(reqs) / n), 3)
+        harness.lru_prefix(cache, hs, capacity)
+    return out, harness.spread(counts, n)
 
 
 def ratio(hits: list[tuple[int, int]]) -> float:
@@ -228,7 +210,7 @@ def ratio(hits: list[tuple[int, int]]) -> float:
 
 
 # --- processes --------------------------------------------------------------------------------
-_routing = load_module("wf_bench_routing", HERE / "routing.py")
+_routing = harness.sibling("routing")
 free_port, tool = _routing.free_port, _routing.tool  # one port registry and one peer lookup for all benches
 
 
@@ -469,9 +451,7 @@ async def drive(bases: list[str], reqs: list[dict], time_scale: float, fmt: str)
     return rec
 
 
-def quantile(xs: list[float], p: float) -> float | None:
-    xs = sorted(x for x in xs if x is not None)
-    return round(xs[min(len(xs) - 1, int(p * len(xs)))], 4) if xs else None
+quantile = harness.quantile
 
 
 def summarize(rec: list[dict], simlog: list[dict], n: int, cpu_s: float | None, wall_s: float,
@@ -490,7 +470,7 @@ def summarize(rec: list[dict], simlog: list[dict], n: int, cpu_s: float | None, 
            "ttft_p90_s": quantile([x["ttft_model_s"] for x in sim], 0.9),
            "ttft_client_p50_s": quantile([r["ttft_client_s"] for r in ok], 0.5),
            "ttft_client_p90_s": quantile([r["ttft_client_s"] for r in ok], 0.9),
-           "spread": round(max(per.values()) / (len(sim) / n), 3) if sim else None,
+           "spread": harness.spread(list(per.values()), n),
            "replicas_used": len(per),
            "router_cpu_s_per_1k": round(cpu_s / len(rec) * 1000, 3) if cpu_s is not None and rec else None,
            "replay_wall_s": round(wall_s, 1)}
@@ -638,26 +618,19 @@ def chart(results: dict, path: Path) -> None:
 
     sizes = [s for s in results["fleets"]]
     fig, axes = plt.subplots(len(sizes), 4, figsize=(17, 3.8 * len(sizes)), squeeze=False)
-    colors = {"rr": "#999999", "sglang": "#d9822b", "vllm": "#4a7ebb", "warmfleet": "#2e9e5b"}
     for row, n in zip(axes, sizes):
         f = results["fleets"][n]
         res = f["routers"]
         names = list(res)
-        c = [colors.get(k.split(":")[0].split("@")[0], "#555555") for k in names]
+        c = harness.router_colors(names)
         row[0].bar(names, [res[k]["cached_ratio"] or 0 for k in names], color=c)
         row[0].axhline(f["oracle_cached_ratio"], ls="--", color="k", lw=1, label="oracle (unbounded)")
         row[0].axhline(f["fleet_lru_cached_ratio"], ls="-.", color="#7a3b9e", lw=1, label="one LRU of the fleet's size")
         row[0].axhline(0.95 * f["fleet_lru_cached_ratio"], ls=":", color="#7a3b9e", lw=1, label="0.95 x that")
         row[0].set_title(f"{n} replicas: cached-token ratio", fontsize=9)
         row[0].legend(fontsize=7)
-        x = range(len(names))
-        row[1].bar([i - 0.2 for i in x], [res[k]["ttft_p50_s"] or 0 for k in names], 0.4, color=c, alpha=0.5)
-        row[1].bar([i + 0.2 for i in x], [res[k]["ttft_p90_s"] or 0 for k in names], 0.4, color=c)
-        row[1].set_xticks(list(x), names)
-        row[1].set_title(f"{n}: simulated TTFT (s), p50 light / p90 dark", fontsize=9)
-        row[2].bar(names, [res[k]["spread"] or 0 for k in names], color=c)
-        row[2].axhline(1.25, ls="--", color="k", lw=1)
-        row[2].set_title(f"{n}: spread (max/mean requests per replica)", fontsize=9)
+        harness.ttft_panel(row[1], res, names, c, f"{n}: simulated TTFT (s)")
+        harness.spread_panel(row[2], res, names, c, str(n))
         row[3].bar(names, [res[k].get("router_cpu_s_per_1k") or 0 for k in names], color=c)
         row[3].set_title(f"{n}: router CPU s per 1,000 requests (rr: none)", fontsize=9)
         for ax in row:
@@ -722,7 +695,7 @@ def main() -> int:
     hashes = [block_hashes(r["ids"], [], args.block_size, fp) for r in reqs]
     oracle_per = bound_hits(reqs, args.block_size, fp, None, hashes)
     oracle = ratio(oracle_per)
-    sim_mod = load_module("wf_simfleet", HERE / "simfleet.py")
+    sim_mod = harness.sibling("simfleet")
     tm = sim_mod.TimeModel.load(args.time_model)
     results: dict = {
         "command": " ".join([Path(sys.executable).name] + sys.argv), "trace": str(trace_path),

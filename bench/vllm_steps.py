@@ -19,11 +19,13 @@ import statistics
 import sys
 import time
 
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # bench/harness.py, after the stdlib
+import harness  # noqa: E402
+
 PROMPT_TOKENS = 32
 
 
-def progress(msg: str) -> None:
-    print(f"[vllm-steps {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+progress = harness.reporter("vllm-steps")
 
 
 def main() -> int:

@@ -1,20 +1,23 @@
-"""bench/ scripts loaded as modules, for the tests that drive them (bench/ is not a package)."""
+"""bench/ scripts as modules, for the tests that drive them: the one way tests reach into bench/.
+
+bench/ is no package and bench/trace.py has a stdlib name, so its folder goes last on sys.path and the
+scripts load through bench/harness.py's `sibling`: one module per script per process, the same one the
+benches themselves share (a test's `trace` is scaleout's `trace`).
+"""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
+if str(BENCH) not in sys.path:
+    sys.path.append(str(BENCH))
+
+import harness  # noqa: E402
 
 
-def load_bench(script: str, name: str) -> ModuleType:
-    """bench/`script` as module `name`, registered in sys.modules (its dataclasses look their module up)."""
-    spec = importlib.util.spec_from_file_location(name, BENCH / script)
-    assert spec is not None and spec.loader is not None, f"no bench script {script}"
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+def load_bench(script: str) -> ModuleType:
+    """bench/`script` (e.g. "simfleet.py") as a module, registered in sys.modules (its dataclasses look it up)."""
+    return harness.sibling(script.removesuffix(".py"))

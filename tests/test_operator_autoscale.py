@@ -197,7 +197,7 @@ async def test_the_real_router_exports_what_the_autoscaler_reads(tiny_model_dir)
     from warmfleet.server.router.core.settings import RouterSettings
     from warmfleet.server.router.http.app import build_app
 
-    sim = load_bench("simfleet.py", "wf_test_autoscale_simfleet")
+    sim = load_bench("simfleet.py")
 
     fleet = sim.SimFleet(str(tiny_model_dir), 2, block_size=16, gpu_blocks=256, tm=sim.TimeModel(step_s=0.01))
     await fleet.start()

@@ -34,7 +34,7 @@ from warmfleet.server.router.http.app import build_app
 BLOCK = 16
 
 
-sim = load_bench("simfleet.py", "wf_test_drain_simfleet")
+sim = load_bench("simfleet.py")
 
 
 def ids(seed: int, n: int) -> list[int]:

@@ -13,7 +13,7 @@ from bench_scripts import load_bench
 pytestmark = pytest.mark.slow
 
 
-scaleout = load_bench("scaleout.py", "wf_test_scaleout")
+scaleout = load_bench("scaleout.py")
 
 
 def test_scale_in_with_drain_loses_no_request_and_the_joiner_waits_for_its_warm_up(tiny_model_dir):

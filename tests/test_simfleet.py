@@ -22,8 +22,8 @@ from procs import free_port
 BLOCK = 16
 
 
-sim = load_bench("simfleet.py", "wf_test_simfleet")
-trace = load_bench("trace.py", "wf_test_trace")
+sim = load_bench("simfleet.py")
+trace = load_bench("trace.py")
 
 
 def run(coro):
