@@ -141,6 +141,7 @@ async def reconcile(
 async def _reconcile(state: OperatorState, body: Mapping[str, Any], nodes: list[NodeInfo],
                      post_event: EventFn, now: Callable[[], str], uid: str,
                      pods: list[Mapping[str, Any]] | None = None) -> Outcome:
+    """1. plan (an invalid spec stops here), 2. apply children and prune pools, 3. readiness, 4. status and Events."""
     kube = state.client()
     meta = body.get("metadata") or {}
     name, ns = meta["name"], meta.get("namespace") or "default"
@@ -152,38 +153,13 @@ async def _reconcile(state: OperatorState, body: Mapping[str, Any], nodes: list[
         owner, spec, plan = plan_for(body, nodes, state.default_images, learned)
     except SpecError as exc:
         out.invalid = str(exc)
-        last = state.conditions.get(uid, previous.get("conditions", []))
-        old = next((c for c in last if c.get("type") == "InvalidSpec"), {})
-        if old.get("status") != "True" or old.get("message") != str(exc):
-            post_event(body, "Warning", "InvalidSpec", str(exc))
-        new = invalid_status(message=str(exc), generation=generation, previous=previous, now=now())
-        new = mc.with_model_config(new, body, learned, now(), generation)
-        _post_model_config_warning(post_event, body, state.conditions.get(uid, previous.get("conditions", [])), new)
-        out.status_written = await _write_status(kube, ns, name, previous, new)
-        state.conditions[uid] = new["conditions"]
+        out.status_written = await _report_invalid_spec(state, kube, body, uid, str(exc), learned, post_event, now)
         return out
 
     digest = fingerprint(plan)  # before owner references are added, as the node watch computes it
-    children = owned(plan.children, body)
-    live: dict[tuple[str, str], dict[str, Any]] = {}
-    for obj in children:
-        key = (obj["kind"], obj["metadata"]["name"])
-        live[key], out.actions[f"{key[0]}/{key[1]}"] = await kube.apply(obj)
-    wanted = {o["metadata"]["name"] for o in children if o["kind"] == "Deployment"}
-    server_sel = {m.SERVICE_LABEL: name[:63], m.COMPONENT_LABEL: "server"}
-    for dep in await kube.list("Deployment", ns, server_sel):
-        dname = dep["metadata"]["name"]
-        if dname not in wanted and _owned_by(dep, meta.get("uid")):
-            await kube.delete("Deployment", ns, dname)
-            out.actions[f"Deployment/{dname}"] = "deleted"
+    live, out.actions = await _apply_and_prune(kube, owned(plan.children, body), name, ns, meta.get("uid"))
     state.fingerprints[uid] = digest
-
-    ready_by_pool = {}
-    for p in plan.pools:
-        dep = live.get(("Deployment", m.k8s_name(name, p.pool.name)))
-        ready_by_pool[p.pool.name] = int(((dep or {}).get("status") or {}).get("readyReplicas") or 0)
-    router = live.get(("Deployment", m.names(owner)["router"])) or {}
-    router_ready = int((router.get("status") or {}).get("readyReplicas") or 0)
+    ready_by_pool, router_ready = ready_replicas(plan, live, name, owner)
     diag = None
     if pods is not None:
         diag = diagnose(pods, await _missing_claims(kube, ns, pods))
@@ -195,14 +171,66 @@ async def _reconcile(state: OperatorState, body: Mapping[str, Any], nodes: list[
     )
     new = mc.with_model_config(new, body, learned, now(), generation)
     out.status_written = await _write_status(kube, ns, name, previous, new)
+    _post_new_warnings(state, body, uid, previous, new, post_event)
+    out.reason = next((c.get("reason") for c in new["conditions"] if c.get("type") == "Ready"), None)
+    return out
+
+
+async def _report_invalid_spec(state: OperatorState, kube: Kube, body: Mapping[str, Any], uid: str, error: str,
+                               learned: mc.Learned | None, post_event: EventFn, now: Callable[[], str]) -> bool:
+    """Step 1 failed: an InvalidSpec Event when the error is new, then the InvalidSpec status; True if written."""
+    meta = body.get("metadata") or {}
+    generation, previous = meta.get("generation"), dict(body.get("status") or {})
+    last = state.conditions.get(uid, previous.get("conditions", []))
+    old = next((c for c in last if c.get("type") == "InvalidSpec"), {})
+    if old.get("status") != "True" or old.get("message") != error:
+        post_event(body, "Warning", "InvalidSpec", error)
+    new = invalid_status(message=error, generation=generation, previous=previous, now=now())
+    new = mc.with_model_config(new, body, learned, now(), generation)
+    _post_model_config_warning(post_event, body, last, new)
+    written = await _write_status(kube, meta.get("namespace") or "default", meta["name"], previous, new)
+    state.conditions[uid] = new["conditions"]
+    return written
+
+
+async def _apply_and_prune(kube: Kube, children: list[dict[str, Any]], name: str, ns: str,
+                           owner_uid: str | None) -> tuple[dict[tuple[str, str], dict[str, Any]], dict[str, str]]:
+    """Step 2: apply every child, delete the server Deployments of pools no longer planned: (live objects, actions)."""
+    live: dict[tuple[str, str], dict[str, Any]] = {}
+    actions: dict[str, str] = {}
+    for obj in children:
+        key = (obj["kind"], obj["metadata"]["name"])
+        live[key], actions[f"{key[0]}/{key[1]}"] = await kube.apply(obj)
+    wanted = {o["metadata"]["name"] for o in children if o["kind"] == "Deployment"}
+    server_sel = {m.SERVICE_LABEL: name[:63], m.COMPONENT_LABEL: "server"}
+    for dep in await kube.list("Deployment", ns, server_sel):
+        dname = dep["metadata"]["name"]
+        if dname not in wanted and _owned_by(dep, owner_uid):
+            await kube.delete("Deployment", ns, dname)
+            actions[f"Deployment/{dname}"] = "deleted"
+    return live, actions
+
+
+def ready_replicas(plan: Plan, live: Mapping[tuple[str, str], Mapping[str, Any]], name: str,
+                   owner: m.Owner) -> tuple[dict[str, int], int]:
+    """Step 3: ready replicas of each pool's Deployment and of the router's, as the applied objects report them."""
+    ready_by_pool = {}
+    for p in plan.pools:
+        dep = live.get(("Deployment", m.k8s_name(name, p.pool.name)))
+        ready_by_pool[p.pool.name] = int(((dep or {}).get("status") or {}).get("readyReplicas") or 0)
+    router = live.get(("Deployment", m.names(owner)["router"])) or {}
+    return ready_by_pool, int((router.get("status") or {}).get("readyReplicas") or 0)
+
+
+def _post_new_warnings(state: OperatorState, body: Mapping[str, Any], uid: str, previous: dict[str, Any],
+                       new: dict[str, Any], post_event: EventFn) -> None:
+    """Step 4's Events: a Warning for each problem `new` raises that the last written status did not; remember `new`."""
     # De-dup against what this process last wrote (the body may predate it), else the stored status (a restart).
     last = {"conditions": state.conditions[uid]} if uid in state.conditions else previous
     for reason, message in warnings(last, new):
         post_event(body, "Warning", reason, message)
     _post_model_config_warning(post_event, body, last.get("conditions", []), new)
     state.conditions[uid] = new["conditions"]
-    out.reason = next((c.get("reason") for c in new["conditions"] if c.get("type") == "Ready"), None)
-    return out
 
 
 async def _missing_claims(kube: Kube, ns: str, pods: list[Mapping[str, Any]]) -> set[str]:

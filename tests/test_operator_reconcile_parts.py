@@ -1,0 +1,98 @@
+"""The steps of reconcile._reconcile, each on its own: report an invalid spec, apply and prune, read readiness,
+post the Warnings a new status raises (against an in-memory API, no cluster)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from operator_fixtures.shapes import h200, service
+from warmfleet.operator import manifests as m
+from warmfleet.operator.nodes import node_info
+from warmfleet.operator.reconcile import (
+    OperatorState, _apply_and_prune, _post_new_warnings, _report_invalid_spec, owned, plan_for, ready_replicas,
+)
+
+IMAGES = m.Images(engine="engine:1", router="slim:1")
+
+
+class MemoryKube:
+    """apply / list / delete / patch_status over a dict, recording each call."""
+
+    def __init__(self, existing: list[dict[str, Any]] = ()) -> None:
+        self.objects = {(o["kind"], o["metadata"]["name"]): o for o in existing}
+        self.deleted: list[str] = []
+        self.status_patches: list[dict[str, Any]] = []
+
+    async def apply(self, obj: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        key = (obj["kind"], obj["metadata"]["name"])
+        action = "unchanged" if self.objects.get(key) == obj else "patched" if key in self.objects else "created"
+        self.objects[key] = obj
+        return obj, action
+
+    async def list(self, kind: str, ns: str, selector: dict[str, str]) -> list[dict[str, Any]]:
+        return [o for (k, _), o in self.objects.items() if k == kind
+                and selector.items() <= ((o["metadata"].get("labels") or {}).items())]
+
+    async def delete(self, kind: str, ns: str, name: str) -> None:
+        self.deleted.append(f"{kind}/{name}")
+        self.objects.pop((kind, name), None)
+
+    async def patch_status(self, kind: str, ns: str, name: str, patch: dict[str, Any]) -> None:
+        self.status_patches.append(patch)
+
+
+class Events(list):
+    def __call__(self, body, type_, reason, message):
+        self.append((type_, reason, message))
+
+
+def stale_pool(body: dict[str, Any], name: str, owner_uid: str) -> dict[str, Any]:
+    """A server Deployment of a pool the plan no longer has."""
+    return {"kind": "Deployment", "metadata": {"name": name, "ownerReferences": [{"uid": owner_uid}],
+            "labels": {m.SERVICE_LABEL: body["metadata"]["name"], m.COMPONENT_LABEL: "server"}}}
+
+
+async def test_apply_and_prune_applies_every_child_and_deletes_only_owned_stale_pools():
+    body = service(spec={"replicas": 2})
+    _, _, plan = plan_for(body, [node_info(h200())], IMAGES)
+    children = owned(plan.children, body)
+    kube = MemoryKube([stale_pool(body, "qwen-old", "uid-qwen"), stale_pool(body, "qwen-foreign", "uid-other")])
+    live, actions = await _apply_and_prune(kube, children, "qwen", "default", "uid-qwen")
+    assert set(live) == {(c["kind"], c["metadata"]["name"]) for c in children}
+    assert actions["Deployment/qwen-old"] == "deleted" and kube.deleted == ["Deployment/qwen-old"]
+    assert all(actions[f"{c['kind']}/{c['metadata']['name']}"] == "created" for c in children)
+    _, again = await _apply_and_prune(kube, children, "qwen", "default", "uid-qwen")
+    assert set(again.values()) == {"unchanged"} and kube.deleted == ["Deployment/qwen-old"]
+
+
+def test_ready_replicas_reads_each_pool_and_the_router_from_the_applied_objects():
+    body = service(spec={"replicas": 2})
+    owner, _, plan = plan_for(body, [node_info(h200())], IMAGES)
+    pool = plan.pools[0].pool.name
+    live = {("Deployment", m.k8s_name("qwen", pool)): {"status": {"readyReplicas": 2}},
+            ("Deployment", m.names(owner)["router"]): {"status": {"readyReplicas": 1}}}
+    assert ready_replicas(plan, live, "qwen", owner) == ({pool: 2}, 1)
+    assert ready_replicas(plan, {}, "qwen", owner) == ({pool: 0}, 0)  # not applied yet / no status
+
+
+async def test_invalid_spec_is_one_event_per_new_error_and_a_status_write():
+    state, kube, events = OperatorState(default_images=IMAGES), MemoryKube(), Events()
+    body = service()
+    assert await _report_invalid_spec(state, kube, body, "uid-qwen", "spec.replicas: bad", None, events, lambda: "T")
+    assert events == [("Warning", "InvalidSpec", "spec.replicas: bad")]
+    invalid = next(c for c in state.conditions["uid-qwen"] if c["type"] == "InvalidSpec")
+    assert invalid["status"] == "True" and invalid["message"] == "spec.replicas: bad"
+    await _report_invalid_spec(state, kube, body, "uid-qwen", "spec.replicas: bad", None, events, lambda: "T")
+    assert len(events) == 1  # the same error again: no second Event
+    await _report_invalid_spec(state, kube, body, "uid-qwen", "spec.model: bad", None, events, lambda: "T")
+    assert events[-1] == ("Warning", "InvalidSpec", "spec.model: bad")
+
+
+def test_new_warnings_are_posted_once_against_what_was_last_written():
+    state, events = OperatorState(default_images=IMAGES), Events()
+    ok = {"conditions": [{"type": "Ready", "status": "True", "reason": "Ready", "message": ""}]}
+    stuck = {"conditions": [{"type": "Ready", "status": "False", "reason": "Unschedulable", "message": "no node"}]}
+    _post_new_warnings(state, service(), "u", ok, stuck, events)
+    assert events == [("Warning", "Unschedulable", "no node")] and state.conditions["u"] == stuck["conditions"]
+    _post_new_warnings(state, service(), "u", ok, stuck, events)  # the body still shows `ok`: de-dup by memory
+    assert len(events) == 1
