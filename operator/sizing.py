@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from warmfleet.operator.engines import Engine, engine_of
 from warmfleet.operator.nodes import GiB, MiB, Pool
-from warmfleet.operator.spec import (DEFAULT_DTYPE, DEFAULT_HIDDEN_SIZE, GiBSize, InferenceServiceSpec, PoolInputs, PoolSizes,
-                                     TokenSize)
+from warmfleet.operator.spec import (DEFAULT_DTYPE, DEFAULT_HIDDEN_SIZE, CacheSpec, GiBSize, InferenceServiceSpec, PoolInputs,
+                                     PoolSizes, TokenSize)
 from warmfleet.server.config import DTYPE_BYTES
 
 PROCESSOR_GIB_PER_FRONTEND = 4.0  # Auto processor cache ceiling per API frontend
@@ -66,52 +66,63 @@ def size_pool(spec: InferenceServiceSpec, pool: Pool) -> PoolSizing:
     H = int(pool.host_memory_bytes * (1 - cache.host_reserve_fraction) / R)
     E = int(spec.server.engine_memory_gib * GiB)
     sources: dict[str, str] = {}
-
-    if cache.processor_cache.mode == "Fixed":
-        P_gib, sources["processorCache"] = float(cache.processor_cache.size), "fixed"  # type: ignore[arg-type]
-    else:
-        auto = min(PROCESSOR_GIB_PER_FRONTEND * API_FRONTENDS, PROCESSOR_HOST_SHARE * H / GiB)
-        P_gib, sources["processorCache"] = _clamp(_floor_step(auto), cache.processor_cache)
+    P_gib = _processor_cache_gib(cache, H, sources)
     P = int(P_gib * GiB)
     processor_host = P * fp.processor_copies
     shm_fixed = (P if fp.processor_in_shm else 0) + SHM_HEADROOM_BYTES
-    fixed = E + processor_host + shm_fixed  # host bytes before the CPU KV tier
-
-    if cache.swap_space.mode == "Fixed":
-        S_gib, sources["swapSpace"] = float(cache.swap_space.size), "fixed"  # type: ignore[arg-type]
-    else:
-        auto = min(cache.swap_fraction * (H - fixed), SWAP_HOST_CAP * H) / fp.swap_overhead / GiB
-        S_gib, sources["swapSpace"] = _clamp(_floor_step(auto), cache.swap_space)
+    S_gib = _swap_space_gib(cache, H, E + processor_host + shm_fixed, fp.swap_overhead, sources)
     swap_host = int(S_gib * GiB * fp.swap_overhead)
     shm = _round_up_mib(shm_fixed + (swap_host if fp.swap_in_shm else 0))
-
     g = pool.gpu_memory_mib * MiB
     # plan_for fills both in (spec, else config.json, else default: modelconfig.py); a bare spec gets the defaults
     token_bytes = (spec.model.hidden_size or DEFAULT_HIDDEN_SIZE) * DTYPE_BYTES[spec.model.dtype or DEFAULT_DTYPE]
     enc = _encoder_tokens(spec, engine, g, token_bytes, sources)
     gpu_util = _gpu_memory_utilization(engine, g, enc, token_bytes, cache.encoder_fraction)
-
     memory = _round_up_mib(E + processor_host + shm + (0 if fp.swap_in_shm else swap_host))
-    inputs = PoolInputs(
-        host_bytes_per_replica=H, engine_bytes=E, gpu_bytes_per_replica=g * gpr,
-        bytes_per_encoder_token=token_bytes, sources=sources,
-    )
-    sizes = PoolSizes(
-        replicas_per_node=R, swap_space_gib=S_gib, encoder_cache_tokens=enc, processor_cache_gib=P_gib,
-        gpu_memory_utilization=gpu_util, memory_bytes=memory, shm_bytes=shm,
-        hash=sizes_hash(S_gib, enc, P_gib, memory, shm, gpu_util),
-    )
+    inputs = PoolInputs(host_bytes_per_replica=H, engine_bytes=E, gpu_bytes_per_replica=g * gpr,
+                        bytes_per_encoder_token=token_bytes, sources=sources)
+    sizes = PoolSizes(replicas_per_node=R, swap_space_gib=S_gib, encoder_cache_tokens=enc, processor_cache_gib=P_gib,
+                      gpu_memory_utilization=gpu_util, memory_bytes=memory, shm_bytes=shm,
+                      hash=sizes_hash(S_gib, enc, P_gib, memory, shm, gpu_util))
+    msg = why_unfit(sizes, inputs, engine)
+    return PoolSizing(not msg, msg, R, sizes, inputs)
+
+
+def _processor_cache_gib(cache: CacheSpec, host_bytes: int, sources: dict[str, str]) -> float:
+    """Processor cache per replica, GiB: Fixed as given, Auto min(4 GiB per frontend, 10% of H) within its bounds."""
+    if cache.processor_cache.mode == "Fixed":
+        sources["processorCache"] = "fixed"
+        return float(cache.processor_cache.size)  # type: ignore[arg-type]
+    auto = min(PROCESSOR_GIB_PER_FRONTEND * API_FRONTENDS, PROCESSOR_HOST_SHARE * host_bytes / GiB)
+    gib, sources["processorCache"] = _clamp(_floor_step(auto), cache.processor_cache)
+    return gib
+
+
+def _swap_space_gib(cache: CacheSpec, host_bytes: int, fixed_bytes: int, swap_overhead: float,
+                    sources: dict[str, str]) -> float:
+    """CPU KV tier per replica, GiB: Fixed as given, Auto a share of the host bytes left after `fixed_bytes`."""
+    if cache.swap_space.mode == "Fixed":
+        sources["swapSpace"] = "fixed"
+        return float(cache.swap_space.size)  # type: ignore[arg-type]
+    auto = min(cache.swap_fraction * (host_bytes - fixed_bytes), SWAP_HOST_CAP * host_bytes) / swap_overhead / GiB
+    gib, sources["swapSpace"] = _clamp(_floor_step(auto), cache.swap_space)
+    return gib
+
+
+def why_unfit(sizes: PoolSizes, inputs: PoolInputs, engine: Engine) -> str:
+    """Why a replica of `sizes` does not fit its share of a node: host memory, or GPU memory left ("": it fits)."""
+    fp, H, E, R = engine.footprint, inputs.host_bytes_per_replica, inputs.engine_bytes, sizes.replicas_per_node
+    S_gib, P_gib, memory, shm = sizes.swap_space_gib, sizes.processor_cache_gib, sizes.memory_bytes, sizes.shm_bytes
     if memory > H:
         swap = f"swap {S_gib:g}" + (f" x {fp.swap_overhead:g}" if fp.swap_overhead != 1 else "")
         proc = f" + processor cache {P_gib:g} x {fp.processor_copies}" if fp.processor_copies else ""
-        msg = (f"a replica needs {memory / GiB:.2f} GiB host memory (engine {E / GiB:.2f} + {swap}{proc} "
-               f"+ /dev/shm {shm / GiB:.2f}) but {R} per node leaves {H / GiB:.2f} GiB each")
-        return PoolSizing(False, msg, R, sizes, inputs)
+        return (f"a replica needs {memory / GiB:.2f} GiB host memory (engine {E / GiB:.2f} + {swap}{proc} "
+                f"+ /dev/shm {shm / GiB:.2f}) but {R} per node leaves {H / GiB:.2f} GiB each")
+    gpu_util, enc = sizes.gpu_memory_utilization, sizes.encoder_cache_tokens
     if gpu_util is not None and gpu_util < MIN_GPU_MEMORY_UTILIZATION:
-        msg = (f"the encoder cache ({enc} tokens) leaves {engine.kind} --gpu-memory-utilization {gpu_util:g}, "
-               f"below {MIN_GPU_MEMORY_UTILIZATION:g}")
-        return PoolSizing(False, msg, R, sizes, inputs)
-    return PoolSizing(True, "", R, sizes, inputs)
+        return (f"the encoder cache ({enc} tokens) leaves {engine.kind} --gpu-memory-utilization {gpu_util:g}, "
+                f"below {MIN_GPU_MEMORY_UTILIZATION:g}")
+    return ""
 
 
 def _encoder_tokens(spec: InferenceServiceSpec, engine: Engine, g: int, token_bytes: int, sources: dict[str, str]) -> int | None:
