@@ -444,58 +444,23 @@ def _partial_path(meta: Path, f: RemoteFile) -> Path:
 
 def _download(remote: Remote, f: RemoteFile, dest: Path, meta: Path, progress: Progress, retries: int,
               retry_delay_s: float) -> None:
+    """Fetch `f` into `dest` through its partial file: resume it, retry transient failures, check the digest."""
     part = _partial_path(meta, f)
-    final = dest / f.name
     restarts = 0
     attempt = 0
     resumed = False
     while True:
-        have = part.stat().st_size if part.exists() else 0
-        if have > f.size or not part.exists():
-            part.write_bytes(b"")  # also the whole of an empty file
-            have = 0
-        h = _hasher(f.digest, f.size)
-        if have and h is not None:
-            with part.open("rb") as fh:
-                for block in iter(lambda: fh.read(CHUNK_BYTES), b""):
-                    h.update(block)
+        have, h = _resume_point(part, f)
         if have:
             progress.done_bytes += have
             progress.resumed_files += 0 if resumed else 1
             resumed = True
             log.info("resuming", extra={"fields": {"file": f.name, "offset": have, "size": f.size}})
-        trust = True
         try:
-            if have < f.size:
-                with remote.open(f, have) as body:
-                    trust = body.trust_digest
-                    if body.start != have:  # the server sent the whole file: start over
-                        progress.done_bytes -= have
-                        have, h = 0, _hasher(f.digest, f.size)
-                    with part.open("r+b") as out:
-                        out.seek(have)
-                        out.truncate()
-                        for chunk in body.chunks:
-                            out.write(chunk)
-                            if h is not None:
-                                h.update(chunk)
-                            progress.add(len(chunk))
-                        out.flush()
-                        os.fsync(out.fileno())
-            size = part.stat().st_size if part.exists() else 0
-            if size != f.size:
-                raise _Transient(f"{f.name}: got {size} of {f.size} bytes")
+            trust, h = _receive(remote, f, part, have, h, progress)
         except _Transient as exc:
-            progress.done_bytes -= part.stat().st_size if part.exists() else 0
-            if exc.restart and part.exists():
-                part.unlink()
-            if attempt >= retries:
-                raise FetchError("Unreachable", f"{remote_name(remote)}: {exc} (gave up after {attempt + 1} attempts; "
-                                                "the partial file is kept and the next run resumes it)") from exc
+            _back_off(remote, f, part, progress, exc, attempt, retries, retry_delay_s)
             attempt += 1
-            delay = min(30.0, retry_delay_s * 2 ** (attempt - 1))
-            log.warning("retrying", extra={"fields": {"file": f.name, "error": str(exc), "attempt": attempt, "delay_s": delay}})
-            time.sleep(delay)
             continue
         if trust and not _matches(h, f.digest):
             got = h.hexdigest()
@@ -507,9 +472,63 @@ def _download(remote: Remote, f: RemoteFile, dest: Path, meta: Path, progress: P
                 continue
             raise FetchError("Integrity", f"{remote_name(remote)}: {f.name}: content digest {got} does not match the "
                                           f"published {f.digest} (downloaded twice)")
+        final = dest / f.name
         final.parent.mkdir(parents=True, exist_ok=True)
         os.replace(part, final)
         return
+
+
+def _resume_point(part: Path, f: RemoteFile) -> tuple[int, Any]:
+    """Bytes of `f` already in its partial file (none if it is longer than `f`), and a hasher fed with them."""
+    have = part.stat().st_size if part.exists() else 0
+    if have > f.size or not part.exists():
+        part.write_bytes(b"")  # also the whole of an empty file
+        have = 0
+    h = _hasher(f.digest, f.size)
+    if have and h is not None:
+        with part.open("rb") as fh:
+            for block in iter(lambda: fh.read(CHUNK_BYTES), b""):
+                h.update(block)
+    return have, h
+
+
+def _receive(remote: Remote, f: RemoteFile, part: Path, have: int, h: Any, progress: Progress) -> tuple[bool, Any]:
+    """Append `f` from byte `have` to its partial file: (check its digest?, the hasher); _Transient if short."""
+    trust = True
+    if have < f.size:
+        with remote.open(f, have) as body:
+            trust = body.trust_digest
+            if body.start != have:  # the server sent the whole file: start over
+                progress.done_bytes -= have
+                have, h = 0, _hasher(f.digest, f.size)
+            with part.open("r+b") as out:
+                out.seek(have)
+                out.truncate()
+                for chunk in body.chunks:
+                    out.write(chunk)
+                    if h is not None:
+                        h.update(chunk)
+                    progress.add(len(chunk))
+                out.flush()
+                os.fsync(out.fileno())
+    size = part.stat().st_size if part.exists() else 0
+    if size != f.size:
+        raise _Transient(f"{f.name}: got {size} of {f.size} bytes")
+    return trust, h
+
+
+def _back_off(remote: Remote, f: RemoteFile, part: Path, progress: Progress, exc: _Transient, attempt: int,
+              retries: int, retry_delay_s: float) -> None:
+    """After failed attempt `attempt` (from 0): FetchError once `retries` are spent, else sleep (doubling, <= 30 s)."""
+    progress.done_bytes -= part.stat().st_size if part.exists() else 0
+    if exc.restart and part.exists():
+        part.unlink()
+    if attempt >= retries:
+        raise FetchError("Unreachable", f"{remote_name(remote)}: {exc} (gave up after {attempt + 1} attempts; "
+                                        "the partial file is kept and the next run resumes it)") from exc
+    delay = min(30.0, retry_delay_s * 2 ** attempt)
+    log.warning("retrying", extra={"fields": {"file": f.name, "error": str(exc), "attempt": attempt + 1, "delay_s": delay}})
+    time.sleep(delay)
 
 
 def remote_name(remote: Remote) -> str:
