@@ -34,3 +34,16 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
     from warmfleet.server.tiny_checkpoints.text import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), arch="llama", size="tiny", seed=0)
+
+
+@pytest.fixture()
+async def cluster():
+    """kmock (taught server-side apply) with the discovery kopf needs and every resource the operator touches
+    (tests/operator_fixtures/cluster.py); a module may define its own `cluster` instead."""
+    import kmock
+
+    from operator_fixtures.cluster import declare
+    from operator_fixtures.kmock_apply import FakeApplyEmulator
+
+    async with FakeApplyEmulator() as emulator, kmock.Server(emulator):
+        yield declare(emulator)

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from procs import EXE, STARTUP_S, free_port, tree_pids
+from procs import EXE, STARTUP_S, free_port, tree_pids, wait_for
 from warmfleet.server.config import EngineConfig, ModelConfig, parse_cpu_list
 
 
@@ -46,16 +45,7 @@ def test_engine_core_runs_on_the_listed_cpu_and_the_api_process_does_not(tiny_mo
     proc = _start(tiny_model_dir, tmp_path, port, str(cpu))
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as http:
-            deadline = time.monotonic() + STARTUP_S
-            while True:
-                assert proc.poll() is None, proc.stderr.read()
-                try:
-                    if http.get("/ready").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, "server did not become ready"
-                time.sleep(0.5)
+            wait_for(lambda: http.get("/ready").status_code == 200, "the server ready", [proc], STARTUP_S, poll_s=0.5)
             r = http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0,
                                                    "ignore_eos": True}, timeout=60)
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4

@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -23,8 +22,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from test_server_e2e import START_TIMEOUT_S, Replica
 from images import data_uri, image_bytes, image_part
+from procs import wait_for
+from serve_replica import START_TIMEOUT_S, Replica
 
 pytestmark = pytest.mark.slow
 
@@ -196,13 +196,10 @@ def test_processor_cache_death_keeps_serving_and_shutdown_stops_it(client, vl_re
     r = chat(client, messages(image_part(data_uri(image_bytes(64, 48, seed=40)))))  # preprocessed by the frontend itself
     assert image_tokens(r.usage) == 4
     vl_replica.wait_for_log("processor cache process exited", 60, prefix=True)
-    deadline = time.monotonic() + 60
-    while True:  # the restarted process answers again (it starts empty)
-        text = httpx.get(vl_replica.url + "/metrics").text
-        if metric(text, "warmfleet:processor_cache_up") == 1:
-            break
-        assert time.monotonic() < deadline, "processor cache was not restarted"
-        time.sleep(0.2)
+    # the restarted process answers again (it starts empty)
+    wait_for(lambda: metric(httpx.get(vl_replica.url + "/metrics").text, "warmfleet:processor_cache_up") == 1,
+             "the processor cache restarted", [vl_replica.proc], 60, poll_s=0.2)
+    text = httpx.get(vl_replica.url + "/metrics").text
     assert metric(text, "warmfleet:processor_cache_restarts_total") == 1
     uri = data_uri(image_bytes(64, 48, seed=41))
     chat(client, messages(image_part(uri)))

@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 from typing import Any, AsyncContextManager, Callable
 
 import kmock
 import pytest
 
 from fakerouter import FakeRouter
+from operator_fixtures.cluster import ISVC, PODS, declare
 from operator_fixtures.kmock_apply import FakeVersionedEmulator
 from operator_fixtures.running import InProcessOperator, run_operator
 from operator_fixtures.shapes import h200, l4, service
-from test_operator_kmock import ISVC, PODS, _declare
-from waiting import poll
+from waiting import poll, until
 from warmfleet.operator import autoscale_policy as a
 from warmfleet.operator.sizing import assign_replicas
 from warmfleet.operator.spec import Autoscaling, parse_spec
@@ -208,10 +207,8 @@ async def test_the_real_router_exports_what_the_autoscaler_reads(tiny_model_dir)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     task = asyncio.create_task(server.serve())
     try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while not (server.started and all(app.state.fleet.index.is_synced(u) for u in fleet.urls)):
-            assert time.monotonic() < deadline, "router start and initial resync"
-            await asyncio.sleep(0.02)
+        await until(lambda: server.started and all(app.state.fleet.index.is_synced(u) for u in fleet.urls),
+                    "router start and initial resync", timeout_s=TIMEOUT_S, interval_s=0.02)
         prompt = [random.Random(7).randrange(5, 900) for _ in range(200)]
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
             for stream in (False, False, True, True, True):  # the same prompt: every repeat hits the cache
@@ -268,7 +265,7 @@ pytestmark = pytest.mark.kmock(cls=FakeVersionedEmulator)
 
 @pytest.fixture()
 def cluster(kmock: FakeVersionedEmulator) -> FakeVersionedEmulator:
-    return _declare(kmock)  # the resources tests/test_operator_kmock.py's operator runs against
+    return declare(kmock)  # the resources the kmock operator tests run against
 
 
 def operator(cluster: kmock.KubernetesEmulator, router_url: str) -> AsyncContextManager[InProcessOperator]:

@@ -3,98 +3,14 @@
 from __future__ import annotations
 
 import json
-from typing import Any, AsyncContextManager, AsyncIterator, Callable
+from typing import Any
 
-import kmock
-import pytest
 
 from fakehub import FakeHub
-from operator_fixtures.kmock_apply import FakeApplyEmulator
-from operator_fixtures.running import InProcessOperator, run_operator
+from operator_fixtures.cluster import (DEPLOY, ISVC, NODES, condition, eventually, obj, operator, seed, server_deployments,
+                                       status, writes)
 from operator_fixtures.shapes import GiB, TiB, a100, h200, l4, service
-from waiting import poll
 from warmfleet.operator.manifests import SIZING_HASH_ANNOTATION
-
-ISVC = "serving.warmfleet.io/v1alpha1/inferenceservices"
-DEPLOY = "apps/v1/deployments"
-NODES = "v1/nodes"
-PODS = "v1/pods"
-KINDS = {
-    "v1/configmaps": "ConfigMap", "v1/services": "Service", "v1/serviceaccounts": "ServiceAccount",
-    "v1/events": "Event", DEPLOY: "Deployment", "policy/v1/poddisruptionbudgets": "PodDisruptionBudget",
-    "rbac.authorization.k8s.io/v1/roles": "Role", "rbac.authorization.k8s.io/v1/rolebindings": "RoleBinding",
-    PODS: "Pod", "v1/persistentvolumeclaims": "PersistentVolumeClaim",
-}
-TIMEOUT_S = 15
-
-
-@pytest.fixture()
-async def cluster() -> AsyncIterator[FakeApplyEmulator]:
-    """kmock (taught server-side apply) with the discovery kopf needs and every resource the operator touches."""
-    async with FakeApplyEmulator() as emulator, kmock.Server(emulator):
-        yield _declare(emulator)
-
-
-def _declare(cluster: FakeApplyEmulator) -> FakeApplyEmulator:
-    everything = {"list", "watch", "get", "create", "patch", "delete"}
-    cluster.resources["v1/namespaces"] = kmock.ResourceInfo(kind="Namespace", namespaced=False, verbs={"list", "watch"})
-    cluster.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = kmock.ResourceInfo(
-        kind="CustomResourceDefinition", namespaced=False, verbs={"list", "watch"})
-    cluster.resources[ISVC] = kmock.ResourceInfo(kind="InferenceService", namespaced=True, verbs=everything, subresources={"status"})
-    cluster.resources[NODES] = kmock.ResourceInfo(kind="Node", namespaced=False, verbs={"list", "watch", "get", "patch"})
-    for res, kind in KINDS.items():
-        cluster.resources[res] = kmock.ResourceInfo(kind=kind, namespaced=True, verbs=everything)
-    cluster.objects["v1/namespaces", None, "default"] = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "default", "resourceVersion": "1"}}
-    return cluster
-
-
-def operator(cluster: kmock.KubernetesEmulator) -> AsyncContextManager[InProcessOperator]:
-    """Run the operator in-process until the block ends."""
-    return run_operator(cluster, TIMEOUT_S)
-
-
-async def eventually(check: Callable[[], Any], what: str) -> Any:
-    """Wait until `check()` is truthy (re-checking as the event loop runs); fail with `what` after a timeout."""
-    value = await poll(check, TIMEOUT_S)
-    if not value:
-        raise AssertionError(f"timed out waiting for {what}")
-    return value
-
-
-def obj(cluster, res: str, name: str, ns: str | None = "default") -> dict[str, Any] | None:
-    try:
-        found = cluster.objects[res, ns, name]
-    except KeyError:
-        return None
-    return None if found.deleted else found.raw
-
-
-def status(cluster, name: str = "qwen") -> dict[str, Any]:
-    return (obj(cluster, ISVC, name) or {}).get("status") or {}
-
-
-def condition(cluster, type_: str, name: str = "qwen") -> dict[str, Any]:
-    return next((c for c in status(cluster, name).get("conditions", []) if c["type"] == type_), {})
-
-
-def server_deployments(cluster) -> dict[str, dict[str, Any]]:
-    out = {}
-    for (res, ns, name), o in cluster.objects.items():
-        if res.plural == "deployments" and not o.deleted and o.raw["metadata"]["labels"].get("app.kubernetes.io/component") == "server":
-            out[name] = o.raw
-    return out
-
-
-def writes(cluster, since: int = 0) -> list[str]:
-    """Mutating requests to children (not status, not kopf's own annotations on the service)."""
-    return [f"{r.method} {r.url.path}" for r in list(cluster)[since:]
-            if str(r.method).upper().endswith(("POST", "PATCH", "PUT", "DELETE")) and "/inferenceservices" not in r.url.path
-            and "/events" not in r.url.path and "/nodes" not in r.url.path]
-
-
-def seed(cluster, *objs: dict[str, Any], res: str = NODES) -> None:
-    for o in objs:
-        cluster.objects[res, o["metadata"].get("namespace"), o["metadata"]["name"]] = o
 
 
 async def test_create_builds_children_and_status(cluster):

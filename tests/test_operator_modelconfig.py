@@ -8,14 +8,14 @@ import argparse
 import asyncio
 import base64
 import json
+import time
 
 import kmock
 import pytest
 
 from fakehub import FakeHub
+from operator_fixtures.cluster import DEPLOY, ISVC, condition, eventually, obj, operator, seed, server_deployments, status
 from operator_fixtures.shapes import h200, l4, service
-from test_operator_kmock import DEPLOY, ISVC, condition, eventually, obj, operator, seed, server_deployments, status
-from test_operator_kmock import cluster  # noqa: F401  (fixture)
 from warmfleet import fetch
 from warmfleet.operator import manifests as m
 from warmfleet.operator import modelconfig as mc
@@ -135,6 +135,12 @@ async def test_the_operator_tries_again_until_config_json_can_be_read(cluster, h
     async with operator(cluster):
         await eventually(lambda: condition(cluster, "ModelConfigUnavailable").get("status") == "True", "ModelConfigUnavailable")
         assert server_deployments(cluster) == {}
+        # the timer's period on this host, measured: two more failed reads (the baseline for the check below)
+        n = len(hub.requests)
+        await eventually(lambda: len(hub.requests) > n, "a timer read")
+        t_read, n = time.monotonic(), len(hub.requests)
+        await eventually(lambda: len(hub.requests) > n, "the next timer read")
+        period_s = time.monotonic() - t_read
         # the user fixes the token: no spec change, no child event; the timer reconciles and recovers
         await cluster.patch("/api/v1/namespaces/default/secrets/hf-creds",
                             json={"data": {"HF_TOKEN": base64.b64encode(b"hf_good").decode()}})
@@ -143,7 +149,9 @@ async def test_the_operator_tries_again_until_config_json_can_be_read(cluster, h
                          "the service sized from config.json")
         assert status(cluster)["modelConfig"]["learned"]["hiddenSize"] == {"value": 1536, "from": "config.json"}
         count = len(hub.requests)
-        await asyncio.sleep(1.5)  # the timer stops once the condition is False: no more reads
+        # the timer stops once the condition is False: no read in three of its periods (measured above; at
+        # least the configured one)
+        await asyncio.sleep(3 * max(period_s, mc.RETRY_DELAY_S))
         assert len(hub.requests) == count
 
 

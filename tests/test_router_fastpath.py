@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from test_router_proxy import Fleet2, chat
+from router_fakes import Fleet2, chat
 
 
 async def chunks(data: bytes, size: int):

@@ -10,7 +10,8 @@ import httpx
 import pytest
 import uvicorn
 
-from test_router_proxy import BLOCK, FakeReplica, FakeSharedFailures, Served, until
+from router_fakes import BLOCK, FakeReplica, FakeSharedFailures, Served
+from waiting import until
 from warmfleet.server.hashing import model_fingerprint
 from warmfleet.server.router.core.peers import PeerLoad, client_digest, parse_peers
 from warmfleet.server.router.core.prompt import HashConfig, PromptRenderer

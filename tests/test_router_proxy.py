@@ -4,251 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import struct
 import threading
-from typing import Optional
 
 import httpx
 import msgpack
 import pytest
-import uvicorn
-import zmq
-from fastapi import FastAPI, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from waiting import until  # noqa: F401  (test_router_peers imports it from here)
-from warmfleet.server.events import BlockStored, EventBatch, Snapshot, encode
-from warmfleet.server.hashing import block_hashes, model_fingerprint
-from warmfleet.server.router.core.prompt import HashConfig, PromptRenderer
+from router_fakes import BLOCK, SYSTEM, Served, FakeSharedFailures, FakeReplica, Fleet2, chat
+from waiting import until
+from warmfleet.server.events import BlockStored
+from warmfleet.server.hashing import block_hashes
+from warmfleet.server.router.core.prompt import HashConfig
 from warmfleet.server.router.core.registry import ReplicaSpec
 from warmfleet.server.router.core.runtime import RouterRuntime
 from warmfleet.server.router.core.settings import RouterSettings
 from warmfleet.server.router.core.tenants import Tenants, derive_salt
 from warmfleet.server.router.http.app import build_app
-from warmfleet.server.tokenizer import Tokenizer
-
-BLOCK = 16
-SYSTEM = "You are a meticulous assistant for the warmfleet project. " * 8
-
-
-class Served:
-    """A uvicorn server for an app on a free loopback port, in the test's event loop."""
-
-    def __init__(self, app):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.task: Optional[asyncio.Task] = None
-
-    async def start(self) -> "Served":
-        self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
-        await until(lambda: self.server.started, "server start")
-        return self
-
-    async def stop(self) -> None:
-        self.server.should_exit = True
-        self.server.force_exit = True
-        await self.task
-
-
-class FakeSharedFailures:
-    """How many more requests, across all replicas sharing it, should fail (and how)."""
-
-    def __init__(self, n: int = 0, mode: str = "ok"):
-        self.n, self.mode = n, mode
-
-    def take(self) -> str:
-        if self.n > 0:
-            self.n -= 1
-            return self.mode
-        return "ok"
-
-
-class FakeReplica:
-    """Replica double: tokenizes like a replica, keeps a block set, publishes real KV events (events.encode).
-
-    Failure modes per request: "503", "reset" (headers, then the connection drops before any byte),
-    "break" (two SSE events, then the connection drops), "hold" (waits for `release`), "prefill" (waits
-    for `release` before its first byte, as a replica computing the prompt).
-    """
-
-    def __init__(self, name: str, tokenizer: Tokenizer, fingerprint: str, failures: FakeSharedFailures):
-        self.name, self.tok, self.fp, self.failures = name, tokenizer, fingerprint, failures
-        self.gpu: list[bytes] = []
-        self.seq = 0
-        self.received: list[dict] = []
-        self.running = self.waiting = 0  # load figures its /metrics reports
-        self.gate: Optional[asyncio.Event] = None  # when set, every request waits for it
-        self.health_script: list[str] = []  # answers for the next health checks: "slow" (past the timeout) or "503"
-        self.ready = True  # False: listening but still loading its model (/health 200, /ready 503), as after a restart
-        self.release = asyncio.Event()
-        self.pub = zmq.Context.instance().socket(zmq.PUB)
-        self.pub.setsockopt(zmq.LINGER, 0)
-        eport = self.pub.bind_to_random_port("tcp://127.0.0.1")
-        self.events = f"tcp://127.0.0.1:{eport}"
-        self.app = self._build()
-
-    def publish(self, events: list, seq: Optional[int] = None) -> None:
-        self.seq = self.seq + 1 if seq is None else seq
-        self.pub.send_multipart(encode(EventBatch(self.name, self.seq, events)))
-
-    def _prompt_ids(self, body: dict) -> list[int]:
-        if "messages" in body:
-            text = self.tok.apply_chat_template(body["messages"], add_generation_prompt=True)
-            return self.tok.encode(text, add_special_tokens=False)
-        if isinstance(body["prompt"], list):
-            return list(body["prompt"])
-        return self.tok.encode(body["prompt"], add_special_tokens=True)
-
-    def _serve(self, body: dict) -> int:
-        """Prefix-cache bookkeeping of one request; returns cached tokens."""
-        ids = self._prompt_ids(body)
-        hashes = block_hashes(ids, [], BLOCK, self.fp, body.get("cache_salt"))
-        hit = 0
-        for h in hashes:
-            if h not in self.gpu:
-                break
-            hit += 1
-        cached = min(hit * BLOCK, (len(ids) - 1) // BLOCK * BLOCK)
-        new = [h for h in hashes if h not in self.gpu]
-        if new:
-            self.gpu.extend(new)
-            self.publish([BlockStored(new, None, [], BLOCK)])
-        return cached
-
-    def _build(self) -> FastAPI:
-        app = FastAPI()
-        headers = {"x-warmfleet-replica": self.name}
-
-        @app.get("/health")
-        async def health():
-            mode = self.health_script.pop(0) if self.health_script else "ok"
-            if mode == "slow":
-                await asyncio.sleep(1.0)  # past the router's 0.5 s health timeout
-            return Response(status_code=503 if mode == "503" else 200)
-
-        @app.get("/ready")
-        async def ready():
-            if not self.ready:
-                return JSONResponse({"status": "loading"}, status_code=503)
-            return await health()
-
-        @app.get("/metrics")
-        async def metrics():  # FastDeploy's load gauges (read by the router only for --engine fastdeploy)
-            text = (f"# TYPE fastdeploy:num_requests_running gauge\nfastdeploy:num_requests_running {self.running}\n"
-                    f"# TYPE fastdeploy:num_requests_waiting gauge\nfastdeploy:num_requests_waiting {self.waiting}\n")
-            return Response(text, media_type="text/plain")
-
-        @app.get("/v1/kv/snapshot")
-        async def snapshot():
-            return JSONResponse(Snapshot(self.name, self.seq, BLOCK, self.fp, list(self.gpu), [], []).to_json())
-
-        async def generate(request: Request):
-            body = await request.json()
-            self.received.append(body)
-            if self.gate is not None:
-                await self.gate.wait()
-            mode = self.failures.take()
-            if mode == "503":
-                return JSONResponse({"error": {"message": "busy"}}, status_code=503, headers=headers)
-            cached = self._serve(body)
-            usage = {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3,
-                     "prompt_tokens_details": {"cached_tokens": cached}}
-            if mode == "reset":  # status line and headers go out, then the connection drops
-                async def reset():
-                    raise ConnectionResetError("fake reset before the first byte")
-                    yield b""
-
-                return StreamingResponse(reset(), media_type="application/json", headers=headers)
-            if not body.get("stream"):
-                return JSONResponse({"id": "x", "choices": [{"index": 0, "text": "hi"}], "usage": usage},
-                                    headers=headers)
-
-            async def events():
-                if mode == "prefill":
-                    await self.release.wait()
-                for word in ("hello", "world"):
-                    yield f"data: {json.dumps({'choices': [{'index': 0, 'text': word}]})}\n\n".encode()
-                if mode == "break":
-                    raise ConnectionResetError("fake break mid-stream")
-                if mode == "hold":
-                    await self.release.wait()
-                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()
-                yield b"data: [DONE]\n\n"
-
-            return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
-
-        app.post("/v1/chat/completions")(generate)
-        app.post("/v1/completions")(generate)
-        return app
-
-    def close(self) -> None:
-        self.pub.close(0)
-
-
-class Fleet2:
-    """Two fake replicas behind a router, all on loopback."""
-
-    def __init__(self, model_dir, *, failures: Optional[FakeSharedFailures] = None, tenants: Optional[Tenants] = None,
-                 health_interval_s: float = 0.1, max_concurrent_per_client: int = 0, engine: str = "warmfleet",
-                 predicted_capacity_blocks: int = 16_384):
-        self.tok = Tokenizer(model_dir)
-        self.fp = model_fingerprint(model_dir)
-        self.failures = failures or FakeSharedFailures()
-        self.replicas = [FakeReplica(f"r{i}", self.tok, self.fp, self.failures) for i in range(2)]
-        self.model_dir = model_dir
-        self.tenants = tenants or Tenants({})
-        self.health_interval_s = health_interval_s
-        self.max_concurrent_per_client = max_concurrent_per_client
-        self.engine, self.predicted_capacity_blocks = engine, predicted_capacity_blocks
-
-    async def __aenter__(self) -> "Fleet2":
-        self.served = [await Served(r.app).start() for r in self.replicas]
-        self.by_url = {s.url: r for s, r in zip(self.served, self.replicas)}
-        runtime = RouterRuntime(
-            hash_cfg=HashConfig(BLOCK, self.fp),
-            replicas=[ReplicaSpec(s.url, r.events) if self.engine != "fastdeploy" else ReplicaSpec(s.url, metrics=s.url)
-                      for s, r in zip(self.served, self.replicas)],
-            renderer=PromptRenderer(str(self.model_dir), tokenizer=self.tok),
-            tenants=self.tenants,
-            settings=RouterSettings(health_interval_s=self.health_interval_s, health_timeout_s=0.5,
-                                    max_concurrent_per_client=self.max_concurrent_per_client, engine=self.engine,
-                                    predicted_capacity_blocks=self.predicted_capacity_blocks),
-        )
-        self.app = build_app(runtime)
-        self.router = await Served(self.app).start()
-        self.fleet = self.app.state.fleet
-        if self.engine == "fastdeploy":  # no events: nothing to sync
-            await until(lambda: all(r.healthy for r in self.fleet.registry.replicas.values()), "health checks")
-        else:
-            await until(lambda: all(self.fleet.index.is_synced(s.url) for s in self.served), "initial resync")
-        self.client = httpx.AsyncClient(base_url=self.router.url, timeout=10)
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.client.aclose()
-        await self.router.stop()
-        for s in self.served:
-            if not s.task.done():
-                await s.stop()
-        for r in self.replicas:
-            r.close()
-
-    def url_of(self, name: str) -> str:
-        return next(u for u, r in self.by_url.items() if r.name == name)
-
-    def metric(self, name: str, **labels) -> float:
-        v = self.app.state.metrics.registry.get_sample_value(name, labels or None)
-        return 0.0 if v is None else v
-
-
-def chat(question: str, tenant: Optional[int] = None, **extra) -> dict:
-    system = SYSTEM if tenant is None else f"Tenant {tenant}. " + SYSTEM
-    return {"model": "tiny", "messages": [{"role": "system", "content": system},
-                                          {"role": "user", "content": question}], **extra}
 
 
 async def test_shared_prefix_lands_where_it_is_cached(tiny_model_dir):
@@ -374,13 +146,21 @@ async def test_mid_stream_break_ends_with_sse_error(tiny_model_dir):
         assert f.metric("warmfleet_router_stream_breaks_total") == 1
 
 
-async def test_dead_replica_stops_receiving_within_one_second(tiny_model_dir):
+async def test_dead_replica_stops_receiving_by_its_next_health_checks(tiny_model_dir):
     async with Fleet2(tiny_model_dir, health_interval_s=0.2) as f:
         victim = f.served[0]
+        checks: list[str] = []  # health checks applied after the stop, by replica: rounds, not seconds
+        apply_check = f.fleet._apply_check
+
+        async def counted(rep, result):
+            checks.append(rep.spec.url)
+            await apply_check(rep, result)
+
+        f.fleet._apply_check = counted
         await victim.stop()
-        took = await until(lambda: not f.fleet.registry.get(victim.url).healthy, "health check to notice",
-                           timeout_s=3.0)
-        assert took < 1.0
+        await until(lambda: not f.fleet.registry.get(victim.url).healthy, "health check to notice", timeout_s=10.0)
+        # out within the checks its rule allows (a refused connection: the first), however slow the host
+        assert checks.count(victim.url) <= f.fleet.health_failures, checks
         for i in range(6):
             r = await f.client.post("/v1/chat/completions", json=chat(f"after {i}"))
             assert r.headers["x-warmfleet-replica"] == "r1"

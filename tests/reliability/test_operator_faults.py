@@ -19,10 +19,10 @@ import attrs
 import kmock
 import pytest
 
+from operator_fixtures.cluster import DEPLOY, ISVC, condition, declare, obj, seed, server_deployments, status
 from operator_fixtures.kmock_apply import FakeApplyEmulator, FakeVersionedEmulator
 from operator_fixtures.running import InProcessOperator, make_operator_registry, run_operator
 from operator_fixtures.shapes import h200, l4, service
-from test_operator_kmock import DEPLOY, ISVC, _declare, condition, obj, seed, server_deployments, status
 from waiting import poll
 
 STOP_S = 60  # bounds a start or a stop (a stop takes ~2 s: kopf gives busy workers 2 s to finish their queues)
@@ -69,7 +69,7 @@ def operator(cluster: kmock.KubernetesEmulator) -> AsyncContextManager[InProcess
 @pytest.fixture()
 async def cluster():
     async with FakeFaultyEmulator() as emulator, kmock.Server(emulator):
-        yield _declare(emulator)
+        yield declare(emulator)
 
 
 def converged(cluster, n_pools: int) -> bool:

@@ -1,0 +1,38 @@
+"""bench/harness.py's figures: the spread counts a replica that got nothing, quantiles skip missing values."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+
+from bench_scripts import load_bench
+
+harness = load_bench("harness.py")
+
+
+def test_spread_is_over_every_replica_of_the_fleet():
+    assert harness.spread([10, 10, 10, 10], 4) == 1.0
+    assert harness.spread([40], 4) == 4.0  # all on one of four: not 1.0 (the mean over used replicas)
+    assert harness.spread([30, 10, 0, 0], 4) == harness.spread([30, 10], 4) == 3.0
+    assert harness.spread([], 4) is None and harness.spread([0, 0], 2) is None
+    with pytest.raises(ValueError):
+        harness.spread([1, 1, 1], 2)
+
+
+def test_routing_and_trace_report_the_same_spread():
+    rec = [{"i": i, "error": None, "ttft": 0.1, "cached": 0, "prompt": 10, "replica": "b0", "route": None}
+           for i in range(8)]
+    assert load_bench("routing.py").summarize(rec, 4)["spread"] == 4.0
+
+
+def test_quantile_skips_missing_values():
+    assert harness.quantile([None, 3.0, 1.0, 2.0], 0.5) == 2.0
+    assert harness.quantile([None], 0.9) is None
+
+
+def test_lru_prefix_hits_leading_blocks_and_evicts_the_oldest():
+    seen: OrderedDict = OrderedDict()
+    assert harness.lru_prefix(seen, ["a", "b"], 3) == 0
+    assert harness.lru_prefix(seen, ["a", "c"], 3) == 1
+    assert harness.lru_prefix(seen, ["d"], 3) == 0 and "b" not in seen  # b was the least recent
