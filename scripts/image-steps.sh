@@ -57,9 +57,13 @@ for name in modules:
     mod = importlib.import_module(name)
     if name.startswith("warmfleet") and "site-packages" not in (mod.__file__ or ""):
         sys.exit(f"{name} imported from {mod.__file__}, not from the installed package")
+from warmfleet.server import engine_kinds
+
+for kind in engine_kinds.KINDS:  # every engine's router dialect (imported only when a router picks it)
+    engine_kinds.dialect_class(kind)
 if target == "slim" and importlib.util.find_spec("paddle") is not None:
     sys.exit("the slim image must not hold Paddle")
-print(f"imports ok: {len(modules)} modules")
+print(f"imports ok: {len(modules)} modules, {len(engine_kinds.KINDS)} router dialects")
 PY
 if [[ $target == engine ]]; then
   "$warmfleet" serve --help >/dev/null
