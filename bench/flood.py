@@ -28,12 +28,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from warmfleet.livefleet import MODEL_NAME, LiveFleet, Router
+
 sys.path.append(str(Path(__file__).resolve().parent))  # bench/harness.py, after the stdlib
 import harness  # noqa: E402
-
-harness.use_test_harness()
-
-from procs import MODEL_NAME, LiveFleet, Router  # noqa: E402
 
 GOOD, FLOODER = "good", "flooder"
 

@@ -6,7 +6,7 @@ Starts one real `warmfleet serve` of the tiny Qwen2-VL checkpoint (images and te
 run under ~/.cache/warmfleet/models) with a 512-token context and one `warmfleet route` in front
 of it, on loopback. For each server: `--examples` schemathesis cases per operation and generation
 mode (valid and invalid data; request bodies from server/api/protocol.py's models, see
-tests/reliability/fuzzing.py), then the hand corpus (truncated/corrupt images, a 400-megapixel
+bench/fuzzing.py), then the hand corpus (truncated/corrupt images, a 400-megapixel
 decompression bomb, HTML as an image, invalid UTF-8, lone surrogates, 100000-deep JSON, huge
 numbers, 5000 content parts, a prompt one token over the context, file:// and gopher:// URLs).
 
@@ -26,13 +26,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from warmfleet.livefleet import LiveFleet
+
 sys.path.append(str(Path(__file__).resolve().parent))  # bench/harness.py, after the stdlib
 import harness  # noqa: E402
 
-harness.use_test_harness()
-
-from procs import LiveFleet  # noqa: E402
-from reliability import fuzzing  # noqa: E402
+fuzzing = harness.sibling("fuzzing")
 
 MAX_MODEL_LEN = 512
 MEMORY_BOUND_MIB = 1536

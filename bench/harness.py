@@ -23,7 +23,6 @@ from types import ModuleType
 from typing import Callable, Hashable, Iterable, Sequence
 
 BENCH = Path(__file__).resolve().parent
-TESTS = BENCH.parent / "tests"
 EXE = [sys.executable, "-P", "-m", "warmfleet.cli"]
 
 
@@ -105,14 +104,6 @@ def lru_prefix(seen: OrderedDict, hs: Sequence[Hashable], capacity: int | None) 
     while capacity is not None and len(seen) > capacity:
         seen.popitem(last=False)
     return hit
-
-
-def use_test_harness() -> None:
-    """Make tests/' process harness importable (`procs`, `images`, `reliability`): the benches that drive live
-    fleets share it with tests/reliability. Appended, so it shadows nothing installed; the one place a bench
-    reaches into tests/."""
-    if str(TESTS) not in sys.path:
-        sys.path.append(str(TESTS))
 
 
 def sibling(script: str) -> ModuleType:

@@ -47,14 +47,13 @@ from pathlib import Path
 
 import httpx
 
+from warmfleet.livefleet import LiveFleet, Proc, Replica, metric, tree_pids
+from warmfleet.server.tiny_checkpoints.images import data_uri, image_bytes
+
 sys.path.append(str(Path(__file__).resolve().parent))  # bench/harness.py, after the stdlib
 import harness  # noqa: E402
 
-harness.use_test_harness()
-
-from images import data_uri, image_bytes  # noqa: E402
-from reliability.load import Outcome, question, send_chat, tenant_systems  # noqa: E402
-from procs import LiveFleet, Proc, Replica, metric, tree_pids  # noqa: E402
+chatload = harness.sibling("chatload")
 
 T0 = time.monotonic()
 
@@ -73,11 +72,11 @@ class Traffic:
 
     def __init__(self, base: str, clients: int, image_share: float, timeout_s: float, seed: int = 0):
         self.base, self.clients, self.image_share, self.timeout_s = base, clients, image_share, timeout_s
-        self.systems = tenant_systems()
+        self.systems = chatload.tenant_systems()
         self.images = [data_uri(image_bytes(64 + 32 * (k % 6), 64 + 16 * (k % 5), seed=k)) for k in range(8)]
         self.zipf = [1 / (k + 1) for k in range(len(self.images))]
         self.seed = seed
-        self.done: list[tuple[str, Outcome]] = []
+        self.done: list[tuple[str, chatload.Outcome]] = []
         self.stopping = asyncio.Event()
 
     async def run(self) -> None:
@@ -89,14 +88,14 @@ class Traffic:
             while not self.stopping.is_set():
                 kind = "image" if rng.random() < self.image_share else "text"
                 stream = rng.random() < 0.5
-                user: str | list = question(rng)
+                user: str | list = chatload.question(rng)
                 if kind == "image":
                     k = rng.choices(range(len(self.images)), self.zipf)[0]
                     user = [{"type": "image_url", "image_url": {"url": self.images[k]}},
                             {"type": "text", "text": user}]
                 messages = [{"role": "system", "content": rng.choice(self.systems)}, {"role": "user", "content": user}]
-                out = await send_chat(client, self.base, messages, stream, 32 if stream else 16,
-                                      Outcome(i, stream, time.monotonic()))
+                out = await chatload.send_chat(client, self.base, messages, stream, 32 if stream else 16,
+                                               chatload.Outcome(i, stream, time.monotonic()))
                 if out.error == "timeout":
                     out.error = "client timeout"
                 self.done.append((kind, out))
@@ -273,7 +272,7 @@ def _status_fields(pid: int) -> dict:
 quantile = harness.quantile
 
 
-def cause_of(o: Outcome, faults: list[dict]) -> str:
+def cause_of(o: chatload.Outcome, faults: list[dict]) -> str:
     """"router_down": under way or sent while no router listened; "replica_fault": ended <= 5 s after a replica kill."""
     for f in faults:
         if f["fault"] == "SIGKILL router" and o.t_end >= f["t_kill"] and \
@@ -285,7 +284,7 @@ def cause_of(o: Outcome, faults: list[dict]) -> str:
     return "none"
 
 
-def summarize(done: list[tuple[str, Outcome]], faults: list[dict], seconds: float) -> dict:
+def summarize(done: list[tuple[str, chatload.Outcome]], faults: list[dict], seconds: float) -> dict:
     ok = [(k, o) for k, o in done if o.ok]
     errors = [o for _, o in done if not o.ok]
     by_class = Counter(o.error for o in errors)

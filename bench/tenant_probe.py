@@ -33,12 +33,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from warmfleet.livefleet import MODEL_NAME, LiveFleet
+
 sys.path.append(str(Path(__file__).resolve().parent))  # bench/harness.py, after the stdlib
 import harness  # noqa: E402
-
-harness.use_test_harness()
-
-from procs import MODEL_NAME, LiveFleet  # noqa: E402
 
 KEY_A, KEY_B = "probe-tenant-a", "probe-tenant-b"
 GROUPS = ("b_on_a_warm", "b_cold", "a_warm", "a_cold")

@@ -10,8 +10,7 @@ import sys
 import threading
 import time
 
-from procs import free_port
-from warmfleet.localprocs import stop_all
+from warmfleet.localprocs import free_port, stop_all
 
 START_TIMEOUT_S = 180.0
 

@@ -17,7 +17,7 @@ from warmfleet.server.multimodal import wire
 from warmfleet.server.api.app import REPLICA_HEADER, attach_engine, build_app
 from warmfleet.server.config import EngineConfig
 from warmfleet.server.tokenizer import Tokenizer
-from images import data_uri, image_bytes, image_part
+from warmfleet.server.tiny_checkpoints.images import data_uri, image_bytes, image_part
 
 REPLY = "Hello there, how are you?"
 CHAT = "/v1/chat/completions"

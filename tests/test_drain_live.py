@@ -14,7 +14,7 @@ from urllib.parse import quote
 import httpx
 import pytest
 
-from procs import LiveFleet, wait_for
+from warmfleet.livefleet import LiveFleet, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from procs import EXE, STARTUP_S, free_port, tree_pids, wait_for
+from warmfleet.localprocs import free_port
+from warmfleet.livefleet import EXE, STARTUP_S, tree_pids, wait_for
 from warmfleet.server.config import EngineConfig, ModelConfig, parse_cpu_list
 
 

@@ -4,7 +4,7 @@
 import pytest
 
 from warmfleet import LLM, SamplingParams
-from images import data_uri, image_bytes
+from warmfleet.server.tiny_checkpoints.images import data_uri, image_bytes
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 

@@ -4,7 +4,7 @@ import time
 
 import zmq
 
-from procs import free_port
+from warmfleet.localprocs import free_port
 from warmfleet.server.config import CacheConfig, EngineConfig, ModelConfig, ServerConfig
 from warmfleet.server.engine.core import EngineCore
 from warmfleet.server.engine.protocol import GenerateRequest

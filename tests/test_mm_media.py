@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from PIL import Image
 
-from images import data_uri, image_bytes
+from warmfleet.server.tiny_checkpoints.images import data_uri, image_bytes
 from warmfleet.server.multimodal.media import (
     Fetcher,
     HostPolicy,

@@ -19,7 +19,7 @@ from warmfleet.server.multimodal.prompt import (
 )
 from warmfleet.server.tiny_checkpoints.vl import make_tiny_vl_model
 from warmfleet.server.tokenizer import Tokenizer
-from images import data_uri, image_bytes
+from warmfleet.server.tiny_checkpoints.images import data_uri, image_bytes
 
 
 @pytest.fixture(scope="module")

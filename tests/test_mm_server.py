@@ -22,8 +22,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from images import data_uri, image_bytes, image_part
-from procs import wait_for
+from warmfleet.server.tiny_checkpoints.images import data_uri, image_bytes, image_part
+from warmfleet.livefleet import wait_for
 from serve_replica import START_TIMEOUT_S, Replica
 
 pytestmark = pytest.mark.slow

@@ -188,7 +188,7 @@ async def test_the_real_router_exports_what_the_autoscaler_reads(tiny_model_dir)
     import uvicorn
 
     from bench_scripts import load_bench
-    from procs import free_port
+    from warmfleet.localprocs import free_port
     from warmfleet.server.hashing import model_fingerprint
     from warmfleet.server.router.core.prompt import HashConfig, PromptRenderer
     from warmfleet.server.router.core.registry import ReplicaSpec

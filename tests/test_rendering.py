@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from fakes import FakeEngine
-from images import data_uri, image_bytes, image_part
+from warmfleet.server.tiny_checkpoints.images import data_uri, image_bytes, image_part
 from warmfleet.server import rendering
 from warmfleet.server.api.app import build_app
 from warmfleet.server.config import EngineConfig

@@ -19,7 +19,7 @@ from kubernetes.client import (
 
 from bench_scripts import load_bench
 import waiting
-from procs import free_port
+from warmfleet.localprocs import free_port
 from warmfleet.server.hashing import model_fingerprint
 from warmfleet.server.router.core.discovery import replicas_from_slices
 from warmfleet.server.router.core.fleet import Fleet

@@ -8,8 +8,8 @@ import sys
 import httpx
 import pytest
 
-from procs import free_port, wait_for
-from warmfleet.localprocs import stop_all
+from warmfleet.livefleet import wait_for
+from warmfleet.localprocs import free_port, stop_all
 
 pytestmark = pytest.mark.slow
 

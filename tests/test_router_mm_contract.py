@@ -8,7 +8,7 @@ from warmfleet.server.multimodal.media import MediaConfig, MediaLoader
 from warmfleet.server.multimodal.processor import ImageProcessor
 from warmfleet.server.router.core.prompt import PromptRenderer
 from warmfleet.server.tokenizer import Tokenizer
-from images import data_uri, image_bytes
+from warmfleet.server.tiny_checkpoints.images import data_uri, image_bytes
 
 
 def messages(seed, uuid=None):

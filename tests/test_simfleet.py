@@ -17,7 +17,7 @@ import httpx
 import pytest
 from bench_scripts import load_bench
 import waiting
-from procs import free_port
+from warmfleet.localprocs import free_port
 
 BLOCK = 16
 

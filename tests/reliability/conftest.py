@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from procs import LiveFleet
+from warmfleet.livefleet import LiveFleet
 
 GPU_BLOCKS = 512  # per replica: the load's working set (six tenant prefixes) fits, so hit ratios are steady
 

@@ -17,8 +17,7 @@ import asyncio
 import httpx
 import pytest
 
-from .fuzzing import memory_mib
-from procs import MODEL_NAME, LiveFleet
+from warmfleet.livefleet import MODEL_NAME, LiveFleet, memory_mib
 
 pytestmark = pytest.mark.slow
 

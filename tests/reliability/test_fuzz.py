@@ -1,7 +1,7 @@
 """Hostile and random requests against a real replica (tiny Qwen2-VL, 512-token context) and a router in front of it.
 
 A bounded slice of bench/fuzz.py: a few schemathesis cases per operation (valid and invalid data,
-bodies from server/api/protocol.py's models) and the whole hand corpus (tests/reliability/fuzzing.py:
+bodies from server/api/protocol.py's models) and the whole hand corpus (bench/fuzzing.py:
 broken and hostile images, a decompression bomb, invalid UTF-8, lone surrogates, deep nesting, huge
 numbers, thousands of parts, a prompt one token over the context). Required: no 5xx, an answer to
 every request, OpenAI-shaped 4xx naming the problem, both processes alive, memory bounded.
@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from . import fuzzing
-from procs import LiveFleet
+from bench_scripts import load_bench
+from warmfleet.livefleet import LiveFleet, memory_mib
+
+fuzzing = load_bench("fuzzing.py")
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +52,7 @@ def test_hand_corpus_gets_openai_errors_naming_the_problem(vl_fleet, server):
     # thousands of images are refused once they outgrow the context, before the rest are decoded
     assert "content[" in cases[f"{MANY} image parts"][1] and "context" in cases[f"{MANY} image parts"][1]
     # a 400-megapixel PNG is refused without being decoded: the API process stays small
-    assert fuzzing.memory_mib(vl_fleet.replicas[0].popen.pid)["api"]["peak"] < 1536
+    assert memory_mib(vl_fleet.replicas[0].popen.pid)["api"]["peak"] < 1536
 
 
 @pytest.mark.parametrize("server", ["replica", "router"])

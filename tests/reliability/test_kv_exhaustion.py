@@ -24,8 +24,7 @@ import random
 import httpx
 import pytest
 
-from .fuzzing import memory_mib
-from procs import BLOCK, MODEL_NAME, Replica, metric
+from warmfleet.livefleet import BLOCK, MODEL_NAME, Replica, memory_mib, metric
 
 pytestmark = pytest.mark.slow
 

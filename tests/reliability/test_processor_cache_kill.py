@@ -25,8 +25,9 @@ import pytest
 
 from warmfleet.server.multimodal.processor_cache import ProcessorCacheProcess
 
-from images import data_uri, image_bytes, image_part
-from procs import MODEL_NAME, Replica, apoll, metric, tree_pids, wait_for
+from warmfleet.server.tiny_checkpoints.images import data_uri, image_bytes, image_part
+from warmfleet.livefleet import MODEL_NAME, Replica, metric, tree_pids, wait_for
+from waiting import apoll
 
 pytestmark = pytest.mark.slow
 

@@ -17,9 +17,11 @@ import time
 import httpx
 import pytest
 
-from .load import Outcome, SteadyLoad, send_chat, tenant_systems
-from procs import MODEL_NAME, apoll
+from bench_scripts import load_bench
+from warmfleet.livefleet import MODEL_NAME
+from waiting import apoll
 
+chatload = load_bench("chatload.py")
 pytestmark = pytest.mark.slow
 
 OUT_OF_ROTATION_S = 1.0  # the stated guarantee
@@ -33,10 +35,10 @@ async def router_view(client: httpx.AsyncClient, router_url: str, replica_url: s
 
 async def test_replica_sigkill_under_load_loses_no_request(fleet):
     router = fleet.router
-    systems = tenant_systems()
+    systems = chatload.tenant_systems()
     pinned_msgs = [{"role": "system", "content": systems[0]},
                    {"role": "user", "content": "Explain the whole cache hierarchy at length."}]
-    load = SteadyLoad(router.url, clients=4, seed=1)
+    load = chatload.SteadyLoad(router.url, clients=4, seed=1)
     pinned: list[asyncio.Task] = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=5.0)) as c:
         load.start()
@@ -61,7 +63,7 @@ async def test_replica_sigkill_under_load_loses_no_request(fleet):
                 for k in range(2):
                     msgs = [pinned_msgs[0], {"role": "user", "content": f"Now list every tier, part {k}."}]
                     pinned.append(asyncio.create_task(
-                        send_chat(c, router.url, msgs, False, 600, Outcome(-1, False, time.monotonic()))))
+                        chatload.send_chat(c, router.url, msgs, False, 600, chatload.Outcome(-1, False, time.monotonic()))))
                 await apoll(lambda: _in_flight_at_least(c, router.url, victim.url, 3), "pinned requests in flight", 10)
 
                 t_kill = victim.kill()

@@ -14,9 +14,10 @@ import time
 import httpx
 import pytest
 
-from .load import SteadyLoad, cached_ratio
-from procs import apoll
+from bench_scripts import load_bench
+from waiting import apoll
 
+chatload = load_bench("chatload.py")
 pytestmark = pytest.mark.slow
 
 REBUILT_WITHIN_S = 2.0  # the stated guarantee, from the moment the new router listens
@@ -26,7 +27,7 @@ RATIO_SLACK = 0.05  # the after-ratio may sit this far below the before-ratio (d
 
 async def test_router_sigkill_under_load_rebuilds_its_index(fleet):
     router, replicas = fleet.router, fleet.replicas
-    load = SteadyLoad(router.url, clients=4, seed=2)
+    load = chatload.SteadyLoad(router.url, clients=4, seed=2)
     async with httpx.AsyncClient(timeout=10) as c:
         load.start()
         try:
@@ -63,7 +64,7 @@ async def test_router_sigkill_under_load_rebuilds_its_index(fleet):
 
     before = [o for o in outcomes if t_window <= o.t_start and o.t_end < t_kill]
     after = [o for o in outcomes if o.t_start >= t_after]
-    r_before, r_after = cached_ratio(before), cached_ratio(after)
+    r_before, r_after = chatload.cached_ratio(before), chatload.cached_ratio(after)
     # Nothing fails but what the dead router held or refused; once the new one listens, every request succeeds.
     late_failures = [o for o in outcomes if not o.ok and o.t_start >= t_listen]
     assert not late_failures, [(o.error, o.route) for o in late_failures]

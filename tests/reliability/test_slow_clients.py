@@ -25,9 +25,11 @@ import time
 import httpx
 import pytest
 
-from .load import Outcome, send_chat, tenant_systems
-from procs import MODEL_NAME, apoll, metric
+from bench_scripts import load_bench
+from warmfleet.livefleet import MODEL_NAME, metric
+from waiting import apoll
 
+chatload = load_bench("chatload.py")
 pytestmark = pytest.mark.slow
 
 LONG_TOKENS = 3600  # ~6 MB of top-20 events: more than a socket's largest send buffer (tcp_wmem max 4 MiB)
@@ -79,7 +81,7 @@ def close_abruptly(s: socket.socket) -> None:
 
 async def test_a_client_that_stops_reading_stalls_nobody(fleet):
     router, replicas = fleet.router, fleet.replicas
-    systems = tenant_systems()
+    systems = chatload.tenant_systems()
     # one stalled reader through the router, one straight on a replica
     stalled = [open_unread_stream(router.url, long_stream_body(systems[0], "stall through the router")),
                open_unread_stream(replicas[0].url, long_stream_body(systems[1], "stall this replica"))]
@@ -94,7 +96,7 @@ async def test_a_client_that_stops_reading_stalls_nobody(fleet):
                 for base in (router.url, *(r.url for r in replicas)):
                     msgs = [{"role": "system", "content": systems[i % len(systems)]},
                             {"role": "user", "content": f"question {i} while someone stalls"}]
-                    jobs.append(send_chat(c, base, msgs, i % 2 == 1, 24, Outcome(i, i % 2 == 1, time.monotonic())))
+                    jobs.append(chatload.send_chat(c, base, msgs, i % 2 == 1, 24, chatload.Outcome(i, i % 2 == 1, time.monotonic())))
             outs = await asyncio.gather(*jobs)
         assert all(o.ok for o in outs), [(o.error, o.status) for o in outs if not o.ok]
         # the stalled clients were still stalled (nothing read, still open) the whole time
@@ -115,7 +117,7 @@ async def test_a_client_that_vanishes_mid_stream_frees_its_blocks(fleet):
     router = fleet.router
     async with httpx.AsyncClient(timeout=30) as c:
         aborts_before = {r.url: await _aborts(c, r.url) for r in fleet.replicas}
-        body = long_stream_body(tenant_systems()[2], "vanish halfway")
+        body = long_stream_body(chatload.tenant_systems()[2], "vanish halfway")
         async with c.stream("POST", router.url + "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
             replica = fleet.by_id(r.headers["x-warmfleet-replica"])

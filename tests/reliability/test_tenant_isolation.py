@@ -13,8 +13,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from images import data_uri, image_bytes, image_part
-from procs import MODEL_NAME, LiveFleet
+from warmfleet.server.tiny_checkpoints.images import data_uri, image_bytes, image_part
+from warmfleet.livefleet import MODEL_NAME, LiveFleet
 from warmfleet.server.router.core.tenants import derive_salt
 
 pytestmark = pytest.mark.slow

@@ -25,7 +25,8 @@ from typing import Optional
 import httpx
 import pytest
 
-from procs import free_port, wait_for
+from warmfleet.localprocs import free_port
+from warmfleet.livefleet import wait_for
 
 BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
 STARTUP_S = 300.0

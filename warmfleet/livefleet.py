@@ -1,12 +1,11 @@
-"""Real `warmfleet serve` / `warmfleet route` processes on loopback: start, SIGKILL, restart on the same ports.
+"""Real `warmfleet serve` / `warmfleet route` processes on loopback (the demo, tests, benches): start, wait, kill, restart.
 
 Every process runs with `python -P` and a cwd outside the repo (the repo's operator/ folder would
-shadow the standard library) and logs to a file next to it, which a failing wait quotes.
+shadow the standard library) and logs to a file there, which a failing wait quotes.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
@@ -18,7 +17,7 @@ from typing import Callable, Optional
 
 import httpx
 
-from warmfleet.localprocs import free_port  # noqa: F401  (tests import it from here)
+from warmfleet.localprocs import free_port
 
 EXE = [sys.executable, "-P", "-m", "warmfleet.cli"]
 MODEL_NAME = "tiny"
@@ -45,6 +44,21 @@ def tree_pids(pid: int) -> list[int]:
     return out
 
 
+def memory_mib(pid: int) -> dict:
+    """Process tree of `pid`: {"pid:role": {"rss": MiB, "peak": MiB (VmHWM)}} (roles: api, engine-core, processor-cache)."""
+    out = {}
+    for p in tree_pids(pid):
+        try:
+            status = dict(line.split(":", 1) for line in open(f"/proc/{p}/status").read().splitlines() if ":" in line)
+            cmd = open(f"/proc/{p}/cmdline", "rb").read()
+        except OSError:
+            continue
+        role = ("engine-core" if b"core_proc" in cmd else "processor-cache" if b"processor_cache" in cmd
+                else "api" if p == pid else "other")
+        out[role] = {"rss": int(status["VmRSS"].split()[0]) // 1024, "peak": int(status["VmHWM"].split()[0]) // 1024}
+    return out
+
+
 @dataclass
 class Proc:
     """One warmfleet process; `start()` again after `kill()` restarts it with the same arguments (same ports)."""
@@ -52,6 +66,8 @@ class Proc:
     name: str
     args: list[str]
     cwd: Path
+    env: Optional[dict] = None
+    console: bool = False  # log to this process's console instead of the file
     popen: Optional[subprocess.Popen] = None
     starts: int = 0
 
@@ -62,12 +78,15 @@ class Proc:
     def start(self) -> "Proc":
         assert not self.alive(), f"{self.name} is already running"
         self.starts += 1
+        if self.console:
+            self.popen = subprocess.Popen(EXE + self.args, cwd=self.cwd, env=self.env, start_new_session=True)
+            return self
         with open(self.log_path, "ab") as log:
             log.write(f"--- start {self.starts} ---\n".encode())
             log.flush()
-            # a session of its own: a kill reaches its helper processes, never the test's
-            self.popen = subprocess.Popen(EXE + self.args, cwd=self.cwd, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True)
+            # a session of its own: a kill reaches its helper processes, never the caller's
+            self.popen = subprocess.Popen(EXE + self.args, cwd=self.cwd, env=self.env, stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True)
         return self
 
     def alive(self) -> bool:
@@ -91,13 +110,13 @@ class Proc:
         self.popen.wait(timeout=30)
         return t_kill
 
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL after 30 s."""
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM, then SIGKILL after `timeout_s`."""
         if not self.alive():
             return
         try:
             os.killpg(self.popen.pid, signal.SIGTERM)
-            self.popen.wait(timeout=30)
+            self.popen.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             self.kill()
         except ProcessLookupError:
@@ -153,25 +172,30 @@ class Router(Proc):
                  "router healthy and synced with every replica", [self], timeout_s)
 
 
+class ProcessExited(RuntimeError):
+    """A process ended while something waited for it."""
+
+
 def wait_for(pred: Callable[[], bool], what: str, procs: list, timeout_s: float = 120.0, poll_s: float = 0.05) -> float:
-    """Poll `pred` until true; returns the seconds it took. Fails early when one of `procs` (Proc objects or
-    plain Popen) exits, quoting its log when it keeps one."""
+    """Poll `pred` until true (an HTTP error, a bad answer or a missing key counts as not yet); returns the seconds
+    it took. ProcessExited as soon as one of `procs` (Proc objects or plain Popen) exits, TimeoutError after
+    `timeout_s`; both quote the logs of the Procs."""
     t0 = time.monotonic()
     while True:
         for p in procs:
             popen = getattr(p, "popen", p)
             if popen is not None and popen.poll() is not None:
                 tail = f":\n{p.log_tail()}" if hasattr(p, "log_tail") else ""
-                raise AssertionError(f"{getattr(p, 'name', 'a process')} exited with {popen.returncode} "
-                                     f"while waiting for {what}{tail}")
+                raise ProcessExited(f"{getattr(p, 'name', 'a process')} exited with {popen.returncode} "
+                                    f"while waiting for {what}{tail}")
         try:
             if pred():
                 return time.monotonic() - t0
-        except (httpx.HTTPError, ValueError, StopIteration):
+        except (httpx.HTTPError, ValueError, LookupError, StopIteration):
             pass
         if time.monotonic() - t0 > timeout_s:
             tails = "\n".join(f"[{p.name}]\n{p.log_tail(15)}" for p in procs if hasattr(p, "log_tail"))
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}\n{tails}")
+            raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}\n{tails}")
         time.sleep(poll_s)
 
 
@@ -228,16 +252,3 @@ class LiveFleet:
         for p in [self.router, *self.replicas]:
             p.stop()
 
-
-async def apoll(pred, what: str, timeout_s: float, poll_s: float = 0.01) -> float:
-    """Async `wait_for`: await `pred()` (an async callable) until true; returns the seconds it took."""
-    t0 = time.monotonic()
-    while True:
-        try:
-            if await pred():
-                return time.monotonic() - t0
-        except (httpx.HTTPError, ValueError, StopIteration):
-            pass
-        if time.monotonic() - t0 > timeout_s:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(poll_s)

@@ -1,4 +1,4 @@
-"""Fuzzing harness shared by tests/reliability/test_fuzz.py and bench/fuzz.py: schemathesis cases from each
+"""Fuzzing harness shared by bench/fuzz.py and tests/reliability/test_fuzz.py: schemathesis cases from each
 server's OpenAPI schema, a hand corpus of hostile requests, and the verdict on one response.
 
 The OpenAI routes parse their bodies themselves (so malformed JSON gets an OpenAI-shaped 400, not
@@ -19,10 +19,9 @@ from typing import Iterator, Optional
 
 import httpx
 
+from warmfleet.livefleet import MODEL_NAME
 from warmfleet.server.api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-
-from images import data_uri, image_bytes, image_part
-from procs import MODEL_NAME
+from warmfleet.server.tiny_checkpoints.images import data_uri, image_bytes, image_part
 
 BODIES = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
@@ -231,19 +230,3 @@ def run_hand_corpus(base_url: str, max_model_len: int, timeout_s: float = 60.0,
             verdicts.by_case[name] = (r.status_code, msg[:160], round(time.monotonic() - t0, 3))
     return verdicts
 
-
-def memory_mib(pid: int) -> dict:
-    """Process tree of `pid`: {"pid:role": {"rss": MiB, "peak": MiB (VmHWM)}} (roles: api, engine-core, processor-cache)."""
-    from procs import tree_pids
-
-    out = {}
-    for p in tree_pids(pid):
-        try:
-            status = dict(line.split(":", 1) for line in open(f"/proc/{p}/status").read().splitlines() if ":" in line)
-            cmd = open(f"/proc/{p}/cmdline", "rb").read()
-        except OSError:
-            continue
-        role = ("engine-core" if b"core_proc" in cmd else "processor-cache" if b"processor_cache" in cmd
-                else "api" if p == pid else "other")
-        out[role] = {"rss": int(status["VmRSS"].split()[0]) // 1024, "peak": int(status["VmHWM"].split()[0]) // 1024}
-    return out

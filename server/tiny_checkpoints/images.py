@@ -1,4 +1,4 @@
-"""Test images: seeded random pictures, data URIs and OpenAI image content parts."""
+"""Seeded test pictures for the tiny VL checkpoints (tests, benches): encoded bytes, data URIs, OpenAI image content parts."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A steady closed-loop load of chat requests (non-streaming and streaming) from a few clients, every outcome recorded.
+"""A steady closed-loop load of chat requests (non-streaming and streaming) from a few clients, every outcome recorded (bench/soak.py, tests/reliability)."""
 
 Each client sends one request at a time, alternating non-streaming and streaming, over a seeded
 mix of tenant system prompts (shared prefixes, so replicas' caches matter) and fresh questions.
@@ -16,7 +16,7 @@ from typing import Optional
 
 import httpx
 
-from procs import MODEL_NAME
+from warmfleet.livefleet import MODEL_NAME
 
 WORDS = "cache block prefix replica router token engine swap tier image tenant stream batch fault kill".split()
 
