@@ -1,4 +1,4 @@
-"""A steady closed-loop load of chat requests (non-streaming and streaming) from a few clients, every outcome recorded (bench/soak.py, tests/reliability)."""
+"""A steady closed-loop load of chat requests (non-streaming and streaming) from a few clients, every outcome recorded (bench/soak.py, tests/reliability).
 
 Each client sends one request at a time, alternating non-streaming and streaming, over a seeded
 mix of tenant system prompts (shared prefixes, so replicas' caches matter) and fresh questions.
