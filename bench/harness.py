@@ -1,4 +1,4 @@
-"""What every bench script shares: progress lines, quantiles, the spread, checkpoints, the LRU bound, sibling scripts.
+"""What every bench script shares: progress lines, quantiles, the spread, checkpoints, the LRU bound, routers, sibling scripts.
 
 bench/ is no package, and the scripts run as `python -P bench/X.py` (bench/ off sys.path, so bench/trace.py
 never shadows the stdlib's trace). Each script appends its own folder and imports this module:
@@ -12,7 +12,11 @@ No warmfleet imports at module level (a script's --help must not pay for them).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import re
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -20,7 +24,7 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 from types import ModuleType
-from typing import Callable, Hashable, Iterable, Sequence
+from typing import Callable, Collection, Hashable, Iterable, Sequence
 
 BENCH = Path(__file__).resolve().parent
 EXE = [sys.executable, "-P", "-m", "warmfleet.cli"]
@@ -104,6 +108,121 @@ def lru_prefix(seen: OrderedDict, hs: Sequence[Hashable], capacity: int | None) 
     while capacity is not None and len(seen) > capacity:
         seen.popitem(last=False)
     return hit
+
+
+def write_results(out: Path, stem: str, results: dict, chart_fn, say: Callable[[str], None]) -> None:
+    """`stem`.json and the chart `stem`.png (drawn by `chart_fn(results, path)`) in `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
+    chart_fn(results, out / f"{stem}.png")
+    say(f"wrote {out / f'{stem}.json'} and {out / f'{stem}.png'}")
+
+
+# --- routers on loopback: warmfleet's and the peers', started and waited for ----------------------
+PEER_TOOLS = {"sglang": "sglang-router", "vllm": "vllm-router"}
+
+
+def find_tool(name: str) -> str | None:
+    """A console script of this venv (found next to the interpreter even when the venv is not on PATH)."""
+    return shutil.which(name, path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+
+
+def tool(name: str) -> str:
+    found = find_tool(name)
+    if found is None:
+        raise FileNotFoundError(f"{name} not found: pip install 'warmfleet[peers]'")
+    return found
+
+
+def present_routers(routers: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The routers whose programs are installed, and why each other one is skipped (checked before any run)."""
+    skipped = {r: f"{PEER_TOOLS[r]} is not installed (pip install 'warmfleet[peers]')"
+               for r in routers if r in PEER_TOOLS and find_tool(PEER_TOOLS[r]) is None}
+    return [r for r in routers if r not in skipped], skipped
+
+
+def route_command(model: Path, port: int, block: int, replicas: Iterable[str], flags: Sequence[str] = ()) -> list[str]:
+    """`warmfleet route` on `port` in front of `replicas` (each a --replica value: `URL,events=tcp://...`)."""
+    cmd = EXE + ["route", "--model", str(model), "--port", str(port), "--block-size", str(block),
+                 "--log-level", "warning", *flags]
+    for r in replicas:
+        cmd += ["--replica", r]
+    return cmd
+
+
+def peer_command(kind: str, urls: Sequence[str], port: int, metrics_port: int, policy: Sequence[str],
+                 extra: Sequence[str] = ()) -> list[str]:
+    """sglang-router (`kind` "sglang") or vllm-router ("vllm") on `port` in front of `urls`, its metrics on
+    `metrics_port` (their default, 29000, is taken on a shared host)."""
+    if kind not in PEER_TOOLS:
+        raise ValueError(f"unknown router {kind!r}")
+    head = [tool("sglang-router"), "launch"] if kind == "sglang" else [tool("vllm-router")]
+    return [*head, "--worker-urls", *urls, *policy, "--host", "127.0.0.1", "--port", str(port),
+            "--prometheus-port", str(metrics_port), *extra]
+
+
+def in_sync(view: list[dict], ids: Collection[str] | None = None, count: int | None = None) -> bool:
+    """Every replica of a warmfleet router's view (/v1/router/replicas) healthy and synced: only those in `ids`
+    when given, and `count` of them when given. A replica that reports no `synced` has nothing to replay."""
+    view = [r for r in view if ids is None or r["id"] in ids]
+    return (count is None or len(view) == count) and all(r["healthy"] and r.get("synced", True) for r in view)
+
+
+def start_router(name: str, cmd: list[str], port: int, cwd: str, *, env: dict | None = None, log: str | None = None,
+                 taskset: str | None = None, health_s: float | None = 120.0,
+                 synced: Callable[[list[dict]], bool] | None = None, sync_s: float = 120.0,
+                 probe: dict | None = None, probe_s: float = 120.0) -> tuple[str, subprocess.Popen]:
+    """Launch router `name` (`cmd`, listening on `port`; pinned with `taskset -c` when given; logging to
+    cwd/`log`, default router-NAME-PORT.log) and wait until it is up: /health answers 200 (skipped when
+    `health_s` is None), `synced(view)` holds for its /v1/router/replicas list (warmfleet), `probe` (a
+    /v1/completions body) answers 200. A failed wait stops it; ProcessExited (it ended) names its log's tail."""
+    import httpx
+
+    from warmfleet.livefleet import ProcessExited, wait_for
+
+    base = f"http://127.0.0.1:{port}"
+    log_path = Path(cwd) / (log or f"router-{name.replace(':', '-')}-{port}.log")
+    with log_path.open("ab") as out:
+        p = subprocess.Popen([*(["taskset", "-c", taskset] if taskset else []), *cmd], cwd=cwd, env=env,
+                             stdout=out, stderr=subprocess.STDOUT)
+    try:
+        if health_s is not None:
+            wait_for(lambda: httpx.get(base + "/health", timeout=2).status_code == 200, f"router {name}", [p],
+                     health_s, poll_s=0.2)
+        if synced is not None:
+            wait_for(lambda: synced(httpx.get(base + "/v1/router/replicas", timeout=5).json()["replicas"]),
+                     f"router {name} in sync", [p], sync_s, poll_s=0.2)
+        if probe is not None:
+            wait_for(lambda: httpx.post(base + "/v1/completions", json=probe, timeout=10).status_code == 200,
+                     f"router {name} forwarding", [p], probe_s, poll_s=0.2)
+    except ProcessExited as exc:
+        stop(p)
+        raise ProcessExited(f"{exc}; log: {log_tail(log_path)}") from exc
+    except BaseException:
+        stop(p)
+        raise
+    return base, p
+
+
+def log_tail(path: Path, lines: int = 6) -> str:
+    """The last lines of a log (colour codes removed) on one line, for a failure message."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return " | ".join(re.sub(r"\x1b\[[0-9;]*m", "", x).strip() for x in text.splitlines()[-lines:])
+
+
+def stop(p: subprocess.Popen | None, timeout_s: float = 30.0) -> None:
+    """SIGTERM a process still running, SIGKILL it after `timeout_s`; reaped either way."""
+    if p is None or p.poll() is not None:
+        return
+    p.send_signal(signal.SIGTERM)
+    try:
+        p.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait(timeout=10)
 
 
 def sibling(script: str) -> ModuleType:

@@ -67,25 +67,17 @@ from pathlib import Path
 
 import httpx
 
-from warmfleet.localprocs import free_port  # one never-twice port registry for benches, tests and the demo
+from warmfleet.localprocs import free_port
 
 sys.path.append(str(Path(__file__).resolve().parent))  # bench/harness.py, after the stdlib
 import harness  # noqa: E402
 
 BLOCK = 16
 VLLM_BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
-EXE = [sys.executable, "-P", "-m", "warmfleet.cli"]
+EXE = harness.EXE
 
 
 progress = harness.reporter("bench")
-
-
-def write_results(out: Path, stem: str, results: dict, chart_fn, say) -> None:
-    """`stem`.json and the chart `stem`.png (drawn by `chart_fn(results, path)`) in `out`."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
-    chart_fn(results, out / f"{stem}.png")
-    say(f"wrote {out / f'{stem}.json'} and {out / f'{stem}.png'}")
 
 
 def model_dir(arg: str | None, quick: bool, arch: str = "qwen2") -> Path:
@@ -213,7 +205,7 @@ class Fleet:
         self.replicas[i][2].kill()
 
     def stop_proc(self, p: subprocess.Popen) -> None:
-        stop(p)
+        harness.stop(p)
 
     def __enter__(self) -> "Fleet":
         self.replicas = [self.start_replica(i) for i in range(self.n)]  # all start at once, then all are awaited
@@ -378,36 +370,6 @@ def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
     raise RuntimeError(f"{url} not ready after {timeout_s}s")
 
 
-def stop(p: subprocess.Popen) -> None:
-    p.terminate()
-    try:
-        p.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        p.kill()
-
-
-PEER_TOOLS = {"sglang": "sglang-router", "vllm": "vllm-router"}
-
-
-def find_tool(name: str) -> "str | None":
-    """A console script of this venv (found next to the interpreter even when the venv is not on PATH)."""
-    return shutil.which(name, path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
-
-
-def tool(name: str) -> str:
-    found = find_tool(name)
-    if found is None:
-        raise FileNotFoundError(f"{name} not found: pip install 'warmfleet[peers]'")
-    return found
-
-
-def present_routers(routers: list[str]) -> tuple[list[str], dict[str, str]]:
-    """The routers whose programs are installed, and why each other one is skipped (checked before any run)."""
-    skipped = {r: f"{PEER_TOOLS[r]} is not installed (pip install 'warmfleet[peers]')"
-               for r in routers if r in PEER_TOOLS and find_tool(PEER_TOOLS[r]) is None}
-    return [r for r in routers if r not in skipped], skipped
-
-
 def peer_policy(kind: str, fleet: Fleet) -> list[str]:
     """A peer router's policy flags: vllm-router reads vLLM replicas' KV events (kv_aware), else cache_aware."""
     if kind == "vllm" and fleet.engine == "vllm":
@@ -420,34 +382,24 @@ def peer_policy(kind: str, fleet: Fleet) -> list[str]:
 
 
 def start_router(kind: str, fleet: Fleet, cwd: str, extra: list[str] = ()) -> tuple[str, subprocess.Popen | None]:
+    """Router `kind` in front of `fleet` ("rr": none, the client cycles over the replicas), up within 60 s; warmfleet
+    in front of vLLM replicas also synced (their replay done) within 60 s."""
     if kind == "rr":
         return "", None
-    port, metrics_port = free_port(), free_port()  # peers' metrics default to port 29000: taken on a shared host
-    urls = [u for u, _, _ in fleet.replicas]
-    env = None
+    port, metrics_port = free_port(), free_port()
+    env, synced = None, None
     if kind.startswith("warmfleet"):  # "warmfleet" or a variant "warmfleet:NAME" (--variant NAME=FLAGS)
-        args = EXE + ["route", "--model", str(fleet.model), "--port", str(port), "--block-size", str(fleet.block),
-                      "--engine", fleet.engine, "--log-level", "warning", *extra]
-        for i in range(len(fleet.replicas)):
-            args += ["--replica", fleet.route_flag(i)]
-    elif kind == "sglang":
-        args = [tool("sglang-router"), "launch", "--worker-urls", *urls, *peer_policy(kind, fleet),
-                "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(metrics_port)]
-    elif kind == "vllm":
-        args = [tool("vllm-router"), "--worker-urls", *urls, *peer_policy(kind, fleet),
-                "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(metrics_port)]
-        if fleet.engine == "vllm":  # its KV-routing counters (metrics_url) show whether its event index matched
-            env = dict(os.environ, VLLM_ROUTER_TOKENIZER=str(fleet.model))  # its own tokenizer: the checkpoint
+        replicas = [fleet.route_flag(i) for i in range(len(fleet.replicas))]
+        cmd = harness.route_command(fleet.model, port, fleet.block, replicas, ["--engine", fleet.engine, *extra])
+        synced = harness.in_sync if fleet.engine == "vllm" else None
     else:
-        raise ValueError(f"unknown router {kind!r}")
-    with (Path(cwd) / f"router-{kind.replace(':', '-')}-{port}.log").open("ab") as log:
-        p = subprocess.Popen(args, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        urls = [u for u, _, _ in fleet.replicas]
+        cmd = harness.peer_command(kind, urls, port, metrics_port, peer_policy(kind, fleet))
+        if kind == "vllm" and fleet.engine == "vllm":  # its KV-routing counters (metrics_url): did its index match
+            env = dict(os.environ, VLLM_ROUTER_TOKENIZER=str(fleet.model))  # its own tokenizer: the checkpoint
+    base, p = harness.start_router(kind, cmd, port, cwd, env=env, health_s=60, synced=synced, sync_s=60)
     if env is not None:
         p.metrics_url = f"http://127.0.0.1:{metrics_port}"
-    base = f"http://127.0.0.1:{port}"
-    wait_http(base + "/health", p, 60)
-    if kind.startswith("warmfleet") and fleet.engine == "vllm":
-        wait_synced(base, p)
     return base, p
 
 
@@ -459,17 +411,6 @@ def kv_routing_counters(metrics_url: str) -> dict[str, float]:
             key, value = line.rsplit(" ", 1)
             out[key.removeprefix("vllm_router_")] = float(value)
     return out
-
-
-def wait_synced(router: str, p: subprocess.Popen, timeout_s: float = 60) -> None:
-    """Until warmfleet's router holds every replica healthy and synced (its vLLM replay done)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and p.poll() is None:
-        view = httpx.get(router + "/v1/router/replicas", timeout=5).json()["replicas"]
-        if all(r.get("healthy") and r.get("synced", True) for r in view):
-            return
-        time.sleep(0.2)
-    raise RuntimeError(f"router {router} did not sync with its replicas in {timeout_s}s")
 
 
 # --- driving --------------------------------------------------------------------------------
@@ -743,7 +684,7 @@ def run_workload(name: str, model: Path, make_trace, routers: list[str], n: int,
                             progress(f"churn: {results['warmfleet_churn']}")
                     finally:
                         if proc is not None:
-                            stop(proc)
+                            harness.stop(proc)
     res = {k: mean_of(v) for k, v in runs.items() if v}
     return {"model": str(model), "block_size": block, "gpu_blocks_per_replica": gpu_blocks, "requests": nreq,
             "rates": rates, "seeds": seeds,
@@ -792,7 +733,7 @@ def main() -> int:
     image_seeds = [int(x) for x in args.image_seeds.split(",")]
     # the working set does not fit one replica (vLLM: 48/80 blocks of 32 tokens = the same tokens as 96/160 of 16)
     gpu_blocks = args.gpu_blocks or ((48 if args.quick else 80) if vllm else (48 if args.quick else 160))
-    routers, skipped = present_routers(args.routers.split(","))
+    routers, skipped = harness.present_routers(args.routers.split(","))
     for r, why in skipped.items():
         progress(f"skipping router {r}: {why}")
     wf_args = args.warmfleet_args.split()
@@ -835,7 +776,7 @@ def main() -> int:
     results["targets"] = extras_verdict(results)
     if not args.logs:
         shutil.rmtree(cwd, ignore_errors=True)
-    write_results(Path(args.out), "routing", results, chart, progress)
+    harness.write_results(Path(args.out), "routing", results, chart, progress)
     slim = {k: v for k, v in results.items() if k not in ("text", "images")}
     for w in ("text", "images"):
         if results.get(w):

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import random
@@ -55,6 +56,8 @@ import tempfile
 import time
 from pathlib import Path
 from urllib.parse import quote
+
+from warmfleet.localprocs import free_port
 
 sys.path.append(str(Path(__file__).resolve().parent))  # bench/harness.py, after the stdlib
 import harness  # noqa: E402
@@ -116,20 +119,12 @@ def start_sim(model: Path, n: int, spares: int, gpu_blocks: int, cwd: str):
 
 
 def start_router(model: Path, sim: dict, extra: list[str], cwd: str):
-    import httpx
-
-    port = trace.free_port()
+    """warmfleet's router in front of `sim` (as bench/trace.py runs it), up once in sync with the serving replicas."""
+    port = free_port()
     cmd, env = trace.router_command("warmfleet", model, sim, port, BLOCK, extra)
-    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=open(Path(cwd) / "router.log", "ab"), stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
     serving = {r["url"] for r in sim["replicas"] if r["state"] == "serving"}
-
-    def synced() -> bool:
-        view = httpx.get(base + "/v1/router/replicas", timeout=5).json()["replicas"]
-        return all(r["healthy"] and r["synced"] for r in view if r["id"] in serving)
-
-    trace.wait_for(synced, "router in sync", p, 120)
-    return base, p
+    return harness.start_router("warmfleet", cmd, port, cwd, env=env, log="router.log", health_s=None,
+                                synced=functools.partial(harness.in_sync, ids=serving))
 
 
 # --- driving ------------------------------------------------------------------------------------
@@ -537,8 +532,8 @@ def run_autoscale(variant: str, model: Path, lo: int, hi: int, phases: list[tupl
                               "scale_in_victim": AUTOSCALERS[variant]["victim"]}
         return out
     finally:
-        trace.stop(router_p)
-        trace.stop(sim_p)
+        harness.stop(router_p)
+        harness.stop(sim_p)
 
 
 def verdict_auto(auto: dict) -> dict:
@@ -616,8 +611,8 @@ def run_config(config: str, model: Path, n: int, rate: float, warm_in_s: float, 
             out["router_replicas"] = httpx.get(router + "/v1/router/replicas", timeout=10).json()["replicas"]
         return out
     finally:
-        trace.stop(router_p)
-        trace.stop(sim_p)
+        harness.stop(router_p)
+        harness.stop(sim_p)
 
 
 QUEUED_TARGET, IN_FLIGHT_TARGET = 24.0, 1.0

@@ -51,12 +51,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import os
 import random
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -65,6 +65,8 @@ import tempfile
 import time
 from collections import OrderedDict
 from pathlib import Path
+
+from warmfleet.localprocs import free_port
 
 HERE = Path(__file__).resolve().parent
 sys.path.append(str(HERE))  # bench/harness.py, after the stdlib
@@ -210,33 +212,14 @@ def ratio(hits: list[tuple[int, int]]) -> float:
 
 
 # --- processes --------------------------------------------------------------------------------
-_routing = harness.sibling("routing")
-free_port, tool = _routing.free_port, _routing.tool  # one port registry and one peer lookup for all benches
-
-
-def stop(p: subprocess.Popen | None) -> None:
-    if p is None or p.poll() is not None:
-        return
-    p.send_signal(signal.SIGTERM)
-    try:
-        p.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait(timeout=10)
+stop = harness.stop
 
 
 def wait_for(check, what: str, proc: subprocess.Popen | None, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{what}: process exited with {proc.returncode}")
-        try:
-            if check():
-                return
-        except Exception:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{what}: not ready after {timeout_s} s")
+    """Poll `check` until true, failing early when `proc` (if any) exits."""
+    from warmfleet.livefleet import wait_for as wait
+
+    wait(check, what, [proc] if proc is not None else [], timeout_s, poll_s=0.2)
 
 
 def start_sim(model: Path, n: int, args, cwd: str, time_model: str) -> tuple[subprocess.Popen, dict]:
@@ -252,23 +235,13 @@ def start_sim(model: Path, n: int, args, cwd: str, time_model: str) -> tuple[sub
 
 
 def router_command(kind: str, model: Path, sim: dict, port: int, block: int, extra: list[str] = ()) -> tuple[list, dict]:
-    urls = [r["url"] for r in sim["replicas"]]
-    env = dict(os.environ)
+    """Router `kind` in front of the simulated fleet `sim`: warmfleet with WARMFLEET_HEALTH, a peer `cache_aware`."""
     if kind.startswith("warmfleet"):
-        cmd = EXE + ["route", "--model", str(model), "--port", str(port), "--block-size", str(block),
-                     "--log-level", "warning", *WARMFLEET_HEALTH, *extra]
-        for r in sim["replicas"]:
-            cmd += ["--replica", f"{r['url']},events={r['events']}"]
-    elif kind == "sglang":
-        cmd = [tool("sglang-router"), "launch", "--worker-urls", *urls, "--policy", "cache_aware",
-               "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(listen_port()), *extra]
-    elif kind == "vllm":
-        cmd = [tool("vllm-router"), "--worker-urls", *urls, "--policy", "cache_aware",
-               "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(listen_port()), *extra]
-        env["VLLM_ROUTER_TOKENIZER"] = str(model)
-    else:
-        raise ValueError(f"unknown router {kind!r}")
-    return cmd, env
+        replicas = [f"{r['url']},events={r['events']}" for r in sim["replicas"]]
+        return harness.route_command(model, port, block, replicas, [*WARMFLEET_HEALTH, *extra]), dict(os.environ)
+    cmd = harness.peer_command(kind, [r["url"] for r in sim["replicas"]], port, listen_port(),
+                               ["--policy", "cache_aware"], extra)
+    return cmd, dict(os.environ, VLLM_ROUTER_TOKENIZER=str(model)) if kind == "vllm" else dict(os.environ)
 
 
 def listen_port() -> int:
@@ -302,70 +275,25 @@ def listen_port() -> int:
 _LISTEN_PORTS: set[int] = set()
 
 
-def log_tail(path: Path, lines: int = 6) -> str:
-    """The last lines of a router's log (colour codes removed), for a failure message."""
-    import re
-
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return ""
-    return " | ".join(re.sub(r"\x1b\[[0-9;]*m", "", x).strip() for x in text.splitlines()[-lines:])
-
-
 def start_router(kind: str, model: Path, sim: dict, block: int, cwd: str, extra: list[str] = (),
                  taskset: str | None = None, port: int | None = None, attempts: int = 3) -> tuple[str, subprocess.Popen]:
-    """Start one router and wait until it forwards; a router that exits during start-up is started again (fresh
-    ports unless `port` is fixed) up to `attempts` times, and the error names the tail of its log."""
+    """Start one router in front of `sim` and wait until it is in sync and forwards; a router that exits during
+    start-up is started again (fresh ports unless `port` is fixed) up to `attempts` times."""
+    from warmfleet.livefleet import ProcessExited
+
+    synced = functools.partial(harness.in_sync, count=len(sim["replicas"])) if kind.startswith("warmfleet") else None
     for attempt in range(1, attempts + 1):
+        listen = port or listen_port()
+        cmd, env = router_command(kind, model, sim, listen, block, extra)
         try:
-            return _start_router_once(kind, model, sim, block, cwd, extra, taskset, port)
-        except RouterExited as exc:
+            # one request shorter than a block (caches nothing) proves the router forwards
+            return harness.start_router(kind, cmd, listen, cwd, env=env, taskset=taskset, synced=synced,
+                                        probe={"model": "bench", "prompt": " hello", "max_tokens": 1})
+        except ProcessExited as exc:
             progress(f"router {kind} exited during start-up (attempt {attempt} of {attempts}): {exc}")
             if attempt == attempts:
                 raise
     raise AssertionError("unreachable")
-
-
-class RouterExited(RuntimeError):
-    """A router process ended during start-up."""
-
-
-def _start_router_once(kind: str, model: Path, sim: dict, block: int, cwd: str, extra: list[str],
-                       taskset: str | None, port: int | None) -> tuple[str, subprocess.Popen]:
-    port = port or listen_port()
-    cmd, env = router_command(kind, model, sim, port, block, extra)
-    if taskset:
-        cmd = ["taskset", "-c", taskset, *cmd]
-    log_path = Path(cwd) / f"router-{kind.replace(':', '-')}-{port}.log"
-    log = open(log_path, "ab")
-    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        return _wait_router(kind, p, port, sim)
-    except RuntimeError as exc:
-        stop(p)
-        if p.returncode is not None and "process exited" in str(exc):
-            raise RouterExited(f"{exc}; log: {log_tail(log_path)}") from exc
-        raise
-    finally:
-        log.close()
-
-
-def _wait_router(kind: str, p: subprocess.Popen, port: int, sim: dict) -> tuple[str, subprocess.Popen]:
-    import httpx
-
-    base = f"http://127.0.0.1:{port}"
-    wait_for(lambda: httpx.get(base + "/health", timeout=2).status_code == 200, f"router {kind}", p, 120)
-    if kind.startswith("warmfleet"):
-        def synced() -> bool:
-            view = httpx.get(base + "/v1/router/replicas", timeout=5).json()["replicas"]
-            return len(view) == len(sim["replicas"]) and all(r["healthy"] and r["synced"] for r in view)
-        wait_for(synced, f"router {kind} in sync", p, 120)
-    # one request shorter than a block (caches nothing) proves the router forwards
-    body = {"model": "bench", "prompt": " hello", "max_tokens": 1}
-    wait_for(lambda: httpx.post(base + "/v1/completions", json=body, timeout=10).status_code == 200,
-             f"router {kind} forwarding", p, 120)
-    return base, p
 
 
 def proc_tree_cpu(pid: int) -> float:
@@ -744,7 +672,7 @@ def main() -> int:
     results["targets"] = {str(n): f["targets"] for n, f in results["fleets"].items()}
     if not args.logs:
         shutil.rmtree(cwd, ignore_errors=True)
-    _routing.write_results(Path(args.out), "trace", results, chart, progress)
+    harness.write_results(Path(args.out), "trace", results, chart, progress)
     if args.json:
         print(json.dumps(results))
     else:

@@ -1,4 +1,4 @@
-"""bench/harness.py's figures: the spread counts a replica that got nothing, quantiles skip missing values."""
+"""bench/harness.py: the spread counts a replica that got nothing, quantiles skip missing values, routers' commands and sync."""
 
 from __future__ import annotations
 
@@ -36,3 +36,21 @@ def test_lru_prefix_hits_leading_blocks_and_evicts_the_oldest():
     assert harness.lru_prefix(seen, ["a", "b"], 3) == 0
     assert harness.lru_prefix(seen, ["a", "c"], 3) == 1
     assert harness.lru_prefix(seen, ["d"], 3) == 0 and "b" not in seen  # b was the least recent
+
+
+def test_a_router_is_in_sync_when_every_replica_it_waits_for_is_healthy_and_synced():
+    view = [{"id": "a", "healthy": True, "synced": True}, {"id": "b", "healthy": True, "synced": False},
+            {"id": "c", "healthy": True}]  # c has nothing to replay
+    assert not harness.in_sync(view)
+    assert harness.in_sync(view, ids={"a", "c"}) and not harness.in_sync(view, ids={"a", "c"}, count=3)
+    assert not harness.in_sync([{"id": "a", "healthy": False, "synced": True}])
+
+
+def test_route_command_puts_every_replica_after_the_flags():
+    cmd = harness.route_command("/m", 8000, 16, ["http://r0,events=tcp://e0", "http://r1,events=tcp://e1"],
+                                ["--engine", "vllm"])
+    assert cmd[len(harness.EXE):] == ["route", "--model", "/m", "--port", "8000", "--block-size", "16",
+                                      "--log-level", "warning", "--engine", "vllm",
+                                      "--replica", "http://r0,events=tcp://e0", "--replica", "http://r1,events=tcp://e1"]
+    with pytest.raises(ValueError):
+        harness.peer_command("nginx", [], 1, 2, [])

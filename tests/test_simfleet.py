@@ -17,6 +17,7 @@ import httpx
 import pytest
 from bench_scripts import load_bench
 import waiting
+from warmfleet.livefleet import ProcessExited
 from warmfleet.localprocs import free_port
 
 BLOCK = 16
@@ -24,6 +25,7 @@ BLOCK = 16
 
 sim = load_bench("simfleet.py")
 trace = load_bench("trace.py")
+harness = load_bench("harness.py")
 
 
 def run(coro):
@@ -320,12 +322,12 @@ def test_a_peer_router_that_exits_during_start_up_is_started_again_and_its_log_n
         assert len(starts) == 2 and starts[0] != starts[1]  # a second start, on a fresh port
         assert base == f"http://127.0.0.1:{starts[1]}" and proc.poll() is None
     finally:
-        trace.stop(proc)
+        harness.stop(proc)
 
     starts.clear()
     monkeypatch.setattr(trace, "router_command", lambda *a, **k: (starts.append(1), (
         [sys.executable, "-c", "import sys; print('Address already in use'); sys.exit(1)"], {}))[1])
-    with pytest.raises(trace.RouterExited, match="exited with 1.*Address already in use"):
+    with pytest.raises(ProcessExited, match="exited with 1.*Address already in use"):
         trace.start_router("vllm", tmp_path, {"replicas": []}, BLOCK, str(tmp_path), attempts=2)
     assert len(starts) == 2
 
