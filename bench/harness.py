@@ -118,6 +118,15 @@ def write_results(out: Path, stem: str, results: dict, chart_fn, say: Callable[[
     say(f"wrote {out / f'{stem}.json'} and {out / f'{stem}.png'}")
 
 
+def print_results(results: dict, as_json: bool) -> None:
+    """`results` on stdout: one JSON line (the last line) with --json, else one `key: value` line per key."""
+    if as_json:
+        print(json.dumps(results))
+    else:
+        for k, v in results.items():
+            print(f"{k}: {v}")
+
+
 # --- routers on loopback: warmfleet's and the peers', started and waited for ----------------------
 PEER_TOOLS = {"sglang": "sglang-router", "vllm": "vllm-router"}
 

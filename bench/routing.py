@@ -781,11 +781,7 @@ def main() -> int:
     for w in ("text", "images"):
         if results.get(w):
             slim[w] = {k: v for k, v in results[w].items() if k != "runs"}
-    if args.json:
-        print(json.dumps(slim))
-    else:
-        for k, v in slim.items():
-            print(f"{k}: {v}")
+    harness.print_results(slim, args.json)
     return 0
 
 

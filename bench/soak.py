@@ -390,11 +390,7 @@ def main() -> int:
              f"p50 {res['latency_p50_s']} s, p99 {res['latency_p99_s']} s")
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
-    if args.json:
-        print(json.dumps(res))
-    else:
-        for k, v in res.items():
-            print(f"{k}: {v}")
+    harness.print_results(res, args.json)
     return 0
 
 

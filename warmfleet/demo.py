@@ -6,14 +6,14 @@ import argparse
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
-from warmfleet.localprocs import free_port, stop_all
+import httpx
+
+from warmfleet.livefleet import Proc, wait_for
+from warmfleet.localprocs import free_port
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,18 +32,12 @@ def _say(msg: str) -> None:
     print(f"[demo] {msg}", flush=True)
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, name: str, deadline: float, log: str) -> None:
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with code {proc.returncode}; see {log}")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{name} was not ready at {url} in time; see {log} (or raise --startup-timeout-s)")
+def _wait_ready(proc: Proc, url: str, what: str, deadline: float) -> None:
+    try:
+        wait_for(lambda: httpx.get(url, timeout=1).status_code == 200, f"{what} ready at {url}", [proc],
+                 max(0.0, deadline - time.monotonic()), poll_s=0.2)
+    except TimeoutError as exc:
+        raise TimeoutError(f"{exc}\n(see {proc.log_path}, or raise --startup-timeout-s)") from None
 
 
 def _chat(base: str, messages: list[dict]) -> dict:
@@ -70,21 +64,17 @@ def default_model() -> Path:
 def run(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         raise ValueError("--replicas must be >= 1")
-    model = Path(args.model) if args.model else default_model()
-    exe = [sys.executable, "-P", "-m", "warmfleet.cli"]
+    model = (Path(args.model) if args.model else default_model()).resolve()
     log_dir = Path(args.log_dir or Path(os.environ.get("WARMFLEET_CACHE", Path.home() / ".cache" / "warmfleet"))
-                   / "demo-logs")
+                   / "demo-logs").resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, WARMFLEET_LOG_FORMAT=os.environ.get("WARMFLEET_LOG_FORMAT", "text"))
-    procs: list[subprocess.Popen] = []
-    logs: list[str] = []
+    procs: list[Proc] = []
 
-    def start(name: str, argv: list[str]) -> subprocess.Popen:
-        path = log_dir / f"{name}.log"
-        out = None if args.verbose else path.open("w")
-        logs.append("this console" if args.verbose else str(path))
-        proc = subprocess.Popen(exe + argv, env=env, stdout=out, stderr=subprocess.STDOUT if out else None)
-        procs.append(proc)
+    def start(name: str, argv: list[str]) -> Proc:
+        proc = Proc(name, argv, log_dir, env=env, console=args.verbose)
+        proc.log_path.unlink(missing_ok=True)  # this run's log only
+        procs.append(proc.start())
         return proc
 
     deadline = time.monotonic() + args.startup_timeout_s
@@ -99,14 +89,14 @@ def run(args: argparse.Namespace) -> int:
                 "--kv-events-port", str(events), "--replica-id", f"replica-{i}", "--block-size", "16",
                 "--kv-cache-memory", "0.05", "--swap-space", "0.05"])
             replicas.append((f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{events}"))
-        for i, ((url, _), p) in enumerate(zip(replicas, procs)):
-            _wait_ready(f"{url}/ready", p, f"replica-{i} ({url})", deadline, logs[i])
+        for (url, _), p in zip(replicas, procs):
+            _wait_ready(p, f"{url}/ready", p.name, deadline)
         router_args = ["route", "--model", str(model), "--port", str(args.port), "--block-size", "16"]
         for url, events in replicas:
             router_args += ["--replica", f"{url},events={events}"]
         router = start("router", router_args)
         base = f"http://127.0.0.1:{args.port}"
-        _wait_ready(f"{base}/ready", router, "the router", deadline, logs[-1])
+        _wait_ready(router, f"{base}/ready", "the router", deadline)
         names = {url: f"replica-{i}" for i, (url, _) in enumerate(replicas)}
         _say(f"fleet up: OpenAI endpoint {base}/v1 (model 'tiny-qwen2', {args.replicas} replicas)")
 
@@ -127,4 +117,5 @@ def run(args: argparse.Namespace) -> int:
         while True:
             time.sleep(3600)
     finally:
-        stop_all(procs, timeout_s=10)
+        for p in reversed(procs):
+            p.stop(timeout_s=10)
