@@ -118,8 +118,8 @@ def main() -> int:
                     rt.progress(f"round {rnd} {name} @ {rate:g}/s: {r}")
     finally:
         for _, p in routers.values():
-            trace.stop(p)
-        trace.stop(sim)
+            harness.stop(p)
+        harness.stop(sim)
         shutil.rmtree(cwd, ignore_errors=True)
         shutil.rmtree(base_dir, ignore_errors=True)
     res = {"command": " ".join([Path(sys.executable).name] + sys.argv), "rates": rates, "rounds": args.rounds,

@@ -174,8 +174,8 @@ def measure(kinds: list[str], args, model: Path, cwd: str, bodies: list[bytes], 
         return out
     finally:
         for _, proc in routers.values():
-            trace.stop(proc)
-        trace.stop(sim)
+            harness.stop(proc)
+        harness.stop(sim)
 
 
 def measure_one(router: tuple, bodies: list[bytes], rate: float, args, direct: dict) -> dict:

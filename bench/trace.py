@@ -212,9 +212,6 @@ def ratio(hits: list[tuple[int, int]]) -> float:
 
 
 # --- processes --------------------------------------------------------------------------------
-stop = harness.stop
-
-
 def wait_for(check, what: str, proc: subprocess.Popen | None, timeout_s: float = 120) -> None:
     """Poll `check` until true, failing early when `proc` (if any) exits."""
     from warmfleet.livefleet import wait_for as wait
@@ -462,7 +459,7 @@ def start_routers(kind: str, model: Path, sim: dict, args, cwd: str, extra: list
             procs.append(proc)
     except BaseException:
         for p in procs:
-            stop(p)
+            harness.stop(p)
         raise
     return bases, procs
 
@@ -511,8 +508,8 @@ def run_one(kind: str, n: int, reqs: list[dict], model: Path, args, cwd: str, ex
         return out
     finally:
         for p in procs:
-            stop(p)
-        stop(sim_proc)
+            harness.stop(p)
+        harness.stop(sim_proc)
 
 
 # --- verdict and chart --------------------------------------------------------------------------
