@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import httpx
 import pytest
@@ -317,10 +318,12 @@ def test_a_peer_router_that_exits_during_start_up_is_started_again_and_its_log_n
         return [sys.executable, "-c", FAKE_PEER_ROUTER, str(port)], {}
 
     monkeypatch.setattr(trace, "router_command", fake_command)
-    base, proc = trace.start_router("vllm", tmp_path, {"replicas": []}, BLOCK, str(tmp_path))
+    cpu = str(min(os.sched_getaffinity(0)))
+    base, proc = trace.start_router("vllm", tmp_path, {"replicas": []}, BLOCK, str(tmp_path), taskset=cpu)
     try:
         assert len(starts) == 2 and starts[0] != starts[1]  # a second start, on a fresh port
         assert base == f"http://127.0.0.1:{starts[1]}" and proc.poll() is None
+        assert proc.args[:3] == ["taskset", "-c", cpu]  # pinned as asked
     finally:
         harness.stop(proc)
 
