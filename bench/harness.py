@@ -187,7 +187,7 @@ def start_router(name: str, cmd: list[str], port: int, cwd: str, *, env: dict | 
     /v1/completions body) answers 200. A failed wait stops it; ProcessExited (it ended) names its log's tail."""
     import httpx
 
-    from warmfleet.livefleet import ProcessExited, wait_for
+    from warmfleet.livefleet import ProcessExited, wait_for, wait_http
 
     base = f"http://127.0.0.1:{port}"
     log_path = Path(cwd) / (log or f"router-{name.replace(':', '-')}-{port}.log")
@@ -196,8 +196,7 @@ def start_router(name: str, cmd: list[str], port: int, cwd: str, *, env: dict | 
                              stdout=out, stderr=subprocess.STDOUT)
     try:
         if health_s is not None:
-            wait_for(lambda: httpx.get(base + "/health", timeout=2).status_code == 200, f"router {name}", [p],
-                     health_s, poll_s=0.2)
+            wait_http(base + "/health", f"router {name}", [p], health_s, poll_s=0.2)
         if synced is not None:
             wait_for(lambda: synced(httpx.get(base + "/v1/router/replicas", timeout=5).json()["replicas"]),
                      f"router {name} in sync", [p], sync_s, poll_s=0.2)

@@ -221,11 +221,14 @@ def start_vllm(rt, model_dir: Path, blocks: int, cwd: str, offload: bool) -> Ser
     return server
 
 
-def wait_ready(rt, server: Server) -> bool:
+def wait_ready(server: Server) -> bool:
+    from warmfleet.livefleet import wait_http
+
     try:
-        rt.wait_http(server.base + ("/ready" if server.name == "warmfleet" else "/health"), server.proc, 600)
+        path = "/ready" if server.name == "warmfleet" else "/health"
+        wait_http(server.base + path, server.name, [server.proc], 600, poll_s=0.1)
         return True
-    except RuntimeError:
+    except (RuntimeError, TimeoutError):  # it exited, or never answered
         return False
 
 
@@ -242,7 +245,7 @@ def start_servers(rt, engines: list[str], model_dir: Path, blocks: int, cwd: str
             servers["vllm"].swap_reason = "not tried (--no-vllm-cpu-tier); vLLM 0.32.0's CPU build refuses " \
                                           "--kv-offloading-size (CPU offloading is only supported on GPUs)"
     for name, server in list(servers.items()):
-        if wait_ready(rt, server):
+        if wait_ready(server):
             continue
         if name == "vllm" and server.swap_tier:
             reason = rt.log_error(server.log) or f"exited with {server.proc.poll()}"
@@ -251,7 +254,7 @@ def start_servers(rt, engines: list[str], model_dir: Path, blocks: int, cwd: str
             servers[name] = start_vllm(rt, model_dir, blocks, cwd, offload=False)
             servers[name].swap_reason = f"vLLM 0.32.0 (CPU build) fails to start with --kv-offloading-size " \
                                         f"{SWAP_GIB} --kv-offloading-backend native: {reason}"
-            if wait_ready(rt, servers[name]):
+            if wait_ready(servers[name]):
                 continue
         raise RuntimeError(f"{name} did not start: {rt.log_error(servers[name].log)} (log: {servers[name].log})")
     return servers

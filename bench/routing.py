@@ -67,6 +67,7 @@ from pathlib import Path
 
 import httpx
 
+from warmfleet.livefleet import wait_http
 from warmfleet.localprocs import free_port
 
 sys.path.append(str(Path(__file__).resolve().parent))  # bench/harness.py, after the stdlib
@@ -211,7 +212,7 @@ class Fleet:
         self.replicas = [self.start_replica(i) for i in range(self.n)]  # all start at once, then all are awaited
         try:
             for url, _, p in self.replicas:
-                wait_http(url + self.ready_path, p)
+                wait_http(url + self.ready_path, url, [p], 300, poll_s=0.1)
         except BaseException:
             self.__exit__()  # no replica outlives a failed start
             raise
@@ -354,20 +355,6 @@ class VllmFleet(Fleet):
 
     def binding(self) -> dict[str, list[str]]:
         return {f"replica {i} (core {core_of(i)})": vllm_binding(log) for i, log in self.logs.items()}
-
-
-def wait_http(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process for {url} exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} not ready after {timeout_s}s")
 
 
 def peer_policy(kind: str, fleet: Fleet) -> list[str]:

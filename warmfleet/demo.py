@@ -10,9 +10,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-import httpx
-
-from warmfleet.livefleet import Proc, wait_for
+from warmfleet.livefleet import Proc, wait_http
 from warmfleet.localprocs import free_port
 
 
@@ -34,8 +32,7 @@ def _say(msg: str) -> None:
 
 def _wait_ready(proc: Proc, url: str, what: str, deadline: float) -> None:
     try:
-        wait_for(lambda: httpx.get(url, timeout=1).status_code == 200, f"{what} ready at {url}", [proc],
-                 max(0.0, deadline - time.monotonic()), poll_s=0.2)
+        wait_http(url, f"{what} ready at {url}", [proc], max(0.0, deadline - time.monotonic()), poll_s=0.2)
     except TimeoutError as exc:
         raise TimeoutError(f"{exc}\n(see {proc.log_path}, or raise --startup-timeout-s)") from None
 

@@ -146,8 +146,7 @@ class Replica(Proc):
         return f"tcp://127.0.0.1:{self.events_port}"
 
     def wait_ready(self, timeout_s: float = STARTUP_S) -> None:
-        wait_for(lambda: httpx.get(self.url + "/ready", timeout=2).status_code == 200, f"{self.name} ready",
-                 [self], timeout_s)
+        wait_http(self.url + "/ready", f"{self.name} ready", [self], timeout_s)
 
 
 class Router(Proc):
@@ -198,6 +197,11 @@ def wait_for(pred: Callable[[], bool], what: str, procs: list, timeout_s: float 
             raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}\n{tails}")
         time.sleep(poll_s)
 
+
+
+def wait_http(url: str, what: str, procs: list, timeout_s: float = 120.0, poll_s: float = 0.05) -> float:
+    """`wait_for` GET `url` to answer 200."""
+    return wait_for(lambda: httpx.get(url, timeout=2).status_code == 200, what, procs, timeout_s, poll_s)
 
 def metric(text: str, name: str, **labels: str) -> Optional[float]:
     """Sum of the Prometheus series `name` whose labels include `labels` (None if no such series)."""
