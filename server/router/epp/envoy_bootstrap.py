@@ -27,6 +27,7 @@ from typing import Optional
 
 DESTINATION = "x-gateway-destination-endpoint"  # epp/pick.py names the same headers (it imports the protos)
 SERVED = "x-gateway-destination-endpoint-served"
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"  # the EPP's gRPC health service of that name
 HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 EXT_PROC = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
 ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
@@ -49,6 +50,7 @@ class GatewayConfig:
     message_timeout_s: float = 5.0  # one ext_proc message's answer (the pick waits for the body and the render)
     num_retries: int = 2  # to the next endpoint of the pick's list (the EPP's --max-attempts minus one)
     connect_timeout_s: float = 1.0
+    epp_health_interval_s: float = 1.0  # gRPC health checks of the EPP
     endpoints: list[str] = field(default_factory=list)  # ip:port of the pool's endpoints (override-host, fail open)
     lb: str = "override-host"  # "override-host" | "original-dst"
     request_body_mode: str = "FULL_DUPLEX_STREAMED"  # or BUFFERED (then the EPP answers in the body response)
@@ -118,6 +120,14 @@ def clusters(c: GatewayConfig) -> list[dict]:
     host, port = _hostport(c.epp)
     out = [
         {"name": "epp", "type": "STRICT_DNS", "connect_timeout": f"{c.connect_timeout_s}s",
+         # gRPC health of the ext_proc service (SERVING while a replica is routable) and no panic routing: an EPP
+         # that is down or has nothing to route to is known before a request opens a stream to it, so
+         # failure_mode_allow applies before any body chunk is on its way (Envoy cannot fail open after that in
+         # FULL_DUPLEX_STREAMED: it keeps no copy of the chunks)
+         "health_checks": [{"timeout": "1s", "interval": f"{c.epp_health_interval_s}s", "unhealthy_threshold": 1,
+                            "healthy_threshold": 1, "no_traffic_interval": f"{c.epp_health_interval_s}s",
+                            "grpc_health_check": {"service_name": EXT_PROC_SERVICE}}],
+         "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
          "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
              "@type": HTTP_OPTIONS, "explicit_http_config": {"http2_protocol_options": {}}}},
          "load_assignment": {"cluster_name": "epp", "endpoints": [{"lb_endpoints": [
