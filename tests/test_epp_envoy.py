@@ -120,8 +120,49 @@ def test_with_the_epp_down_failure_mode_allow_decides(gateway, allow):
             assert r.status_code >= 500 and "x-warmfleet-replica" not in r.headers, (r.status_code, r.text)
 
 
+def test_a_bad_body_is_answered_by_the_epp_through_the_gateway(gateway):
+    envoy, epp, _, _ = gateway
+    r = httpx.post(envoy.url + "/v1/chat/completions", content=b"{not json", timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    wait_for(lambda: not any(in_flight(epp).values()), "in-flight back to 0", [epp], 30)
+
+
+def test_buffered_gateway_and_tenant_salts_reach_the_engine(gateway, tiny_vl_dir):
+    """A BUFFERED gateway (the pick rides on the body response, whose content-length Envoy checks) in front of an
+    EPP that checks API keys: each tenant's salt is written into the body, so one tenant's prefix is warm for it
+    and cold for the other."""
+    _, _, replicas, cwd = gateway
+    epp = Epp(tiny_vl_dir, replicas, cwd, ("--api-key", "key-a", "--api-key", "key-b"))
+    epp.name = "epp-tenants"
+    try:
+        epp.start()
+        epp.wait_synced()
+        cfg = GatewayConfig(epp=epp.address, endpoints=[f"127.0.0.1:{r.port}" for r in replicas],
+                            request_body_mode="BUFFERED", response_body_mode="BUFFERED")
+        with Envoy(cfg, cwd, name="envoy-buffered") as gw:
+            system = "Tenant-separated caches keep one customer's prompts away from another's. " * 6
+
+            def turn(key: str, q: str) -> httpx.Response:
+                r = httpx.post(gw.url + "/v1/chat/completions", timeout=120, headers={"authorization": f"Bearer {key}"},
+                               json={"model": "tiny", "max_tokens": 2, "temperature": 0, "messages": [
+                                   {"role": "system", "content": system}, {"role": "user", "content": q}]})
+                assert r.status_code == 200, r.text
+                return r
+
+            turn("key-a", "first")
+            assert cached(turn("key-a", "second")) > 0  # warm for its tenant
+            assert cached(turn("key-b", "first")) == 0  # the same prefix under another salt: cold
+            assert httpx.post(gw.url + "/v1/chat/completions", timeout=30, json={"messages": []},
+                              headers={"authorization": "Bearer wrong"}).status_code == 401
+            wait_for(lambda: not any(in_flight(epp).values()), "in-flight back to 0", [epp], 30)
+    finally:
+        epp.stop()
+
+
 def test_a_killed_replica_costs_no_request_and_the_load_settles_where_served(gateway):
-    """Kill the replica holding a conversation; its next turns are picked there first (the EPP has not
+    """Last in the module (a replica stays dead). Kill the replica holding a conversation; its next turns are picked there first (the EPP has not
     noticed), refused, retried by Envoy on the fallback: every one answers, the served endpoint takes the load."""
     envoy, epp, replicas, _ = gateway
     system = "A conversation that lives on one replica until it dies. " * 8

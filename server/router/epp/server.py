@@ -62,7 +62,10 @@ class EppServer:
         streams = Gauge("warmfleet_epp_open_streams", "ext_proc streams open (one per HTTP request in the gateway).",
                         registry=self.metrics.registry)
         streams.set_function(lambda: self.processor.open_streams)
-        server = grpc.aio.server()
+        # a BUFFERED body (and its mutation) is one message: room for the largest body the router accepts
+        limit = self.rt.settings.max_request_bytes + (1 << 20)
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
+                                          ("grpc.max_send_message_length", limit)])
         pb_grpc.add_ExternalProcessorServicer_to_server(self.processor, server)
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
