@@ -119,11 +119,13 @@ class EppFleet:
     """Two fake replicas (real KV events) behind an in-process EPP on free loopback ports."""
 
     def __init__(self, model_dir, *, tenants: Optional[Tenants] = None, max_concurrent_per_client: int = 0,
-                 engine: str = "warmfleet", replica_urls: Optional[list[str]] = None, events: bool = True):
+                 engine: str = "warmfleet", replica_urls: Optional[list[str]] = None, events: bool = True,
+                 replica_api_key: Optional[str] = None):
         self.tok = Tokenizer(model_dir)
         self.fp = model_fingerprint(model_dir)
         self.model_dir, self.tenants, self.engine = model_dir, tenants or Tenants({}), engine
         self.max_concurrent_per_client = max_concurrent_per_client
+        self.replica_api_key = replica_api_key
         self.failures = FakeSharedFailures()
         self.replica_urls, self.events = replica_urls, events  # replica_urls: members that never answer
         self.replicas = [] if replica_urls else [FakeReplica(f"r{i}", self.tok, self.fp, self.failures)
@@ -137,7 +139,8 @@ class EppFleet:
             hash_cfg=HashConfig(BLOCK, self.fp), replicas=specs,
             renderer=PromptRenderer(str(self.model_dir), tokenizer=self.tok), tenants=self.tenants,
             settings=EppSettings(health_interval_s=0.1, health_timeout_s=0.5, engine=self.engine,
-                                 max_concurrent_per_client=self.max_concurrent_per_client, block_size=BLOCK))
+                                 max_concurrent_per_client=self.max_concurrent_per_client, block_size=BLOCK,
+                                 replica_api_key=self.replica_api_key))
         self.epp = await EppServer(rt, grpc_port=0, http_port=0).__aenter__()
         self.fleet = self.epp.state["fleet"]
         if not self.replica_urls:

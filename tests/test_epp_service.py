@@ -57,6 +57,7 @@ async def test_full_duplex_pick_header_equals_metadata_body_unchanged_and_respon
         eps = value.split(",")
         assert sorted(eps) == sorted([f.endpoint(0), f.endpoint(1)])  # primary, then the fallback
         assert "content-length" not in set_headers(common)  # nothing rewritten
+        assert not common.header_mutation.remove_headers and "authorization" not in set_headers(common)
         assert sent == body  # the client's bytes, as they came
         primary = eps[0]
         assert f.in_flight() == {primary: 1, eps[1]: 0}
@@ -148,12 +149,14 @@ async def test_client_limit_sheds_with_429_until_the_first_request_ends(tiny_mod
 
 
 async def test_tenant_salt_is_written_into_the_body_with_its_content_length(tiny_model_dir):
-    async with EppFleet(tiny_model_dir, tenants=Tenants({"key-a": None})) as f:
+    async with EppFleet(tiny_model_dir, tenants=Tenants({"key-a": None}), replica_api_key="replica-key") as f:
         body = raw(chat("salted"))
         s, first, sent, _ = await pick_full_duplex(f, body, headers={"authorization": "Bearer key-a"})
         forwarded = json.loads(sent)
         assert forwarded["cache_salt"] == derive_salt("key-a")
-        assert set_headers(first.request_headers.response)["content-length"] == str(len(sent))
+        headers = set_headers(first.request_headers.response)
+        assert headers["content-length"] == str(len(sent))
+        assert headers["authorization"] == "Bearer replica-key"  # the replica's key goes on, not the client's
         s.cancel()
         _, refused, _, _ = await pick_full_duplex(f, body, headers={"authorization": "Bearer nope"})
         assert refused.immediate_response.status.code == 401
@@ -252,3 +255,10 @@ async def test_side_port_serves_replicas_metrics_and_drain(tiny_model_dir):
             s, first, _, _ = await pick_full_duplex(f, raw(chat("after drain")))
             assert set_headers(first.request_headers.response)[pick.DESTINATION].split(",")[0] == f.endpoint(1)
             s.cancel()
+
+
+async def test_the_clients_key_is_not_passed_on_when_the_epp_checks_keys(tiny_model_dir):
+    async with EppFleet(tiny_model_dir, tenants=Tenants({"key-a": None})) as f:
+        s, first, _, _ = await pick_full_duplex(f, raw(chat("keyed")), headers={"authorization": "Bearer key-a"})
+        assert list(first.request_headers.response.header_mutation.remove_headers) == ["authorization"]
+        s.cancel()

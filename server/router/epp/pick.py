@@ -84,16 +84,23 @@ def pick_metadata(value: str) -> struct_pb2.Struct:
     return md
 
 
-def pick_common(value: str, body_len: Optional[int] = None, body: Optional[bytes] = None) -> pb.CommonResponse:
+def _set(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+                                      append_action=OVERWRITE)
+
+
+def pick_common(value: str, body_len: Optional[int] = None, body: Optional[bytes] = None,
+                upstream: Optional[dict] = None, remove: Iterable[str] = ()) -> pb.CommonResponse:
     """The pick as a common response: the destination header (and the rewritten body's content-length), the
-    route cache cleared so the gateway routes by the header; `body` replaces a buffered body."""
-    headers = [base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=DESTINATION, raw_value=value.encode()),
-                                          append_action=OVERWRITE)]
+    route cache cleared so the gateway routes by the header; `body` replaces a buffered body; `upstream` headers
+    are set and `remove` ones dropped on the way to the replica (its key instead of the client's)."""
+    headers = [_set(DESTINATION, value)]
     if body_len is not None:
-        headers.append(base_pb2.HeaderValueOption(
-            header=base_pb2.HeaderValue(key="content-length", raw_value=str(body_len).encode()),
-            append_action=OVERWRITE))
-    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers), clear_route_cache=True)
+        headers.append(_set("content-length", str(body_len)))
+    headers += [_set(k, v) for k, v in (upstream or {}).items()]
+    remove = [k for k in remove if k not in (upstream or {})]
+    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers, remove_headers=remove),
+                               clear_route_cache=True)
     if body is not None:
         common.body_mutation.body = body
     return common

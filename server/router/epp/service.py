@@ -34,7 +34,7 @@ from ..core.errors import NO_REPLICA, Refusal, parse_json_object
 from ..core.policy import RETRY
 from ..core.registry import Replica
 from ..core.router import Router, Routed
-from ..core.runtime import RouterRuntime
+from ..core.runtime import RouterRuntime, upstream_headers
 from ..core.tenants import ConcurrencyLimiter, admit_client
 from ..core.usage import UsageScanner
 from . import pick
@@ -139,10 +139,10 @@ class Exchange:
         value = pick.destination(pick.endpoint_of(r) for r in reps)
         self.picked = True
         if self.request_mode == FULL_DUPLEX:  # Envoy drops content-length itself in this mode
-            return [pick.request_headers_response(pick.pick_common(value, len(out_body) if changed else None), value),
-                    *pick.streamed_request_body(out_body, end_of_stream)]
+            return [pick.request_headers_response(self.door.pick_common(value, len(out_body) if changed else None),
+                                                  value), *pick.streamed_request_body(out_body, end_of_stream)]
         return [pick.request_body_response(
-            pick.pick_common(value, len(out_body) if changed else None, out_body if changed else None), value)]
+            self.door.pick_common(value, len(out_body) if changed else None, out_body if changed else None), value)]
 
     def eligible(self):
         if self.subset is None:
@@ -164,7 +164,7 @@ class Exchange:
         self.book(reps[0])
         self.picked = True
         value = pick.destination(pick.endpoint_of(r) for r in reps)
-        return pick.request_headers_response(pick.pick_common(value), value)
+        return pick.request_headers_response(self.door.pick_common(value), value)
 
     def refuse(self, refusal: Refusal) -> pb.ProcessingResponse:
         self.picked = self.done = self.answered = True
@@ -192,10 +192,11 @@ class Exchange:
         if rep is None:
             log.warning("the gateway reports endpoint %s, which is not in this pool", served)
             return
-        self.router.prefilled(self.rep, self.queued)
+        self.prefilled()
         self.router.leave(self.rep)
         self.door.metrics.retries.inc()
         self.door.metrics.decisions.labels(RETRY).inc()
+        self.prefill_done = False  # the served replica's own prompt share is queued there until the first byte
         self.book(rep)
 
     def close(self) -> None:
@@ -279,6 +280,13 @@ class EppDoor:
         self.rt, self.router, self.limiter, self.metrics = rt, router, limiter, router.metrics
         self.max_request_bytes = rt.settings.max_request_bytes
         self.max_attempts = rt.settings.proxy.max_attempts
+        # as the HTTP door: the client's key is not passed on when the router checks keys; the replica key is
+        self.upstream = upstream_headers(rt.settings)
+        self.remove = ("authorization",) if rt.tenants.enabled else ()
+
+    def pick_common(self, value: str, body_len: Optional[int] = None,
+                    body: Optional[bytes] = None) -> pb.CommonResponse:
+        return pick.pick_common(value, body_len, body, self.upstream, self.remove)
 
     def endpoints(self, order: list[str]) -> list[Replica]:
         """The decision's replicas still healthy, in order, at most --max-attempts: primary then fallbacks."""
