@@ -161,6 +161,21 @@ def test_buffered_gateway_and_tenant_salts_reach_the_engine(gateway, tiny_vl_dir
         epp.stop()
 
 
+def test_a_client_that_leaves_mid_stream_leaves_nothing_in_flight(gateway):
+    """The client hangs up after the first event of a long answer: Envoy resets the ext_proc stream and the EPP
+    releases what it booked (the deterministic version, a stream cancelled at a known point, is in
+    test_epp_service.py; here the real gateway's reset path, whatever point the answer had reached)."""
+    envoy, epp, _, _ = gateway
+    with httpx.Client(timeout=120) as c:
+        with c.stream("POST", envoy.url + "/v1/chat/completions", json={
+                "model": "tiny", "max_tokens": 3000, "temperature": 0, "stream": True, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "Talk for a long while."}]}) as r:
+            assert r.status_code == 200
+            assert next(r.iter_lines()).startswith("data: ")
+    wait_for(lambda: not any(in_flight(epp).values()) and
+             metric(epp.metrics(), "warmfleet_epp_open_streams") == 0, "the stream released", [epp], 60)
+
+
 def test_a_killed_replica_costs_no_request_and_the_load_settles_where_served(gateway):
     """Last in the module (a replica stays dead). Kill the replica holding a conversation; its next turns are picked there first (the EPP has not
     noticed), refused, retried by Envoy on the fallback: every one answers, the served endpoint takes the load."""
