@@ -277,3 +277,14 @@ def test_the_gateway_example_renders():
     assert body["spec"]["router"]["mode"] == "gateway"
     items = render(body, NODES, IMAGES)
     assert {"InferencePool", "HTTPRoute"} <= {o["kind"] for o in items}
+
+
+def test_autoscaler_scrapes_the_endpoint_pickers_in_gateway_mode():
+    """The EPP's HTTP side serves the routers' /metrics and /v1/router/replicas: the autoscaler reads those pods."""
+    from warmfleet.operator.autoscale_pass import router_urls
+
+    owner = m.Owner("qwen", "ml")
+    ready = {"status": {"podIP": "10.0.0.5", "conditions": [{"type": "Ready", "status": "True"}]}}
+    assert router_urls(None, owner, EPP_HTTP_PORT, [ready], pod_port=EPP_HTTP_PORT, service="qwen-epp") == ["http://10.0.0.5:9090"]
+    assert router_urls(None, owner, EPP_HTTP_PORT, [], pod_port=EPP_HTTP_PORT, service="qwen-epp") == ["http://qwen-epp.ml.svc:9090"]
+    assert router_urls(None, owner, 8000, [ready]) == [f"http://10.0.0.5:{m.HTTP_PORT}"]
