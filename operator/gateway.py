@@ -20,6 +20,8 @@ GIE_CRD = "inferencepools.inference.networking.k8s.io"
 HTTPROUTE_CRD = "httproutes.gateway.networking.k8s.io"
 GIE_MODULE = "sigs.k8s.io/gateway-api-inference-extension@v1.6.0"  # the CRD version our InferencePool is written for
 GATEWAY_API_MODULE = "sigs.k8s.io/gateway-api@v1.6.3"
+GIE_CRD_URL = "https://github.com/kubernetes-sigs/gateway-api-inference-extension/config/crd?ref=v1.6.0"  # kubectl apply -k
+GATEWAY_API_CRD_URL = "https://github.com/kubernetes-sigs/gateway-api/config/crd?ref=v1.6.3"
 
 # Ready=False reasons of a cluster that lacks a CRD (status.py): a Warning Event and a retry with backoff
 GIE_MISSING = "GatewayAPIInferenceExtensionMissing"
@@ -155,7 +157,7 @@ class GatewayState:
             return None
         return GIE_MISSING, (
             f"the cluster does not serve InferencePool ({INFERENCE_POOL_API}, CRD {GIE_CRD}): install the Gateway API "
-            f"Inference Extension CRDs (config/crd/bases of {GIE_MODULE}, or the GIE release's manifests; "
+            f"Inference Extension CRDs, e.g. kubectl apply -k \"{GIE_CRD_URL}\" (config/crd/bases of {GIE_MODULE}; "
             "docs/gateway.md); the operator retries with backoff")
 
     @property
@@ -165,8 +167,8 @@ class GatewayState:
             return None
         return GATEWAY_API_MISSING, (
             f"spec.router.gateway is set but the cluster does not serve HTTPRoute ({HTTPROUTE_API}, CRD {HTTPROUTE_CRD}): "
-            f"install the Gateway API standard CRDs (config/crd/standard of {GATEWAY_API_MODULE}; a gateway's own "
-            "install usually brings them); the operator retries with backoff")
+            f"install the Gateway API standard CRDs, e.g. kubectl apply -k \"{GATEWAY_API_CRD_URL}\" (config/crd/standard "
+            f"of {GATEWAY_API_MODULE}; a gateway's own install usually brings them); the operator retries with backoff")
 
     @property
     def missing(self) -> Optional[tuple[str, str]]:

@@ -288,3 +288,11 @@ def test_autoscaler_scrapes_the_endpoint_pickers_in_gateway_mode():
     assert router_urls(None, owner, EPP_HTTP_PORT, [ready], pod_port=EPP_HTTP_PORT, service="qwen-epp") == ["http://10.0.0.5:9090"]
     assert router_urls(None, owner, EPP_HTTP_PORT, [], pod_port=EPP_HTTP_PORT, service="qwen-epp") == ["http://qwen-epp.ml.svc:9090"]
     assert router_urls(None, owner, 8000, [ready]) == [f"http://10.0.0.5:{m.HTTP_PORT}"]
+
+
+def test_missing_crd_retries_back_off_and_cap():
+    from warmfleet.operator.handlers import missing_crd_delay
+
+    delays = [missing_crd_delay(r) for r in range(10)]
+    assert delays[:6] == [10, 20, 40, 80, 160, 300] and set(delays[6:]) == {300}
+    assert missing_crd_delay(-1) == 10
