@@ -296,3 +296,12 @@ def test_missing_crd_retries_back_off_and_cap():
     delays = [missing_crd_delay(r) for r in range(10)]
     assert delays[:6] == [10, 20, 40, 80, 160, 300] and set(delays[6:]) == {300}
     assert missing_crd_delay(-1) == 10
+
+
+def test_epp_of_a_downloaded_model_fetches_only_the_tokenizer_like_the_router():
+    body = gw_service(model={"source": "hf://acme/tiny-vl@main", "hiddenSize": 1536, "dtype": "bfloat16"})
+    pod = one(render(body, NODES, IMAGES), "Deployment", "qwen-epp")["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    assert init["name"] == m.FETCH_CONTAINER and "--tokenizer-only" in init["args"]
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--model") + 1] == init["args"][init["args"].index("--dest") + 1]
