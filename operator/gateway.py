@@ -29,7 +29,8 @@ GATEWAY_API_MISSING = "GatewayAPIMissing"
 CONDITION_TYPES = ("InferencePoolReady", "EndpointPickerReady", "HTTPRouteReady")
 
 # How the endpoint picker is started: the EppSettings fields the operator sets, in this order. Every router field
-# but `peers` (the EPP's HTTP side serves no peer-load route: docs/gateway.md), plus the EPP's two ports.
+# but `peers` (the EPP's HTTP side, as settings.py declares it, serves no peer-load route: docs/gateway.md), plus
+# the EPP's two ports.
 EPP_COMMAND = ["warmfleet", "epp"]
 EPP_FIELDS = ("discover_service", "host", "port", "http_port", "model", "policy.epsilon", "engine", "block_size")
 # The gateway's timeout for one request: long generations stream for minutes (HTTPRoute rules[].timeouts.request)
