@@ -3,6 +3,7 @@ retried, installing the CRD heals it, and turning back to proxy mode prunes the 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import kmock
@@ -21,6 +22,14 @@ def posted_events(cluster, reason: str) -> list[dict[str, Any]]:
     """Events posted with `reason` (from the request log: kmock refuses a second Event of one name with 409)."""
     return [r.data for r in list(cluster) if str(r.method).upper().endswith("POST") and r.url.path.endswith("/events")
             and isinstance(r.data, dict) and r.data.get("reason") == reason]
+
+
+def handler_progress(cluster) -> dict[str, Any] | None:
+    """kopf's progress record of the create/update/resume handler on service qwen (None once it has succeeded)."""
+    annotations = ((obj(cluster, ISVC, "qwen") or {}).get("metadata") or {}).get("annotations") or {}
+    raw = next((v for k, v in annotations.items() if k.endswith("reconcile_service")), None)
+    record = json.loads(raw) if raw else None
+    return None if record is None or record.get("success") else record
 
 
 def install(cluster, res: str, kind: str) -> None:
@@ -43,9 +52,13 @@ async def test_missing_gie_crd_is_a_condition_and_an_event_then_installing_it_he
         # the rest is applied meanwhile: the servers and the endpoint picker do not wait for the CRD
         assert obj(cluster, DEPLOY, "qwen-epp") is not None and obj(cluster, "v1/services", "qwen-epp") is not None
         assert obj(cluster, DEPLOY, "qwen-router") is None
-        # the handler retries (kopf's TemporaryError): the same reconcile, asked again, finds the CRD installed
+        # the handler retries (kopf's TemporaryError, its progress in the service's annotations), again and again ...
+        await eventually(lambda: (handler_progress(cluster) or {}).get("retries", 0) >= 2, "the reconcile retried")
+        assert "inferencepools.inference.networking.k8s.io" in handler_progress(cluster)["message"]
+        # ... until a retry finds the CRD installed: the handler succeeds (kopf drops its progress) and the pool is there
         install(cluster, POOLS, "InferencePool")
-        await eventually(lambda: obj(cluster, POOLS, "qwen") is not None, "the InferencePool created on a retry")
+        await eventually(lambda: obj(cluster, POOLS, "qwen") is not None and handler_progress(cluster) is None,
+                         "the InferencePool created by a retry that succeeded")
         await eventually(lambda: condition(cluster, "InferencePoolReady").get("status") == "True", "InferencePoolReady=True")
         pool = obj(cluster, POOLS, "qwen")
         assert pool["spec"]["endpointPickerRef"]["name"] == "qwen-epp"
