@@ -20,6 +20,9 @@
 #   promtool                                 Debian's `prometheus` package (apt-get download + dpkg-deb -x)
 #   Kubernetes 1.37 JSON schemas             from the kubernetes-validate wheel (a test dependency), their
 #                                            /api/_definitions.json references inlined so they work offline
+#   InferencePool, HTTPRoute CRDs            gateway mode's kinds: `GOFLAGS=-mod=mod go mod download -json` of
+#                                            sigs.k8s.io/gateway-api-inference-extension@v1.6.0 and
+#                                            sigs.k8s.io/gateway-api@v1.6.3, converted like our CRD
 #   helm                                     $WARMFLEET_HELM, else the one the chart tests fetched
 #                                            (.cache/bin), else the e2e toolchain's, else scripts/get-helm.sh
 # After those downloads nothing touches the network: kubeconform gets only local schema locations, the
@@ -167,6 +170,32 @@ EOF
   echo "$out"
 }
 
+# CRDs of the kinds gateway mode renders (InferencePool, HTTPRoute), from their Go modules at exact versions (the
+# proxy serves exact versions, not version lists), kept in the cache; printed as the files to convert.
+GIE_MODULE=sigs.k8s.io/gateway-api-inference-extension@v1.6.0
+GATEWAY_API_MODULE=sigs.k8s.io/gateway-api@v1.6.3
+GATEWAY_CRD_FILES=(
+  "$GIE_MODULE config/crd/bases/inference.networking.k8s.io_inferencepools.yaml"
+  "$GATEWAY_API_MODULE config/crd/standard/gateway.networking.k8s.io_httproutes.yaml"
+)
+
+gateway_crds() {
+  local entry module file dir dest out=()
+  for entry in "${GATEWAY_CRD_FILES[@]}"; do
+    module="${entry%% *}" file="${entry#* }"
+    dest="$CACHE/crds/${module//\//_}/$(basename "$file")"
+    if [[ ! -s "$dest" ]]; then
+      command -v go >/dev/null 2>&1 || die "$dest is not cached and Go is not on PATH: it comes from 'GOFLAGS=-mod=mod go mod download -json $module'"
+      dir="$(GOFLAGS=-mod=mod GOTOOLCHAIN=local go mod download -json "$module" \
+            | "$PY" -c 'import json,sys; print(json.load(sys.stdin).get("Dir", ""))')" || true
+      [[ -n "$dir" && -f "$dir/$file" ]] || die "go mod download $module gave no $file"
+      mkdir -p "$(dirname "$dest")" && install -m 0644 "$dir/$file" "$dest"
+    fi
+    out+=("$dest")
+  done
+  echo "${out[@]}"
+}
+
 ensure_tools() {
   [[ -x "$PY" ]] || die "$PY not found: create the venv (make .venv/bin/warmfleet) or set WARMFLEET_TOOLS_PYTHON"
   "$PY" -c 'import yaml' 2>/dev/null || die "$PY lacks PyYAML (set WARMFLEET_TOOLS_PYTHON to the checkout's .venv/bin/python)"
@@ -179,6 +208,7 @@ ensure_tools() {
   PROMTOOL="$(promtool_bin)"
   HELM="$(helm_bin)"
   K8S_SCHEMAS="$(k8s_schemas)"
+  GATEWAY_CRDS="$(gateway_crds)"
   flock -u 9
   log "tools: kubeconform $KUBECONFORM_VERSION, kube-score $KUBE_SCORE_VERSION, $("$PROMTOOL" --version 2>&1 | head -n 1), helm $("$HELM" version --short 2>/dev/null)"
 }
@@ -277,9 +307,14 @@ EOF
 run_kubeconform() {  # $1 = work dir
   local out="$1" crd_dir="$1/crd-schemas"
   mkdir -p "$crd_dir"
-  (cd "$crd_dir" && "$PY" "$OPENAPI2JSONSCHEMA" "$REPO"/crds/*.yaml >/dev/null) \
-    || die "openapi2jsonschema.py could not convert crds/*.yaml"
-  log "kubeconform -strict: $(ls "$crd_dir") from crds/, Kubernetes v$K8S_VERSION schemas"
+  # our CRD, and the InferencePool (GIE) and HTTPRoute (Gateway API) CRDs of gateway mode, converted alike
+  # shellcheck disable=SC2086  # GATEWAY_CRDS: cache paths without spaces
+  (cd "$crd_dir" && "$PY" "$OPENAPI2JSONSCHEMA" "$REPO"/crds/*.yaml $GATEWAY_CRDS >/dev/null) \
+    || die "openapi2jsonschema.py could not convert crds/*.yaml and the gateway CRDs ($GATEWAY_CRDS)"
+  for kind in inferencepool_v1 httproute_v1; do
+    [[ -f "$crd_dir/$kind.json" ]] || die "no $kind.json schema from the gateway CRDs: kubeconform would not check that kind"
+  done
+  log "kubeconform -strict: $(ls "$crd_dir" | tr '\n' ' ')from crds/ and $GIE_MODULE, $GATEWAY_API_MODULE; Kubernetes v$K8S_VERSION schemas"
   # ServiceMonitor and PrometheusRule (monitoring.coreos.com) are skipped: no schema of them can be had
   # offline here (the prometheus-operator module is refused by the Go module proxy); promtool and the chart
   # tests cover them.
@@ -287,7 +322,7 @@ run_kubeconform() {  # $1 = work dir
     -schema-location "$K8S_SCHEMAS/{{ .ResourceKind }}{{ .KindSuffix }}.json" \
     -schema-location "$crd_dir/{{ .ResourceKind }}_{{ .ResourceAPIVersion }}.json" \
     -skip ServiceMonitor,PrometheusRule \
-    "$out"/chart-*.yaml "$out"/operator-*.yaml examples/inferenceservice*.yaml examples/networkpolicy.yaml crds/*.yaml >&2 \
+    "$out"/chart-*.yaml "$out"/operator-*.yaml examples/inferenceservice*.yaml examples/networkpolicy*.yaml crds/*.yaml >&2 \
     || die "kubeconform found invalid manifests (above)"
 }
 
@@ -304,13 +339,15 @@ KUBE_SCORE_KEPT=(
 run_kube_score() {  # $1 = work dir
   local out="$1" kept_re
   kept_re="$(IFS='|'; echo "${KUBE_SCORE_KEPT[*]}")"
-  # The operator's children are scored with examples/networkpolicy.yaml, the ingress policies docs/security.md
+  # The operator's children are scored with examples/networkpolicy.yaml (gateway mode's with
+  # examples/networkpolicy-gateway.yaml), the ingress policies docs/security.md
   # asks users to apply (who may reach a service is the cluster's call, so the operator renders none).
   local sets=("$out/chart-defaults.yaml" "$out/chart-full.yaml" "$out/chart-external.yaml") f failed=0
   for f in "$out"/operator-*.yaml; do sets+=("$f"); done
   for f in "${sets[@]}"; do
     local extra=() rc
     [[ "$(basename "$f")" == operator-* ]] && extra=(examples/networkpolicy.yaml)
+    [[ "$(basename "$f")" == operator-inferenceservice-gateway.yaml ]] && extra=(examples/networkpolicy-gateway.yaml)
     set +e
     "$KUBE_SCORE" score --kubernetes-version v1.37 --output-format ci "$f" "${extra[@]}" >"$f.kube-score" 2>&1
     rc=$?

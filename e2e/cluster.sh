@@ -11,6 +11,8 @@
 #                               for `eval "$(e2e/cluster.sh env)"`.
 #   e2e/cluster.sh bin          build if missing and print the toolchain directory.
 #   e2e/cluster.sh prune        delete leftover wf-e2e-* clusters whose processes are gone.
+#   e2e/cluster.sh gateway-crds fetch (once, cached) the InferencePool (GIE v1.6.0) and HTTPRoute (Gateway API
+#                               v1.6.3) CRDs from their Go modules; print their paths.
 #
 # Nothing is downloaded except Go modules through the Go module proxy during the first build;
 # kwokctl gets every binary as a local file. All state lives under
@@ -238,11 +240,36 @@ cmd_prune_quiet() {
   return 0
 }
 
+# The CRDs of spec.router.mode: gateway, from their Go modules at exact versions (the module proxy serves exact
+# versions, not lists), cached beside the binaries. Not applied by `up`: e2e/test_gateway.py first shows a cluster
+# without them, then applies these files itself.
+GATEWAY_CRD_FILES=(
+  "sigs.k8s.io/gateway-api-inference-extension@v1.6.0 config/crd/bases/inference.networking.k8s.io_inferencepools.yaml"
+  "sigs.k8s.io/gateway-api@v1.6.3 config/crd/standard/gateway.networking.k8s.io_httproutes.yaml"
+)
+
+cmd_gateway_crds() {  # prints one cached CRD file per line
+  local entry module file dir dest
+  for entry in "${GATEWAY_CRD_FILES[@]}"; do
+    module="${entry%% *}" file="${entry#* }"
+    dest="$CACHE_ROOT/gateway-crds/${module//\//_}/$(basename "$file")"
+    if [[ ! -s "$dest" ]]; then
+      command -v go >/dev/null 2>&1 || die "$dest is not cached and Go is not on PATH ('GOFLAGS=-mod=mod go mod download -json $module' fetches it)"
+      dir="$(cd "$CACHE_ROOT" && GOFLAGS=-mod=mod GOTOOLCHAIN=local go mod download -json "$module" \
+            | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",\{0,1\}$/\1/p')" || true
+      [[ -n "$dir" && -f "$dir/$file" ]] || die "go mod download $module gave no $file"
+      mkdir -p "$(dirname "$dest")" && install -m 0644 "$dir/$file" "$dest"
+    fi
+    echo "$dest"
+  done
+}
+
 case "${1:-}" in
   up) shift; cmd_up "$@" ;;
+  gateway-crds) cmd_gateway_crds ;;
   down) shift; cmd_down "$@" ;;
   env) shift; cmd_env "$@" ;;
   bin) toolchain_dir ;;
   prune) BIN="$(toolchain_dir)"; mkdir -p "$STATE_DIR"; exec 8>"$STATE_DIR/.lock"; flock 8; cmd_prune_quiet ;;
-  *) echo "usage: $0 up|down|env [NAME] | bin | prune" >&2; exit 2 ;;
+  *) echo "usage: $0 up|down|env [NAME] | bin | prune | gateway-crds" >&2; exit 2 ;;
 esac

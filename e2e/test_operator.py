@@ -316,6 +316,8 @@ CREATE_CASES = [
      ["s3 applies to s3:// sources only"]),
     ("cel-cache-one-kind", _with(model={"source": "hf://Qwen/Qwen2-VL-2B-Instruct", "cache": {"hostPath": "/c", "pvc": "c"}}),
      ["spec.model.cache", "hostPath and pvc are mutually exclusive"]),
+    ("cel-gateway-needs-mode-gateway", _with(router={"gateway": {"name": "gw"}}),
+     ["spec.router", "gateway applies to mode gateway only"]),
     ("schema-type", _with(replicas="three"),
      ["spec.replicas", "must be of type integer"]),
     ("schema-unknown-field", _with(cache={"swapSpaceGib": 4}),

@@ -12,12 +12,14 @@ from typing import Any, Callable, Mapping, MutableMapping, Sequence
 import httpx
 
 from warmfleet.operator import autoscale_policy as a
+from warmfleet.operator import gateway
 from warmfleet.operator import manifests as m
 from warmfleet.operator.kube import KubeError
 from warmfleet.operator.nodes import NodeInfo
 from warmfleet.operator.plan import planned_limits
 from warmfleet.operator.reconcile import OperatorState, plan_for, utcnow
 from warmfleet.operator.schema import SpecError, to_dict
+from warmfleet.server.router.epp.settings import HTTP_PORT as EPP_HTTP_PORT
 
 ROUTER_URL_TEMPLATE_ENV = "WARMFLEET_ROUTER_URL_TEMPLATE"
 INTERVAL_ENV = "WARMFLEET_AUTOSCALE_INTERVAL_S"
@@ -27,10 +29,12 @@ SCALED = ("ScaleOut", "ScaleIn", "BelowMin", "AboveMax")
 log = logging.getLogger(__name__)
 
 
-def router_urls(template: str | None, owner: m.Owner, port: int, router_pods: list[Mapping[str, Any]]) -> list[str]:
+def router_urls(template: str | None, owner: m.Owner, port: int, router_pods: list[Mapping[str, Any]],
+                *, pod_port: int = m.HTTP_PORT, service: str | None = None) -> list[str]:
     """Base URLs of the service's routers: the template (tests, a proxy) with {name}, {namespace}, {service}
-    and {port}; else every Ready router pod by IP (counters stay per process); else the router Service."""
-    service = m.names(owner)["endpoint"]
+    and {port}; else every Ready router pod by IP on `pod_port` (counters stay per process); else the router Service
+    (`service`: another one, e.g. the endpoint pickers' in gateway mode)."""
+    service = service or m.names(owner)["endpoint"]
     if template:
         return [template.format(name=owner.name, namespace=owner.namespace, service=service, port=port)]
     urls = []
@@ -39,7 +43,7 @@ def router_urls(template: str | None, owner: m.Owner, port: int, router_pods: li
         ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or [])
         if st.get("podIP") and ready and not (pod.get("metadata") or {}).get("deletionTimestamp"):
             ip = st["podIP"]
-            urls.append(f"http://{f'[{ip}]' if ':' in ip else ip}:{m.HTTP_PORT}")
+            urls.append(f"http://{f'[{ip}]' if ':' in ip else ip}:{pod_port}")
     return sorted(urls) or [f"http://{service}.{owner.namespace}.svc:{port}"]
 
 
@@ -56,9 +60,12 @@ async def run_pass(state: OperatorState, body: Mapping[str, Any], nodes: list[No
         return None  # the reconcile reports it
     kube = state.client()
     hist: a.History = state.autoscale.setdefault(uid, a.History())
-    router_sel = {m.SERVICE_LABEL: owner.name[:63], m.COMPONENT_LABEL: "router"}
-    router_pods = [] if template else await kube.list("Pod", owner.namespace, router_sel)
-    urls = router_urls(template, owner, spec.router.port, router_pods)
+    if spec.router.mode == "gateway":  # the endpoint pickers serve the routers' /metrics and /v1/router/replicas
+        component, port, pod_port, service = "epp", EPP_HTTP_PORT, EPP_HTTP_PORT, gateway.names(owner)["epp"]
+    else:
+        component, port, pod_port, service = "router", spec.router.port, m.HTTP_PORT, None
+    router_pods = [] if template else await kube.list("Pod", owner.namespace, m.routing_selector(owner, component))
+    urls = router_urls(template, owner, port, router_pods, pod_port=pod_port, service=service)
     if http is None:
         async with httpx.AsyncClient() as client:
             metrics, views, errors = await scrape(client, urls)

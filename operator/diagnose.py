@@ -45,7 +45,7 @@ _OTHER_SCHEDULER_RANK = 6  # SchedulingGated, ...
 IMAGE_PULL_REASONS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull",
                                 "ErrImageInspect", "RegistryUnavailable", "SignatureValidationFailed"})
 PROGRESS_REASONS = frozenset({"ContainerCreating", "PodInitializing"})
-COMPONENT_ORDER = ("server", "router")
+COMPONENT_ORDER = ("server", "router", "epp")
 
 _PVC_NOT_FOUND = re.compile(r'persistentvolumeclaims? "([^"]+)" not found')
 _SECRET_NOT_FOUND = re.compile(r'secrets? "([^"]+)" not found|couldn\'t find key \S+ in Secret \S+')
@@ -87,7 +87,7 @@ def claims_of(pod: Mapping[str, Any]) -> list[str]:
 
 
 def component_of(pod: Mapping[str, Any]) -> str:
-    """server | router (from the pod's labels)."""
+    """server | router | epp (from the pod's labels)."""
     return ((pod.get("metadata") or {}).get("labels") or {}).get(COMPONENT_LABEL) or "other"
 
 

@@ -49,8 +49,10 @@ def make_registry(*, default_image: str, router_image: str | None = None, login:
     @kopf.on.create(*isvc, registry=registry)
     @kopf.on.update(*isvc, registry=registry)
     async def reconcile_service(body: kopf.Body, memo: kopf.Memo, nodes: kopf.Index, service_pods: kopf.Index,
-                                logger: Any, **_: Any) -> None:
-        await _run(body, memo, nodes, logger, service_pods=service_pods)
+                                logger: Any, retry: int = 0, **_: Any) -> None:
+        outcome = await _run(body, memo, nodes, logger, service_pods=service_pods)
+        if outcome is not None and outcome.missing:  # a CRD gateway mode needs: status says so; try again later
+            raise kopf.TemporaryError(outcome.missing, delay=missing_crd_delay(retry))
 
     @kopf.timer(*isvc, interval=mc.RETRY_DELAY_S, initial_delay=mc.RETRY_DELAY_S, registry=registry,
                 when=lambda status, **_: mc.unavailable(status))
@@ -131,8 +133,16 @@ def _add_indexes(registry: kopf.OperatorRegistry) -> None:
         return {(namespace, owner): slim_pod(body)} if owner else {}
 
 
+MISSING_CRD_DELAYS_S = (10, 20, 40, 80, 160, 300)  # retries of a service whose CRD (gateway mode) is not served
+
+
+def missing_crd_delay(retry: int) -> int:
+    """Seconds before retry number `retry` (0: the first) of a reconcile that found a needed CRD missing: doubling, capped."""
+    return MISSING_CRD_DELAYS_S[min(max(retry, 0), len(MISSING_CRD_DELAYS_S) - 1)]
+
+
 async def _run(body: Any, memo: kopf.Memo, nodes: kopf.Index, logger: Any, services: kopf.Index | None = None,
-               service_pods: kopf.Index | None = None) -> None:
+               service_pods: kopf.Index | None = None) -> Any:
     """Reconcile one service; API errors become kopf retries (a slow one, with a warning Event, when permanent)."""
     key = (body["metadata"].get("namespace"), body["metadata"]["name"])
     alive = (lambda: key in services) if services is not None else (lambda: True)
@@ -148,6 +158,7 @@ async def _run(body: Any, memo: kopf.Memo, nodes: kopf.Index, logger: Any, servi
     if changed or outcome.status_written:
         logger.info(f"reconciled: {changed or 'no child changed'}; status {'written' if outcome.status_written else 'unchanged'}"
                     + (f"; Ready reason {outcome.reason}" if outcome.reason else ""))
+    return outcome
 
 
 def _add_watchers(registry: kopf.OperatorRegistry) -> None:

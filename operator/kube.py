@@ -24,6 +24,10 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "Role": ("rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": ("rbac.authorization.k8s.io/v1", "rolebindings"),
     "InferenceService": (f"{GROUP}/{VERSION}", PLURAL),
+    # gateway mode (gateway.py); served only where their CRDs are installed, which reconcile asks discovery first
+    "InferencePool": ("inference.networking.k8s.io/v1", "inferencepools"),
+    "HTTPRoute": ("gateway.networking.k8s.io/v1", "httproutes"),
+    "Gateway": ("gateway.networking.k8s.io/v1", "gateways"),  # read only: spec.router.gateway's address for status.endpoint
 }
 
 

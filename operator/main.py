@@ -128,6 +128,7 @@ def render_cmd(args: argparse.Namespace) -> int:
     The last document per service is the InferenceService with the status the operator would
     write before any pod is ready. Warnings go to stderr; with --strict they make the exit code 1.
     """
+    from warmfleet.operator import gateway
     from warmfleet.operator import manifests as m
     from warmfleet.operator import modelconfig as mc
     from warmfleet.operator.nodes import node_info
@@ -160,9 +161,13 @@ def render_cmd(args: argparse.Namespace) -> int:
         for w in render_warnings(plan):
             print(f"warmfleet operator render: warning: {KIND} {meta['namespace']}/{name}: {w}", file=sys.stderr)
             warned += 1
+        # gateway mode: as on a cluster serving the GIE (and Gateway API) CRDs, before the Gateway has an address
+        gw = (gateway.gateway_state(owner, spec, {}, pool_served=True, route_served=True, gateway_obj=None)
+              if spec.router.mode == "gateway" else None)
         status = healthy_status(plan=plan, generation=meta.get("generation"), model=served_name(spec, owner.name),
-                                endpoint=m.endpoint_url(owner, spec), selector=m.selector_string(owner),
-                                ready_by_pool={}, router_ready=0, previous={}, now=utcnow())
+                                endpoint=gw.endpoint if gw is not None else m.endpoint_url(owner, spec),
+                                selector=m.selector_string(owner), ready_by_pool={}, router_ready=0, previous={},
+                                now=utcnow(), gateway=gw)
         status = mc.with_model_config(status, body, learned, utcnow(), meta.get("generation"))
         objs.append({**{k: v for k, v in svc.items() if k != "status"}, "status": status})
     sys.stdout.write(dump(objs, args.output))

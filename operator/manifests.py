@@ -130,7 +130,7 @@ def selector_string(owner: Owner) -> str:
 
 
 def endpoint_url(owner: Owner, spec: InferenceServiceSpec) -> str:
-    """The router's in-cluster OpenAI base URL."""
+    """The router's in-cluster OpenAI base URL (proxy mode; gateway mode learns it from the Gateway: gateway.py)."""
     return f"http://{names(owner)['endpoint']}.{owner.namespace}.svc:{spec.router.port}/v1"
 
 
@@ -449,18 +449,25 @@ def replicas_service(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]
                      for p in engine_of(spec).ports], clusterIP="None")
 
 
+def routing_values(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
+    """The settings both routing front doors (`warmfleet route`, `warmfleet epp`) get alike: discovery of the replica
+    Service, bounded load from loadBound, the engine kind, and the replicas' block size (contract 1: the same hashes)."""
+    return {
+        "discover_service": f"{owner.namespace}/{names(owner)['replicas']}",
+        "host": "0.0.0.0",
+        "model": _model_dir(spec),
+        "policy": PolicyConfig(epsilon=round(spec.router.load_bound - 1, 6)),  # epsilon = loadBound - 1
+        "engine": spec.engine.kind,
+        "block_size": spec.cache.block_size,
+    }
+
+
 def router_settings(owner: Owner, spec: InferenceServiceSpec) -> RouterSettings:
-    """What the router pod runs with: discovery of the replica Service, bounded load from loadBound, the engine kind,
-    the routers' headless Service as peers, and the replicas' block size (contract 1: the same hashes)."""
+    """What the router pod runs with: `routing_values`, its HTTP port and the routers' headless Service as peers."""
     return RouterSettings(
-        discover_service=f"{owner.namespace}/{names(owner)['replicas']}",
-        host="0.0.0.0",
+        **routing_values(owner, spec),
         port=HTTP_PORT,
-        model=_model_dir(spec),
-        policy=PolicyConfig(epsilon=round(spec.router.load_bound - 1, 6)),  # epsilon = loadBound - 1
-        engine=spec.engine.kind,
         peers=f"http://{names(owner)['router_peers']}.{owner.namespace}.svc:{HTTP_PORT}",
-        block_size=spec.cache.block_size,
     )
 
 
@@ -469,42 +476,56 @@ def router_args(owner: Owner, spec: InferenceServiceSpec) -> list[str]:
     return [*ROUTER_COMMAND[1:], *to_args(router_settings(owner, spec), ROUTER_FIELDS)]
 
 
-def router_deployment(owner: Owner, spec: InferenceServiceSpec, image: str) -> dict[str, Any]:
-    """The router Deployment: `warmfleet route` discovering replicas through EndpointSlices."""
-    n = names(owner)
-    pod_labels = labels(owner, "router")
+@dataclass(frozen=True)
+class RoutingPod:
+    """What tells a routing Deployment (router, endpoint picker) apart; the rest of the pod is shared."""
+
+    name: str  # Deployment and ServiceAccount name
+    component: str  # app.kubernetes.io/component of the Deployment and its pods
+    command: list[str]  # `warmfleet <subcommand> <flags>`
+    ports: list[dict[str, Any]]  # container ports
+    probes: dict[str, Any]  # readinessProbe, livenessProbe
+
+
+def routing_selector(owner: Owner, component: str) -> dict[str, str]:
+    """Selects the pods of one routing component (router, epp) of the service."""
+    return {SERVICE_LABEL: owner.name[:63], COMPONENT_LABEL: component}
+
+
+def routing_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, pod: RoutingPod) -> dict[str, Any]:
+    """A Deployment of `spec.router.replicas` routing pods: the tokenizer-only model volume (and fetch-model init
+    container), /tmp as HOME, the API key env, the router's resources and hardening; `pod` says the rest."""
     model_vols, model_mounts = _router_model_volume(spec)
     volumes = [{"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}}, *model_vols]
     ephemeral = pod_ephemeral_storage(volumes)
-    match = _router_selector(owner)
+    match = routing_selector(owner, pod.component)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _meta(owner, n["router"], "router"),
+        "metadata": _meta(owner, pod.name, pod.component),
         "spec": {
             "replicas": spec.router.replicas,
             "selector": {"matchLabels": match},
             "template": {
-                "metadata": {"labels": pod_labels},
+                "metadata": {"labels": labels(owner, pod.component)},
                 "spec": {
-                    "serviceAccountName": n["router"],
+                    "serviceAccountName": pod.name,
                     "securityContext": _pod_security(),
                     "topologySpreadConstraints": _spread_over_nodes(match),
                     **_init_containers(spec, image, "model", tokenizer_only=True, ephemeral=ephemeral),
                     "containers": [{
-                        "name": "router",
+                        "name": pod.component,
                         "image": image,
                         "imagePullPolicy": spec.server.image_pull_policy,
-                        "command": [ROUTER_COMMAND[0]],
-                        "args": router_args(owner, spec),
+                        "command": [pod.command[0]],
+                        "args": pod.command[1:],
                         # The router checks clients' keys (WARMFLEET_API_KEY) and, since it then does not
                         # forward theirs, authenticates to the replicas itself (WARMFLEET_REPLICA_API_KEY).
                         "env": [{"name": "HOME", "value": "/tmp"},
                                 *_api_key_env(spec, "WARMFLEET_API_KEY", "WARMFLEET_REPLICA_API_KEY")],
-                        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
+                        "ports": pod.ports,
                         "resources": _with_ephemeral(ROUTER_RESOURCES, ephemeral),
-                        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5},
-                        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 3},
+                        **pod.probes,
                         "securityContext": _container_security(),
                         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *model_mounts],
                     }],
@@ -513,6 +534,16 @@ def router_deployment(owner: Owner, spec: InferenceServiceSpec, image: str) -> d
             },
         },
     }
+
+
+def router_deployment(owner: Owner, spec: InferenceServiceSpec, image: str) -> dict[str, Any]:
+    """The router Deployment: `warmfleet route` discovering replicas through EndpointSlices."""
+    return routing_deployment(owner, spec, image, RoutingPod(
+        name=names(owner)["router"], component="router", command=[ROUTER_COMMAND[0], *router_args(owner, spec)],
+        ports=[{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        probes={"readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5},
+                "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 3}},
+    ))
 
 
 def router_service(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
@@ -529,28 +560,33 @@ def router_peers_service(owner: Owner) -> dict[str, Any]:
 
 
 def _router_selector(owner: Owner) -> dict[str, str]:
-    return {SERVICE_LABEL: owner.name[:63], COMPONENT_LABEL: "router"}
+    return routing_selector(owner, "router")
 
 
-def router_rbac(owner: Owner) -> list[dict[str, Any]]:
-    """ServiceAccount, Role and RoleBinding letting the router list/watch EndpointSlices."""
-    n = names(owner)["router"]
+def routing_rbac(owner: Owner, name: str, component: str) -> list[dict[str, Any]]:
+    """ServiceAccount, Role and RoleBinding letting a routing pod (router, epp) get/list/watch EndpointSlices: all it
+    reads of the API (discovery of the replicas' headless Service)."""
     return [
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(owner, n, "router")},
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(owner, name, component)},
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "Role",
-            "metadata": _meta(owner, n, "router"),
+            "metadata": _meta(owner, name, component),
             "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}],
         },
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "RoleBinding",
-            "metadata": _meta(owner, n, "router"),
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": n},
-            "subjects": [{"kind": "ServiceAccount", "name": n, "namespace": owner.namespace}],
+            "metadata": _meta(owner, name, component),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}],
         },
     ]
+
+
+def router_rbac(owner: Owner) -> list[dict[str, Any]]:
+    """ServiceAccount, Role and RoleBinding letting the router list/watch EndpointSlices."""
+    return routing_rbac(owner, names(owner)["router"], "router")
 
 
 def pdb(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
@@ -563,15 +599,20 @@ def pdb(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
     }
 
 
-def router_pdb(owner: Owner) -> dict[str, Any]:
-    """PodDisruptionBudget over the router pods: a node drain takes at most one router at a time, so the endpoint
-    keeps serving while spec.router.replicas > 1 (with one router it cannot help, and does not block the drain)."""
+def routing_pdb(owner: Owner, name: str, component: str) -> dict[str, Any]:
+    """PodDisruptionBudget over one routing component's pods: a node drain takes at most one at a time."""
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _meta(owner, names(owner)["router_pdb"], "router"),
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": _router_selector(owner)}},
+        "metadata": _meta(owner, name, component),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": routing_selector(owner, component)}},
     }
+
+
+def router_pdb(owner: Owner) -> dict[str, Any]:
+    """PodDisruptionBudget over the router pods: a node drain takes at most one router at a time, so the endpoint
+    keeps serving while spec.router.replicas > 1 (with one router it cannot help, and does not block the drain)."""
+    return routing_pdb(owner, names(owner)["router_pdb"], "router")
 
 
 def config_map(owner: Owner, spec: InferenceServiceSpec, plan: list[PlannedPool]) -> dict[str, Any]:
@@ -581,7 +622,8 @@ def config_map(owner: Owner, spec: InferenceServiceSpec, plan: list[PlannedPool]
     report = {
         "model": served_name(spec, owner.name),
         "engine": spec.engine.kind,
-        "endpoint": endpoint_url(owner, spec),
+        "endpoint": endpoint_url(owner, spec) if spec.router.mode == "proxy" else "",
+        **({"inferencePool": k8s_name(owner.name)} if spec.router.mode == "gateway" else {}),
         "pools": [
             {
                 "name": p.pool.name, "nodes": list(p.pool.nodes), "replicas": p.replicas, "fits": p.sizing.fits,
@@ -599,9 +641,17 @@ def config_map(owner: Owner, spec: InferenceServiceSpec, plan: list[PlannedPool]
 
 
 def build_children(owner: Owner, spec: InferenceServiceSpec, images: Images, plan: list[PlannedPool]) -> list[dict[str, Any]]:
-    """Every child object, in apply order; pools that cannot host replicas get no Deployment."""
-    objs = [config_map(owner, spec, plan), *router_rbac(owner), replicas_service(owner, spec)]
+    """Every child object, in apply order; pools that cannot host replicas get no Deployment. Proxy mode: the router's
+    Deployment, Services and PDB; gateway mode instead the endpoint picker's objects and the InferencePool (gateway.py)."""
+    from warmfleet.operator import gateway
+
+    gateway_mode = spec.router.mode == "gateway"
+    objs = [config_map(owner, spec, plan)]
+    objs += gateway.epp_rbac(owner) if gateway_mode else router_rbac(owner)
+    objs.append(replicas_service(owner, spec))
     objs += [server_deployment(owner, spec, images.engine, p, images.router) for p in plan if p.sizing.fits]
-    objs += [pdb(owner, spec), router_pdb(owner), router_deployment(owner, spec, images.router), router_service(owner, spec),
-             router_peers_service(owner)]
-    return objs
+    objs.append(pdb(owner, spec))
+    if gateway_mode:
+        return objs + gateway.gateway_children(owner, spec, images.router)
+    return objs + [router_pdb(owner), router_deployment(owner, spec, images.router), router_service(owner, spec),
+                   router_peers_service(owner)]

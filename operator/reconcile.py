@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping
 
 import kopf
 
+from warmfleet.operator import gateway
 from warmfleet.operator import manifests as m
 from warmfleet.operator import modelconfig as mc
 from warmfleet.operator.diagnose import claims_to_check, diagnose
@@ -115,6 +116,7 @@ class Outcome:
     status_written: bool = False
     invalid: str | None = None
     reason: str | None = None  # the Ready condition's reason
+    missing: str | None = None  # a CRD gateway mode needs is not served (why): the handler retries with backoff
 
 
 async def reconcile(
@@ -157,17 +159,26 @@ async def _reconcile(state: OperatorState, body: Mapping[str, Any], nodes: list[
         return out
 
     digest = fingerprint(plan)  # before owner references are added, as the node watch computes it
-    live, out.actions = await _apply_and_prune(kube, owned(plan.children, body), name, ns, meta.get("uid"))
+    served = await _served_gateway_kinds(kube, spec, previous)
+    children = [c for c in owned(plan.children, body) if served.get(c["kind"], True)]  # a kind not served waits
+    live, out.actions = await _apply_and_prune(kube, children, name, ns, meta.get("uid"),
+                                               PRUNED_KINDS + tuple(k for k, ok in served.items() if ok))
     state.fingerprints[uid] = digest
     ready_by_pool, router_ready = ready_replicas(plan, live, name, owner)
+    gw = None
+    if spec.router.mode == "gateway":
+        gw = gateway.gateway_state(owner, spec, live, pool_served=served["InferencePool"], route_served=served["HTTPRoute"],
+                                   gateway_obj=await _read_gateway(kube, spec, ns) if served["HTTPRoute"] else None)
+        out.missing = gw.missing[1] if gw.missing else None
     diag = None
     if pods is not None:
         diag = diagnose(pods, await _missing_claims(kube, ns, pods))
         state.pod_digests[uid] = pod_digest(pods)
     new = healthy_status(
-        plan=plan, generation=generation, model=served_name(spec, owner.name), endpoint=m.endpoint_url(owner, spec),
+        plan=plan, generation=generation, model=served_name(spec, owner.name),
+        endpoint=gw.endpoint if gw is not None else m.endpoint_url(owner, spec),
         selector=m.selector_string(owner), ready_by_pool=ready_by_pool, router_ready=router_ready,
-        previous=previous, now=now(), pods=diag,
+        previous=previous, now=now(), pods=diag, gateway=gw,
     )
     new = mc.with_model_config(new, body, learned, now(), generation)
     out.status_written = await _write_status(kube, ns, name, previous, new)
@@ -193,21 +204,51 @@ async def _report_invalid_spec(state: OperatorState, kube: Kube, body: Mapping[s
     return written
 
 
-async def _apply_and_prune(kube: Kube, children: list[dict[str, Any]], name: str, ns: str,
-                           owner_uid: str | None) -> tuple[dict[tuple[str, str], dict[str, Any]], dict[str, str]]:
-    """Step 2: apply every child, delete the server Deployments of pools no longer planned: (live objects, actions)."""
+# Kinds of children that some specs render and others do not (a pool's Deployment, the router's objects in proxy
+# mode, the endpoint picker's in gateway mode): what is labelled ours, owned by the service and no longer wanted is
+# deleted. InferencePool and HTTPRoute join them where the cluster serves them. ConfigMap is always rendered.
+PRUNED_KINDS = ("Deployment", "Service", "PodDisruptionBudget", "ServiceAccount", "Role", "RoleBinding")
+GATEWAY_KINDS = ("InferencePool", "HTTPRoute")
+
+
+async def _served_gateway_kinds(kube: Kube, spec: Any, previous: Mapping[str, Any]) -> dict[str, bool]:
+    """Whether the cluster serves InferencePool and HTTPRoute: asked (discovery) in gateway mode and on the pass after
+    it (its conditions still in status: what it created is pruned), else not asked (and nothing of them rendered)."""
+    was_gateway = any(c.get("type") in gateway.CONDITION_TYPES for c in previous.get("conditions") or [])
+    if spec.router.mode != "gateway" and not was_gateway:
+        return {}
+    return {kind: await kube.serves(kind) for kind in GATEWAY_KINDS}
+
+
+async def _read_gateway(kube: Kube, spec: Any, ns: str) -> dict[str, Any] | None:
+    """spec.router.gateway's Gateway (for its address), or None: none named, absent, or not ours to read (403)."""
+    ref = spec.router.gateway
+    if ref is None:
+        return None
+    try:
+        return await kube.get("Gateway", ref.namespace or ns, ref.name)
+    except KubeError as exc:
+        if exc.status != 403:
+            raise
+        return None
+
+
+async def _apply_and_prune(kube: Kube, children: list[dict[str, Any]], name: str, ns: str, owner_uid: str | None,
+                           pruned: tuple[str, ...] = PRUNED_KINDS,
+                           ) -> tuple[dict[tuple[str, str], dict[str, Any]], dict[str, str]]:
+    """Step 2: apply every child, delete the service's objects of `pruned` kinds no longer planned: (live, actions)."""
     live: dict[tuple[str, str], dict[str, Any]] = {}
     actions: dict[str, str] = {}
     for obj in children:
         key = (obj["kind"], obj["metadata"]["name"])
         live[key], actions[f"{key[0]}/{key[1]}"] = await kube.apply(obj)
-    wanted = {o["metadata"]["name"] for o in children if o["kind"] == "Deployment"}
-    server_sel = {m.SERVICE_LABEL: name[:63], m.COMPONENT_LABEL: "server"}
-    for dep in await kube.list("Deployment", ns, server_sel):
-        dname = dep["metadata"]["name"]
-        if dname not in wanted and _owned_by(dep, owner_uid):
-            await kube.delete("Deployment", ns, dname)
-            actions[f"Deployment/{dname}"] = "deleted"
+    ours = {m.SERVICE_LABEL: name[:63], **m.MANAGED_BY}
+    for kind in pruned:
+        for found in await kube.list(kind, ns, ours):
+            fname = found["metadata"]["name"]
+            if (kind, fname) not in live and _owned_by(found, owner_uid):
+                await kube.delete(kind, ns, fname)
+                actions[f"{kind}/{fname}"] = "deleted"
     return live, actions
 
 

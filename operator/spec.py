@@ -300,15 +300,50 @@ class SecretKeyRef:
     key: str = prop("api-key", doc="Key within the Secret.", minLength=1)
 
 
+RouterMode = Literal["proxy", "gateway"]
+FailureMode = Literal["FailOpen", "FailClose"]
+DEFAULT_FAILURE_MODE: FailureMode = "FailClose"  # the InferencePool CRD's default for endpointPickerRef.failureMode (GIE v1)
+
+
+@dataclass(kw_only=True)
+class GatewayRef:
+    """A Gateway API Gateway the operator attaches an HTTPRoute to (gateway mode)."""
+
+    name: str = prop(doc="Gateway name.", pattern=DNS_LABEL, maxLength=253)
+    namespace: Optional[str] = prop(None, doc="Gateway namespace (default: the InferenceService's); another namespace's "
+                                              "Gateway must allow routes from this one (listeners[].allowedRoutes).",
+                                    pattern=DNS_LABEL, maxLength=63)
+    section_name: Optional[str] = prop(None, doc="The Gateway listener to attach to (default: every listener that allows the route).",
+                                       pattern=DNS_LABEL, maxLength=253)
+
+
 @dataclass(kw_only=True)
 class RouterSpec:
-    """The cache-affinity router: the OpenAI endpoint."""
+    """The cache-affinity router: the OpenAI endpoint (proxy mode) or a gateway's endpoint picker (gateway mode)."""
 
-    replicas: int = prop(2, doc="Router pods.", minimum=1, maximum=64)
+    mode: RouterMode = prop(
+        "proxy", doc=("proxy: `warmfleet route` pods behind a Service are the OpenAI endpoint. gateway: an InferencePool "
+                      "(Gateway API Inference Extension) over the server pods, whose endpoint picker is `warmfleet epp`; a "
+                      "Gateway (Istio, kgateway, Envoy Gateway, ...) carries the traffic (docs/gateway.md)."),
+    )
+    gateway: Optional[GatewayRef] = prop(
+        None, doc="gateway mode: the Gateway to attach an HTTPRoute to (backendRef: the InferencePool). Unset: no HTTPRoute is rendered; route to the pool yourself.",
+    )
+    failure_mode: FailureMode = prop(
+        DEFAULT_FAILURE_MODE, doc=("gateway mode: what the gateway does while the endpoint picker does not answer: FailClose "
+                                   "rejects requests (the GIE default), FailOpen sends them to a server pod it picks itself "
+                                   "(InferencePool endpointPickerRef.failureMode). Ignored in proxy mode."),
+    )
+    replicas: int = prop(2, doc="Router pods (endpoint-picker pods in gateway mode).", minimum=1, maximum=64)
     load_bound: float = prop(1.25, doc="A replica loaded beyond this multiple of the mean loses its prefix affinity.", minimum=1, maximum=10)
     api_key_secret: Optional[SecretKeyRef] = prop(None, doc="Secret holding the API key clients must send (router and servers read WARMFLEET_API_KEY).")
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = prop("ClusterIP", doc="Type of the router Service.")
-    port: int = prop(8000, doc="Port of the router Service (the endpoint URL's port).", minimum=1, maximum=65535)
+    port: int = prop(8000, doc="Port of the router Service (the endpoint URL's port; proxy mode).", minimum=1, maximum=65535)
+
+    RULES: ClassVar[list[Rule]] = [
+        ("!has(self.gateway) || self.mode == 'gateway'", "gateway applies to mode gateway only",
+         lambda r: r.gateway is None or r.mode == "gateway"),
+    ]
 
 
 @dataclass(kw_only=True)
@@ -364,7 +399,8 @@ SERVED_NAME_RULE = {
 class Condition:
     """A standard Kubernetes condition."""
 
-    type: Literal["Ready", "Progressing", "Degraded", "InvalidSpec", "ModelConfigUnavailable"] = prop(doc="Condition type.")
+    type: Literal["Ready", "Progressing", "Degraded", "InvalidSpec", "ModelConfigUnavailable", "InferencePoolReady",
+                  "EndpointPickerReady", "HTTPRouteReady"] = prop(doc="Condition type.")
     status: Literal["True", "False", "Unknown"] = prop(doc="Condition status.")
     reason: str = prop(doc="CamelCase reason.")
     message: str = prop("", doc="Human-readable detail.")
@@ -507,13 +543,16 @@ class InferenceServiceStatus:
     """Observed state of an InferenceService."""
 
     observed_generation: Optional[int] = prop(None, doc="metadata.generation last reconciled.", format="int64")
-    conditions: list[Condition] = prop([], doc="Ready, Progressing, Degraded, InvalidSpec, ModelConfigUnavailable.")
+    conditions: list[Condition] = prop([], doc=("Ready, Progressing, Degraded, InvalidSpec, ModelConfigUnavailable; in gateway "
+                                                 "mode also InferencePoolReady, EndpointPickerReady and (spec.router.gateway) HTTPRouteReady."))
     replicas: int = prop(0, doc="Server replicas that exist (scale subresource).")
     desired_replicas: int = prop(0, doc="Server replicas wanted.")
     ready_replicas: int = prop(0, doc="Server replicas ready.")
     ready: str = prop("False", doc="Ready condition status, for printing.")
     selector: str = prop("", doc="Label selector of the server pods (scale subresource).")
-    endpoint: str = prop("", doc="OpenAI base URL of the router.")
+    endpoint: str = prop("", doc=("OpenAI base URL: the router Service's (proxy mode), the Gateway's address once it has one "
+                                   "(gateway mode with spec.router.gateway), else empty (gateway mode: the pool is reached "
+                                   "through a route of your own)."))
     model: str = prop("", doc="Served model name.")
     pools: list[PoolStatus] = prop([], doc="Node pools and their sizes.")
     model_config: Optional[ModelConfigStatus] = prop(None, doc="Model facts (hidden size, dtype, config.json) and their origin.")

@@ -5,11 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from warmfleet.operator.diagnose import STARTING, Diagnosis
+from warmfleet.operator.gateway import CONDITION_TYPES as GATEWAY_CONDITIONS
+from warmfleet.operator.gateway import GatewayState
 from warmfleet.operator.plan import Plan, pool_status
 from warmfleet.operator.schema import to_dict
 from warmfleet.operator.spec import Condition
 
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "InvalidSpec", "ModelConfigUnavailable")  # the last: modelconfig.py
+# ModelConfigUnavailable: modelconfig.py; the last three (gateway mode only): gateway.py
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "InvalidSpec", "ModelConfigUnavailable", *GATEWAY_CONDITIONS)
 # Ready=False reasons that are progress, not a problem: every other Ready=False reason (a pod problem,
 # NoMatchingNodes, InsufficientCapacity) is worth a Warning Event when it appears.
 PROGRESS_READY_REASONS = frozenset({STARTING, "NotReady"})
@@ -61,7 +64,7 @@ def _cond(type_: str, ok: bool, reason: str, message: str = "") -> Condition:
 def healthy_status(
     *, plan: Plan, generation: int | None, model: str, endpoint: str, selector: str,
     ready_by_pool: dict[str, int], router_ready: int, previous: dict[str, Any], now: str,
-    pods: Diagnosis | None = None,
+    pods: Diagnosis | None = None, gateway: GatewayState | None = None,
 ) -> dict[str, Any]:
     """Status after a successful reconcile: sizes, replica counts and the four conditions.
 
@@ -70,6 +73,10 @@ def healthy_status(
     a pod problem (MissingPVC, MissingSecret, ImagePullBackOff, CrashLoopBackOff, Unschedulable, ...),
     else NoMatchingNodes, else InsufficientCapacity (every placed replica Ready, too few placed),
     else Starting, else NotReady (no pod seen yet).
+
+    `gateway` (gateway mode) adds InferencePoolReady, EndpointPickerReady and HTTPRouteReady; a CRD the cluster
+    lacks is Ready's reason before any other (GatewayAPIInferenceExtensionMissing, GatewayAPIMissing), and the
+    endpoint pickers stand in for the routers. Without it (proxy mode) those three conditions are removed.
     """
     pools = [pool_status(p, ready_by_pool.get(p.pool.name, 0), plan.engine) for p in plan.pools]
     ready = min(sum(p.ready_replicas for p in pools), plan.placed)
@@ -87,14 +94,21 @@ def healthy_status(
         conds.append(_cond("Progressing", True, "ReplicasStarting", f"{ready}/{plan.placed} server replicas ready"))
     else:
         conds.append(_cond("Progressing", False, "Stable"))
-    if plan.desired == 0:
+    routers = "routers"
+    missing = None
+    if gateway is not None:
+        conds += gateway_conditions(gateway)
+        router_ready, routers, missing = gateway.epp_ready, "endpoint pickers", gateway.missing
+    if plan.desired == 0 and missing is None:
         conds.append(_cond("Ready", True, "ScaledToZero"))
-    elif plan.placed and ready >= plan.desired and router_ready > 0:
-        conds.append(_cond("Ready", True, "AllReplicasReady", f"{ready} server replicas and {router_ready} routers ready"))
+    elif plan.placed and ready >= plan.desired and router_ready > 0 and missing is None:
+        conds.append(_cond("Ready", True, "AllReplicasReady", f"{ready} server replicas and {router_ready} {routers} ready"))
     else:
-        counted = f"{ready}/{plan.desired} server replicas, {router_ready} routers ready"
+        counted = f"{ready}/{plan.desired} server replicas, {router_ready} {routers} ready"
         diag = pods or Diagnosis()
-        if diag.problem:
+        if missing is not None:
+            reason, message = missing[0], f"{missing[1]}; {counted}"
+        elif diag.problem:
             reason, message = str(diag.reason), f"{diag.message}; {counted}"
         elif not plan.pools:
             reason, message = "NoMatchingNodes", f"no Ready, schedulable node matches the node selector; {counted}"
@@ -105,7 +119,10 @@ def healthy_status(
         else:
             reason, message = "NotReady", counted
         conds.append(_cond("Ready", False, reason, message))
-    conditions = merge_conditions(previous.get("conditions", []), conds, now, generation)
+    # gateway conditions that no longer apply (proxy mode; no spec.router.gateway) are removed, not carried over
+    stale = set(GATEWAY_CONDITIONS) - {c.type for c in conds}
+    kept = [c for c in previous.get("conditions", []) if c.get("type") not in stale]
+    conditions = merge_conditions(kept, conds, now, generation)
     return {
         # absent, not null, for an object without metadata.generation (`warmfleet operator render` of a file):
         # the CRD's status schema says integer
@@ -122,6 +139,34 @@ def healthy_status(
         # written by the autoscaler's timer (autoscale_pass.py), carried over as they were
         **{k: previous[k] for k in AUTOSCALER_KEYS if previous.get(k) is not None},
     }
+
+
+def gateway_conditions(g: GatewayState) -> list[Condition]:
+    """InferencePoolReady (created, or its CRD missing), EndpointPickerReady (a ready EPP pod) and, with
+    spec.router.gateway, HTTPRouteReady (created; the Gateway's Accepted verdict when it gave one)."""
+    out = []
+    if g.pool_served:
+        out.append(_cond("InferencePoolReady", True, "InferencePoolCreated",
+                         f"InferencePool {g.pool}: endpoint picker Service {g.epp}, failureMode {g.failure_mode}"))
+    else:
+        out.append(_cond("InferencePoolReady", False, *g.pool_missing))  # type: ignore[misc]
+    if g.epp_ready > 0:
+        out.append(_cond("EndpointPickerReady", True, "EndpointPickerAvailable", f"{g.epp_ready} endpoint pickers ready"))
+    else:
+        out.append(_cond("EndpointPickerReady", False, "EndpointPickerUnavailable", f"no ready pod of Deployment {g.epp} yet"))
+    if g.route_wanted:
+        if not g.route_served:
+            out.append(_cond("HTTPRouteReady", False, *g.route_missing))  # type: ignore[misc]
+        elif not g.pool_served:
+            out.append(_cond("HTTPRouteReady", False, "InferencePoolMissing", "the HTTPRoute waits for its InferencePool"))
+        elif g.route_accepted is False:
+            out.append(_cond("HTTPRouteReady", False, "NotAccepted", f"Gateway {g.gateway}: {g.route_message}"))
+        elif g.route_accepted:
+            out.append(_cond("HTTPRouteReady", True, "Accepted", f"Gateway {g.gateway} accepted the route"))
+        else:
+            out.append(_cond("HTTPRouteReady", True, "HTTPRouteCreated",
+                             f"attached to Gateway {g.gateway}; its controller has not reported on the route yet"))
+    return out
 
 
 def invalid_status(*, message: str, generation: int | None, previous: dict[str, Any], now: str) -> dict[str, Any]:

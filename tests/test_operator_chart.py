@@ -13,6 +13,7 @@ import yaml
 
 from warmfleet.operator.crd import crd
 from warmfleet.operator.kube import RESOURCES
+from warmfleet.operator.reconcile import GATEWAY_KINDS, PRUNED_KINDS
 from warmfleet.operator.nodes import parse_quantity
 
 REPO = Path(__file__).resolve().parents[1]
@@ -153,6 +154,10 @@ def test_rbac_covers_exactly_what_the_operator_writes(helm):
             assert granted[(group, plural)] == {"get"}
         elif kind == "Pod":  # the pod index (why not Ready), router pod IPs, and the autoscaler's pod-deletion cost
             assert granted[(group, plural)] == {"get", "list", "watch", "patch"}
+        elif kind == "Gateway":  # read only: spec.router.gateway's address for status.endpoint
+            assert granted[(group, plural)] == {"get"}
+        elif kind in PRUNED_KINDS + GATEWAY_KINDS:  # children a spec may stop rendering: listed, and deleted if ours
+            assert granted[(group, plural)] == {"get", "list", "create", "patch", "delete"}, kind
         else:
             assert granted[(group, plural)] == {"get", "create", "patch"}, kind
     assert granted[("", "nodes")] == {"list", "watch"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from operator_fixtures.memory import MemoryKube
 from operator_fixtures.shapes import h200, service
 from warmfleet.operator import manifests as m
 from warmfleet.operator.nodes import node_info
@@ -15,32 +16,6 @@ from warmfleet.operator.reconcile import (
 IMAGES = m.Images(engine="engine:1", router="slim:1")
 
 
-class MemoryKube:
-    """apply / list / delete / patch_status over a dict, recording each call."""
-
-    def __init__(self, existing: list[dict[str, Any]] = ()) -> None:
-        self.objects = {(o["kind"], o["metadata"]["name"]): o for o in existing}
-        self.deleted: list[str] = []
-        self.status_patches: list[dict[str, Any]] = []
-
-    async def apply(self, obj: dict[str, Any]) -> tuple[dict[str, Any], str]:
-        key = (obj["kind"], obj["metadata"]["name"])
-        action = "unchanged" if self.objects.get(key) == obj else "patched" if key in self.objects else "created"
-        self.objects[key] = obj
-        return obj, action
-
-    async def list(self, kind: str, ns: str, selector: dict[str, str]) -> list[dict[str, Any]]:
-        return [o for (k, _), o in self.objects.items() if k == kind
-                and selector.items() <= ((o["metadata"].get("labels") or {}).items())]
-
-    async def delete(self, kind: str, ns: str, name: str) -> None:
-        self.deleted.append(f"{kind}/{name}")
-        self.objects.pop((kind, name), None)
-
-    async def patch_status(self, kind: str, ns: str, name: str, patch: dict[str, Any]) -> None:
-        self.status_patches.append(patch)
-
-
 class Events(list):
     def __call__(self, body, type_, reason, message):
         self.append((type_, reason, message))
@@ -49,7 +24,7 @@ class Events(list):
 def stale_pool(body: dict[str, Any], name: str, owner_uid: str) -> dict[str, Any]:
     """A server Deployment of a pool the plan no longer has."""
     return {"kind": "Deployment", "metadata": {"name": name, "ownerReferences": [{"uid": owner_uid}],
-            "labels": {m.SERVICE_LABEL: body["metadata"]["name"], m.COMPONENT_LABEL: "server"}}}
+            "labels": {m.SERVICE_LABEL: body["metadata"]["name"], m.COMPONENT_LABEL: "server", **m.MANAGED_BY}}}
 
 
 async def test_apply_and_prune_applies_every_child_and_deletes_only_owned_stale_pools():

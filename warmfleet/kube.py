@@ -222,6 +222,21 @@ class Kube:
                 return None
             raise
 
+    async def serves(self, kind: str) -> bool:
+        """Whether the API server serves `kind` (its group/version's discovery document lists the plural): a CRD that
+        is not installed is a 404 there, not an error."""
+        api_version, plural = self.resources[kind]
+        path = f"/apis/{api_version}" if "/" in api_version else f"/api/{api_version}"
+        try:
+            doc = await self._call(lambda dyn: dyn.request("get", path, serializer=_raw, _request_timeout=REQUEST_TIMEOUT_S))
+        except KubeError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        if not isinstance(doc, Mapping):  # some client versions hand back the raw body
+            doc = json.loads(doc)
+        return any(r.get("name") == plural for r in doc.get("resources") or [])
+
     async def list_object(self, kind: str, namespace: str, selector: Mapping[str, str]) -> dict[str, Any]:
         """The List as the server sends it (`items`, `metadata.resourceVersion` to start a watch at)."""
         sel = ",".join(f"{k}={v}" for k, v in sorted(selector.items()))

@@ -1,0 +1,226 @@
+"""Gateway mode (spec.router.mode: gateway): pure builders of the InferencePool, the `warmfleet epp` endpoint picker's
+objects and the HTTPRoute, and the status they add; no kopf, no I/O (reconcile.py reads the cluster)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from warmfleet.operator import manifests as m
+from warmfleet.operator.engines import HTTP_PORT
+from warmfleet.operator.spec import InferenceServiceSpec
+from warmfleet.server.flagfields import to_args
+from warmfleet.server.router.epp.settings import GRPC_PORT, EppSettings
+from warmfleet.server.router.epp.settings import HTTP_PORT as EPP_HTTP_PORT
+
+# The kinds gateway mode writes, and the CRDs that serve them (a cluster may lack either: reconcile.py asks discovery)
+INFERENCE_POOL_API = "inference.networking.k8s.io/v1"
+HTTPROUTE_API = "gateway.networking.k8s.io/v1"
+GIE_CRD = "inferencepools.inference.networking.k8s.io"
+HTTPROUTE_CRD = "httproutes.gateway.networking.k8s.io"
+GIE_MODULE = "sigs.k8s.io/gateway-api-inference-extension@v1.6.0"  # the CRD version our InferencePool is written for
+GATEWAY_API_MODULE = "sigs.k8s.io/gateway-api@v1.6.3"
+GIE_CRD_URL = "https://github.com/kubernetes-sigs/gateway-api-inference-extension/config/crd?ref=v1.6.0"  # kubectl apply -k
+GATEWAY_API_CRD_URL = "https://github.com/kubernetes-sigs/gateway-api/config/crd?ref=v1.6.3"
+
+# Ready=False reasons of a cluster that lacks a CRD (status.py): a Warning Event and a retry with backoff
+GIE_MISSING = "GatewayAPIInferenceExtensionMissing"
+GATEWAY_API_MISSING = "GatewayAPIMissing"
+CONDITION_TYPES = ("InferencePoolReady", "EndpointPickerReady", "HTTPRouteReady")
+
+# How the endpoint picker is started: the EppSettings fields the operator sets, in this order. Every router field
+# but `peers` (the EPP's HTTP side, as settings.py declares it, serves no peer-load route: docs/gateway.md), plus
+# the EPP's two ports.
+EPP_COMMAND = ["warmfleet", "epp"]
+EPP_FIELDS = ("discover_service", "host", "port", "http_port", "model", "policy.epsilon", "engine", "block_size")
+# The gateway's timeout for one request: long generations stream for minutes (HTTPRoute rules[].timeouts.request)
+ROUTE_REQUEST_TIMEOUT = "600s"
+
+
+def names(owner: m.Owner) -> dict[str, str]:
+    """Names of the gateway-mode children: the pool and route carry the service's name, the EPP's objects `-epp`."""
+    return {"pool": m.k8s_name(owner.name), "route": m.k8s_name(owner.name), "epp": m.k8s_name(owner.name, "epp")}
+
+
+def epp_settings(owner: m.Owner, spec: InferenceServiceSpec) -> EppSettings:
+    """What the endpoint picker runs with: the router's `routing_values`, the gRPC port and the HTTP side port."""
+    return EppSettings(**m.routing_values(owner, spec), port=GRPC_PORT, http_port=EPP_HTTP_PORT)
+
+
+def epp_args(owner: m.Owner, spec: InferenceServiceSpec) -> list[str]:
+    """`warmfleet epp` arguments: EPP_FIELDS of `epp_settings`, rendered by the settings' own flags."""
+    return [*EPP_COMMAND[1:], *to_args(epp_settings(owner, spec), EPP_FIELDS)]
+
+
+def epp_deployment(owner: m.Owner, spec: InferenceServiceSpec, image: str) -> dict[str, Any]:
+    """The endpoint picker's Deployment: the router's pod (routing_deployment) running `warmfleet epp`, with gRPC
+    probes on the health services the EPP serves beside ext_proc."""
+    return m.routing_deployment(owner, spec, image, m.RoutingPod(
+        name=names(owner)["epp"], component="epp", command=[EPP_COMMAND[0], *epp_args(owner, spec)],
+        ports=[{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
+               {"name": "http", "containerPort": EPP_HTTP_PORT, "protocol": "TCP"}],
+        probes={"readinessProbe": {"grpc": {"port": GRPC_PORT, "service": "readiness"}, "periodSeconds": 5},
+                "livenessProbe": {"grpc": {"port": GRPC_PORT, "service": "liveness"}, "periodSeconds": 10,
+                                  "failureThreshold": 3}},
+    ))
+
+
+def epp_service(owner: m.Owner) -> dict[str, Any]:
+    """The Service endpointPickerRef names: gRPC (h2c: the gateway speaks HTTP/2 to it) and `http` (/metrics, the
+    port the chart's ServiceMonitor scrapes on every Service of ours)."""
+    return m._service(owner, names(owner)["epp"], "epp", m.routing_selector(owner, "epp"), [
+        {"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"},
+        {"name": "http", "port": EPP_HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
+    ])
+
+
+def epp_rbac(owner: m.Owner) -> list[dict[str, Any]]:
+    """ServiceAccount, Role, RoleBinding of the endpoint picker: get/list/watch EndpointSlices, all it reads."""
+    return m.routing_rbac(owner, names(owner)["epp"], "epp")
+
+
+def epp_pdb(owner: m.Owner) -> dict[str, Any]:
+    """At most one endpoint picker down in a voluntary disruption (rendered for spec.router.replicas > 1)."""
+    return m.routing_pdb(owner, names(owner)["epp"], "epp")
+
+
+def inference_pool(owner: m.Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
+    """The InferencePool (GIE v1): every server pod of the service (all node pools) on the engines' HTTP port, its
+    endpoint picker the EPP Service's gRPC port, failing open or closed as spec.router.failureMode says."""
+    return {
+        "apiVersion": INFERENCE_POOL_API,
+        "kind": "InferencePool",
+        "metadata": m._meta(owner, names(owner)["pool"], "gateway"),
+        "spec": {
+            "selector": {"matchLabels": m.server_selector(owner)},
+            "targetPorts": [{"number": HTTP_PORT}],
+            "endpointPickerRef": {"kind": "Service", "name": names(owner)["epp"], "port": {"number": GRPC_PORT},
+                                  "failureMode": spec.router.failure_mode},
+        },
+    }
+
+
+def http_route(owner: m.Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
+    """An HTTPRoute from spec.router.gateway's Gateway (listener sectionName, if set) to the InferencePool: every path."""
+    gw = spec.router.gateway
+    assert gw is not None
+    parent: dict[str, Any] = {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": gw.name}
+    if gw.namespace:
+        parent["namespace"] = gw.namespace
+    if gw.section_name:
+        parent["sectionName"] = gw.section_name
+    return {
+        "apiVersion": HTTPROUTE_API,
+        "kind": "HTTPRoute",
+        "metadata": m._meta(owner, names(owner)["route"], "gateway"),
+        "spec": {
+            "parentRefs": [parent],
+            "rules": [{
+                "matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
+                "backendRefs": [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": names(owner)["pool"]}],
+                "timeouts": {"request": ROUTE_REQUEST_TIMEOUT},
+            }],
+        },
+    }
+
+
+def gateway_children(owner: m.Owner, spec: InferenceServiceSpec, image: str) -> list[dict[str, Any]]:
+    """Gateway mode's objects after the shared ones, in apply order: EPP (PDB if several), its Service, the pool, the route."""
+    objs = [epp_pdb(owner)] if spec.router.replicas > 1 else []
+    objs += [epp_deployment(owner, spec, image), epp_service(owner), inference_pool(owner, spec)]
+    if spec.router.gateway is not None:
+        objs.append(http_route(owner, spec))
+    return objs
+
+
+# ---- status ----
+
+@dataclass(frozen=True)
+class GatewayState:
+    """What a reconcile observed of gateway mode's objects (reconcile.py), the input of its conditions (status.py)."""
+
+    pool: str  # InferencePool name
+    epp: str  # endpoint picker Deployment/Service name
+    failure_mode: str
+    pool_served: bool  # the cluster serves inference.networking.k8s.io/v1 inferencepools
+    route_wanted: bool  # spec.router.gateway is set
+    route_served: bool  # the cluster serves gateway.networking.k8s.io/v1 httproutes
+    epp_ready: int  # ready endpoint-picker pods
+    gateway: str = ""  # "namespace/name" of spec.router.gateway
+    route_accepted: Optional[bool] = None  # the Gateway's verdict in the HTTPRoute's status.parents (None: none yet)
+    route_message: str = ""
+    endpoint: str = ""  # the Gateway's OpenAI base URL, once it has an address
+
+    @property
+    def pool_missing(self) -> Optional[tuple[str, str]]:
+        """(reason, message) when the cluster does not serve InferencePool, else None."""
+        if self.pool_served:
+            return None
+        return GIE_MISSING, (
+            f"the cluster does not serve InferencePool ({INFERENCE_POOL_API}, CRD {GIE_CRD}): install the Gateway API "
+            f"Inference Extension CRDs, e.g. kubectl apply -k \"{GIE_CRD_URL}\" (config/crd/bases of {GIE_MODULE}; "
+            "docs/gateway.md); the operator retries with backoff")
+
+    @property
+    def route_missing(self) -> Optional[tuple[str, str]]:
+        """(reason, message) when spec.router.gateway asks for an HTTPRoute the cluster does not serve, else None."""
+        if not self.route_wanted or self.route_served:
+            return None
+        return GATEWAY_API_MISSING, (
+            f"spec.router.gateway is set but the cluster does not serve HTTPRoute ({HTTPROUTE_API}, CRD {HTTPROUTE_CRD}): "
+            f"install the Gateway API standard CRDs, e.g. kubectl apply -k \"{GATEWAY_API_CRD_URL}\" (config/crd/standard "
+            f"of {GATEWAY_API_MODULE}; a gateway's own install usually brings them); the operator retries with backoff")
+
+    @property
+    def missing(self) -> Optional[tuple[str, str]]:
+        """(reason, message) of the first CRD this service needs that the cluster does not serve, else None."""
+        return self.pool_missing or self.route_missing
+
+
+def gateway_state(owner: m.Owner, spec: InferenceServiceSpec, live: Mapping[tuple[str, str], Mapping[str, Any]], *,
+                  pool_served: bool, route_served: bool, gateway_obj: Mapping[str, Any] | None) -> GatewayState:
+    """GatewayState from the applied objects (`live`, keyed by (kind, name)) and the Gateway as read (None: unknown)."""
+    n = names(owner)
+    dep = live.get(("Deployment", n["epp"])) or {}
+    gw = spec.router.gateway
+    gw_ns = (gw.namespace or owner.namespace) if gw else ""
+    accepted, message = None, ""
+    route = live.get(("HTTPRoute", n["route"]))
+    if gw is not None and route is not None:
+        accepted, message = route_verdict(route, gw.name, gw_ns, owner.namespace)
+    return GatewayState(
+        pool=n["pool"], epp=n["epp"], failure_mode=spec.router.failure_mode, pool_served=pool_served,
+        route_wanted=gw is not None, route_served=route_served,
+        epp_ready=int((dep.get("status") or {}).get("readyReplicas") or 0),
+        gateway=f"{gw_ns}/{gw.name}" if gw else "", route_accepted=accepted, route_message=message,
+        endpoint=gateway_endpoint(gateway_obj, gw.section_name if gw else None) if gateway_obj else "",
+    )
+
+
+def route_verdict(route: Mapping[str, Any], gateway: str, gateway_ns: str, route_ns: str) -> tuple[Optional[bool], str]:
+    """The Accepted condition the Gateway's controller wrote for our parentRef in the HTTPRoute's status, if any."""
+    for parent in ((route.get("status") or {}).get("parents") or []):
+        ref = parent.get("parentRef") or {}
+        if ref.get("name") != gateway or (ref.get("namespace") or route_ns) != gateway_ns:
+            continue
+        for cond in parent.get("conditions") or []:
+            if cond.get("type") == "Accepted":
+                return cond.get("status") == "True", str(cond.get("message") or cond.get("reason") or "")
+    return None, ""
+
+
+def gateway_endpoint(gateway: Mapping[str, Any], section_name: str | None) -> str:
+    """The OpenAI base URL of a Gateway: its first status address and the port of the listener the route attaches to
+    (sectionName, else the first HTTP or HTTPS one); "" while it has no address."""
+    addresses = [a.get("value") for a in ((gateway.get("status") or {}).get("addresses") or []) if a.get("value")]
+    listeners = [li for li in ((gateway.get("spec") or {}).get("listeners") or [])
+                 if (li.get("name") == section_name if section_name else li.get("protocol") in ("HTTP", "HTTPS"))]
+    if not addresses or not listeners:
+        return ""
+    host, listener = str(addresses[0]), listeners[0]
+    scheme = "https" if listener.get("protocol") == "HTTPS" else "http"
+    port = int(listener.get("port") or (443 if scheme == "https" else 80))
+    if ":" in host:  # IPv6
+        host = f"[{host}]"
+    default = 443 if scheme == "https" else 80
+    return f"{scheme}://{host}{'' if port == default else f':{port}'}/v1"
