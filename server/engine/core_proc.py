@@ -28,10 +28,10 @@ def config_to_dict(cfg) -> dict:
 
 
 def config_from_dict(d: dict):
-    from ..config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+    from ..config import CacheConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig, ServerConfig
 
     return EngineConfig(ModelConfig(**d["model"]), CacheConfig(**d["cache"]), SchedulerConfig(**d["scheduler"]),
-                        ServerConfig(**d["server"]))
+                        ServerConfig(**d["server"]), LoraConfig(**d.get("lora", {})))
 
 
 def run_engine_core(cfg_dict: dict, in_addr: str, out_addr: str) -> None:
