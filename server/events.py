@@ -194,6 +194,7 @@ class Snapshot:
     cpu: list[bytes]
     encoder: list[str]
     load: Optional[Load] = None
+    lora: dict[bytes, str] = field(default_factory=dict)  # hash -> LoRA adapter name of adapter blocks (either tier)
 
     def to_json(self) -> dict:
         return {
@@ -205,6 +206,7 @@ class Snapshot:
             "cpu": [h.hex() for h in self.cpu],
             "encoder": list(self.encoder),
             "load": None if self.load is None else vars(self.load),
+            "lora": {h.hex(): name for h, name in self.lora.items()},
         }
 
     @classmethod
@@ -214,6 +216,7 @@ class Snapshot:
             d["replica_id"], int(d["seq"]), int(d["block_size"]), d["model_fingerprint"],
             [bytes.fromhex(h) for h in d["gpu"]], [bytes.fromhex(h) for h in d["cpu"]],
             list(d.get("encoder", [])), Load(**load) if load else None,
+            {bytes.fromhex(h): str(name) for h, name in (d.get("lora") or {}).items()},
         )
 
 

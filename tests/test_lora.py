@@ -238,3 +238,111 @@ def test_vl_mixed_batch_matches_transformers_and_peft(tmp_path):
         worst = max(worst, float(np.abs(np.asarray(out.outputs[0].logprobs) - gold[f"{label}_logprobs_0"]).max()))
     assert worst <= LOGPROB_ATOL
     print(f"VL max |log-prob - peft| = {worst:.2e}")
+
+
+# ---- contract 1 (hash chain) and contract 2 (events) ----------------------------------------------
+def test_adapter_identity_enters_the_chain_root_and_base_roots_are_unchanged():
+    import blake3
+    import msgpack
+
+    from warmfleet.server.hashing import AdapterId, adapter_digest, block_hashes, root_hash
+
+    fp = "fingerprint"
+    assert root_hash(fp, "salt") == blake3.blake3(msgpack.packb([b"warmfleet-kv-v1", fp, "salt"])).digest()
+    a = AdapterId("a", adapter_digest(adapter_dir("qwen2_tiny", "a")))
+    roots = {root_hash(fp, "salt"), root_hash(fp, "salt", adapter=a), root_hash(fp, "salt", adapter=AdapterId("b", a.digest)),
+             root_hash(fp, "salt", adapter=AdapterId("a", "0" * 32)), root_hash(fp, None, adapter=a)}
+    assert len(roots) == 5
+    assert adapter_digest(adapter_dir("qwen2_tiny", "a")) != adapter_digest(adapter_dir("qwen2_tiny", "b"))
+    toks = list(range(32))
+    assert block_hashes(toks, [], 16, fp, adapter=a)[0] != block_hashes(toks, [], 16, fp)[0]
+
+
+def test_engine_hashes_and_events_name_the_adapter(qwen2_dir):
+    """The router reproduces an adapter request's chain from (name, adapter_digest(dir)); events say lora_name."""
+    from warmfleet.server.events import BlockStored
+    from warmfleet.server.hashing import AdapterId, adapter_digest, block_hashes
+
+    class Recorder:
+        seq, events = 0, []
+
+        def publish(self, events):
+            self.events += events
+
+    llm = make_llm(qwen2_dir)
+    eng = llm.engine
+    eng.publisher = Recorder()
+    prompt = list(range(1, 40))
+    run(eng, [("a", prompt, "a"), ("base", prompt, "base")], 1)
+    want = block_hashes(prompt, [], 16, eng.info.model_fingerprint, None, "blake3",
+                        adapter=AdapterId("a", adapter_digest(adapter_dir("qwen2_tiny", "a"))))
+    stored = [e for e in eng.publisher.events if isinstance(e, BlockStored)]
+    by_name = {}
+    for e in stored:
+        by_name.setdefault(e.lora_name, []).extend(e.block_hashes)
+    assert by_name["a"] == want and set(by_name) == {"a", None}
+    assert set(by_name[None]).isdisjoint(want)
+    snap = type(eng.snapshot()).from_json(eng.snapshot().to_json())
+    assert {h for h, n in snap.lora.items() if n == "a"} == set(want)
+
+
+def test_event_wire_is_backwards_compatible():
+    from warmfleet.server.events import BlockStored, EventBatch, decode, encode
+    import msgpack
+
+    base = BlockStored([b"\x01" * 32], None, [1, 2], 2)
+    adapted = BlockStored([b"\x02" * 32], None, [1, 2], 2, lora_name="a")
+    frames = encode(EventBatch("r", 1, [base, adapted]))
+    wire = msgpack.unpackb(frames[2])[1]
+    assert len(wire[0]) == 7 and wire[1][7] == "a"  # base events: byte for byte the old array
+    got = decode(frames).events
+    assert got[0].lora_name is None and got[1].lora_name == "a"
+    bad = [frames[0], frames[1], msgpack.packb([0.0, [wire[1][:7] + [5]], 0])]
+    with pytest.raises(ValueError, match="lora_name"):
+        decode(bad)
+
+
+def test_swapped_out_adapter_blocks_keep_their_name():
+    from warmfleet.server.engine.block_pool import BlockPool
+    from warmfleet.server.events import CPU, BlockStored
+
+    pool = BlockPool(1, 1, True, 2)
+    (bid,) = pool.allocate(1)
+    pool.cache_block(bid, b"h" * 32, None, [1, 2], "a")
+    pool.free_blocks([bid])
+    pool.allocate(1)  # evicts it to the CPU tier
+    cpu = [e for e in pool.take_events() if isinstance(e, BlockStored) and e.medium == CPU]
+    assert [e.lora_name for e in cpu] == ["a"] and pool.lora_of == {b"h" * 32: "a"}
+
+
+# ---- flags -----------------------------------------------------------------------------------------
+def test_lora_flags_round_trip_and_validate():
+    import argparse
+
+    from warmfleet.server.config import add_arguments, from_namespace, to_args
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    cfg = from_namespace(p.parse_args(["--model", "/m", "--lora-modules", "a=/x", "b=/y", "--lora-modules", "c=/z",
+                                       "--max-loras", "2", "--max-cpu-loras", "3", "--max-lora-rank", "8"]))
+    assert cfg.lora.modules() == {"a": "/x", "b": "/y", "c": "/z"} and cfg.lora.enabled
+    assert from_namespace(p.parse_args(to_args(cfg))) == cfg
+    assert not from_namespace(p.parse_args(["--model", "/m"])).lora.enabled
+    for bad, words in ((["--max-loras", "2", "--max-cpu-loras", "1"], "max-cpu-loras"),
+                       (["--lora-modules", "a"], "NAME=PATH"), (["--lora-modules", "a=/x", "a=/y"], "twice")):
+        with pytest.raises(ValueError, match=words):
+            from_namespace(p.parse_args(["--model", "/m", *bad]))
+
+
+def test_preemption_keeps_adapter_outputs(qwen2_dir):
+    """Adapter requests preempted for blocks release their slot, come back and give what they give alone."""
+    gold = np.load(GOLDEN / "qwen2_tiny" / "golden.npz")
+    prompts = [(gold["prompt_0"].tolist() + gold["prompt_1"].tolist()) * 2, gold["prompt_1"].tolist() * 4]
+    reqs = [(f"{label}-{i}", p, label) for i, p in enumerate(prompts) for label in LABELS]
+    alone = run(make_llm(qwen2_dir, enable_prefix_caching=False).engine, reqs, 12)
+    tight = make_llm(qwen2_dir, enable_prefix_caching=False, num_gpu_blocks=12, max_num_batched_tokens=32)
+    squeezed = run(tight.engine, reqs, 12)
+    assert tight.engine.scheduler.num_preemptions > 0
+    for rid in alone:
+        assert squeezed[rid][0] == alone[rid][0], rid
+    assert not tight.engine.adapters.pins

@@ -212,4 +212,5 @@ class EngineCore:
         gpu, cpu = self.pool.snapshot()
         seq = self.publisher.seq if self.publisher else 0
         return Snapshot(self.replica_id, seq, self.cfg.cache.block_size, self.info.model_fingerprint,
-                        gpu, cpu, self.encoder_cache.mm_hashes() if self.encoder_cache else [], self.load())
+                        gpu, cpu, self.encoder_cache.mm_hashes() if self.encoder_cache else [], self.load(),
+                        dict(self.pool.lora_of))

@@ -154,6 +154,10 @@ class LoraLinear:
         self.in_features, self.out_features = in_features, out_features
         self.slots: dict[int, tuple] = {}
 
+    def applies(self) -> bool:
+        """Whether an adapter of the running step has weights on this projection (else the base path runs)."""
+        return any(slot in self.slots for slot, _, _ in self.state.step.groups)
+
     def forward(self, linear, x, other=None):
         """linear(x) with this step's deltas added before the packed epilogue (silu, or × other)."""
         import paddle

@@ -67,7 +67,7 @@ class Linear(nn.Layer):
         return self.packed.nbytes
 
     def forward(self, x: paddle.Tensor, other: Optional[paddle.Tensor] = None) -> paddle.Tensor:
-        if self.lora is not None and self.lora.state.step is not None:
+        if self.lora is not None and self.lora.state.step is not None and self.lora.applies():
             return self.lora.forward(self, x, other)
         if self.packed is not None:
             return self.packed(x, other)
