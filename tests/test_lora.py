@@ -346,3 +346,14 @@ def test_preemption_keeps_adapter_outputs(qwen2_dir):
     for rid in alone:
         assert squeezed[rid][0] == alone[rid][0], rid
     assert not tight.engine.adapters.pins
+
+
+def test_router_side_modules_stay_free_of_paddle(tmp_path):
+    """hashing (contract 1), events (contract 2) and the residency policy import no paddle: the router imports the first two."""
+    import subprocess
+    import sys
+
+    code = ("import sys, warmfleet.server.hashing, warmfleet.server.events, warmfleet.server.engine.adapters; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'paddle'); assert not bad, bad")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr

@@ -77,6 +77,8 @@ class EngineCore:
 
         adapters = AdapterManager(cfg.lora.max_loras, cfg.lora.num_cpu_loras, load, state.put, state.drop)
         for name, path in cfg.lora.modules().items():
+            if name == self.info.served_model_name:
+                raise ValueError(f"--lora-modules {name}=... uses the base model's served name")
             adapters.register(name, path)
             log.info("LoRA adapter %s from %s (%s)", name, path, adapters.adapters[name].id.digest)
         return state, adapters
