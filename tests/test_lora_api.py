@@ -81,6 +81,17 @@ def test_admin_routes_need_the_admin_key(replica):
     assert r.status_code == 401
 
 
+def test_unreadable_adapter_is_refused(replica, tmp_path):
+    d = tmp_path / "broken"
+    d.mkdir()
+    (d / "adapter_config.json").write_text((GOLDEN / "qwen2_tiny" / "a" / "adapter_config.json").read_text())
+    (d / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    r = httpx.post(replica.url + "/v1/load_lora_adapter", json={"lora_name": "broken", "lora_path": str(d)},
+                   headers=auth(ADMIN), timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_lora_adapter"
+    assert "broken" not in [m["id"] for m in httpx.get(replica.url + "/v1/models", headers=auth(USER)).json()["data"]]
+
+
 def test_load_run_concurrently_and_unload_at_runtime(replica, tiny_model_dir):
     url = replica.url
     body = {"lora_name": "b", "lora_path": str(GOLDEN / "qwen2_tiny" / "b")}

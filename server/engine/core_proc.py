@@ -210,6 +210,8 @@ def _call(core, method: str, args: list):
             return core.load_adapter(str(args[0]), str(args[1]))
         except (ValueError, OSError) as exc:
             return {"error": str(exc), "status": 400}
+        except Exception as exc:  # e.g. a safetensors file that does not parse: the adapter is refused, not the call
+            return {"error": f"cannot read the LoRA adapter at {args[1]}: {type(exc).__name__}: {exc}", "status": 400}
     if method == "unload_lora":
         try:
             core.unload_adapter(str(args[0]))
