@@ -132,7 +132,30 @@ def test_a_request_waits_for_a_busy_slot_and_is_not_refused(qwen2_dir):
     for rid, label in (("a-0", "a"), ("b-0", "b"), ("base-0", "base")):
         assert outs[rid] == gold[f"{label}_tokens_0"].tolist()
         np.testing.assert_allclose(lps[rid], gold[f"{label}_logprobs_0"], atol=LOGPROB_ATOL)
-    assert eng.adapters.num_device_loads == 2 and list(eng.adapters.resident) == ["b"]
+    assert eng.adapters.num_device_loads == 2 and eng.adapters.resident_names == ["b"]
+
+
+def test_unloading_a_waiting_requests_adapter_ends_it_and_a_reload_never_mixes_weights(qwen2_dir):
+    """b is unloaded while its request waits, then loaded again from a's files: the old request ends with an
+    error (it was hashed for the old b), a new one runs the new weights (a's golden tokens)."""
+    gold = np.load(GOLDEN / "qwen2_tiny" / "golden.npz")
+    eng = make_llm(qwen2_dir, max_loras=1, enable_prefix_caching=False).engine
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    eng.add_request(GenerateRequest("a-0", gold["prompt_0"].tolist(), sp, lora_name="a"))
+    eng.add_request(GenerateRequest("b-0", gold["prompt_0"].tolist(), sp, lora_name="b"))
+    results = eng.step()
+    assert [r.request_id for r in eng.scheduler.waiting] == ["b-0"]
+    eng.unload_adapter("b")
+    eng.load_adapter("b", adapter_dir("qwen2_tiny", "a"))
+    eng.add_request(GenerateRequest("b-1", gold["prompt_0"].tolist(), sp, lora_name="b"))
+    outs = {}
+    while eng.has_work:
+        results += eng.step()
+    for o in results:
+        outs.setdefault(o.request_id, []).append(o)
+    assert outs["b-0"][-1].error and "unloaded" in outs["b-0"][-1].error
+    assert sum((o.new_token_ids for o in outs["b-1"]), []) == gold["a_tokens_0"].tolist()[:4]
+    assert not eng.adapters.pins
 
 
 def test_host_lru_reloads_from_disk(qwen2_dir):

@@ -5,7 +5,9 @@
 A request holds its adapter's slot (a pin) from admission until it finishes or is preempted; the
 scheduler admits a request only when `can_acquire` says its adapter is resident or a slot is free or
 held by an adapter nobody runs, so a request never waits on a slot it could take and is never refused
-for want of one. Loading and moving weights is the caller's (`load`, `put`, `drop` callbacks).
+for want of one. Slots are keyed by identity (name and digest): an adapter unloaded and loaded again
+under its name with other files never runs a request with the old weights, nor an old request with
+the new ones (`serves`). Loading and moving weights is the caller's (`load`, `put`, `drop` callbacks).
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ class AdapterManager:
         self._load, self._put, self._drop = load, put, drop
         self.adapters: dict[str, Adapter] = {}
         self.host: OrderedDict[str, Any] = OrderedDict()  # name -> weights in host memory; first = least recent
-        self.resident: OrderedDict[str, int] = OrderedDict()  # name -> device slot; first = least recent
+        self.resident: OrderedDict[AdapterId, int] = OrderedDict()  # -> device slot; first = least recent
         self.free_slots: list[int] = list(range(max_loras - 1, -1, -1))
-        self.pins: dict[str, int] = {}  # name -> running requests holding its slot
+        self.pins: dict[AdapterId, int] = {}  # -> running requests holding its slot
         self.num_disk_loads = 0  # adapters read from disk (registration included)
         self.num_device_loads = 0  # adapters copied into a device slot
 
@@ -55,11 +57,12 @@ class AdapterManager:
 
     def unregister(self, name: str) -> None:
         """Stop serving `name`; its slot is freed now, or when the last request running on it ends."""
-        if self.adapters.pop(name, None) is None:
+        adapter = self.adapters.pop(name, None)
+        if adapter is None:
             raise KeyError(name)
         self.host.pop(name, None)
-        if name in self.resident and not self.pins.get(name):
-            self._evict(name)
+        if adapter.id in self.resident and not self.pins.get(adapter.id):
+            self._evict(adapter.id)
 
     def identity(self, name: str) -> AdapterId:
         adapter = self.adapters.get(name)
@@ -67,16 +70,26 @@ class AdapterManager:
             raise ValueError(f"unknown LoRA adapter {name!r}")
         return adapter.id
 
-    # ---- slots ---------------------------------------------------------------------------
-    def can_acquire(self, name: str) -> bool:
-        """Whether `acquire(name)` would find a slot now (resident, free, or held by an idle adapter)."""
-        return name in self.resident or bool(self.free_slots) or any(not self.pins.get(n) for n in self.resident)
+    def serves(self, aid: AdapterId) -> bool:
+        """Whether `aid` is still what its name serves (not unloaded, nor replaced by other files)."""
+        adapter = self.adapters.get(aid.name)
+        return adapter is not None and adapter.id == aid
 
-    def acquire(self, name: str) -> int:
-        """Pin `name`'s device slot, loading it (from host memory, else disk) into a slot first if needed."""
-        if name not in self.adapters:
-            raise ValueError(f"unknown LoRA adapter {name!r}")
-        slot = self.resident.get(name)
+    @property
+    def resident_names(self) -> list[str]:
+        return [aid.name for aid in self.resident]
+
+    # ---- slots ---------------------------------------------------------------------------
+    def can_acquire(self, aid: AdapterId) -> bool:
+        """Whether `acquire(aid)` would find a slot now (resident, free, or held by an idle adapter)."""
+        return aid in self.resident or bool(self.free_slots) or any(not self.pins.get(a) for a in self.resident)
+
+    def acquire(self, aid: AdapterId) -> int:
+        """Pin the adapter's device slot, loading it (from host memory, else disk) into a slot first if needed."""
+        if not self.serves(aid):
+            raise ValueError(f"LoRA adapter {aid.name!r} ({aid.digest}) is not loaded")
+        name = aid.name
+        slot = self.resident.get(aid)
         if slot is None:
             if not self.free_slots:
                 victim = next((n for n in self.resident if not self.pins.get(n)), None)
@@ -91,25 +104,25 @@ class AdapterManager:
             slot = self.free_slots.pop()
             self._put(slot, weights)
             self.num_device_loads += 1
-            self.resident[name] = slot
-        self.resident.move_to_end(name)
-        self.pins[name] = self.pins.get(name, 0) + 1
+            self.resident[aid] = slot
+        self.resident.move_to_end(aid)
+        self.pins[aid] = self.pins.get(aid, 0) + 1
         return slot
 
-    def release(self, name: str) -> None:
+    def release(self, aid: AdapterId) -> None:
         """Drop one pin; the slot stays resident (LRU) unless the adapter was unregistered meanwhile."""
-        left = self.pins.get(name, 0) - 1
+        left = self.pins.get(aid, 0) - 1
         if left < 0:
-            raise RuntimeError(f"LoRA adapter {name!r} released more often than acquired")
+            raise RuntimeError(f"LoRA adapter {aid.name!r} released more often than acquired")
         if left:
-            self.pins[name] = left
+            self.pins[aid] = left
             return
-        self.pins.pop(name, None)
-        if name not in self.adapters and name in self.resident:
-            self._evict(name)
+        self.pins.pop(aid, None)
+        if not self.serves(aid) and aid in self.resident:
+            self._evict(aid)
 
-    def _evict(self, name: str) -> None:
-        slot = self.resident.pop(name)
+    def _evict(self, aid: AdapterId) -> None:
+        slot = self.resident.pop(aid)
         self._drop(slot)
         self.free_slots.append(slot)
 

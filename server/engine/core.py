@@ -197,8 +197,9 @@ class EngineCore:
         if a is None:
             return {}
         waiting = {r.adapter.name: None for r in self.scheduler.waiting if r.adapter is not None}
-        return {"max_loras": a.max_loras, "running_lora_adapters": list(a.resident),
-                "waiting_lora_adapters": [n for n in waiting if n not in a.resident]}
+        resident = a.resident_names
+        return {"max_loras": a.max_loras, "running_lora_adapters": resident,
+                "waiting_lora_adapters": [n for n in waiting if n not in resident]}
 
     def _encoder_stats(self) -> dict:
         if self.encoder_cache is None:

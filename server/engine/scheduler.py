@@ -123,7 +123,14 @@ class Scheduler:
             held: list[Request] = []  # waiting for a LoRA slot: every slot is pinned by other adapters' requests
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting[0]
-                if req.adapter is not None and not self.adapters.can_acquire(req.adapter.name):
+                if req.adapter is not None and not self.adapters.serves(req.adapter):
+                    self.waiting.popleft()  # unloaded (or replaced) since it was added: it cannot run as asked
+                    self._finish(req, RequestStatus.FINISHED_ABORTED)
+                    self._finished.append(RequestOutput(
+                        req.request_id, [], True, "abort", req.num_prompt_tokens, req.num_cached_tokens,
+                        req.num_cached_tokens_cpu, error=f"the LoRA adapter {req.adapter.name!r} was unloaded"))
+                    continue
+                if req.adapter is not None and not self.adapters.can_acquire(req.adapter):
                     held.append(self.waiting.popleft())
                     continue
                 hit = self.kv.find_prefix(req)
@@ -136,7 +143,7 @@ class Scheduler:
                 if req.num_preemptions == 0:
                     self.kv.record_admission(req, hit)
                 if req.adapter is not None:
-                    req.lora_slot = self.adapters.acquire(req.adapter.name)
+                    req.lora_slot = self.adapters.acquire(req.adapter)
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
@@ -160,7 +167,7 @@ class Scheduler:
 
     def _release_adapter(self, req: Request) -> None:
         if req.lora_slot is not None:
-            self.adapters.release(req.adapter.name)
+            self.adapters.release(req.adapter)
             req.lora_slot = None
 
     def _preempt(self, req: Request) -> None:
