@@ -95,6 +95,50 @@ class SchedulerConfig:
 
 
 @dataclass
+class LoraConfig:
+    enable_lora: bool = field(
+        default=False, metadata=opt("--enable-lora", "Serve LoRA adapters (implied by --lora-modules); adapters can "
+                                    "then also be loaded at run time (POST /v1/load_lora_adapter).")
+    )
+    lora_modules: list = field(
+        default_factory=list,
+        metadata=opt("--lora-modules", "PEFT adapters served at start, as NAME=PATH (several, or the flag repeated); "
+                     "clients select one with `model: NAME`.", action="extend", metavar="NAME=PATH"),
+    )
+    max_loras: int = field(
+        default=1, metadata=opt("--max-loras", "Adapters resident on the device at once (slots, LRU); a request "
+                                "whose adapter finds every slot busy waits.")
+    )
+    max_cpu_loras: Optional[int] = field(
+        default=None, metadata=opt("--max-cpu-loras", "Adapters kept in host memory (LRU over the files on disk); "
+                                   "default: --max-loras. Must be >= --max-loras.")
+    )
+    max_lora_rank: int = field(
+        default=16, metadata=opt("--max-lora-rank", "Largest adapter rank accepted; bigger adapters are refused at load.")
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
+
+    @property
+    def num_cpu_loras(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+    def modules(self) -> dict[str, str]:
+        """--lora-modules as name -> path; ValueError for a malformed or repeated entry."""
+        out: dict[str, str] = {}
+        for item in self.lora_modules:
+            name, eq, path = str(item).partition("=")
+            if not eq or not name or not path:
+                raise ValueError(f"--lora-modules takes NAME=PATH entries, got {item!r}")
+            if name in out:
+                raise ValueError(f"--lora-modules names {name!r} twice")
+            out[name] = path
+        return out
+
+
+@dataclass
 class ServerConfig:
     host: str = field(default="127.0.0.1", metadata=opt("--host", "Address the HTTP API binds."))
     port: int = field(default=8000, metadata=opt("--port", "HTTP API port."))
@@ -107,6 +151,11 @@ class ServerConfig:
     )
     api_key: Optional[str] = field(
         default=None, metadata=opt("--api-key", "Require `Authorization: Bearer KEY` (env WARMFLEET_API_KEY also works).")
+    )
+    admin_key: Optional[str] = field(
+        default=None, metadata=opt("--admin-key", "Bearer key of the admin routes (POST /v1/load_lora_adapter, "
+                                   "/v1/unload_lora_adapter; env WARMFLEET_ADMIN_KEY). Without it they are open only "
+                                   "while the server checks no API key.")
     )
     allowed_local_media_path: Optional[str] = field(
         default=None, metadata=opt("--allowed-local-media-path", "Directory under which file:// images may be read.")
@@ -140,6 +189,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def validate(self) -> None:
         """Raise ValueError with one readable sentence for an impossible combination."""
@@ -160,6 +210,12 @@ class EngineConfig:
             raise ValueError(f"--engine-threads must be >= 1, got {self.model.engine_threads}")
         if self.model.engine_cpus is not None:
             parse_cpu_list(self.model.engine_cpus)
+        lo = self.lora
+        if lo.max_loras < 1 or lo.max_lora_rank < 1:
+            raise ValueError("--max-loras and --max-lora-rank must be >= 1")
+        if lo.num_cpu_loras < lo.max_loras:
+            raise ValueError(f"--max-cpu-loras ({lo.num_cpu_loras}) must be >= --max-loras ({lo.max_loras})")
+        lo.modules()
         if not 0 < self.server.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.server.port}")
 

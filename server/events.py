@@ -4,7 +4,7 @@ Framing follows vLLM's KV-event stream so tools written for it can read ours:
 a ZMQ multipart message `[topic, seq (8-byte big-endian), payload]`, where payload is the
 msgpack array `[ts, [event, ...], dp_rank]` and each event a tagged array:
 
-    ["BlockStored", [hash, ...], parent_hash | None, [token ids], block_size, lora_id, medium]
+    ["BlockStored", [hash, ...], parent_hash | None, [token ids], block_size, lora_id, medium(, lora_name)]
     ["BlockRemoved", [hash, ...], medium]
     ["AllBlocksCleared"]
     ["EncoderStored", [mm_hash, ...]]          # warmfleet extension
@@ -12,6 +12,9 @@ msgpack array `[ts, [event, ...], dp_rank]` and each event a tagged array:
     ["Load", running, waiting, free_gpu_blocks, total_gpu_blocks]   # warmfleet extension
 
 `medium` is "GPU" for the primary pool and "CPU" for the swap tier. The topic is the replica id.
+`lora_name` (vLLM's field, in vLLM's position) names the LoRA adapter whose chain the blocks belong to;
+it is sent only for adapter blocks, so base-model events are byte for byte what they were, and an
+absent one means the base model.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class BlockStored:
     block_size: int
     medium: str = GPU
     lora_id: Optional[int] = None
+    lora_name: Optional[str] = None  # the adapter's served name; None: the base model
 
 
 @dataclass
@@ -71,7 +75,8 @@ KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared, EncoderStored, Enco
 
 def _event_to_wire(e: KVEvent) -> list:
     if isinstance(e, BlockStored):
-        return ["BlockStored", e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, e.lora_id, e.medium]
+        wire = ["BlockStored", e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size, e.lora_id, e.medium]
+        return wire if e.lora_name is None else wire + [e.lora_name]
     if isinstance(e, BlockRemoved):
         return ["BlockRemoved", e.block_hashes, e.medium]
     if isinstance(e, AllBlocksCleared):
@@ -117,7 +122,11 @@ def _event_from_wire(a) -> Optional[KVEvent]:
             raise ValueError("parent hash must be bytes or nil")
         if not isinstance(tokens, (list, tuple)) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError("BlockStored needs token ids and a positive block size")
-        return BlockStored(_hashes(a[1]), parent, list(tokens), block_size, medium=_medium(a, 6), lora_id=a[5])
+        lora_name = a[7] if len(a) > 7 else None
+        if lora_name is not None and not isinstance(lora_name, str):
+            raise ValueError("lora_name must be a string or nil")
+        return BlockStored(_hashes(a[1]), parent, list(tokens), block_size, medium=_medium(a, 6), lora_id=a[5],
+                           lora_name=lora_name)
     if tag == "BlockRemoved":
         return BlockRemoved(_hashes(a[1]), _medium(a, 2))
     if tag == "AllBlocksCleared":
@@ -185,6 +194,7 @@ class Snapshot:
     cpu: list[bytes]
     encoder: list[str]
     load: Optional[Load] = None
+    lora: dict[bytes, str] = field(default_factory=dict)  # hash -> LoRA adapter name of adapter blocks (either tier)
 
     def to_json(self) -> dict:
         return {
@@ -196,6 +206,7 @@ class Snapshot:
             "cpu": [h.hex() for h in self.cpu],
             "encoder": list(self.encoder),
             "load": None if self.load is None else vars(self.load),
+            "lora": {h.hex(): name for h, name in self.lora.items()},
         }
 
     @classmethod
@@ -205,6 +216,7 @@ class Snapshot:
             d["replica_id"], int(d["seq"]), int(d["block_size"]), d["model_fingerprint"],
             [bytes.fromhex(h) for h in d["gpu"]], [bytes.fromhex(h) for h in d["cpu"]],
             list(d.get("encoder", [])), Load(**load) if load else None,
+            {bytes.fromhex(h): str(name) for h, name in (d.get("lora") or {}).items()},
         )
 
 

@@ -78,9 +78,11 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, show_defaults: 
         elif isinstance(default, bool):
             kw["action"] = argparse.BooleanOptionalAction
         else:
-            if action == "append":
-                kw["action"] = "append"
+            if action in ("append", "extend"):  # "extend": `--flag A B` and `--flag A --flag B` alike
+                kw["action"] = action
                 kw["default"] = None
+                if action == "extend":
+                    kw["nargs"] = "+"
             else:
                 kw["type"] = _field_type(f)
             if "choices" in md:
@@ -101,7 +103,7 @@ def from_namespace(ns: argparse.Namespace, cls: type, prefix: str = "") -> Any:
             kwargs[f.name] = from_namespace(ns, sub, f"{prefix}{f.name}.")
         elif "flag" in f.metadata:
             v = getattr(ns, prefix + f.name)
-            kwargs[f.name] = [] if v is None and f.metadata.get("action") == "append" else v
+            kwargs[f.name] = [] if v is None and f.metadata.get("action") in ("append", "extend") else v
     return cls(**kwargs)
 
 

@@ -3,7 +3,8 @@
 The router predicts cache hits only if it computes the very bytes the engine computes, so
 both import this module and nothing else decides what a block's identity is.
 
-    root   = H("warmfleet-kv-v1", model_fingerprint, cache_salt)
+    root   = H("warmfleet-kv-v1", model_fingerprint, cache_salt)                 base model
+    root   = H("warmfleet-kv-v1", model_fingerprint, cache_salt, name, digest)   LoRA adapter
     block0 = H(root,   tokens[0:B],  extra_keys(0))
     block1 = H(block0, tokens[B:2B], extra_keys(1))          ... full blocks only
 
@@ -88,9 +89,32 @@ def mm_hash(data: Optional[bytes] = None, *, uuid: Optional[str] = None, params:
     return MMHash(h(h(p) + data).hex())
 
 
-def root_hash(model_fingerprint: str, cache_salt: Optional[str] = None, algo: str = "blake3") -> BlockHash:
-    """Root of every chain: model identity and tenant salt, so neither two models nor two tenants share blocks."""
-    return BlockHash(digest_fn(algo)(msgpack.packb([_DOMAIN, model_fingerprint, cache_salt or ""])))
+@dataclass(frozen=True)
+class AdapterId:
+    """A LoRA adapter as the hash chain sees it: its served name and the digest of its files."""
+
+    name: str
+    digest: str  # adapter_digest() of its directory
+
+
+def adapter_digest(adapter_dir: str | Path) -> str:
+    """Identity of a PEFT adapter's content: a digest of adapter_config.json and adapter_model.safetensors."""
+    d = Path(adapter_dir)
+    h = hashlib.sha256()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        h.update(name.encode() + b"\0" + (d / name).read_bytes() + b"\0")
+    return h.hexdigest()[:32]
+
+
+def root_hash(model_fingerprint: str, cache_salt: Optional[str] = None, algo: str = "blake3",
+              adapter: Optional[AdapterId] = None) -> BlockHash:
+    """Root of every chain: model identity, LoRA adapter and tenant salt, so no two of them share blocks.
+
+    The base model's root (adapter None) is the one of chains before adapters existed."""
+    parts = [_DOMAIN, model_fingerprint, cache_salt or ""]
+    if adapter is not None:
+        parts += [adapter.name, adapter.digest]
+    return BlockHash(digest_fn(algo)(msgpack.packb(parts)))
 
 
 def hash_block(parent: bytes, token_ids: Sequence[int], extra_keys: Sequence[tuple] = (),
@@ -107,7 +131,8 @@ def block_extra_keys(start: int, end: int, mm_items: Iterable[MMPlaceholder]) ->
 
 def block_hashes(token_ids: Sequence[int], mm_items: Sequence[MMPlaceholder], block_size: int,
                  model_fingerprint: str, cache_salt: Optional[str] = None, algo: str = "blake3",
-                 start_block: int = 0, parent: Optional[bytes] = None) -> list[BlockHash]:
+                 start_block: int = 0, parent: Optional[bytes] = None,
+                 adapter: Optional[AdapterId] = None) -> list[BlockHash]:
     """Chained hashes of the full blocks of `token_ids` (a trailing partial block gets none).
 
     Pass `start_block` and the hash of block `start_block - 1` as `parent` to extend a chain
@@ -116,7 +141,7 @@ def block_hashes(token_ids: Sequence[int], mm_items: Sequence[MMPlaceholder], bl
     if block_size < 1:
         raise ValueError("block_size must be >= 1")
     items = sorted(mm_items, key=lambda m: m.offset)
-    prev = parent if start_block else root_hash(model_fingerprint, cache_salt, algo)
+    prev = parent if start_block else root_hash(model_fingerprint, cache_salt, algo, adapter)
     if prev is None:
         raise ValueError("extending a chain needs the parent hash")
     out: list[BlockHash] = []

@@ -10,7 +10,7 @@ from typing import Optional, Sequence, Union
 
 from . import rendering
 from .attention import registry as attention_backends
-from .config import GiB, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from .config import GiB, CacheConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig, ServerConfig
 from .engine.core import EngineCore
 from .engine.protocol import GenerateRequest
 from .engine.sampling_params import SamplingParams
@@ -28,6 +28,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: Optional[str]
+    logprobs: list[float] = field(default_factory=list)  # of each generated token, when sampling asked for logprobs
 
 
 @dataclass
@@ -46,7 +47,7 @@ class LLM:
 
     def __init__(self, model: str, **kwargs):
         groups = {"model": ModelConfig(model=model), "cache": CacheConfig(), "scheduler": SchedulerConfig(),
-                  "server": ServerConfig()}
+                  "server": ServerConfig(), "lora": LoraConfig()}
         for k, v in kwargs.items():
             for g in groups.values():
                 if hasattr(g, k):
@@ -63,16 +64,25 @@ class LLM:
         self._images = None  # ImageInputPreparer, made on the first chat with images
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
-                 sampling_params: Optional[SamplingParams] = None, cache_salt: Optional[str] = None) -> list[LLMOutput]:
-        """Complete each prompt (text or token ids); returns outputs in input order."""
+                 sampling_params: Optional[SamplingParams] = None, cache_salt: Optional[str] = None,
+                 lora_name: Union[None, str, Sequence[Optional[str]]] = None) -> list[LLMOutput]:
+        """Complete each prompt (text or token ids); returns outputs in input order.
+
+        `lora_name`: the adapter (a --lora-modules name) for every prompt, or one per prompt (None: base model).
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         token_lists = [rendering.completion_ids(self.tokenizer, p) if isinstance(p, str) else list(p)  # type: ignore[arg-type]
                        for p in prompts]
-        return self._run(token_lists, sampling_params or SamplingParams(), cache_salt)
+        return self._run(token_lists, sampling_params or SamplingParams(), cache_salt, loras=lora_name)
+
+    def load_lora(self, name: str, path: str) -> dict:
+        """Serve the PEFT adapter at `path` as `name` (needs enable_lora); its name, path and digest."""
+        return self.engine.load_adapter(name, path)
 
     def chat(self, messages: Union[list[dict], list[list[dict]]], sampling_params: Optional[SamplingParams] = None,
-             cache_salt: Optional[str] = None) -> list[LLMOutput]:
+             cache_salt: Optional[str] = None, lora_name: Union[None, str, Sequence[Optional[str]]] = None
+             ) -> list[LLMOutput]:
         """Apply the checkpoint's chat template to one conversation or a list of them, then generate.
 
         Content parts may be OpenAI `image_url` parts (data: URIs, http(s), file:// under
@@ -88,7 +98,7 @@ class LLM:
             else:
                 token_lists.append(rendering.chat_ids(self.tokenizer, conv))  # type: ignore[arg-type]
                 mm.append(([], []))
-        return self._run(token_lists, sampling_params or SamplingParams(), cache_salt, mm)
+        return self._run(token_lists, sampling_params or SamplingParams(), cache_salt, mm, lora_name)
 
     def _image_preparer(self):
         if self._images is None:
@@ -105,8 +115,13 @@ class LLM:
         return self._images
 
     def _run(self, token_lists: list[list[int]], sp: SamplingParams, salt: Optional[str],
-             mm: Optional[list[tuple[list, list]]] = None) -> list[LLMOutput]:
+             mm: Optional[list[tuple[list, list]]] = None,
+             loras: Union[None, str, Sequence[Optional[str]]] = None) -> list[LLMOutput]:
         sp.validate()
+        if loras is None or isinstance(loras, str):
+            loras = [loras] * len(token_lists)
+        if len(loras) != len(token_lists):
+            raise ValueError(f"{len(loras)} lora names for {len(token_lists)} prompts")
         limit = self.engine.info.max_model_len
         streams: dict[str, tuple[int, int, OutputStream]] = {}
         results: list[LLMOutput] = []
@@ -119,7 +134,7 @@ class LLM:
             for c in range(sp.n):
                 sub = SamplingParams(**{**vars(sp), "n": 1, "seed": None if sp.seed is None else sp.seed + c})
                 placeholders, images = mm[i] if mm else ([], [])
-                self.engine.add_request(GenerateRequest(f"{rid}-{c}", ids, sub, salt, placeholders, images))
+                self.engine.add_request(GenerateRequest(f"{rid}-{c}", ids, sub, salt, placeholders, images, loras[i]))
                 streams[f"{rid}-{c}"] = (i, c, OutputStream(IncrementalDetokenizer(self.tokenizer), sp.stop))
         for r in results:
             r.outputs = [CompletionOutput(c, "", [], None) for c in range(sp.n)]
@@ -133,6 +148,7 @@ class LLM:
                     res.ttft_s = time.monotonic() - t0
                 comp.text += delta.text
                 comp.token_ids += delta.token_ids
+                comp.logprobs += [e.logprob for e in delta.logprobs]
                 res.num_cached_tokens = stream.num_cached_tokens
                 res.num_cached_tokens_cpu = stream.num_cached_tokens_cpu
                 if stream.finished and comp.finish_reason is None:

@@ -16,7 +16,14 @@ from .. import rendering
 from . import errors
 from .errors import APIError, bad_request
 from .metrics import CONTENT_TYPE
-from .protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
+from .protocol import (
+    DetokenizeRequest,
+    LoadLoraAdapterRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    UnloadLoraAdapterRequest,
+)
 from .completions import (
     chat_completions,
     check_token_ids,
@@ -41,6 +48,7 @@ def build_app(engine: Optional[EngineClient], tokenizer: Any, cfg: EngineConfig)
     errors.install(app)
     app.add_middleware(ResponseObserver, replica_id=state.replica_id, state=state)
     app.include_router(_api_routes())
+    app.include_router(_admin_routes())
     _add_probe_routes(app)
     return app
 
@@ -76,12 +84,11 @@ def _api_routes() -> APIRouter:
     async def _models(request: Request) -> ModelList:
         s = get_state(request)
         info = s.engine.model_info if s.engine is not None else None
-        card = ModelCard(
-            id=s.model_name,
-            root=info.model_dir if info else s.cfg.model.model,
-            max_model_len=info.max_model_len if info else None,
-        )
-        return ModelList(data=[card])
+        max_len = info.max_model_len if info else None
+        card = ModelCard(id=s.model_name, root=info.model_dir if info else s.cfg.model.model, max_model_len=max_len)
+        adapters = [ModelCard(id=name, root=path, parent=s.model_name, max_model_len=max_len)
+                    for name, path in s.loras.items()]
+        return ModelList(data=[card, *adapters])
 
     @api.post("/tokenize")
     async def _tokenize(request: Request) -> JSONResponse:
@@ -111,6 +118,56 @@ def _api_routes() -> APIRouter:
             raise APIError(503, f"engine snapshot unavailable: {exc}", code="engine_unavailable") from None
 
     return api
+
+
+def require_admin(request: Request) -> None:
+    """The admin routes' check, as the router's: `--admin-key` as Bearer; without one, open only while no API key is set."""
+    s = get_state(request)
+    if s.admin_key:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), s.admin_key.encode()):
+            raise APIError(401, "admin routes need `Authorization: Bearer <admin key>`", code="invalid_api_key")
+    elif s.api_key:
+        raise APIError(403, "this server checks API keys: start it with --admin-key (or WARMFLEET_ADMIN_KEY) "
+                       "to use its admin routes", code="admin_key_required")
+
+
+def _admin_routes() -> APIRouter:
+    """vLLM's runtime LoRA routes, behind the admin key (they change what every client is served)."""
+    admin = APIRouter(dependencies=[Depends(require_admin)])
+
+    async def engine_call(s: ServerState, method: str, *args: str) -> dict:
+        engine = s.require_engine()
+        if not s.lora_enabled or not hasattr(engine, method):
+            raise bad_request("this server was started without --enable-lora", code="lora_not_enabled")
+        reply = await getattr(engine, method)(*args)
+        if reply.get("error"):
+            raise APIError(int(reply.get("status", 400)), reply["error"], param="lora_name",
+                           code="lora_not_found" if reply.get("status") == 404 else "invalid_lora_adapter")
+        return reply
+
+    @admin.post("/v1/load_lora_adapter")
+    async def _load(request: Request) -> Response:
+        s = get_state(request)
+        body = await parse_body(request, LoadLoraAdapterRequest, s)
+        if body.lora_name == s.model_name or body.lora_name in s.loras:
+            raise bad_request(f"The lora adapter '{body.lora_name}' has already been loaded.", param="lora_name",
+                              code="invalid_lora_adapter")
+        await engine_call(s, "load_lora_adapter", body.lora_name, body.lora_path)
+        s.loras[body.lora_name] = body.lora_path
+        log.info("LoRA adapter %s loaded from %s", body.lora_name, body.lora_path)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+    @admin.post("/v1/unload_lora_adapter")
+    async def _unload(request: Request) -> Response:
+        s = get_state(request)
+        body = await parse_body(request, UnloadLoraAdapterRequest, s)
+        await engine_call(s, "unload_lora_adapter", body.lora_name)
+        s.loras.pop(body.lora_name, None)
+        log.info("LoRA adapter %s unloaded", body.lora_name)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
+
+    return admin
 
 
 async def _tokenize_ids(s: ServerState, body: TokenizeRequest) -> list[int]:

@@ -142,7 +142,8 @@ def check_no_image_tokens(state: ServerState, ids: list[int], param: str) -> Non
 
 
 def make_choices(state: ServerState, base_id: str, prompts: list[list[int]], sp: SamplingParams,
-                 cache_salt: Optional[str], images: Optional["ImageInputs"] = None) -> list[Choice]:
+                 cache_salt: Optional[str], images: Optional["ImageInputs"] = None,
+                 lora_name: Optional[str] = None) -> list[Choice]:
     """One engine request per (prompt, sample); sample i of a seeded request uses seed + i."""
     choices = []
     for p, ids in enumerate(prompts):
@@ -150,7 +151,7 @@ def make_choices(state: ServerState, base_id: str, prompts: list[list[int]], sp:
             seed = None if sp.seed is None else (sp.seed + i) % (1 << 63)
             child = dataclasses.replace(sp, n=1, seed=seed)
             stream = OutputStream(IncrementalDetokenizer(state.tokenizer, ids), sp.stop)
-            req = GenerateRequest(f"{base_id}-{p}-{i}", ids, child, cache_salt=cache_salt)
+            req = GenerateRequest(f"{base_id}-{p}-{i}", ids, child, cache_salt=cache_salt, lora_name=lora_name)
             if images is not None:
                 req.mm_placeholders = list(images.placeholders)
                 req.mm_inputs = images.inputs  # shared by the n samples; never mutated
@@ -277,7 +278,7 @@ async def chat_completions(request: Request, state: ServerState) -> Response:
     top = (body.top_logprobs or 0) if body.logprobs else None
     sp = sampling_params(body, max_tokens, top, state)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    choices = make_choices(state, rid, [prompt_ids], sp, body.cache_salt, images)
+    choices = make_choices(state, rid, [prompt_ids], sp, body.cache_salt, images, state.lora_for(model))
     meta = {"id": rid, "created": int(time.time()), "model": model}
     if images is not None:
         images.count(state)
@@ -440,7 +441,7 @@ async def completions(request: Request, state: ServerState) -> Response:
     budgets = [await resolve_max_tokens(state, body.max_tokens, explicit, len(p), "max_tokens", "prompt") for p in prompts]
     sp = sampling_params(body, min(budgets), body.logprobs, state)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    choices = make_choices(state, rid, prompts, sp, body.cache_salt)
+    choices = make_choices(state, rid, prompts, sp, body.cache_salt, lora_name=state.lora_for(model))
     for c in choices:  # a list of prompts may leave each a different budget
         c.request.sampling_params.max_tokens = budgets[c.prompt_index]
     echo = texts if body.echo else None

@@ -8,6 +8,7 @@ cache's series come from the pod's cache process (`ProcessorCacheClient.stats()`
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -92,6 +93,17 @@ class EngineStatsCollector(Collector):
                     field("encoder_cache_usage_tokens"))
         yield gauge("warmfleet:encoder_cache_budget_tokens", "Vision-encoder cache budget (--max-encoder-cache), in tokens.",
                     field("encoder_cache_budget_tokens"))
+        if field("max_loras"):
+            yield lora_requests_info(s)
+
+
+def lora_requests_info(s: EngineStats) -> GaugeMetricFamily:
+    """`vllm:lora_requests_info` as the GIE model-server protocol reads it: labels carry the facts
+    (comma-separated names), the value is the time they were read (vLLM's convention: the newest series wins)."""
+    g = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters resident (running) and wanted by waiting requests.",
+                          labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+    g.add_metric([str(s.max_loras), ",".join(s.running_lora_adapters), ",".join(s.waiting_lora_adapters)], time.time())
+    return g
 
 
 @dataclass

@@ -131,12 +131,27 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "warmfleet"
     root: Optional[str] = None
+    parent: Optional[str] = None  # a LoRA adapter's base model (vLLM's field); None for the base model
     max_model_len: Optional[int] = None
 
 
 class ModelList(BaseModel):
     object: str = "list"
     data: list[ModelCard]
+
+
+class LoadLoraAdapterRequest(_Request):
+    """vLLM's POST /v1/load_lora_adapter body."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraAdapterRequest(_Request):
+    """vLLM's POST /v1/unload_lora_adapter body."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: Optional[int] = None  # vLLM's; ignored
 
 
 class TokenizeRequest(_Request):

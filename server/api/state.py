@@ -33,6 +33,9 @@ class ServerState:
         self.cfg = cfg
         self.replica_id = replica_id(cfg.server)
         self.api_key = cfg.server.api_key or os.environ.get("WARMFLEET_API_KEY") or None
+        self.admin_key = cfg.server.admin_key or os.environ.get("WARMFLEET_ADMIN_KEY") or None
+        self.lora_enabled = cfg.lora.enabled
+        self.loras: dict[str, str] = cfg.lora.modules() if cfg.lora.enabled else {}  # adapter name -> path
         self.model_name = engine.model_info.served_model_name if engine is not None else served_model_name(cfg)
         self.metrics = Metrics(self.model_name)
         self.engine: Optional[EngineClient] = None
@@ -113,13 +116,18 @@ class ServerState:
         return self.engine
 
     def check_model(self, name: Optional[str]) -> str:
-        """The served name for a request's `model`; 404 for any other name."""
-        if name is not None and name != self.model_name:
-            raise APIError(
-                404, f"The model `{name}` does not exist. This server serves `{self.model_name}`.",
-                param="model", code="model_not_found",
-            )
-        return self.model_name
+        """The served name for a request's `model` (the base model's or a LoRA adapter's); 404 for any other name."""
+        if name is None or name == self.model_name:
+            return self.model_name
+        if name in self.loras:
+            return name
+        served = ", ".join(f"`{n}`" for n in [self.model_name, *self.loras])
+        raise APIError(404, f"The model `{name}` does not exist. This server serves {served}.",
+                       param="model", code="model_not_found")
+
+    def lora_for(self, model: str) -> Optional[str]:
+        """The LoRA adapter a checked model name selects; None for the base model."""
+        return model if model in self.loras else None
 
     async def context_limit(self) -> tuple[int, str]:
         """Most tokens (prompt + output) one request may hold, and what sets that limit.

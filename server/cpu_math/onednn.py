@@ -17,6 +17,7 @@ Paddle's matmul (layout.py); `WARMFLEET_CPU_MATMUL=paddle` forces that path.
 
 from __future__ import annotations
 
+import copy
 import ctypes as C
 import functools
 import logging
@@ -295,6 +296,18 @@ class PackedWeight:
 
         f32, cpu = paddle.float32, paddle.CPUPlace()
         self.empty = lambda rows: _C_ops.empty([rows, n], f32, cpu)  # paddle.empty without its checks: 1.5 vs 4.7 us
+        self._plain: Optional["PackedWeight"] = None
+
+    def without_epilogue(self) -> "PackedWeight":
+        """The same packed weight called as plain x @ W (+ b): the layout does not depend on the epilogue
+        (`_shape` asks oneDNN for it without one), so only the primitives differ."""
+        if self.shape.epilogue is None:
+            return self
+        if self._plain is None:
+            plain = copy.copy(self)
+            plain.shape = _shape(self.k, self.n, self.bias is not None, None)
+            self._plain = plain
+        return self._plain
 
     def __call__(self, x, other=None):
         lead = x.shape[:-1]

@@ -156,11 +156,11 @@ class AsyncEngine:
         self._flushes.add(task)
         task.add_done_callback(self._flushes.discard)
 
-    async def _call(self, method: str):
+    async def _call(self, method: str, args: Optional[list] = None):
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
-        await self._send("call", [call_id, method])
+        await self._send("call", [call_id, method] + ([args] if args is not None else []))
         try:
             return await asyncio.wait_for(fut, CALL_TIMEOUT_S)
         finally:
@@ -200,6 +200,14 @@ class AsyncEngine:
 
     async def snapshot(self) -> dict:
         return await self._call("snapshot")
+
+    async def load_lora_adapter(self, name: str, path: str) -> dict:
+        """{"name", "path", "digest"}, or {"error", "status"} when the engine refuses the adapter."""
+        return await self._call("load_lora", [name, path])
+
+    async def unload_lora_adapter(self, name: str) -> dict:
+        """{} or {"error", "status"}."""
+        return await self._call("unload_lora", [name])
 
 
     async def check_health(self) -> bool:

@@ -72,6 +72,7 @@ class BlockPool:
         # Free blocks in eviction order: first is evicted first. Hashed free blocks stay in `cached`.
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_gpu_blocks))
         self.cached: dict[BlockHash, int] = {}
+        self.lora_of: dict[BlockHash, str] = {}  # adapter name of hashed blocks (either tier) of adapter chains
         self.cpu = CpuTier(num_cpu_blocks) if (num_cpu_blocks > 0 and enable_caching) else None
         self.plan = SwapPlan()
         self.counters = PoolCounters()
@@ -129,7 +130,7 @@ class BlockPool:
             self.plan.swap_in.append((cpu_id, bid))
             self.counters.swap_in_blocks += 1
             self._events.append(BlockRemoved([h], CPU))
-            self._register(bid, h, parent=None, token_ids=[])
+            self._register(bid, h, parent=None, token_ids=[], lora_name=self.lora_of.get(h))
         return bids
 
     def free_blocks(self, block_ids: list[int]) -> None:
@@ -147,9 +148,11 @@ class BlockPool:
                 if self.block_hash[bid] is None:
                     self.free.move_to_end(bid, last=False)
 
-    def cache_block(self, bid: int, h: BlockHash, parent: Optional[BlockHash], token_ids: list[int]) -> int:
-        """Record that full block `bid` now holds `h`. Returns the block the request should keep:
-        `bid`, or an identical block already cached (then `bid` is released and the caller swaps ids)."""
+    def cache_block(self, bid: int, h: BlockHash, parent: Optional[BlockHash], token_ids: list[int],
+                    lora_name: Optional[str] = None) -> int:
+        """Record that full block `bid` now holds `h` (of adapter `lora_name`'s chain, None: the base model).
+        Returns the block the request should keep: `bid`, or an identical block already cached (then `bid`
+        is released and the caller swaps ids)."""
         if not self.enable_caching or self.block_hash[bid] == h:
             return bid
         existing = self.cached.get(h)
@@ -160,14 +163,17 @@ class BlockPool:
             return existing
         if self.cpu is not None and h in self.cpu:
             self._drop_cpu(h)
-        self._register(bid, h, parent, token_ids)
+        self._register(bid, h, parent, token_ids, lora_name)
         return bid
 
     # ---- internals -------------------------------------------------------------------------
-    def _register(self, bid: int, h: BlockHash, parent: Optional[BlockHash], token_ids: list[int]) -> None:
+    def _register(self, bid: int, h: BlockHash, parent: Optional[BlockHash], token_ids: list[int],
+                  lora_name: Optional[str] = None) -> None:
         self.block_hash[bid] = h
         self.cached[h] = bid
-        self._events.append(BlockStored([h], parent, list(token_ids), self.block_size, GPU))
+        if lora_name is not None:
+            self.lora_of[h] = lora_name
+        self._events.append(BlockStored([h], parent, list(token_ids), self.block_size, GPU, lora_name=lora_name))
 
     def _evict_gpu(self, bid: int) -> None:
         h = self.block_hash[bid]
@@ -183,7 +189,9 @@ class BlockPool:
                 self.cpu.lru[h] = cpu_id
                 self.plan.swap_out.append((bid, cpu_id))
                 self.counters.swap_out_blocks += 1
-                self._events.append(BlockStored([h], None, [], self.block_size, CPU))
+                self._events.append(BlockStored([h], None, [], self.block_size, CPU, lora_name=self.lora_of.get(h)))
+                return
+        self.lora_of.pop(h, None)
 
     def _allocate_cpu(self) -> Optional[int]:
         cpu = self.cpu
@@ -193,6 +201,7 @@ class BlockPool:
         if not cpu.lru:
             return None  # every slot is a swap-in source this step
         h, cpu_id = cpu.lru.popitem(last=False)
+        self.lora_of.pop(h, None)
         self.counters.evicted_cpu_blocks += 1
         self._events.append(BlockRemoved([h], CPU))
         return cpu_id

@@ -52,12 +52,52 @@ class EngineCore:
         self.runner = ModelRunner(self.model, backend, layout, gpu, cpu, cfg.model.seed)
         self.pool = BlockPool(gpu, cpu, cfg.cache.enable_prefix_caching, cfg.cache.block_size)
         self.kv = KVCacheManager(self.pool, cfg.cache.block_size, self.info.model_fingerprint, cfg.cache.prefix_hash_algo)
-        self.scheduler = Scheduler(cfg.scheduler, self.kv, self.info.max_model_len)
+        self.lora_state, self.adapters = self._start_lora(cfg)
+        self.runner.lora = self.lora_state
+        self.scheduler = Scheduler(cfg.scheduler, self.kv, self.info.max_model_len, self.adapters)
         self.is_multimodal = self.info.is_multimodal  # rendering.is_multimodal: the config has a vision tower
         self.encoder_cache = EncoderCache(cfg.cache.max_encoder_cache) if self.is_multimodal else None
         self.num_steps = 0
         log.info("engine ready: model=%s arch=%s load_s=%.1f", self.info.served_model_name,
                  self.info.architecture, time.monotonic() - t0)
+
+    def _start_lora(self, cfg: EngineConfig):
+        """(LoraState, AdapterManager) with --lora-modules registered, or (None, None) without --enable-lora."""
+        if not cfg.lora.enabled:
+            return None, None
+        from ..models.lora import LoraState, load_adapter
+        from .adapters import AdapterManager
+
+        state = LoraState(self.model, cfg.lora.max_loras)
+
+        def load(name: str, path: str):
+            weights = load_adapter(name, path, cfg.lora.max_lora_rank)
+            state.check(weights)
+            return weights
+
+        adapters = AdapterManager(cfg.lora.max_loras, cfg.lora.num_cpu_loras, load, state.put, state.drop)
+        for name, path in cfg.lora.modules().items():
+            if name == self.info.served_model_name:
+                raise ValueError(f"--lora-modules {name}=... uses the base model's served name")
+            adapters.register(name, path)
+            log.info("LoRA adapter %s from %s (%s)", name, path, adapters.adapters[name].id.digest)
+        return state, adapters
+
+    # ---- adapters -------------------------------------------------------------------------
+    def load_adapter(self, name: str, path: str) -> dict:
+        """Serve a PEFT adapter as `name` from now on; ValueError if LoRA is off, the name is taken or the files are bad."""
+        if self.adapters is None:
+            raise ValueError("this server was started without --enable-lora")
+        if name == self.info.served_model_name:
+            raise ValueError(f"{name!r} is the base model's name")
+        a = self.adapters.register(name, path)
+        return {"name": a.name, "path": a.path, "digest": a.id.digest}
+
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving `name` (running requests finish with it); KeyError if it is not loaded."""
+        if self.adapters is None:
+            raise KeyError(name)
+        self.adapters.unregister(name)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, g: GenerateRequest) -> None:
@@ -69,6 +109,10 @@ class EngineCore:
         images = [from_msgpack(m) if isinstance(m, dict) else m for m in g.mm_inputs]
         req = Request(g.request_id, list(g.prompt_token_ids), g.sampling_params, self.eos_token_ids,
                       g.cache_salt, list(g.mm_placeholders), images, time.time())
+        if g.lora_name is not None:
+            if self.adapters is None:
+                raise ValueError(f"unknown model {g.lora_name!r}: this server serves no LoRA adapters")
+            req.adapter = self.adapters.identity(g.lora_name)
         if self.is_multimodal:
             req.mrope = mrope_positions(req.num_prompt_tokens, req.mm_placeholders, [im.grid_thw for im in images],
                                         self.model.merge_size)
@@ -145,8 +189,17 @@ class EngineCore:
             prefix_queries_tokens=kv.num_query_tokens, prefix_hits_tokens_gpu=kv.num_hit_tokens_gpu,
             prefix_hits_tokens_cpu=kv.num_hit_tokens_cpu, swap_in_blocks=p.counters.swap_in_blocks,
             swap_out_blocks=p.counters.swap_out_blocks, preemptions=self.scheduler.num_preemptions,
-            **self._encoder_stats(),
+            **self._encoder_stats(), **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict:
+        a = self.adapters
+        if a is None:
+            return {}
+        waiting = {r.adapter.name: None for r in self.scheduler.waiting if r.adapter is not None}
+        resident = a.resident_names
+        return {"max_loras": a.max_loras, "running_lora_adapters": resident,
+                "waiting_lora_adapters": [n for n in waiting if n not in resident]}
 
     def _encoder_stats(self) -> dict:
         if self.encoder_cache is None:
@@ -162,4 +215,5 @@ class EngineCore:
         gpu, cpu = self.pool.snapshot()
         seq = self.publisher.seq if self.publisher else 0
         return Snapshot(self.replica_id, seq, self.cfg.cache.block_size, self.info.model_fingerprint,
-                        gpu, cpu, self.encoder_cache.mm_hashes() if self.encoder_cache else [], self.load())
+                        gpu, cpu, self.encoder_cache.mm_hashes() if self.encoder_cache else [], self.load(),
+                        dict(self.pool.lora_of))

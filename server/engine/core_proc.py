@@ -28,10 +28,10 @@ def config_to_dict(cfg) -> dict:
 
 
 def config_from_dict(d: dict):
-    from ..config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+    from ..config import CacheConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig, ServerConfig
 
     return EngineConfig(ModelConfig(**d["model"]), CacheConfig(**d["cache"]), SchedulerConfig(**d["scheduler"]),
-                        ServerConfig(**d["server"]))
+                        ServerConfig(**d["server"]), LoraConfig(**d.get("lora", {})))
 
 
 def run_engine_core(cfg_dict: dict, in_addr: str, out_addr: str) -> None:
@@ -188,8 +188,8 @@ def handle(core, link: Link, kind: str, payload) -> None:
     elif kind == "abort":
         core.abort(payload)
     elif kind == "call":
-        call_id, method = payload
-        link.send("reply", [call_id, _call(core, method)])
+        call_id, method, *args = payload
+        link.send("reply", [call_id, _call(core, method, args[0] if args else [])])
     else:
         log.warning("dropping engine message of unknown kind %r", kind)
 
@@ -200,11 +200,24 @@ def _failed(request_id: str, message: str):
     return RequestOutput(request_id, [], True, "abort", error=message)
 
 
-def _call(core, method: str):
+def _call(core, method: str, args: list):
     if method == "stats":
         return dataclasses.asdict(core.stats())
     if method == "snapshot":
         return core.snapshot().to_json()
+    if method == "load_lora":
+        try:
+            return core.load_adapter(str(args[0]), str(args[1]))
+        except (ValueError, OSError) as exc:
+            return {"error": str(exc), "status": 400}
+        except Exception as exc:  # e.g. a safetensors file that does not parse: the adapter is refused, not the call
+            return {"error": f"cannot read the LoRA adapter at {args[1]}: {type(exc).__name__}: {exc}", "status": 400}
+    if method == "unload_lora":
+        try:
+            core.unload_adapter(str(args[0]))
+        except KeyError:
+            return {"error": f"The lora adapter '{args[0]}' cannot be found.", "status": 404}
+        return {}
     return {"error": f"unknown method {method}"}
 
 

@@ -53,7 +53,7 @@ class KVCacheManager:
             return
         req.block_hashes.extend(block_hashes(
             req.all_token_ids, req.mm_placeholders, self.block_size, self.model_fingerprint, req.cache_salt,
-            self.hash_algo, start_block=n_have, parent=req.block_hashes[-1] if n_have else None))
+            self.hash_algo, start_block=n_have, parent=req.block_hashes[-1] if n_have else None, adapter=req.adapter))
 
     # ---- admission ------------------------------------------------------------------------
     def find_prefix(self, req: Request) -> PrefixHit:
@@ -125,7 +125,8 @@ class KVCacheManager:
                 continue
             parent = req.block_hashes[i - 1] if i else None
             s = i * self.block_size
-            req.block_ids[i] = self.pool.cache_block(bid, h, parent, req.token_ids(s, s + self.block_size))
+            req.block_ids[i] = self.pool.cache_block(bid, h, parent, req.token_ids(s, s + self.block_size),
+                                                     req.adapter.name if req.adapter is not None else None)
         req.num_registered_blocks = max(req.num_registered_blocks, n_full)
 
     def free(self, req: Request) -> None:

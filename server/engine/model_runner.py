@@ -62,6 +62,7 @@ class ModelRunner:
         self.caches: list[LayerCache] = backend.allocate(layout, num_gpu_blocks)
         self.cpu_caches: list[LayerCache] = backend.allocate_swap(layout, num_cpu_blocks) if num_cpu_blocks else []
         self.rng = np.random.default_rng(seed)
+        self.lora = None  # models/lora.py LoraState when the engine serves adapters
 
     # ---- swap tier ------------------------------------------------------------------------
     def apply_swaps(self, plan: SwapPlan) -> None:
@@ -78,8 +79,16 @@ class ModelRunner:
     @paddle.no_grad()
     def execute(self, out: SchedulerOutput, encoder_cache: Optional[EncoderCache] = None) -> StepLogits:
         """Run the step; returns the float32 logits of the last position of every request that samples."""
+        lora_step = None
+        if self.lora is not None:
+            from ..models.lora import LoraStep
+
+            lora_step = LoraStep.build([(s.request.lora_slot, s.num_tokens, s.samples) for s in out.scheduled])
         with self.backend.step():
-            return self._execute(out, encoder_cache)
+            if lora_step is None:
+                return self._execute(out, encoder_cache)
+            with self.lora.stepping(lora_step):
+                return self._execute(out, encoder_cache)
 
     def _execute(self, out: SchedulerOutput, encoder_cache: Optional[EncoderCache]) -> StepLogits:
         self.apply_swaps(out.swap)

@@ -49,6 +49,9 @@ class EngineStats:
     encoder_cache_evictions: int = 0
     encoder_cache_usage_tokens: int = 0
     encoder_cache_budget_tokens: int = 0
+    max_loras: int = 0  # device adapter slots (0: LoRA not enabled)
+    running_lora_adapters: list = field(default_factory=list)  # adapters resident in a device slot, ready to serve
+    waiting_lora_adapters: list = field(default_factory=list)  # adapters of waiting requests not resident yet
     extra: dict = field(default_factory=dict)
 
 
@@ -60,6 +63,7 @@ class GenerateRequest:
     cache_salt: Optional[str] = None
     mm_placeholders: list[MMPlaceholder] = field(default_factory=list)
     mm_inputs: list = field(default_factory=list)  # preprocessed media, same order as placeholders
+    lora_name: Optional[str] = None  # served name of the LoRA adapter to run with; None: the base model
 
 
 def read_model_info(cfg: EngineConfig) -> ModelInfo:

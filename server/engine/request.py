@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..hashing import BlockHash, MMPlaceholder
+from ..hashing import AdapterId, BlockHash, MMPlaceholder
 from .sampling_params import SamplingParams
 
 
@@ -42,6 +42,7 @@ class Request:
     mm_inputs: list[Any] = field(default_factory=list)  # ProcessedImage per placeholder, same order
     mrope: Optional[tuple[Any, int]] = None  # VL models: (int64 [3, num_prompt] positions, delta after the prompt)
     arrival_time: float = 0.0
+    adapter: Optional[AdapterId] = None  # the LoRA adapter it runs with (root of its hash chain); None: base model
 
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[Any] = field(default_factory=list)
@@ -54,6 +55,7 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)  # hashes of full blocks, in order
     num_registered_blocks: int = 0  # leading block_ids already offered to the prefix cache (reset on free)
     generator: Any = None  # numpy Generator when the request carries a seed
+    lora_slot: Optional[int] = None  # device slot of its adapter while it runs (pinned; adapters.py)
 
     @property
     def num_prompt_tokens(self) -> int:

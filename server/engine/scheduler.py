@@ -10,13 +10,16 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from ..config import SchedulerConfig
 from .block_pool import SwapPlan
 from .encoder_cache import chunk_end
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestOutput, RequestStatus
+
+if TYPE_CHECKING:
+    from .adapters import AdapterManager
 
 
 @dataclass
@@ -43,8 +46,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 adapters: Optional["AdapterManager"] = None):
         self.config = config
+        self.adapters = adapters  # LoRA residency; None: the engine serves no adapters
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -115,8 +120,19 @@ class Scheduler:
                 i += 1
 
         if out.num_preempted == 0:
+            held: list[Request] = []  # waiting for a LoRA slot: every slot is pinned by other adapters' requests
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting[0]
+                if req.adapter is not None and not self.adapters.serves(req.adapter):
+                    self.waiting.popleft()  # unloaded (or replaced) since it was added: it cannot run as asked
+                    self._finish(req, RequestStatus.FINISHED_ABORTED)
+                    self._finished.append(RequestOutput(
+                        req.request_id, [], True, "abort", req.num_prompt_tokens, req.num_cached_tokens,
+                        req.num_cached_tokens_cpu, error=f"the LoRA adapter {req.adapter.name!r} was unloaded"))
+                    continue
+                if req.adapter is not None and not self.adapters.can_acquire(req.adapter):
+                    held.append(self.waiting.popleft())
+                    continue
                 hit = self.kv.find_prefix(req)
                 cached = hit.num_blocks * self.kv.block_size
                 start = req.num_computed_tokens + cached
@@ -126,10 +142,13 @@ class Scheduler:
                 self.waiting.popleft()
                 if req.num_preemptions == 0:
                     self.kv.record_admission(req, hit)
+                if req.adapter is not None:
+                    req.lora_slot = self.adapters.acquire(req.adapter)
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens))
                 budget -= n
+            self.waiting.extendleft(reversed(held))
         out.swap = self.kv.pool.take_plan()
         return out
 
@@ -146,9 +165,15 @@ class Scheduler:
             return end - start if budget == self.config.max_num_batched_tokens else 0
         return end - start
 
+    def _release_adapter(self, req: Request) -> None:
+        if req.lora_slot is not None:
+            self.adapters.release(req.adapter)
+            req.lora_slot = None
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req)
+        self._release_adapter(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
@@ -194,4 +219,5 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         self.kv.free(req)
+        self._release_adapter(req)
         self.requests.pop(req.request_id, None)

@@ -52,7 +52,7 @@ def request_to_wire(g: GenerateRequest) -> dict:
         "request_id": g.request_id, "prompt_token_ids": list(g.prompt_token_ids),
         "sampling_params": dataclasses.asdict(g.sampling_params), "cache_salt": g.cache_salt,
         "mm_placeholders": [[m.mm_hash, m.offset, m.length] for m in g.mm_placeholders],
-        "mm_inputs": list(g.mm_inputs),
+        "mm_inputs": list(g.mm_inputs), "lora_name": g.lora_name,
     }
 
 
@@ -60,6 +60,7 @@ def request_from_wire(d: dict) -> GenerateRequest:
     return GenerateRequest(
         d["request_id"], list(d["prompt_token_ids"]), SamplingParams(**d["sampling_params"]), d.get("cache_salt"),
         [MMPlaceholder(h, o, n) for h, o, n in d.get("mm_placeholders", [])], list(d.get("mm_inputs", [])),
+        d.get("lora_name"),
     )
 
 

@@ -46,8 +46,11 @@ class Linear(nn.Layer):
     loader transposing when [in, out] wins (the parameter is marked `checkpoint_transposed`).
     """
 
+    lora = None  # models/lora.py LoraLinear when the engine serves adapters on this projection
+
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: str, out_major: Optional[bool] = None):
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         if out_major is None:
             out_major = onednn.available(dtype) or layout.out_major_is_faster(in_features, out_features, dtype)
         self.out_major = out_major
@@ -64,8 +67,17 @@ class Linear(nn.Layer):
         return self.packed.nbytes
 
     def forward(self, x: paddle.Tensor, other: Optional[paddle.Tensor] = None) -> paddle.Tensor:
+        if self.lora is not None and self.lora.state.step is not None and self.lora.applies():
+            return self.lora.forward(self, x, other)
         if self.packed is not None:
             return self.packed(x, other)
+        y = layout.project(x, self.weight, self.out_major)
+        return y + self.bias if self.bias is not None else y
+
+    def project(self, x: paddle.Tensor) -> paddle.Tensor:
+        """x @ W (+ b) without the packed epilogue (the LoRA path adds its deltas before it)."""
+        if self.packed is not None:
+            return self.packed.without_epilogue()(x)
         y = layout.project(x, self.weight, self.out_major)
         return y + self.bias if self.bias is not None else y
 
