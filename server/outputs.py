@@ -23,7 +23,11 @@ FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 class EngineError(RuntimeError):
-    """The engine reported a failure for a request (RequestOutput.error)."""
+    """The engine reported a failure for a request (RequestOutput.error; `status`: what it means to a client)."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status
 
 
 class Detokenizer(Protocol):
@@ -77,7 +81,7 @@ class OutputStream:
         """Consume one engine output; raises EngineError if the engine failed the request."""
         if out.error:
             self.engine_finished = out.finished
-            raise EngineError(out.error)
+            raise EngineError(out.error, out.error_status)
         if self.finished:
             return Delta("", [], [])
         self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens

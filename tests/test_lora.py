@@ -154,6 +154,7 @@ def test_unloading_a_waiting_requests_adapter_ends_it_and_a_reload_never_mixes_w
     for o in results:
         outs.setdefault(o.request_id, []).append(o)
     assert outs["b-0"][-1].error and "unloaded" in outs["b-0"][-1].error
+    assert outs["b-0"][-1].error_status == 404  # what the API answers: the model is no longer served
     assert sum((o.new_token_ids for o in outs["b-1"]), []) == gold["a_tokens_0"].tolist()[:4]
     assert not eng.adapters.pins
 
@@ -380,3 +381,20 @@ def test_router_side_modules_stay_free_of_paddle(tmp_path):
             "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'paddle'); assert not bad, bad")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_an_unloaded_adapters_request_is_a_404_through_the_wire_and_the_api():
+    """The scheduler's 404 survives the engine socket and becomes OpenAI's model_not_found, not an engine 500."""
+    from warmfleet.server.api.completions import engine_failure
+    from warmfleet.server.engine import serde
+    from warmfleet.server.engine.request import RequestOutput
+    from warmfleet.server.outputs import EngineError, OutputStream
+
+    gone = serde.output_from_wire(serde.output_to_wire(RequestOutput(
+        "r", [], True, "abort", 3, error="the LoRA adapter 'b' was unloaded", error_status=404)))
+    assert gone.error_status == 404
+    with pytest.raises(EngineError) as exc:
+        OutputStream(detokenizer=None).push(gone)  # the error path detokenizes nothing
+    err = engine_failure(exc.value)
+    assert (err.status, err.code) == (404, "model_not_found") and "unloaded" in err.message
+    assert engine_failure(EngineError("boom")).status == 500

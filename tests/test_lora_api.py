@@ -131,3 +131,4 @@ def test_load_run_concurrently_and_unload_at_runtime(replica, tiny_model_dir):
     bad = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": "/nonexistent"},
                      headers=auth(ADMIN))
     assert bad.status_code == 400 and "PEFT adapter directory" in bad.json()["error"]["message"]
+

@@ -236,12 +236,14 @@ async def _wait_disconnect(request: Request) -> None:
 
 def stream_error(state: ServerState, exc: EngineError) -> str:
     """The SSE event that ends a stream the engine failed (the client sees why, never a silent cut)."""
-    state.metrics.error(500)
     err = engine_failure(exc)
+    state.metrics.error(err.status)
     return sse(error_body(err.status, err.message, code=err.code))
 
 
 def engine_failure(exc: EngineError) -> APIError:
+    if exc.status == 404:  # its LoRA adapter was unloaded while it waited: as if it had never been served
+        return APIError(404, str(exc), code="model_not_found")
     return APIError(500, f"the engine failed this request: {exc}", code="engine_error")
 
 

@@ -92,3 +92,4 @@ class RequestOutput:
     num_cached_tokens_cpu: int = 0
     new_logprobs: Optional[list] = None  # per new token: (logprob, [(token_id, logprob), ...])
     error: Optional[str] = None  # set when the request failed inside the engine
+    error_status: int = 500  # the HTTP status that failure means to a client (404: its LoRA adapter is gone)

@@ -128,7 +128,8 @@ class Scheduler:
                     self._finish(req, RequestStatus.FINISHED_ABORTED)
                     self._finished.append(RequestOutput(
                         req.request_id, [], True, "abort", req.num_prompt_tokens, req.num_cached_tokens,
-                        req.num_cached_tokens_cpu, error=f"the LoRA adapter {req.adapter.name!r} was unloaded"))
+                        req.num_cached_tokens_cpu, error=f"the LoRA adapter {req.adapter.name!r} was unloaded",
+                        error_status=404))
                     continue
                 if req.adapter is not None and not self.adapters.can_acquire(req.adapter):
                     held.append(self.waiting.popleft())

@@ -66,11 +66,11 @@ def request_from_wire(d: dict) -> GenerateRequest:
 
 def output_to_wire(o: RequestOutput) -> list:
     return [o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.num_prompt_tokens, o.num_cached_tokens,
-            o.num_cached_tokens_cpu, o.new_logprobs, o.error]
+            o.num_cached_tokens_cpu, o.new_logprobs, o.error, o.error_status]
 
 
 def output_from_wire(a: list) -> RequestOutput:
     lp = a[7]
     if lp is not None:
         lp = [None if x is None else (x[0], [tuple(t) for t in x[1]]) for x in lp]
-    return RequestOutput(a[0], list(a[1]), a[2], a[3], a[4], a[5], a[6], lp, a[8])
+    return RequestOutput(a[0], list(a[1]), a[2], a[3], a[4], a[5], a[6], lp, a[8], a[9])
