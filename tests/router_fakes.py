@@ -38,7 +38,9 @@ class Served:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        # no log_config or log_level: uvicorn would detach its loggers from the root (or set their level) for the rest
+        # of the session
+        self.server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_config=None))
         self.task: Optional[asyncio.Task] = None
 
     async def start(self) -> "Served":

@@ -79,7 +79,10 @@ class EppServer:
         self._stack.push_async_callback(_cancel, ready_task)
         if self.http_port is not None:
             app = build_side_app(self.rt, self.state, self.metrics)
-            cfg = uvicorn.Config(app, host=self.host, port=self.http_port, log_level="warning", access_log=False,
+            # log_config=None: setup_logging (the command's) owns logging, as for `warmfleet serve`; uvicorn's own
+            # config (or access_log=False) would detach its loggers from the root handler for the whole process;
+            # successful probes and scrapes stay out of info-level logs (logging_setup)
+            cfg = uvicorn.Config(app, host=self.host, port=self.http_port, log_config=None,
                                  lifespan="off")
             self.http = uvicorn.Server(cfg)
             self.http.install_signal_handlers = lambda: None  # the command owns the signals
