@@ -20,7 +20,7 @@ COPY server ./server
 COPY operator ./operator
 RUN python -m pip install --quiet build && python -m build --wheel --outdir /dist .
 
-# ---- slim: python:3.11-slim + warmfleet[router,operator,fetch], no Paddle ----
+# ---- slim: python:3.11-slim + warmfleet[router,operator,fetch,gateway], no Paddle ----
 FROM ${SLIM_BASE} AS slim
 ENV PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 WARMFLEET_LOG_FORMAT=json
 COPY scripts/image-steps.sh /usr/local/bin/warmfleet-image-steps

@@ -7,7 +7,7 @@
 #   engine  warmfleet[$ENGINE_EXTRA,fetch]: the engine image (ENGINE_EXTRA=engine-gpu on a base that ships
 #           paddlepaddle-gpu; engine installs Paddle's CPU build from PyPI), with the decode-attention
 #           kernel built into $WARMFLEET_KERNEL_DIR when that is set.
-#   slim    warmfleet[router,operator,fetch]: operator, router and EPP pods and the fetch-model init step;
+#   slim    warmfleet[router,operator,fetch,gateway]: operator, router and EPP pods and the fetch-model init step;
 #           no Paddle.
 #
 # Env: PYTHON (default: python3) is the interpreter installed into. Every smoke step runs from / with -P,
@@ -27,7 +27,7 @@ wheel=$(cd "$(dirname "$wheel")" && pwd)/$(basename "$wheel")
 
 case $target in
   engine) extras="${ENGINE_EXTRA:-engine-gpu},fetch" ;;
-  slim) extras="router,operator,fetch" ;;
+  slim) extras="router,operator,fetch,gateway" ;;
   *) fail "unknown target '$target' (engine or slim)" ;;
 esac
 
@@ -51,7 +51,10 @@ common = ["warmfleet.cli", "warmfleet.fetch", "warmfleet.server.config", "warmfl
 modules = {
     "engine": common + ["paddle", "warmfleet.server.api.main", "warmfleet.server.engine.core_proc",
                         "warmfleet.server.tiny_checkpoints.cli"],
-    "slim": common + ["warmfleet.operator.main", "warmfleet.operator.handlers", "warmfleet.operator.kube"],
+    "slim": common + ["warmfleet.operator.main", "warmfleet.operator.handlers", "warmfleet.operator.kube",
+                      "warmfleet.server.router.epp.main", "warmfleet.server.router.epp.service",
+                      "warmfleet.server.router.epp.pick", "warmfleet.server.router.epp.app",
+                      "warmfleet.server.router.epp.envoy_bootstrap"],
 }[target]
 for name in modules:
     mod = importlib.import_module(name)

@@ -17,7 +17,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from ... import rendering
 from .fleet import Fleet
@@ -68,8 +68,10 @@ class Router:
         self._media_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None  # render_off_loop's thread
 
     # --- decision ---------------------------------------------------------------------------
-    async def route(self, kind: str, body: dict) -> Optional[Routed]:
-        """Decide where `body` (a `kind` = "chat" | "completion" request) goes; None if no replica is routable.
+    async def route(self, kind: str, body: dict,
+                    eligible: Optional[Callable[[Replica], bool]] = None) -> Optional[Routed]:
+        """Decide where `body` (a `kind` = "chat" | "completion" request) goes; None if no replica is routable
+        (among those `eligible` allows: a gateway's subset hint).
 
         A chat request with images is rendered off the event loop first; the dialect may then rewrite
         `body` in place so the engine names its blocks as predicted."""
@@ -77,6 +79,8 @@ class Router:
         if kind == "chat" and self.renderer is not None and has_images(body):
             rendered = (await self.render_off_loop(kind, body),)
         replicas = self.fleet.routable()  # after the render: the fleet may change while it runs
+        if eligible is not None:
+            replicas = [r for r in replicas if eligible(r)]
         if not replicas:
             return None
         decision, prompt, hashes = self.decide(kind, body, replicas, rendered)

@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 from typing import Callable, Optional
 
+from .errors import Refusal
+
 DEFAULT_SALT_SECRET = "warmfleet-cache-salt-v1"
 
 
@@ -90,3 +92,22 @@ class ConcurrencyLimiter:
             self.open[client] = n
         else:
             self.open.pop(client, None)
+
+
+def admit_client(tenants: Tenants, limiter: ConcurrencyLimiter, host: str, auth: Optional[str],
+                 body: Optional[dict]) -> str | Refusal:
+    """What every front door does before routing: authenticate (and salt `body` with the tenant's `cache_salt`),
+    then take a per-client slot. Returns the client's key (release it with `limiter.release(key)` when the answer's
+    last byte has gone), or the 401 / 429 to answer."""
+    client = host
+    if tenants.enabled:
+        key = tenants.authenticate(auth)
+        if key is None:
+            return Refusal(401, "missing or unknown API key", "authentication_error")
+        client = "key:" + key
+        if body is not None:
+            salt = body.get("cache_salt")
+            body["cache_salt"] = tenants.salt_for(key, salt if isinstance(salt, str) else None)
+    if not limiter.try_acquire(client):
+        return Refusal(429, f"more than {limiter.limit} concurrent requests from this client", "rate_limit_error")
+    return client

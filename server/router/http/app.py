@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
-import json
 from contextlib import asynccontextmanager
 from typing import Awaitable, Callable, Optional
 
@@ -12,23 +10,20 @@ from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response
 
 from ...bodies import BodyTooLarge, read_capped
-from ..core.fleet import Fleet
+from ..core.errors import Refusal
+from ..core.errors import parse_json_object as parse_body
 from ..core.metrics import RouterMetrics
 from ..core.peers import PEER_LOAD_PATH, PeerLoad
 from ..core.runtime import RouterRuntime, running, upstream_headers
-from ..core.tenants import ConcurrencyLimiter
-from .proxy import Proxy, error_response, upstream_session
+from ..core.tenants import ConcurrencyLimiter, admit_client
+from ..status import add_admin_routes, add_status_routes, error_response, refusal_response
+from .proxy import Proxy, upstream_session
 
 
 def parse_json_object(raw: bytes) -> dict | Response:
     """The request's JSON object, or the 400 to answer."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nesting too deep
-        return error_response(400, "request body is not valid JSON", "invalid_request_error")
-    if not isinstance(body, dict):
-        return error_response(400, "request body must be a JSON object", "invalid_request_error")
-    return body
+    body = parse_body(raw)
+    return refusal_response(body) if isinstance(body, Refusal) else body
 
 
 async def json_body(request: Request, max_bytes: int) -> tuple[dict, bytes] | Response:
@@ -75,20 +70,8 @@ class Frontend:
         """Authenticate (and salt `body` for the tenant) and take a per-client slot: the client's key, or the 4xx.
 
         The caller releases the slot (`limiter.release(key)`) when the last byte has been sent."""
-        tenants, limiter = self.tenants, self.limiter
-        client = host
-        if tenants.enabled:
-            key = tenants.authenticate(auth)
-            if key is None:
-                return error_response(401, "missing or unknown API key", "authentication_error")
-            client = "key:" + key
-            if body is not None:
-                salt = body.get("cache_salt")
-                body["cache_salt"] = tenants.salt_for(key, salt if isinstance(salt, str) else None)
-        if not limiter.try_acquire(client):
-            return error_response(429, f"more than {limiter.limit} concurrent requests from this client",
-                                  "rate_limit_error")
-        return client
+        client = admit_client(self.tenants, self.limiter, host, auth, body)
+        return refusal_response(client) if isinstance(client, Refusal) else client
 
     async def admit(self, request: Request, body: Optional[dict], call: Callable[[], Awaitable[Response]]) -> Response:
         """`enter`, then the answer of `call`, holding the client's slot until its last byte is sent."""
@@ -239,94 +222,6 @@ def _lifespan(rt: RouterRuntime, metrics: RouterMetrics, state: dict, peers: Opt
     return lifespan
 
 
-def _add_status_routes(app: FastAPI, state: dict, metrics: RouterMetrics) -> None:
-    """Liveness, readiness, Prometheus metrics and the replicas view."""
-
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200)
-
-    @app.get("/ready")
-    async def ready() -> Response:
-        fleet: Fleet = state["fleet"]
-        n = len(fleet.routable())
-        return JSONResponse({"ready": n > 0, "routable_replicas": n, "replicas": len(fleet.registry.replicas)},
-                            status_code=200 if n else 503)
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        fleet: Fleet = state["fleet"]
-        for rid in fleet.registry.replicas:
-            metrics.replica_engine_queue.labels(rid).set(fleet.engine_load(rid))
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
-
-    @app.get("/v1/router/replicas")
-    async def replicas() -> Response:
-        """Debug view: members, health, load and how much of each one's cache the index knows."""
-        fleet: Fleet = state["fleet"]
-        out = []
-        for r in fleet.registry.replicas.values():
-            st = fleet.index.replicas.get(r.id)
-            out.append({"id": r.id, "state": _phase(r), "events": r.spec.events, "healthy": r.healthy,
-                        "in_flight": r.in_flight, "last_warmup": r.last_warmup, "draining": r.draining,
-                        "drain_trigger": r.drain_trigger, "last_handoff": r.last_handoff,
-                        "engine_requests": fleet.engine_load(r.id), "synced": bool(st and st.synced),
-                        "gpu_blocks": len(st.gpu) if st else 0, "cpu_blocks": len(st.cpu) if st else 0,
-                        "last_error": r.last_error})
-        return JSONResponse({"replicas": out, "index_blocks": fleet.index.num_blocks(),
-                             "index_evicted_blocks": fleet.index.evicted, "engine": fleet.dialect.kind,
-                             "contract": fleet.dialect.contract, "hash_check": fleet.dialect.hash_check()})
-
-
-def _phase(r) -> str:
-    """A replica's state in the replicas view: draining (requests still in flight), drained, warming, ready, down."""
-    if r.draining:
-        return "draining" if r.in_flight else "drained"
-    return "warming" if r.warming else "ready" if r.healthy else "down"
-
-
-def _add_admin_routes(app: FastAPI, rt: RouterRuntime, state: dict) -> None:
-    """Drain for static fleets and scripted rolling updates: POST starts it, DELETE ends it.
-
-    The replica id is its base URL as `/v1/router/replicas` lists it (percent-encode it:
-    `/v1/router/replicas/http%3A%2F%2F10.0.0.7%3A8000/drain`). With `--admin-key` the call needs
-    `Authorization: Bearer KEY`; without one it is open only while the router checks no API keys.
-    """
-
-    def denied(request: Request) -> Optional[Response]:
-        admin_key = rt.settings.admin_key
-        if admin_key:
-            scheme, _, token = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), admin_key.encode()):
-                return error_response(401, "admin routes need `Authorization: Bearer <admin key>`",
-                                      "authentication_error")
-        elif rt.tenants.enabled:
-            return error_response(403, "this router checks API keys: start it with --admin-key (or "
-                                  "WARMFLEET_ADMIN_KEY) to use its admin routes", "permission_error")
-        return None
-
-    async def drain_call(request: Request, rid: str, start: bool) -> Response:
-        refused = denied(request)
-        if refused is not None:
-            return refused
-        fleet: Fleet = state["fleet"]
-        rid = rid.rstrip("/")
-        if not (fleet.drain(rid, "admin") if start else fleet.undrain(rid)):
-            known = ", ".join(sorted(fleet.registry.replicas)) or "none"
-            return error_response(404, f"no replica {rid!r} in this router (members: {known})",
-                                  "invalid_request_error")
-        r = fleet.registry.replicas[rid]
-        return JSONResponse({"id": rid, "state": _phase(r), "draining": r.draining, "in_flight": r.in_flight})
-
-    @app.post("/v1/router/replicas/{rid:path}/drain")
-    async def drain(request: Request, rid: str) -> Response:
-        return await drain_call(request, rid, True)
-
-    @app.delete("/v1/router/replicas/{rid:path}/drain")
-    async def undrain(request: Request, rid: str) -> Response:
-        return await drain_call(request, rid, False)
-
-
 def _add_peer_route(app: FastAPI, state: dict, open_by_client: Callable[[], dict], peers: Optional[PeerLoad]) -> None:
     """`GET /v1/router/peer-load`: this router's own figures (served even without --peers, so others can poll it)."""
     local = peers or PeerLoad([])
@@ -353,7 +248,7 @@ def build_app(rt: RouterRuntime) -> FastAPI:
     app.state.limiter = limiter
     app.state.peers = peers
     _add_openai_routes(app, front)
-    _add_status_routes(app, state, metrics)
-    _add_admin_routes(app, rt, state)
+    add_status_routes(app, state, metrics)
+    add_admin_routes(app, rt, state)
     _add_peer_route(app, state, lambda: limiter.open, peers)
     return FastPath(app, front)  # type: ignore[return-value]  # an ASGI app that forwards attributes to `app`

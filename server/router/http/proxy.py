@@ -21,12 +21,14 @@ from typing import AsyncIterator, Optional
 
 import aiohttp
 import httpx
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from ..core.policy import RETRY, Decision
 from ..core.registry import Replica
-from ..core.router import Router, cached_tokens_of
+from ..core.router import Router
 from ..core.settings import ProxyConfig
+from ..core.usage import cached_tokens_in_events, cached_tokens_in_json, event_boundary
+from ..status import error_response
 
 log = logging.getLogger(__name__)
 
@@ -40,19 +42,9 @@ CONNECT_TIMEOUT = getattr(aiohttp, "ConnectionTimeoutError", ())  # aiohttp >= 3
 PASSTHROUGH_HEADERS = ("content-type", "x-warmfleet-replica", "x-request-id")
 
 
-def error_response(status: int, message: str, type_: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "code": status}}, status_code=status)
-
-
 def sse_error(message: str) -> bytes:
     payload = json.dumps({"error": {"message": message, "type": "upstream_error", "code": 502}})
     return f"data: {payload}\n\ndata: [DONE]\n\n".encode()
-
-
-def _event_boundary(buf: bytes) -> int:
-    """End of the last complete SSE event in `buf` (0 if none)."""
-    lf, crlf = buf.rfind(b"\n\n"), buf.rfind(b"\r\n\r\n")
-    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
 def upstream_session() -> aiohttp.ClientSession:
@@ -188,7 +180,7 @@ class Proxy:
             buf = first
             try:
                 while True:
-                    cut = _event_boundary(buf)
+                    cut = event_boundary(buf)
                     if cut:
                         out, buf = buf[:cut], buf[cut:]
                         if b'"cached_tokens"' in out:
@@ -224,17 +216,7 @@ class Proxy:
         return resp
 
     def _observe_usage(self, decision: Decision, content: bytes, rid: str) -> None:
-        try:
-            actual = cached_tokens_of(json.loads(content))
-        except (ValueError, UnicodeDecodeError):
-            return
-        self.router.record_actual(decision, rid, actual)
+        self.router.record_actual(decision, rid, cached_tokens_in_json(content))
 
     def _observe_sse_usage(self, decision: Decision, events: bytes, rid: str) -> None:
-        for line in events.splitlines():
-            if line.startswith(b"data: {") and b'"cached_tokens"' in line:
-                try:
-                    self.router.record_actual(decision, rid, cached_tokens_of(json.loads(line[6:])))
-                except (ValueError, UnicodeDecodeError):
-                    pass
-                return
+        self.router.record_actual(decision, rid, cached_tokens_in_events(events))

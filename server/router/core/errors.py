@@ -1,0 +1,36 @@
+"""What a front door answers instead of routing (a refusal: status, OpenAI-shaped error); no HTTP."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A request the router answers itself: the HTTP status and the OpenAI error it carries."""
+
+    status: int  # 4xx / 5xx
+    message: str
+    type: str  # OpenAI error type, e.g. "invalid_request_error", "rate_limit_error"
+
+    def payload(self) -> dict:
+        """The OpenAI error body: {"error": {"message", "type", "code"}}."""
+        return {"error": {"message": self.message, "type": self.type, "code": self.status}}
+
+    def body(self) -> bytes:
+        return json.dumps(self.payload()).encode()
+
+
+NO_REPLICA = Refusal(503, "no healthy replica", "service_unavailable")
+
+
+def parse_json_object(raw: bytes) -> dict | Refusal:
+    """The request's JSON object, or the 400 to answer."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nesting too deep
+        return Refusal(400, "request body is not valid JSON", "invalid_request_error")
+    if not isinstance(body, dict):
+        return Refusal(400, "request body must be a JSON object", "invalid_request_error")
+    return body

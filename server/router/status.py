@@ -1,0 +1,114 @@
+"""The status and admin HTTP routes both front doors serve (health, readiness, metrics, replicas view, drain); FastAPI.
+
+Shared by `warmfleet route` (http/) and the EPP's side port (epp/); imports the core only, never a front door.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse, Response
+
+from .core.errors import Refusal
+from .core.fleet import Fleet
+from .core.metrics import RouterMetrics
+from .core.runtime import RouterRuntime
+
+
+def error_response(status: int, message: str, type_: str) -> JSONResponse:
+    return refusal_response(Refusal(status, message, type_))
+
+
+def refusal_response(refusal: Refusal) -> JSONResponse:
+    """A core refusal as the OpenAI-shaped JSON answer."""
+    return JSONResponse(refusal.payload(), status_code=refusal.status)
+
+
+def add_status_routes(app: FastAPI, state: dict, metrics: RouterMetrics) -> None:
+    """Liveness, readiness, Prometheus metrics and the replicas view."""
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        fleet: Fleet = state["fleet"]
+        n = len(fleet.routable())
+        return JSONResponse({"ready": n > 0, "routable_replicas": n, "replicas": len(fleet.registry.replicas)},
+                            status_code=200 if n else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        fleet: Fleet = state["fleet"]
+        for rid in fleet.registry.replicas:
+            metrics.replica_engine_queue.labels(rid).set(fleet.engine_load(rid))
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/router/replicas")
+    async def replicas() -> Response:
+        """Debug view: members, health, load and how much of each one's cache the index knows."""
+        fleet: Fleet = state["fleet"]
+        out = []
+        for r in fleet.registry.replicas.values():
+            st = fleet.index.replicas.get(r.id)
+            out.append({"id": r.id, "state": phase(r), "events": r.spec.events, "healthy": r.healthy,
+                        "in_flight": r.in_flight, "last_warmup": r.last_warmup, "draining": r.draining,
+                        "drain_trigger": r.drain_trigger, "last_handoff": r.last_handoff,
+                        "engine_requests": fleet.engine_load(r.id), "synced": bool(st and st.synced),
+                        "gpu_blocks": len(st.gpu) if st else 0, "cpu_blocks": len(st.cpu) if st else 0,
+                        "last_error": r.last_error})
+        return JSONResponse({"replicas": out, "index_blocks": fleet.index.num_blocks(),
+                             "index_evicted_blocks": fleet.index.evicted, "engine": fleet.dialect.kind,
+                             "contract": fleet.dialect.contract, "hash_check": fleet.dialect.hash_check()})
+
+
+def phase(r) -> str:
+    """A replica's state in the replicas view: draining (requests still in flight), drained, warming, ready, down."""
+    if r.draining:
+        return "draining" if r.in_flight else "drained"
+    return "warming" if r.warming else "ready" if r.healthy else "down"
+
+
+def add_admin_routes(app: FastAPI, rt: RouterRuntime, state: dict) -> None:
+    """Drain for static fleets and scripted rolling updates: POST starts it, DELETE ends it.
+
+    The replica id is its base URL as `/v1/router/replicas` lists it (percent-encode it:
+    `/v1/router/replicas/http%3A%2F%2F10.0.0.7%3A8000/drain`). With `--admin-key` the call needs
+    `Authorization: Bearer KEY`; without one it is open only while the router checks no API keys.
+    """
+
+    def denied(request: Request) -> Optional[Response]:
+        admin_key = rt.settings.admin_key
+        if admin_key:
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), admin_key.encode()):
+                return error_response(401, "admin routes need `Authorization: Bearer <admin key>`",
+                                      "authentication_error")
+        elif rt.tenants.enabled:
+            return error_response(403, "this router checks API keys: start it with --admin-key (or "
+                                  "WARMFLEET_ADMIN_KEY) to use its admin routes", "permission_error")
+        return None
+
+    async def drain_call(request: Request, rid: str, start: bool) -> Response:
+        refused = denied(request)
+        if refused is not None:
+            return refused
+        fleet: Fleet = state["fleet"]
+        rid = rid.rstrip("/")
+        if not (fleet.drain(rid, "admin") if start else fleet.undrain(rid)):
+            known = ", ".join(sorted(fleet.registry.replicas)) or "none"
+            return error_response(404, f"no replica {rid!r} in this router (members: {known})",
+                                  "invalid_request_error")
+        r = fleet.registry.replicas[rid]
+        return JSONResponse({"id": rid, "state": phase(r), "draining": r.draining, "in_flight": r.in_flight})
+
+    @app.post("/v1/router/replicas/{rid:path}/drain")
+    async def drain(request: Request, rid: str) -> Response:
+        return await drain_call(request, rid, True)
+
+    @app.delete("/v1/router/replicas/{rid:path}/drain")
+    async def undrain(request: Request, rid: str) -> Response:
+        return await drain_call(request, rid, False)
