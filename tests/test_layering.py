@@ -58,3 +58,27 @@ def test_the_flags_contract_loads_nothing_of_attention_or_paddle(tmp_path):
             "assert not bad, bad")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_router_core_knows_no_front_door_and_the_doors_know_not_each_other():
+    """core/ imports neither door nor the shared HTTP routes (status.py); the EPP (epp/) and the proxy (http/) share
+    the core and status.py, never each other's modules."""
+    router = SERVER / "router"
+    for path in (router / "core").rglob("*.py"):
+        bad = [m for m in server_imports(path) if m.startswith(("router.http", "router.epp", "router.status"))]
+        assert not bad, (path, bad)
+    for path in (router / "epp").rglob("*.py"):
+        assert not [m for m in server_imports(path) if m.startswith("router.http")], path
+    for path in (router / "http").rglob("*.py"):
+        assert not [m for m in server_imports(path) if m.startswith("router.epp")], path
+    assert not [m for m in server_imports(router / "status.py") if m.startswith(("router.http", "router.epp"))]
+
+
+def test_the_epp_flags_and_envoy_bootstrap_load_no_grpc_or_protos(tmp_path):
+    """The operator renders the EPP's args from epp/settings.py, and `warmfleet envoy-bootstrap` runs anywhere:
+    neither may pull in grpc, the protos (a package named `envoy`) or the router's HTTP stack."""
+    code = ("import sys, warmfleet.server.router.epp.settings, warmfleet.server.router.epp.envoy_bootstrap; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'envoy', 'fastapi', 'httpx')); "
+            "assert not bad, bad")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr

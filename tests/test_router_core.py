@@ -1,9 +1,9 @@
-"""The router core knows nothing of HTTP serving: importing it loads no front door and no web server."""
+"""The router core knows nothing of HTTP or gRPC serving: importing it loads no front door, no web server, no gRPC."""
 
 import subprocess
 import sys
 
-SERVER_BITS = ("fastapi", "starlette", "uvicorn")
+SERVER_BITS = ("fastapi", "starlette", "uvicorn", "grpc", "envoy")  # web servers, gRPC and its protos (the EPP's)
 
 
 def test_core_imports_no_http_server_and_no_front_door(tmp_path):
@@ -13,7 +13,8 @@ def test_core_imports_no_http_server_and_no_front_door(tmp_path):
             "names = [m.name for m in pkgutil.walk_packages(core.__path__, core.__name__ + '.')]; "
             "[importlib.import_module(n) for n in names]; "
             f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {SERVER_BITS!r} "
-            "or m.startswith('warmfleet.server.router.http')); "
+            "or m.startswith(('warmfleet.server.router.http', 'warmfleet.server.router.epp', "
+            "'warmfleet.server.router.status'))); "
             "print(len(names)); assert not bad, bad")
     proc = subprocess.run([sys.executable, "-P", "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -36,6 +37,7 @@ def test_no_core_module_imports_a_front_door_or_a_web_server_even_lazily():
             else:
                 continue
             for name in names:
-                if name.lstrip(".").split(".")[0] in SERVER_BITS or ".http" in name or name.startswith("..http"):
+                if name.lstrip(".").split(".")[0] in SERVER_BITS or any(
+                        door in name for door in (".http", ".epp", ".status")) or name.startswith(("..http", "..epp")):
                     found.append(f"{path.relative_to(core)}:{node.lineno} {name}")
     assert len(list(core.rglob("*.py"))) >= 15 and not found, found

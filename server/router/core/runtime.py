@@ -42,9 +42,10 @@ class RouterRuntime:
     freeze_gc: bool = False  # gc.freeze() once started (`warmfleet route` sets it; a process-wide act, not for tests)
 
 
-def settings_from_args(args: argparse.Namespace) -> RouterSettings:
-    """The flags as RouterSettings (validated), with the environment's keys where a flag gives none."""
-    s: RouterSettings = flagfields.from_namespace(args, RouterSettings)
+def settings_from_args(args: argparse.Namespace, cls: type = RouterSettings) -> RouterSettings:
+    """The flags as RouterSettings (or the front door's subclass `cls`; validated), with the environment's keys where
+    a flag gives none."""
+    s: RouterSettings = flagfields.from_namespace(args, cls)
     return replace(s, replica_api_key=s.replica_api_key or os.environ.get("WARMFLEET_REPLICA_API_KEY"),
                    admin_key=s.admin_key or os.environ.get("WARMFLEET_ADMIN_KEY"))
 

@@ -1,0 +1,45 @@
+"""`warmfleet epp`: flags → EppSettings → RouterRuntime (core/runtime.py) → EppServer until SIGTERM; light imports."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import replace
+
+from ... import flagfields
+from .settings import EppSettings
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    flagfields.add_arguments(p, EppSettings)
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import signal
+
+    from ...logging_setup import setup_logging
+    from ..core.runtime import runtime_from_settings, settings_from_args
+    from .server import EppServer
+
+    settings = settings_from_args(args, EppSettings)
+    if settings.peers:
+        raise ValueError("--peers is a `warmfleet route` feature (its /v1/router/peer-load); an InferencePool has "
+                         "one active EPP")
+    setup_logging(settings.log_level)
+    if settings.log_level != "debug":
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+    rt = replace(runtime_from_settings(settings), freeze_gc=True)
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        async with EppServer(rt) as epp:
+            logging.getLogger(__name__).info("endpoint picker serving: gRPC %s:%d, HTTP %s:%d", epp.host,
+                                             epp.grpc_port, epp.host, epp.http_port)
+            await stop.wait()
+
+    asyncio.run(serve())
+    return 0

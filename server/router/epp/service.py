@@ -1,0 +1,326 @@
+"""The ext_proc stream of one HTTP request (`Exchange`) and the ExternalProcessor servicer; what the pick books.
+
+One gRPC stream per HTTP request, FULL_DUPLEX_STREAMED (what GIE gateways configure):
+
+    Envoy ─ request_headers ──────────▶  held: nothing is answered until the body is whole
+          ─ request_body … (eos) ─────▶  Router.route → enter(primary)
+          ◀──────── headers response ─   destination header + envoy.lb metadata, clear_route_cache
+          ◀──── streamed body chunks ─   the body as hashed (rewritten if the router changed it)
+          ─ response_headers ─────────▶  served endpoint: the load moves there if the gateway retried
+          ◀───────── headers response ─
+          ─ response_body chunk ──────▶  first one: prefilled; each one handed back at once
+          ◀───────── streamed chunk ───
+          ─ … eos / trailers ─────────▶  record_actual (usage.cached_tokens) + leave
+    a stream that ends any other way (Envoy cancels it) still leaves and frees the client's slot.
+
+BUFFERED request bodies are answered in the body response instead (headers pass at once: Envoy holds them until
+the body response, which carries the header mutation). Paths other than chat and completions are not routed by
+cache: they go to the least-loaded eligible endpoint, picked from the headers, and the body passes unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import AsyncIterator, Optional
+
+import grpc
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as mode_pb
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from ..core.errors import NO_REPLICA, Refusal, parse_json_object
+from ..core.policy import RETRY
+from ..core.registry import Replica
+from ..core.router import Router, Routed
+from ..core.runtime import RouterRuntime, upstream_headers
+from ..core.tenants import ConcurrencyLimiter, admit_client
+from ..core.usage import UsageScanner
+from . import pick
+
+log = logging.getLogger(__name__)
+
+FULL_DUPLEX = mode_pb.ProcessingMode.FULL_DUPLEX_STREAMED
+GENERATION_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+NO_SUBSET_ENDPOINT = Refusal(503, "no endpoint of the gateway's subset hint is eligible", "service_unavailable")
+
+
+class Exchange:
+    """One HTTP request and its response as the gateway relays them: what was picked and what it booked."""
+
+    def __init__(self, door: "EppDoor"):
+        self.door, self.router = door, door.router
+        self.request_mode = self.response_mode = FULL_DUPLEX  # until protocol_config says otherwise
+        self.kind: Optional[str] = None  # "chat" | "completion": routed by cache; None: by load
+        self.auth: Optional[str] = None
+        self.host = "unknown"
+        self.subset: Optional[frozenset[str]] = None
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.picked = False  # the pick (or an immediate answer) has been sent
+        self.routed: Optional[Routed] = None
+        self.rep: Optional[Replica] = None  # where this request's load is booked (after the served report: there)
+        self.queued = 0  # its uncached prompt tokens, queued on `rep` until the first response byte
+        self.client: Optional[str] = None  # the per-client slot held
+        self.prefill_done = False
+        self.scanner: Optional[UsageScanner] = None
+        self.status = 0
+        self.t_pick = 0.0
+        self.done = False
+        self.answered = False  # the EPP answered the client itself (ImmediateResponse): the stream ends
+
+    # --- request --------------------------------------------------------------------------------
+    async def on_request_headers(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        if req.HasField("protocol_config"):
+            cfg = req.protocol_config
+            self.request_mode, self.response_mode = cfg.request_body_mode, cfg.response_body_mode
+        h = req.request_headers
+        path = (pick.header_value(h, ":path") or "/").split("?", 1)[0]
+        method = pick.header_value(h, ":method") or "GET"
+        self.auth = pick.header_value(h, "authorization")
+        xff = pick.header_value(h, "x-forwarded-for")
+        self.host = xff.split(",")[-1].strip() if xff else "unknown"  # the gateway appends the peer it saw
+        self.subset = pick.subset_of(req)
+        self.kind = GENERATION_PATHS.get(path) if method == "POST" else None
+        declared = pick.header_value(h, "content-length")
+        limit = self.door.max_request_bytes
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return [self.refuse(Refusal(413, f"request body larger than {limit} bytes", "invalid_request_error"))]
+        if self.kind is None or h.end_of_stream:
+            return [self.pick_by_load()]
+        if self.request_mode == FULL_DUPLEX:
+            return []  # the pick rides on the headers response, sent when the body is whole
+        return [pick.request_headers_response()]  # BUFFERED: the pick rides on the body response
+
+    async def on_request_body(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        b = req.request_body
+        if self.picked:  # routed by load (or refused): the body passes as it is
+            if self.done:
+                return []
+            return ([pb.ProcessingResponse(request_body=pb.BodyResponse(response=pick.streamed(b.body, b.end_of_stream)))]
+                    if self.request_mode == FULL_DUPLEX else [pick.request_body_response()])
+        self.size += len(b.body)
+        if self.size > self.door.max_request_bytes:
+            return [self.refuse(Refusal(413, f"request body larger than {self.door.max_request_bytes} bytes",
+                                        "invalid_request_error"))]
+        self.chunks.append(b.body)
+        if not b.end_of_stream:
+            return [] if self.request_mode == FULL_DUPLEX else [pick.request_body_response()]
+        return await self.route(end_of_stream=True)
+
+    async def on_request_trailers(self) -> list[pb.ProcessingResponse]:
+        out = [] if self.picked else await self.route(end_of_stream=False)  # trailers ended the body
+        if not self.done:
+            out.append(pb.ProcessingResponse(request_trailers=pb.TrailersResponse()))
+        return out
+
+    async def route(self, end_of_stream: bool) -> list[pb.ProcessingResponse]:
+        """The whole body is here: parse, admit, route, and send the pick (and the body as the router hashed it)."""
+        raw = b"".join(self.chunks)
+        self.chunks = []
+        body = parse_json_object(raw)
+        if isinstance(body, Refusal):
+            return [self.refuse(body)]
+        client = admit_client(self.door.rt.tenants, self.door.limiter, self.host, self.auth, body)
+        if isinstance(client, Refusal):
+            return [self.refuse(client)]
+        self.client = client
+        routed = await self.router.route(self.kind, body, self.eligible())
+        if routed is None:
+            return [self.refuse(NO_REPLICA if self.subset is None else NO_SUBSET_ENDPOINT)]
+        reps = self.door.endpoints(routed.decision.order)
+        if not reps:  # every replica of the order went unhealthy while the request was rendered
+            return [self.refuse(NO_REPLICA if self.subset is None else NO_SUBSET_ENDPOINT)]
+        changed = routed.body_changed or self.door.rt.tenants.enabled  # a dialect rewrite or the tenant's salt
+        out_body = json.dumps(body).encode() if changed else raw
+        self.routed, self.scanner = routed, UsageScanner(bool(body.get("stream")))
+        self.book(reps[0])
+        value = pick.destination(pick.endpoint_of(r) for r in reps)
+        self.picked = True
+        if self.request_mode == FULL_DUPLEX:  # Envoy drops content-length itself in this mode
+            return [pick.request_headers_response(self.door.pick_common(value, len(out_body) if changed else None),
+                                                  value), *pick.streamed_request_body(out_body, end_of_stream)]
+        return [pick.request_body_response(
+            self.door.pick_common(value, len(out_body) if changed else None, out_body if changed else None), value)]
+
+    def eligible(self):
+        if self.subset is None:
+            return None
+        subset = self.subset
+        return lambda r: pick.endpoint_of(r) in subset
+
+    def pick_by_load(self) -> pb.ProcessingResponse:
+        """A request not routed by cache (models, tokenize, a body-less call): the least-loaded eligible endpoint."""
+        client = admit_client(self.door.rt.tenants, self.door.limiter, self.host, self.auth, None)
+        if isinstance(client, Refusal):
+            return self.refuse(client)
+        self.client = client
+        eligible = self.eligible()
+        reps = sorted((r for r in self.router.fleet.routable() if eligible is None or eligible(r)),
+                      key=lambda r: (r.in_flight, r.id))[:self.door.max_attempts]
+        if not reps:
+            return self.refuse(NO_REPLICA if self.subset is None else NO_SUBSET_ENDPOINT)
+        self.book(reps[0])
+        self.picked = True
+        value = pick.destination(pick.endpoint_of(r) for r in reps)
+        return pick.request_headers_response(self.door.pick_common(value), value)
+
+    def refuse(self, refusal: Refusal) -> pb.ProcessingResponse:
+        self.picked = self.done = self.answered = True
+        self.door.metrics.requests.labels(f"{refusal.status // 100}xx").inc()
+        self.close()
+        return pick.immediate(refusal)
+
+    # --- load -----------------------------------------------------------------------------------
+    def book(self, rep: Replica) -> None:
+        self.rep = rep
+        self.queued = self.routed.decision.uncached_for(rep.id) if self.routed is not None else 0
+        self.router.enter(rep, self.queued)
+        self.t_pick = time.perf_counter()
+
+    def prefilled(self) -> None:
+        if self.rep is not None and not self.prefill_done:
+            self.prefill_done = True
+            self.router.prefilled(self.rep, self.queued)
+
+    def settle_served(self, served: Optional[str]) -> None:
+        """The gateway says who served: after a retry, the load moves from the pick to that endpoint."""
+        if self.rep is None or served is None or served == pick.endpoint_of(self.rep):
+            return
+        rep = self.door.replica_at(served)
+        if rep is None:
+            log.warning("the gateway reports endpoint %s, which is not in this pool", served)
+            return
+        self.prefilled()
+        self.router.leave(self.rep)
+        self.door.metrics.retries.inc()
+        self.door.metrics.decisions.labels(RETRY).inc()
+        self.prefill_done = False  # the served replica's own prompt share is queued there until the first byte
+        self.book(rep)
+
+    def close(self) -> None:
+        """Release what this request holds (idempotent): its queued prefill, its in-flight count, its client slot."""
+        if self.rep is not None:
+            self.prefilled()
+            self.router.leave(self.rep)
+            self.rep = None
+        if self.client is not None:
+            self.door.limiter.release(self.client)
+            self.client = None
+
+    # --- response -------------------------------------------------------------------------------
+    async def on_response_headers(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        h = req.response_headers
+        self.settle_served(pick.served_of(req, h))
+        status = pick.header_value(h, ":status")
+        self.status = int(status) if status and status.isdigit() else 0
+        if self.status == 200 and self.rep is not None and self.routed is not None:
+            self.router.fleet.record_served(self.rep.id, self.routed.hashes)
+        if self.scanner is not None and "text/event-stream" not in (pick.header_value(h, "content-type") or ""):
+            self.scanner.stream = False
+        common = pb.CommonResponse()
+        if pick.header_value(h, pick.SERVED) is not None:  # the gateway's note to the EPP, not for the client
+            common.header_mutation.remove_headers.append(pick.SERVED)
+        out = [pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=common))]
+        if h.end_of_stream:
+            self.finish()
+        return out
+
+    async def on_response_body(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        b = req.response_body
+        if not self.prefill_done and self.rep is not None:
+            self.prefilled()
+            self.door.metrics.ttft.observe(time.perf_counter() - self.t_pick)
+        if self.scanner is not None:
+            self.scanner.feed(b.body)
+        out = [pb.ProcessingResponse(response_body=pb.BodyResponse(
+            response=pick.streamed(b.body, b.end_of_stream) if self.response_mode == FULL_DUPLEX
+            else pb.CommonResponse()))]
+        if b.end_of_stream:
+            self.finish()
+        return out
+
+    async def on_response_trailers(self) -> list[pb.ProcessingResponse]:
+        self.finish()
+        return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
+
+    def finish(self) -> None:
+        """The answer's last byte has passed: actual cached tokens for the replica that served it, then release."""
+        if self.done:
+            return
+        self.done = True
+        if self.status:
+            self.door.metrics.requests.labels(f"{self.status // 100}xx").inc()
+        if self.routed is not None and self.rep is not None and self.scanner is not None:
+            self.router.record_actual(self.routed.decision, self.rep.id, self.scanner.finish())
+        self.close()
+
+    async def handle(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        which = req.WhichOneof("request")
+        if which == "request_headers":
+            return await self.on_request_headers(req)
+        if which == "request_body":
+            return await self.on_request_body(req)
+        if which == "request_trailers":
+            return await self.on_request_trailers()
+        if which == "response_headers":
+            return await self.on_response_headers(req)
+        if which == "response_body":
+            return await self.on_response_body(req)
+        if which == "response_trailers":
+            return await self.on_response_trailers()
+        return []
+
+
+class EppDoor:
+    """What every stream shares: the router, the per-client limiter and the endpoint ↔ replica map."""
+
+    def __init__(self, rt: RouterRuntime, router: Router, limiter: ConcurrencyLimiter):
+        self.rt, self.router, self.limiter, self.metrics = rt, router, limiter, router.metrics
+        self.max_request_bytes = rt.settings.max_request_bytes
+        self.max_attempts = rt.settings.proxy.max_attempts
+        # as the HTTP door: the client's key is not passed on when the router checks keys; the replica key is
+        self.upstream = upstream_headers(rt.settings)
+        self.remove = ("authorization",) if rt.tenants.enabled else ()
+
+    def pick_common(self, value: str, body_len: Optional[int] = None,
+                    body: Optional[bytes] = None) -> pb.CommonResponse:
+        return pick.pick_common(value, body_len, body, self.upstream, self.remove)
+
+    def endpoints(self, order: list[str]) -> list[Replica]:
+        """The decision's replicas still healthy, in order, at most --max-attempts: primary then fallbacks."""
+        reg = self.router.fleet.registry
+        reps = [reg.get(rid) for rid in order]
+        return [r for r in reps if r is not None and r.healthy][:self.max_attempts]
+
+    def replica_at(self, endpoint: str) -> Optional[Replica]:
+        return next((r for r in self.router.fleet.registry.replicas.values() if pick.endpoint_of(r) == endpoint),
+                    None)
+
+    def in_flight(self) -> int:
+        return sum(r.in_flight for r in self.router.fleet.registry.replicas.values())
+
+
+class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
+    """envoy.service.ext_proc.v3.ExternalProcessor over the router: one `Exchange` per stream."""
+
+    def __init__(self, door: EppDoor):
+        self.door = door
+        self.open_streams = 0
+
+    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
+        ex = Exchange(self.door)
+        self.open_streams += 1
+        try:
+            async for req in request_iterator:
+                if req.observability_mode:  # nothing may be answered; a pick would be ignored anyway
+                    continue
+                for resp in await ex.handle(req):
+                    yield resp
+                if ex.answered:
+                    return  # an immediate answer ends the exchange
+        finally:  # also when Envoy resets the stream (client gone, timeout): nothing stays booked
+            self.open_streams -= 1
+            ex.close()

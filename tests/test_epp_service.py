@@ -1,0 +1,264 @@
+"""The EPP's ext_proc stream state machine over real gRPC in-process (FakeEnvoy), in front of fake replicas:
+FULL_DUPLEX_STREAMED and BUFFERED picks, fallbacks, subset hint, refusals, body mutations, the response side's
+accounting, cancelled streams, gRPC health and the side HTTP port."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from epp_fakes import (BUFFERED, EppFleet, lb_value, request_body, request_headers, response_body,
+                       response_headers, set_headers, usage_event)
+from images import data_uri, image_bytes, image_part
+from router_fakes import chat
+from waiting import until
+from warmfleet.server.router.core.tenants import Tenants, derive_salt
+from warmfleet.server.router.epp import pick
+
+
+def raw(body: dict) -> bytes:
+    return json.dumps(body).encode()
+
+
+async def pick_full_duplex(f: EppFleet, body: bytes, headers=None, subset=None, split: int = 2):
+    """Headers, then the body in `split` chunks (the last with end_of_stream); returns the stream and its answers."""
+    s = f.stream()
+    await s.send(request_headers(headers=headers, subset=subset))
+    cut = len(body) // split
+    parts = [body[i * cut:(i + 1) * cut] for i in range(split - 1)] + [body[(split - 1) * cut:]]
+    for part in parts[:-1]:
+        await s.send(request_body(part, eos=False))
+    await s.send(request_body(parts[-1], eos=True))
+    first = await s.recv()
+    if first.HasField("immediate_response"):
+        return s, first, b"", []
+    chunks = []
+    while True:
+        r = await s.recv()
+        chunks.append(r)
+        if r.request_body.response.body_mutation.streamed_response.end_of_stream:
+            break
+    sent = b"".join(c.request_body.response.body_mutation.streamed_response.body for c in chunks)
+    return s, first, sent, chunks
+
+
+async def test_full_duplex_pick_header_equals_metadata_body_unchanged_and_response_passes_at_once(tiny_model_dir):
+    async with EppFleet(tiny_model_dir) as f:
+        body = raw(chat("What is a KV cache?", stream=True))
+        s, first, sent, _ = await pick_full_duplex(f, body, split=3)
+        assert first.HasField("request_headers")
+        common = first.request_headers.response
+        value = set_headers(common)[pick.DESTINATION]
+        assert value == lb_value(first)  # one value in the header and in envoy.lb
+        assert common.clear_route_cache
+        eps = value.split(",")
+        assert sorted(eps) == sorted([f.endpoint(0), f.endpoint(1)])  # primary, then the fallback
+        assert "content-length" not in set_headers(common)  # nothing rewritten
+        assert not common.header_mutation.remove_headers and "authorization" not in set_headers(common)
+        assert sent == body  # the client's bytes, as they came
+        primary = eps[0]
+        assert f.in_flight() == {primary: 1, eps[1]: 0}
+        assert f.queued()[primary] > 0  # its prompt is queued prefill until the first byte
+        # response: every chunk handed back unchanged before the next one is sent
+        (h,) = await s.exchange(response_headers(served=primary, content_type="text/event-stream"))
+        assert h.HasField("response_headers")
+        assert list(h.response_headers.response.header_mutation.remove_headers) == [pick.SERVED]
+        chunk1 = b'data: {"choices": [{"index": 0, "text": "hi"}]}\n\n'
+        (r1,) = await s.exchange(response_body(chunk1, eos=False))
+        streamed = r1.response_body.response.body_mutation.streamed_response
+        assert streamed.body == chunk1 and not streamed.end_of_stream
+        assert f.queued()[primary] == 0 and f.in_flight()[primary] == 1  # prefilled, still in flight
+        before = f.metric("warmfleet_router_actual_cached_tokens_total")
+        tail = usage_event(48)
+        (r2,) = await s.exchange(response_body(tail, eos=True))
+        assert r2.response_body.response.body_mutation.streamed_response.body == tail
+        assert r2.response_body.response.body_mutation.streamed_response.end_of_stream
+        assert f.in_flight() == {primary: 0, eps[1]: 0}
+        assert f.metric("warmfleet_router_actual_cached_tokens_total") == before + 48
+        await s.close()
+
+
+async def test_buffered_pick_rides_on_the_body_response(tiny_model_dir):
+    async with EppFleet(tiny_model_dir) as f:
+        s = f.stream()
+        (h,) = await s.exchange(request_headers(mode=BUFFERED))
+        assert h.HasField("request_headers") and not set_headers(h.request_headers.response)  # headers pass
+        (b,) = await s.exchange(request_body(raw(chat("buffered")), eos=True))
+        common = b.request_body.response
+        value = set_headers(common)[pick.DESTINATION]
+        assert value == lb_value(b) and common.clear_route_cache
+        assert not common.HasField("body_mutation")  # unchanged body: passes as buffered
+        (rh,) = await s.exchange(response_headers(served=value.split(",")[0]))
+        (rb,) = await s.exchange(response_body(b'{"usage": {"prompt_tokens_details": {"cached_tokens": 0}}}', True))
+        assert rb.HasField("response_body") and not rb.response_body.response.HasField("body_mutation")
+        assert sum(f.in_flight().values()) == 0
+
+
+async def test_subset_hint_is_honoured_and_nothing_eligible_is_a_503(tiny_model_dir):
+    async with EppFleet(tiny_model_dir) as f:
+        only = f.endpoint(1)
+        for _ in range(3):
+            s, first, _, _ = await pick_full_duplex(f, raw(chat("subset please")), subset=[only])
+            assert set_headers(first.request_headers.response)[pick.DESTINATION] == only
+            s.cancel()
+        await until(lambda: sum(f.in_flight().values()) == 0, "cancelled streams released")
+        for subset in (["10.9.9.9:8000"], []):
+            s, first, _, _ = await pick_full_duplex(f, raw(chat("subset please")), subset=subset)
+            assert first.immediate_response.status.code == 503
+            assert json.loads(first.immediate_response.body)["error"]["code"] == 503
+
+
+async def test_no_ready_endpoint_is_a_503_and_readiness_is_not_serving(tiny_model_dir):
+    async with EppFleet(tiny_model_dir, replica_urls=["http://127.0.0.1:9"]) as f:
+        s, first, _, _ = await pick_full_duplex(f, raw(chat("anyone?")))
+        assert first.immediate_response.status.code == 503
+        err = json.loads(first.immediate_response.body)["error"]
+        assert err["type"] == "service_unavailable"
+        stub = health_pb2_grpc.HealthStub(f.channel)
+        for service, want in (("liveness", health_pb2.HealthCheckResponse.SERVING),
+                              ("readiness", health_pb2.HealthCheckResponse.NOT_SERVING),
+                              ("envoy.service.ext_proc.v3.ExternalProcessor",
+                               health_pb2.HealthCheckResponse.NOT_SERVING)):
+            got = await stub.Check(health_pb2.HealthCheckRequest(service=service))
+            assert got.status == want, service
+
+
+async def test_health_services_serve_when_a_replica_is_routable(tiny_model_dir):
+    async with EppFleet(tiny_model_dir) as f:
+        stub = health_pb2_grpc.HealthStub(f.channel)
+        for service in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+            got = await stub.Check(health_pb2.HealthCheckRequest(service=service))
+            assert got.status == health_pb2.HealthCheckResponse.SERVING, service
+
+
+async def test_client_limit_sheds_with_429_until_the_first_request_ends(tiny_model_dir):
+    async with EppFleet(tiny_model_dir, max_concurrent_per_client=1) as f:
+        a, first, _, _ = await pick_full_duplex(f, raw(chat("first")))
+        assert first.HasField("request_headers")
+        b, refused, _, _ = await pick_full_duplex(f, raw(chat("second")))
+        assert refused.immediate_response.status.code == 429
+        assert json.loads(refused.immediate_response.body)["error"]["type"] == "rate_limit_error"
+        await a.exchange(response_headers())
+        await a.exchange(response_body(b"{}", eos=True))
+        c, again, _, _ = await pick_full_duplex(f, raw(chat("third")))
+        assert again.HasField("request_headers")
+        c.cancel()
+
+
+async def test_tenant_salt_is_written_into_the_body_with_its_content_length(tiny_model_dir):
+    async with EppFleet(tiny_model_dir, tenants=Tenants({"key-a": None}), replica_api_key="replica-key") as f:
+        body = raw(chat("salted"))
+        s, first, sent, _ = await pick_full_duplex(f, body, headers={"authorization": "Bearer key-a"})
+        forwarded = json.loads(sent)
+        assert forwarded["cache_salt"] == derive_salt("key-a")
+        headers = set_headers(first.request_headers.response)
+        assert headers["content-length"] == str(len(sent))
+        assert headers["authorization"] == "Bearer replica-key"  # the replica's key goes on, not the client's
+        s.cancel()
+        _, refused, _, _ = await pick_full_duplex(f, body, headers={"authorization": "Bearer nope"})
+        assert refused.immediate_response.status.code == 401
+
+
+async def test_vllm_image_uuids_are_written_into_the_body(tiny_vl_dir):
+    async with EppFleet(tiny_vl_dir, engine="vllm", events=False) as f:
+        msg = {"model": "tiny", "messages": [{"role": "user", "content": [
+            image_part(data_uri(image_bytes(seed=3))), {"type": "text", "text": "what is this?"}]}]}
+        body = raw(msg)
+        s, first, sent, chunks = await pick_full_duplex(f, body)
+        forwarded = json.loads(sent)
+        uuid = forwarded["messages"][0]["content"][0]["uuid"]
+        assert isinstance(uuid, str) and uuid
+        assert "uuid" not in json.loads(body)["messages"][0]["content"][0]
+        assert set_headers(first.request_headers.response)["content-length"] == str(len(sent))
+        assert all(len(c.request_body.response.body_mutation.streamed_response.body) <= pick.BODY_CHUNK_BYTES
+                   for c in chunks)
+        s.cancel()
+
+
+async def test_served_endpoint_after_a_gateway_retry_settles_the_load_there(tiny_model_dir):
+    async with EppFleet(tiny_model_dir) as f:
+        for served_in in ("header", "metadata"):
+            s, first, _, _ = await pick_full_duplex(f, raw(chat(f"retried via {served_in}")))
+            primary, fallback = set_headers(first.request_headers.response)[pick.DESTINATION].split(",")
+            retries = f.metric("warmfleet_router_retries_total")
+            await s.exchange(response_headers(served=fallback, served_in=served_in))
+            assert f.in_flight() == {primary: 0, fallback: 1}
+            assert f.queued()[primary] == 0
+            assert f.metric("warmfleet_router_retries_total") == retries + 1
+            await s.exchange(response_body(b"{}", eos=True))
+            assert f.in_flight() == {primary: 0, fallback: 0}
+            assert f.queued() == {primary: 0, fallback: 0}
+
+
+async def test_a_cancelled_stream_leaves_no_in_flight_and_frees_the_client_slot(tiny_model_dir):
+    async with EppFleet(tiny_model_dir, max_concurrent_per_client=1) as f:
+        s, first, _, _ = await pick_full_duplex(f, raw(chat("cancel me", stream=True)))
+        assert sum(f.in_flight().values()) == 1
+        await s.exchange(response_headers(content_type="text/event-stream"))
+        await s.exchange(response_body(b"data: {}\n\n", eos=False))
+        s.cancel()  # Envoy resets the stream mid-answer (client gone)
+        await until(lambda: sum(f.in_flight().values()) == 0 and not f.epp.limiter.open, "stream released")
+        assert sum(f.queued().values()) == 0
+        await until(lambda: f.epp.processor.open_streams == 0, "stream closed")
+
+
+@pytest.mark.parametrize("bad,status", [(b"{not json", 400), (b"[1, 2]", 400)])
+async def test_bad_bodies_get_an_openai_error(tiny_model_dir, bad, status):
+    async with EppFleet(tiny_model_dir) as f:
+        _, first, _, _ = await pick_full_duplex(f, bad)
+        assert first.immediate_response.status.code == status
+        err = json.loads(first.immediate_response.body)["error"]
+        assert err["code"] == status and err["type"] == "invalid_request_error"
+        assert sum(f.in_flight().values()) == 0
+
+
+async def test_too_large_a_body_is_refused_from_its_declared_length(tiny_model_dir):
+    async with EppFleet(tiny_model_dir) as f:
+        s = f.stream()
+        (r,) = await s.exchange(request_headers(headers={"content-length": str(10**10)}))
+        assert r.immediate_response.status.code == 413
+
+
+async def test_other_paths_go_to_the_least_loaded_endpoint_with_the_body_unchanged(tiny_model_dir):
+    async with EppFleet(tiny_model_dir) as f:
+        s = f.stream()
+        (r,) = await s.exchange(request_headers("/v1/models", "GET", eos=True))
+        value = set_headers(r.request_headers.response)[pick.DESTINATION]
+        assert value == lb_value(r) and r.request_headers.response.clear_route_cache
+        await s.exchange(response_headers())
+        await s.exchange(response_body(b'{"data": []}', eos=True))
+        t = f.stream()
+        (r,) = await t.exchange(request_headers("/tokenize"))
+        assert pick.DESTINATION in set_headers(r.request_headers.response)
+        (b,) = await t.exchange(request_body(b'{"prompt": "x"}', eos=True))
+        assert b.request_body.response.body_mutation.streamed_response.body == b'{"prompt": "x"}'
+        t.cancel()
+        await until(lambda: sum(f.in_flight().values()) == 0, "released")
+
+
+async def test_side_port_serves_replicas_metrics_and_drain(tiny_model_dir):
+    async with EppFleet(tiny_model_dir) as f:
+        base = f"http://127.0.0.1:{f.epp.http_port}"
+        async with httpx.AsyncClient(base_url=base) as c:
+            view = (await c.get("/v1/router/replicas")).json()
+            assert {r["id"] for r in view["replicas"]} == {s.url for s in f.served}
+            assert (await c.get("/ready")).status_code == 200
+            text = (await c.get("/metrics")).text
+            assert "warmfleet_epp_open_streams" in text and "warmfleet_router_decisions_total" in text
+            rid = f.served[0].url
+            r = await c.post("/v1/router/replicas/" + rid.replace(":", "%3A").replace("/", "%2F") + "/drain")
+            assert r.status_code == 200 and r.json()["draining"]
+        for _ in range(3):  # a draining replica gets no new pick
+            s, first, _, _ = await pick_full_duplex(f, raw(chat("after drain")))
+            assert set_headers(first.request_headers.response)[pick.DESTINATION].split(",")[0] == f.endpoint(1)
+            s.cancel()
+
+
+async def test_the_clients_key_is_not_passed_on_when_the_epp_checks_keys(tiny_model_dir):
+    async with EppFleet(tiny_model_dir, tenants=Tenants({"key-a": None})) as f:
+        s, first, _, _ = await pick_full_duplex(f, raw(chat("keyed")), headers={"authorization": "Bearer key-a"})
+        assert list(first.request_headers.response.header_mutation.remove_headers) == ["authorization"]
+        s.cancel()
