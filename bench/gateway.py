@@ -9,11 +9,12 @@ from it, not copied), through each front on fresh `warmfleet serve` replicas per
 interleaved so that they share the machine's load:
 
 - `proxy`: `warmfleet route` (the HTTP proxy, as bench/routing.py runs it);
-- `epp`: Envoy in front of `warmfleet epp` (ext_proc; headers SEND, bodies FULL_DUPLEX_STREAMED, as GIE's
-  gateways configure it), the bootstrap from the product's generator (server/router/epp/envoy_bootstrap.py);
-- `lwepp`: the same Envoy bootstrap in front of GIE v1.6.0's reference round-robin EPP `lwepp`
-  (scripts/lwepp.sh builds it), request body BUFFERED and response body NONE: lwepp answers each body
-  message with an empty body response, which only the buffered mode accepts. lwepp has no static endpoint
+- `epp`: Envoy in front of `warmfleet epp` as bench/routing.py's `epp` router starts them (ext_proc; headers
+  SEND, bodies FULL_DUPLEX_STREAMED, as GIE's gateways configure it; the bootstrap from the product's
+  generator, server/router/epp/envoy_bootstrap.py);
+- `lwepp`: the same generator's bootstrap in front of GIE v1.6.0's reference round-robin EPP `lwepp`
+  (scripts/lwepp.sh builds it), changed only where lwepp needs it (`for_lwepp`: a buffer filter, then a
+  STREAMED request body sent without waiting for the headers answer; no response body). lwepp has no static endpoint
   list: it watches an InferencePool and its pods through a Kubernetes API, so this bench brings up a kwok
   control plane (e2e/cluster.sh, one fake node, torn down at the end), installs the InferencePool CRD from
   the module, and declares one pod per replica (podIP 127.0.0.1, Ready, the annotation
@@ -29,7 +30,7 @@ to just after the last answer. Targets (booleans under "targets"): the EPP's cac
 proxy's and ahead of lwepp and every peer; its TTFT p90 <= the proxy's; its CPU per request below the
 proxy's. A front that could not run is skipped, said up front and recorded under "skipped_fronts".
 
-Envoy runs with --concurrency 1 (one worker thread; the proxy and the EPP are one process each).
+Both Envoys start alike (routing.py's flags: default --concurrency, one worker per core).
 Writes gateway.json and gateway.png to --out; progress on stderr; with --json the last stdout line is one
 JSON object. Sizes: --quick is routing.py's quick shape (tiny checkpoint, 2 replicas with 48 KV blocks,
 60 requests, one rate, one seed: a few minutes); the default is its text shape (bench checkpoint,
@@ -165,7 +166,10 @@ def script_output(script: str) -> str:
 
 
 def envoy_binary(arg: Optional[str]) -> str:
-    return arg or os.environ.get("WARMFLEET_ENVOY") or script_output("envoy-env.sh")
+    """--envoy, else routing.py's (which the epp front runs too): $WARMFLEET_ENVOY or scripts/envoy-env.sh's."""
+    if arg:
+        os.environ["WARMFLEET_ENVOY"] = arg  # routing.start_gateway reads it
+    return routing.envoy_path()
 
 
 def lwepp_binary(arg: Optional[str]) -> str:
@@ -289,20 +293,18 @@ def for_lwepp(boot: dict) -> dict:
     return boot
 
 
-def start_envoy(envoy: str, epp_port: int, endpoints: list[str], cwd: str, lwepp: bool,
-                tag: str) -> tuple[str, subprocess.Popen]:
-    """Envoy on the product generator's bootstrap (GIE gateways' defaults; `for_lwepp` changes), pool `endpoints`."""
+def start_envoy(envoy: str, epp_port: int, endpoints: list[str], cwd: str) -> tuple[str, subprocess.Popen]:
+    """lwepp's Envoy: the product generator's bootstrap (as routing.start_gateway builds it for `warmfleet epp`)
+    with `for_lwepp`'s changes, the pool `endpoints`; Envoy started with the same flags as there."""
     from warmfleet.server.router.epp.envoy_bootstrap import GatewayConfig, bootstrap
 
     port, admin = free_port(), free_port()
-    boot = bootstrap(GatewayConfig(epp=f"127.0.0.1:{epp_port}", listen_host="127.0.0.1", listen_port=port,
-                                   admin_port=admin, endpoints=endpoints))
-    if lwepp:
-        for_lwepp(boot)
-    path = Path(cwd) / f"envoy-{tag}-{port}.json"
+    boot = for_lwepp(bootstrap(GatewayConfig(epp=f"127.0.0.1:{epp_port}", listen_host="127.0.0.1", listen_port=port,
+                                             admin_port=admin, endpoints=endpoints)))
+    path = Path(cwd) / f"envoy-lwepp-{port}.json"
     path.write_text(json.dumps(boot))
-    p = start_logged([envoy, "-c", str(path), "--concurrency", "1", "--use-dynamic-base-id", "--log-level", os.environ.get("WF_ENVOY_LOG", "warn")],
-                     cwd, f"envoy-{tag}-{port}")
+    p = start_logged([envoy, "-c", str(path), "--disable-hot-restart", "--log-level", "warning"], cwd,
+                     f"envoy-lwepp-{port}")
     routing.wait_http(f"http://127.0.0.1:{admin}/ready", p, 60)
     return f"http://127.0.0.1:{port}", p
 
@@ -330,51 +332,51 @@ def probe(base: str, fleet, want_replicas: int, timeout_s: float = 60) -> None:
 
 
 class Front:
-    """One routing tier in front of a fleet: its base URL and the processes whose CPU it costs."""
+    """One routing tier in front of a fleet: its base URL and the processes (by role) whose CPU it costs."""
 
-    def __init__(self, base: str, procs: list[subprocess.Popen]):
+    def __init__(self, base: str, procs: dict[str, subprocess.Popen]):
         self.base, self.procs = base, procs
 
-    def cpu_s(self) -> Optional[float]:
-        return cpu_seconds(p.pid for p in self.procs) if self.procs else None
+    def cpu_s(self) -> Optional[dict[str, float]]:
+        """CPU seconds so far per role (each process with its descendants); None for a front of no process."""
+        if not self.procs:
+            return None
+        procs = read_procs()
+        tick = os.sysconf("SC_CLK_TCK")
+        return {role: tree_ticks(procs, [p.pid]) / tick for role, p in self.procs.items()}
 
     def stop(self) -> None:
-        for p in self.procs:
+        for p in self.procs.values():
             routing.stop(p)
 
 
 def start_front(kind: str, fleet, cwd: str, tools: dict, kube: Optional[KubePool]) -> Front:
     if kind == "proxy":
         base, p = routing.start_router("warmfleet", fleet, cwd)
-        return Front(base, [p])
+        return Front(base, {"router": p})
     if kind in routing.PEERS:
         base, p = routing.start_router(kind, fleet, cwd)
-        return Front(base, [p] if p is not None else [])
-    grpc = free_port()
-    if kind == "epp":
-        http_port = free_port()
-        cmd = routing.EXE + ["epp", "--model", str(fleet.model), "--port", str(grpc), "--http-port", str(http_port),
-                             "--block-size", str(fleet.block), "--engine", fleet.engine, "--log-level", "warning"]
-        for i in range(len(fleet.replicas)):
-            cmd += ["--replica", fleet.route_flag(i)]
-        picker = start_logged(cmd, cwd, f"epp-{grpc}")
-        routing.wait_synced(f"http://127.0.0.1:{http_port}", picker)
+        return Front(base, {"router": p} if p is not None else {})
+    if kind == "epp":  # routing.py's front: `warmfleet epp` (route's flags) behind Envoy from the generator
+        base, gw = routing.start_router("epp", fleet, cwd)
+        front = Front(base, {"envoy": gw.envoy, "epp": gw.epp})
     elif kind == "lwepp":
         assert kube is not None
+        grpc = free_port()
         kube.declare([int(u.rsplit(":", 1)[1]) for u, _, _ in fleet.replicas], grpc)
         cmd = [tools["lwepp"], "--pool-name", POOL, "--pool-namespace", NAMESPACE, "--grpc-port", str(grpc),
                "--grpc-health-port", str(free_port()), "--metrics-port", str(free_port()), "--secure-serving=false",
-               "--zap-log-level=error"]
+               "--health-checking", "--zap-log-level=error"]  # health: Envoy checks the ext_proc port (generator)
         picker = start_logged(cmd, cwd, f"lwepp-{grpc}", env=dict(os.environ, KUBECONFIG=kube.kubeconfig))
+        try:
+            base, envoy = start_envoy(tools["envoy"], grpc, [u.removeprefix("http://") for u, _, _ in fleet.replicas],
+                                      cwd)
+        except BaseException:
+            routing.stop(picker)
+            raise
+        front = Front(base, {"envoy": envoy, "lwepp": picker})
     else:
         raise ValueError(f"unknown front {kind!r}")
-    try:
-        endpoints = [u.removeprefix("http://") for u, _, _ in fleet.replicas]
-        base, envoy = start_envoy(tools["envoy"], grpc, endpoints, cwd, kind == "lwepp", kind)
-    except BaseException:
-        routing.stop(picker)
-        raise
-    front = Front(base, [envoy, picker])
     try:
         probe(base, fleet, len(fleet.replicas) if kind == "lwepp" else 1)
     except BaseException:
@@ -405,17 +407,28 @@ def run(model: Path, fronts: list[str], n: int, gpu_blocks: int, rates: list[flo
                         cpu1 = front.cpu_s()
                         summ = routing.summarize(rec, n, oracles[seed])
                         summ.pop("reasons", None)
-                        cpu = None if cpu0 is None else cpu1 - cpu0
+                        by_role = None if cpu0 is None else {k: round(cpu1[k] - cpu0[k], 3) for k in cpu0}
+                        cpu = None if by_role is None else sum(by_role.values())
                         summ.update(cpu_s=None if cpu is None else round(cpu, 3),
-                                    cpu_s_per_1000_requests=per_1000(cpu, len(rec)), rate=rate, seed=seed)
+                                    cpu_s_per_1000_requests=per_1000(cpu, len(rec)), rate=rate, seed=seed,
+                                    cpu_s_by_process=by_role)
                         runs[kind].append(summ)
                         progress(f"{kind}: rate {rate}/s seed {seed} ({time.monotonic() - t0:.0f} s): {summ}")
                     finally:
                         front.stop()
-    res = {k: routing.mean_of(v) for k, v in runs.items() if v}
+    res = {k: summary(v) for k, v in runs.items() if v}
     return {"model": str(model), "block_size": routing.BLOCK, "gpu_blocks_per_replica": gpu_blocks,
             "requests": nreq, "rates": rates, "seeds": seeds, "oracle_cached_ratio": round(oracle, 4),
             "fronts": res, "runs": runs, "targets": verdict(res)}
+
+
+def summary(runs: list[dict]) -> dict:
+    """routing.mean_of over one front's runs, plus the mean CPU seconds per process role."""
+    out = routing.mean_of([{k: v for k, v in r.items() if k != "cpu_s_by_process"} for r in runs])
+    roles = [r["cpu_s_by_process"] for r in runs if r.get("cpu_s_by_process")]
+    if roles:
+        out["cpu_s_by_process"] = {k: round(statistics.mean(r[k] for r in roles), 3) for k in roles[0]}
+    return out
 
 
 def chart(results: dict, path: Path) -> None:
@@ -438,7 +451,7 @@ def chart(results: dict, path: Path) -> None:
     ax[3].bar(names, [res[n].get("cpu_s_per_1000_requests") or 0 for n in names], color=c)
     ax[3].set_title("routing-tier CPU s per 1,000 requests (rr: none)", fontsize=9)
     fig.suptitle(f"warmfleet gateway bench: {results['replicas']} replicas, rates {results['rates']}/s, seeds "
-                 f"{results['seeds']} (means over runs; Envoy --concurrency 1)", fontsize=10)
+                 f"{results['seeds']} (means over runs)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -494,7 +507,8 @@ def main() -> int:
     cwd = tempfile.mkdtemp(prefix="wf-gateway-", dir=args.logs)
     results: dict = {"command": " ".join([Path(sys.executable).name] + sys.argv), "replicas": n, "rates": rates,
                      "seeds": seeds, "load_average_1_5_15_min": {"before": os.getloadavg()}, "targets_text": TARGETS,
-                     "skipped_fronts": skipped, "tools": tools, "envoy_concurrency": 1,
+                     "skipped_fronts": skipped, "tools": tools,
+                     "envoy_flags": "--disable-hot-restart (default --concurrency: one worker per core)",
                      "cpu_note": "routing tier = router process, or Envoy + EPP processes (descendants included); "
                                  "lwepp's kwok control plane is not counted"}
     model = routing.model_dir(args.model, args.quick)
