@@ -108,3 +108,14 @@ def test_inference_pool_and_pods_for_lwepp():
     assert pod["metadata"]["annotations"] == {"inference.networking.k8s.io/active-ports": "8002"}
     with pytest.raises(ValueError):
         gateway.pool_manifest(list(range(8000, 8009)), 9002)  # the CRD's maxItems is 8
+
+
+def test_summary_means_runs_and_cpu_per_process_role():
+    runs = [{"cached_ratio": 0.5, "ttft_p50_s": 0.1, "ttft_p90_s": 0.2, "errors": 0, "spread": 1.0,
+             "cpu_s": 3.0, "cpu_s_per_1000_requests": 50.0, "rate": 4.0, "seed": s,
+             "cpu_s_by_process": {"envoy": 1.0 + s, "epp": 2.0 - s}} for s in (0, 1)]
+    out = gateway.summary(runs)
+    assert out["cpu_s_by_process"] == {"envoy": 1.5, "epp": 1.5}
+    assert out["cached_ratio"] == 0.5 and "seed" not in out
+    rr = gateway.summary([dict(runs[0], cpu_s=None, cpu_s_per_1000_requests=None, cpu_s_by_process=None)])
+    assert rr["cpu_s_per_1000_requests"] is None and "cpu_s_by_process" not in rr
