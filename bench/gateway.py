@@ -44,6 +44,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -447,7 +448,7 @@ def chart(results: dict, path: Path) -> None:
     ax[0].set_title("cached-token ratio", fontsize=9)
     ax[0].legend(fontsize=8)
     harness.ttft_panel(ax[1], res, names, c, "TTFT to the first token (s)")
-    harness.spread_panel(ax[2], res, names, c, "text")
+    harness.spread_panel(ax[2], res, names, c, "requests")
     ax[3].bar(names, [res[n].get("cpu_s_per_1000_requests") or 0 for n in names], color=c)
     ax[3].set_title("routing-tier CPU s per 1,000 requests (rr: none)", fontsize=9)
     fig.suptitle(f"warmfleet gateway bench: {results['replicas']} replicas, rates {results['rates']}/s, seeds "
@@ -494,6 +495,8 @@ def main() -> int:
     ap.add_argument("--out", default="bench/results", help="Directory for gateway.json and gateway.png.")
     ap.add_argument("--logs", default=None, help="Keep replica, router, EPP and Envoy logs here.")
     args = ap.parse_args()
+    # SIGTERM unwinds like Ctrl-C: replicas, fronts and the kwok control plane are stopped on the way out
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     n = args.replicas or (2 if args.quick else 4)
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else ([0] if args.quick else [0, 1, 2])
     rates = [float(x) for x in args.rates.split(",")] if args.rates else ([4.0] if args.quick else [2.0, 6.0])
