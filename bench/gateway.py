@@ -26,7 +26,8 @@ Reports per front the cached-token ratio (from `usage`), TTFT p50/p90, spread (m
 replica, from the replicas' x-warmfleet-replica header, which Envoy passes through), errors, and the routing
 tier's CPU seconds per 1,000 requests: utime + stime of its processes (router; or Envoy + EPP) and of all
 their descendants, reaped children included (/proc/PID/stat fields 14-17), from just before the first request
-to just after the last answer. Targets (booleans under "targets"): the EPP's cached ratio within 0.02 of the
+to just after the last answer; and the same net of the tier's idle burn (health checks, metric polls, KV
+events: measured for 5 s with no traffic before each run), the marginal cost of requests. Targets (booleans under "targets"): the EPP's cached ratio within 0.02 of the
 proxy's and ahead of lwepp and every peer; its TTFT p90 <= the proxy's; its CPU per request below the
 proxy's. A front that could not run is skipped, said up front and recorded under "skipped_fronts".
 
@@ -126,6 +127,17 @@ def read_procs(proc: Path = Path("/proc")) -> list[ProcCpu]:
 def cpu_seconds(roots: Iterable[int]) -> float:
     """CPU seconds so far of the process trees under `roots`."""
     return tree_ticks(read_procs(), roots) / os.sysconf("SC_CLK_TCK")
+
+
+def total(by_role: Optional[Mapping[str, float]]) -> float:
+    return sum(by_role.values()) if by_role else 0.0
+
+
+def net_of_idle(cpu_s: Optional[float], idle_cpu_s: Optional[float], idle_s: float, run_s: float) -> Optional[float]:
+    """CPU of a run less what the tier burns idle over as long (measured for `idle_s` before it); never < 0."""
+    if cpu_s is None or idle_cpu_s is None or idle_s <= 0:
+        return None
+    return max(0.0, cpu_s - idle_cpu_s / idle_s * run_s)
 
 
 def per_1000(cpu_s: Optional[float], num_requests: int) -> Optional[float]:
@@ -388,7 +400,9 @@ def start_front(kind: str, fleet, cwd: str, tools: dict, kube: Optional[KubePool
 
 # --- runs -------------------------------------------------------------------------------------------
 def run(model: Path, fronts: list[str], n: int, gpu_blocks: int, rates: list[float], seeds: list[int], nreq: int,
-        cwd: str, tools: dict, kube: Optional[KubePool]) -> dict:
+        cwd: str, tools: dict, kube: Optional[KubePool], idle_s: float = 5.0) -> dict:
+    """Every front on fresh replicas per (rate, seed), fronts interleaved; each front's idle CPU is measured
+    for `idle_s` before its run, so `cpu_s_per_1000_requests_net_of_idle` is the marginal cost of requests."""
     traces = {seed: routing.workload(seed, nreq) for seed in seeds}
     oracles = {seed: routing.oracle_hits(model, traces[seed]) for seed in seeds}
     oracle = statistics.mean(sum(c for c, _ in o) / sum(t for _, t in o) for o in oracles.values())
@@ -402,17 +416,24 @@ def run(model: Path, fronts: list[str], n: int, gpu_blocks: int, rates: list[flo
                     front = start_front(kind, fleet, cwd, tools, kube)
                     progress(f"{kind}: {n} replicas and the front up in {time.monotonic() - t_start:.0f} s")
                     try:
+                        idle = front.cpu_s()
+                        if idle is not None:  # the tier's own background work (health checks, metrics, events)
+                            time.sleep(idle_s)
+                            idle = total(front.cpu_s()) - total(idle)
                         cpu0, t0 = front.cpu_s(), time.monotonic()
                         rec = asyncio.run(routing.drive([front.base] if front.base else
                                                         [u for u, _, _ in fleet.replicas], traces[seed], rate, seed))
-                        cpu1 = front.cpu_s()
+                        cpu1, run_s = front.cpu_s(), time.monotonic() - t0
                         summ = routing.summarize(rec, n, oracles[seed])
                         summ.pop("reasons", None)
                         by_role = None if cpu0 is None else {k: round(cpu1[k] - cpu0[k], 3) for k in cpu0}
                         cpu = None if by_role is None else sum(by_role.values())
                         summ.update(cpu_s=None if cpu is None else round(cpu, 3),
-                                    cpu_s_per_1000_requests=per_1000(cpu, len(rec)), rate=rate, seed=seed,
-                                    cpu_s_by_process=by_role)
+                                    cpu_s_per_1000_requests=per_1000(cpu, len(rec)),
+                                    idle_cpu_s_per_s=None if idle is None else round(idle / idle_s, 4),
+                                    cpu_s_per_1000_requests_net_of_idle=per_1000(
+                                        net_of_idle(cpu, idle, idle_s, run_s), len(rec)),
+                                    rate=rate, seed=seed, cpu_s_by_process=by_role)
                         runs[kind].append(summ)
                         progress(f"{kind}: rate {rate}/s seed {seed} ({time.monotonic() - t0:.0f} s): {summ}")
                     finally:

@@ -43,6 +43,13 @@ def test_tree_ticks_counts_live_descendants_and_reaped_children_once():
     assert gateway.per_1000(0.5, 250) == 2.0 and gateway.per_1000(None, 10) is None
 
 
+def test_net_of_idle_takes_the_idle_rate_over_the_run():
+    assert gateway.net_of_idle(3.0, 0.5, 5.0, 20.0) == 1.0  # 0.1 CPU s/s idle over a 20 s run
+    assert gateway.net_of_idle(1.0, 1.0, 5.0, 20.0) == 0.0  # never negative
+    assert gateway.net_of_idle(None, 0.5, 5.0, 20.0) is None and gateway.net_of_idle(1.0, None, 5.0, 20.0) is None
+    assert gateway.total({"envoy": 0.25, "epp": 0.5}) == 0.75 and gateway.total(None) == 0.0
+
+
 def test_cpu_seconds_of_this_process_grows_with_work():
     import os
 
