@@ -54,7 +54,7 @@ modules = {
     "slim": common + ["warmfleet.operator.main", "warmfleet.operator.handlers", "warmfleet.operator.kube",
                       "warmfleet.server.router.epp.main", "warmfleet.server.router.epp.service",
                       "warmfleet.server.router.epp.pick", "warmfleet.server.router.epp.app",
-                      "warmfleet.server.router.epp.envoy_bootstrap"],
+                      "warmfleet.server.router.epp.server", "warmfleet.server.router.epp.envoy_bootstrap"],
 }[target]
 for name in modules:
     mod = importlib.import_module(name)

@@ -30,12 +30,16 @@ def envoy_binary() -> str:
 class Envoy:
     """One Envoy process on loopback: the gateway listener on `port`, the admin on `admin_port`."""
 
-    def __init__(self, cfg: GatewayConfig, cwd: Path, name: str = "envoy"):
+    def __init__(self, cfg: GatewayConfig, cwd: Path, name: str = "envoy", filters_before: tuple = ()):
+        """`filters_before`: HTTP filters put ahead of ext_proc (what a gateway sets up before the EPP runs)."""
         self.port, self.admin_port = free_port(), free_port()
         self.cfg = replace(cfg, listen_host="127.0.0.1", listen_port=self.port, admin_port=self.admin_port)
         self.name, self.cwd = name, cwd
         self.config_path = cwd / f"{name}.json"
-        self.config_path.write_text(json.dumps(bootstrap(self.cfg), indent=2))
+        config = bootstrap(self.cfg)
+        hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        hcm["http_filters"][:0] = list(filters_before)
+        self.config_path.write_text(json.dumps(config, indent=2))
         self.log_path = cwd / f"{name}.log"
         self.popen = None
 

@@ -176,6 +176,43 @@ def test_a_client_that_leaves_mid_stream_leaves_nothing_in_flight(gateway):
              metric(epp.metrics(), "warmfleet_epp_open_streams") == 0, "the stream released", [epp], 60)
 
 
+def test_an_original_dst_gateway_routes_by_the_single_endpoint_pick(gateway, tiny_vl_dir):
+    """`--lb original-dst` (the host straight from the header) with an EPP naming one endpoint (--max-attempts 1)."""
+    _, _, replicas, cwd = gateway
+    epp = Epp(tiny_vl_dir, replicas, cwd, ("--max-attempts", "1"))
+    epp.name = "epp-one-endpoint"
+    try:
+        epp.start()
+        epp.wait_synced()
+        with Envoy(GatewayConfig(epp=epp.address, lb="original-dst"), cwd, name="envoy-original-dst") as gw:
+            system = "Original destination: the gateway connects where the header says. " * 6
+            first = ask(gw.url, "one", system=system)
+            second = ask(gw.url, "two", system=system)
+            assert second.headers["x-warmfleet-replica"] == first.headers["x-warmfleet-replica"]
+            assert cached(second) > 0
+    finally:
+        epp.stop()
+
+
+def test_the_subset_hint_set_by_the_gateway_is_honoured(gateway):
+    """A filter ahead of ext_proc puts envoy.lb.subset_hint in the metadata (as a GIE gateway may): the bootstrap
+    forwards that namespace, and every pick, warm or not, is the one endpoint allowed."""
+    envoy, epp, replicas, cwd = gateway
+    system = "A prefix warmed elsewhere, then fenced off by the gateway's subset hint. " * 6
+    home = ask(envoy.url, "warm it", system=system).headers["x-warmfleet-replica"]  # through the plain gateway
+    assert ask(envoy.url, "warm again", system=system).headers["x-warmfleet-replica"] == home
+    allowed = next(r for r in replicas if r.name != home)  # the replica the prefix would not go to
+    hint = {"name": "envoy.filters.http.set_metadata", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config",
+        "metadata": [{"metadata_namespace": "envoy.lb.subset_hint",
+                      "value": {"x-gateway-destination-endpoint-subset": [f"127.0.0.1:{allowed.port}"]}}]}}
+    cfg = GatewayConfig(epp=epp.address, endpoints=[f"127.0.0.1:{r.port}" for r in replicas])
+    with Envoy(cfg, cwd, name="envoy-subset", filters_before=(hint,)) as gw:
+        for q in ("a", "b", "c"):
+            assert ask(gw.url, q, system=system).headers["x-warmfleet-replica"] == allowed.name
+    wait_for(lambda: not any(in_flight(epp).values()), "in-flight back to 0", [epp], 30)
+
+
 def test_a_killed_replica_costs_no_request_and_the_load_settles_where_served(gateway):
     """Last in the module (a replica stays dead). Kill the replica holding a conversation; its next turns are picked there first (the EPP has not
     noticed), refused, retried by Envoy on the fallback: every one answers, the served endpoint takes the load."""
