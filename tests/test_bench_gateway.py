@@ -106,6 +106,23 @@ def test_for_lwepp_buffers_the_body_and_streams_it_without_waiting():
                                       "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"}
 
 
+def test_envoy_accepts_the_lwepp_bootstrap(tmp_path):
+    """The generator's bootstrap with for_lwepp's changes, validated by the real Envoy (WARMFLEET_ENVOY)."""
+    import json
+    import subprocess
+
+    from envoy_gateway import envoy_binary
+    from warmfleet.server.router.epp.envoy_bootstrap import GatewayConfig, bootstrap
+
+    boot = gateway.for_lwepp(bootstrap(GatewayConfig(epp="127.0.0.1:9002", listen_port=8081, admin_port=None,
+                                                     endpoints=["127.0.0.1:8001", "127.0.0.1:8002"])))
+    path = tmp_path / "lwepp.json"
+    path.write_text(json.dumps(boot))
+    proc = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "OK" in proc.stdout + proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
 def test_inference_pool_and_pods_for_lwepp():
     pool = gateway.pool_manifest([8001, 8002], 9002)
     assert pool["spec"]["targetPorts"] == [{"number": 8001}, {"number": 8002}]
