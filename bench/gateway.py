@@ -124,9 +124,10 @@ def read_procs(proc: Path = Path("/proc")) -> list[ProcCpu]:
     return out
 
 
-def cpu_seconds(roots: Iterable[int]) -> float:
-    """CPU seconds so far of the process trees under `roots`."""
-    return tree_ticks(read_procs(), roots) / os.sysconf("SC_CLK_TCK")
+def cpu_seconds(roots: Mapping[str, int]) -> dict[str, float]:
+    """CPU seconds so far of the process tree under each named root pid (one read of /proc for all)."""
+    procs, tick = read_procs(), os.sysconf("SC_CLK_TCK")
+    return {name: tree_ticks(procs, [pid]) / tick for name, pid in roots.items()}
 
 
 def total(by_role: Optional[Mapping[str, float]]) -> float:
@@ -203,9 +204,8 @@ def installed(module: str) -> bool:
 class KubePool:
     """A kwok control plane with the InferencePool CRD, one pool and one Ready pod per replica (lwepp's view)."""
 
-    def __init__(self, cwd: str):
+    def __init__(self) -> None:
         self.name = f"wf-gw-bench-{os.getpid()}"
-        self.cwd = cwd
         self.kubeconfig = ""
         self.kubectl = ""
 
@@ -352,11 +352,7 @@ class Front:
 
     def cpu_s(self) -> Optional[dict[str, float]]:
         """CPU seconds so far per role (each process with its descendants); None for a front of no process."""
-        if not self.procs:
-            return None
-        procs = read_procs()
-        tick = os.sysconf("SC_CLK_TCK")
-        return {role: tree_ticks(procs, [p.pid]) / tick for role, p in self.procs.items()}
+        return cpu_seconds({role: p.pid for role, p in self.procs.items()}) if self.procs else None
 
     def stop(self) -> None:
         for p in self.procs.values():
@@ -537,7 +533,7 @@ def main() -> int:
                                  "lwepp's kwok control plane is not counted"}
     model = routing.model_dir(args.model, args.quick)
     if "lwepp" in fronts:
-        with KubePool(cwd) as kube:
+        with KubePool() as kube:
             results["text"] = run(model, fronts, n, gpu_blocks, rates, seeds, nreq, cwd, tools, kube)
     else:
         results["text"] = run(model, fronts, n, gpu_blocks, rates, seeds, nreq, cwd, tools, None)
