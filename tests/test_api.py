@@ -533,6 +533,26 @@ async def test_metrics_engine_gauges_and_request_counters(client, tok):
     assert samples[("vllm:e2e_request_latency_seconds_count", ())] == 2
     assert samples[("vllm:inter_token_latency_seconds_count", ())] > 0
     assert samples[("warmfleet:request_errors_total", (("status", "404"),))] == 1
+    # GIE's optional BlockSize / NumGPUBlocks, in vLLM's info-gauge form (labels are integers as text)
+    info = {(k, v) for (name, labels), value in samples.items() if name == "vllm:cache_config_info" and value == 1
+            for k, v in labels}
+    assert {("block_size", "16"), ("num_gpu_blocks", "1024"), ("num_cpu_blocks", "100"), ("engine", "0")} <= info
+
+
+def test_cache_config_info_absent_until_the_engine_has_loaded():
+    from warmfleet.server.api.metrics import CacheConfigInfo, Metrics
+    from warmfleet.server.engine.protocol import EngineStats
+
+    m = Metrics("tiny")
+    stats = EngineStats(gpu_blocks_total=10, gpu_blocks_free=10)
+    assert b"vllm:cache_config_info" not in m.render(stats)
+    m.set_cache_config(CacheConfigInfo(block_size=64, enable_prefix_caching=False))
+    fams = {f.name: f for f in text_string_to_metric_families(m.render(stats).decode())}
+    (sample,) = fams["vllm:cache_config_info"].samples
+    assert fams["vllm:cache_config_info"].type == "gauge" and sample.value == 1
+    assert sample.labels == {"block_size": "64", "num_gpu_blocks": "10", "num_cpu_blocks": "0",
+                             "enable_prefix_caching": "False", "engine": "0"}
+    assert fams["vllm:kv_cache_usage_perc"].samples[0].value == 0.0  # all blocks free: idle server
 
 
 # ---- disconnects --------------------------------------------------------------------------------

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import signal
+import time
 from typing import Iterator
 
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from serve_replica import START_TIMEOUT_S, Replica
 
@@ -75,6 +77,41 @@ def test_repeated_long_prefix_reports_cached_tokens(client):
     assert first.usage.prompt_tokens > 64
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached > 0 and cached % 16 == 0 and cached < second.usage.prompt_tokens
+
+
+def scrape(replica) -> dict:
+    """The server's /metrics parsed by prometheus_client: family name -> family."""
+    return {f.name: f for f in text_string_to_metric_families(httpx.get(replica.url + "/metrics").text)}
+
+
+def value(families: dict, name: str) -> float:
+    (sample,) = families[name].samples
+    return sample.value
+
+
+def test_model_server_protocol_metrics_follow_a_request(replica, client):
+    """GIE's model-server protocol as the reference EPP scrapes it: three gauges that move while a
+    request runs, and vllm:cache_config_info with the server's own block size and pool size."""
+    names = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
+    idle = scrape(replica)
+    assert all(idle[n].type == "gauge" for n in (*names, "vllm:cache_config_info"))
+    (info,) = idle["vllm:cache_config_info"].samples
+    assert info.value == 1
+    assert info.labels["block_size"] == "16" and info.labels["num_gpu_blocks"] == "256"  # Replica's flags
+    assert [value(idle, n) for n in names] == [0, 0, 0]
+
+    stream = client.completions.create(model="tiny", prompt="Once upon a time " * 40, max_tokens=1500,
+                                       stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))  # the request has been scheduled and is generating
+    busy = scrape(replica)
+    stream.close()  # the server sees the disconnect and aborts the request
+    assert value(busy, "vllm:num_requests_running") == 1 and value(busy, "vllm:num_requests_waiting") == 0
+    assert 0 < value(busy, "vllm:kv_cache_usage_perc") < 1  # a fraction of the 256 blocks, not a percentage
+
+    deadline = time.monotonic() + 60
+    while [value(now := scrape(replica), n) for n in names] != [0, 0, 0]:
+        assert time.monotonic() < deadline, {n: value(now, n) for n in names}
+        time.sleep(0.05)
 
 
 def test_errors_from_the_real_server(client):

@@ -28,12 +28,29 @@ _PREPARE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
 
 
+@dataclass(frozen=True)
+class CacheConfigInfo:
+    """The engine's KV-cache configuration, exported as `vllm:cache_config_info` labels (GIE's optional
+    BlockSize / NumGPUBlocks metrics; the EPP parses `block_size` and `num_gpu_blocks` as integers)."""
+
+    block_size: int  # tokens per KV block, as the engine runs (ModelInfo.block_size)
+    enable_prefix_caching: bool
+
+
 class EngineStatsCollector(Collector):
-    """Exposes the last EngineStats read at scrape time as gauges and counters."""
+    """Exposes the last EngineStats read at scrape time as gauges and counters.
+
+    The three gauges GIE's model-server protocol requires keep vLLM's names and meanings, which the
+    reference EPP scrapes by default: `vllm:num_requests_waiting` (requests in the scheduler's waiting
+    queue, preempted ones included), `vllm:num_requests_running` (requests in the running batch),
+    `vllm:kv_cache_usage_perc` (fraction 0..1 of primary KV blocks referenced by requests; idle cached
+    blocks count as free, as in vLLM, so it falls back to 0 when the server is idle).
+    """
 
     def __init__(self, model_name: str):
         self.model_name = model_name
         self.stats: Optional[EngineStats] = None
+        self.cache_config: Optional[CacheConfigInfo] = None  # set once the engine has loaded
 
     def collect(self) -> Iterator[Metric]:
         s = self.stats
@@ -54,6 +71,8 @@ class EngineStatsCollector(Collector):
         yield gauge("vllm:num_requests_running", "Requests in the running batch.", s.num_running)
         yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
         yield gauge("vllm:kv_cache_usage_perc", "Primary KV pool usage, 1 means 100 percent.", _usage(s.gpu_blocks_total, s.gpu_blocks_free))
+        if self.cache_config is not None:
+            yield _cache_config_info(self.cache_config, s)
 
         usage = GaugeMetricFamily("warmfleet:kv_cache_usage_perc", "KV block usage per tier, 1 means 100 percent.", labels=["model_name", "tier"])
         usage.add_metric([m, "gpu"], _usage(s.gpu_blocks_total, s.gpu_blocks_free))
@@ -165,6 +184,21 @@ class ProcessorCacheCollector(Collector):
             yield g
 
 
+def _cache_config_info(c: CacheConfigInfo, s: EngineStats) -> GaugeMetricFamily:
+    """vLLM's form: an info-style gauge fixed at 1 whose labels are CacheConfig fields as `str(value)`,
+    plus `engine` (the engine index; one engine here), and no `model_name`."""
+    labels = {
+        "block_size": str(c.block_size),
+        "num_gpu_blocks": str(s.gpu_blocks_total),  # the pool as sized at start-up, not the flag
+        "num_cpu_blocks": str(s.cpu_blocks_total),
+        "enable_prefix_caching": str(c.enable_prefix_caching),
+        "engine": "0",
+    }
+    g = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(labels))
+    g.add_metric(list(labels.values()), 1.0)
+    return g
+
+
 def _usage(total: int, free: int) -> float:
     return (total - free) / total if total > 0 else 0.0
 
@@ -218,6 +252,10 @@ class Metrics:
             "warmfleet:processor_cache_lookups", "This frontend's processor-cache lookups, by result.",
             ["model_name", "result"], registry=r,
         )
+
+    def set_cache_config(self, info: CacheConfigInfo) -> None:
+        """Export `vllm:cache_config_info` from now on (with the pool size of each scrape's stats)."""
+        self.engine.cache_config = info
 
     def finished(self, reason: str) -> None:
         self.request_success.labels(self.model_name, reason).inc()

@@ -12,7 +12,7 @@ import anyio
 from ..config import EngineConfig, replica_id
 from ..engine.protocol import EngineClient
 from .errors import APIError
-from .metrics import Metrics, ProcessorCacheView
+from .metrics import CacheConfigInfo, Metrics, ProcessorCacheView
 
 if TYPE_CHECKING:
     from ..multimodal.inputs import ImageInputPreparer
@@ -60,6 +60,8 @@ class ServerState:
             from ..multimodal.prompt import IMAGE_PAD
 
             self.image_pad_id = tokenizer.token_to_id(IMAGE_PAD)
+        self.metrics.set_cache_config(CacheConfigInfo(
+            block_size=engine.model_info.block_size, enable_prefix_caching=self.cfg.cache.enable_prefix_caching))
         self.engine = engine
 
     @property

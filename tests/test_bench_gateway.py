@@ -1,0 +1,145 @@
+"""bench/gateway.py's pure parts: CPU of a process tree from /proc stat lines, the issue's targets, lwepp's
+Envoy changes and its InferencePool objects."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench_scripts import load_bench
+
+gateway = load_bench("gateway.py")
+
+
+def stat(pid: int, comm: str, ppid: int, utime: int, stime: int, cutime: int = 0, cstime: int = 0) -> str:
+    """A /proc/PID/stat line (52 fields) with these values and zeros elsewhere."""
+    fields = ["S", str(ppid)] + ["0"] * 9 + [str(utime), str(stime), str(cutime), str(cstime)] + ["0"] * 37
+    return f"{pid} ({comm}) " + " ".join(fields) + "\n"
+
+
+def test_parse_stat_counts_fields_after_the_last_parenthesis():
+    p = gateway.parse_stat(stat(41, "weird) name (x", 7, 100, 20, 3, 4))
+    assert (p.pid, p.ppid, p.self_ticks, p.reaped_children_ticks) == (41, 7, 120, 7)
+
+
+def test_parse_stat_of_this_process():
+    with open("/proc/self/stat") as f:
+        p = gateway.parse_stat(f.read())
+    assert p.self_ticks >= 0 and p.ppid > 0
+
+
+def test_tree_ticks_counts_live_descendants_and_reaped_children_once():
+    procs = [gateway.parse_stat(line) for line in (
+        stat(10, "envoy", 1, 5, 5),  # a root
+        stat(11, "worker", 10, 2, 1, cutime=4),  # live child, which reaped its own child (4 ticks)
+        stat(12, "grandchild", 11, 1, 0),
+        stat(20, "lwepp", 1, 7, 0, cutime=1, cstime=1),  # the other root
+        stat(30, "unrelated", 1, 1000, 1000),
+        stat(31, "unrelated child", 30, 50, 50),
+    )]
+    assert gateway.tree_ticks(procs, [10]) == 10 + 3 + 4 + 1
+    assert gateway.tree_ticks(procs, [10, 20]) == 18 + 9
+    assert gateway.tree_ticks(procs, [11, 10]) == 18  # a root inside another root's tree counts once
+    assert gateway.tree_ticks(procs, [99]) == 0  # gone: nothing
+    assert gateway.per_1000(0.5, 250) == 2.0 and gateway.per_1000(None, 10) is None
+
+
+def test_net_of_idle_takes_the_idle_rate_over_the_run():
+    assert gateway.net_of_idle(3.0, 0.5, 5.0, 20.0) == 1.0  # 0.1 CPU s/s idle over a 20 s run
+    assert gateway.net_of_idle(1.0, 1.0, 5.0, 20.0) == 0.0  # never negative
+    assert gateway.net_of_idle(None, 0.5, 5.0, 20.0) is None and gateway.net_of_idle(1.0, None, 5.0, 20.0) is None
+    assert gateway.total({"envoy": 0.25, "epp": 0.5}) == 0.75 and gateway.total(None) == 0.0
+
+
+def test_cpu_seconds_of_this_process_grows_with_work():
+    import os
+
+    before = gateway.cpu_seconds({"me": os.getpid()})["me"]
+    assert sum(range(20_000_000)) > 0  # a few hundred ms of CPU: many clock ticks
+    assert gateway.cpu_seconds({"me": os.getpid()})["me"] > before
+
+
+def front(ratio, p90=1.0, cpu=None):
+    return {"cached_ratio": ratio, "ttft_p90_s": p90, "cpu_s_per_1000_requests": cpu}
+
+
+def test_verdict_all_targets_met():
+    t = gateway.verdict({"proxy": front(0.60, 1.0, 10.0), "epp": front(0.59, 0.9, 8.0),
+                         "lwepp": front(0.40, 0.5, 3.0), "rr": front(0.41), "sglang": front(0.50, 0.8, 5.0)})
+    assert t["epp_ratio_within_0.02_of_proxy"] and t["epp_ratio_ahead_of_lwepp_and_peers"]
+    assert t["epp_ttft_p90_le_proxy"] and t["epp_cpu_per_request_below_proxy"]
+    assert t["epp_minus_proxy_ratio"] == -0.01 and t["epp_minus_best_other_ratio"] == 0.09
+    assert t["epp_cpu_vs_proxy"] == 0.8 and "lwepp_measured" not in t
+
+
+def test_verdict_each_target_can_fail():
+    t = gateway.verdict({"proxy": front(0.60, 1.0, 10.0), "epp": front(0.55, 1.1, 12.0), "sglang": front(0.56)})
+    assert not t["epp_ratio_within_0.02_of_proxy"]  # 0.05 behind
+    assert not t["epp_ratio_ahead_of_lwepp_and_peers"]  # sglang is ahead
+    assert not t["epp_ttft_p90_le_proxy"] and not t["epp_cpu_per_request_below_proxy"]
+    assert t["lwepp_measured"] is False
+    assert not gateway.verdict({"proxy": front(0.60), "epp": front(0.65)})["epp_ratio_within_0.02_of_proxy"]
+
+
+def test_verdict_needs_the_epp_and_the_proxy():
+    assert gateway.verdict({"proxy": front(0.6), "rr": front(0.4)}) == {}
+    assert gateway.verdict({"epp": front(0.6)}) == {}
+    t = gateway.verdict({"proxy": front(0.6, 1.0, None), "epp": front(0.6, 1.0, 1.0)})
+    assert "epp_cpu_per_request_below_proxy" not in t  # the proxy's CPU unknown: no verdict either way
+
+
+def bootstrap() -> dict:
+    ext_proc = {"name": "envoy.filters.http.ext_proc", "typed_config": {"processing_mode": {
+        "request_header_mode": "SEND", "response_header_mode": "SEND", "request_body_mode": "FULL_DUPLEX_STREAMED",
+        "response_body_mode": "FULL_DUPLEX_STREAMED", "request_trailer_mode": "SEND", "response_trailer_mode": "SEND"}}}
+    hcm = {"http_filters": [ext_proc, {"name": "envoy.filters.http.router"}]}
+    return {"static_resources": {"listeners": [{"filter_chains": [{"filters": [{"typed_config": hcm}]}]}]}}
+
+
+def test_for_lwepp_buffers_the_body_and_streams_it_without_waiting():
+    boot = gateway.for_lwepp(bootstrap())
+    names = [f["name"] for f in gateway.http_filters(boot)]
+    assert names == ["envoy.filters.http.buffer", "envoy.filters.http.ext_proc", "envoy.filters.http.router"]
+    cfg = gateway.http_filters(boot)[1]["typed_config"]
+    assert cfg["send_body_without_waiting_for_header_response"] is True
+    assert cfg["processing_mode"] == {"request_header_mode": "SEND", "response_header_mode": "SEND",
+                                      "request_body_mode": "STREAMED", "response_body_mode": "NONE",
+                                      "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"}
+
+
+def test_envoy_accepts_the_lwepp_bootstrap(tmp_path):
+    """The generator's bootstrap with for_lwepp's changes, validated by the real Envoy (WARMFLEET_ENVOY)."""
+    import json
+    import subprocess
+
+    from envoy_gateway import envoy_binary
+    from warmfleet.server.router.epp.envoy_bootstrap import GatewayConfig, bootstrap
+
+    boot = gateway.for_lwepp(bootstrap(GatewayConfig(epp="127.0.0.1:9002", listen_port=8081, admin_port=None,
+                                                     endpoints=["127.0.0.1:8001", "127.0.0.1:8002"])))
+    path = tmp_path / "lwepp.json"
+    path.write_text(json.dumps(boot))
+    proc = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "OK" in proc.stdout + proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def test_inference_pool_and_pods_for_lwepp():
+    pool = gateway.pool_manifest([8001, 8002], 9002)
+    assert pool["spec"]["targetPorts"] == [{"number": 8001}, {"number": 8002}]
+    assert pool["spec"]["selector"]["matchLabels"] == {"app": gateway.POD_LABEL}
+    pod = gateway.pod_manifest(1, 8002)
+    assert pod["metadata"]["labels"] == {"app": gateway.POD_LABEL}
+    assert pod["metadata"]["annotations"] == {"inference.networking.k8s.io/active-ports": "8002"}
+    with pytest.raises(ValueError):
+        gateway.pool_manifest(list(range(8000, 8009)), 9002)  # the CRD's maxItems is 8
+
+
+def test_summary_means_runs_and_cpu_per_process_role():
+    runs = [{"cached_ratio": 0.5, "ttft_p50_s": 0.1, "ttft_p90_s": 0.2, "errors": 0, "spread": 1.0,
+             "cpu_s": 3.0, "cpu_s_per_1000_requests": 50.0, "rate": 4.0, "seed": s,
+             "cpu_s_by_process": {"envoy": 1.0 + s, "epp": 2.0 - s}} for s in (0, 1)]
+    out = gateway.summary(runs)
+    assert out["cpu_s_by_process"] == {"envoy": 1.5, "epp": 1.5}
+    assert out["cached_ratio"] == 0.5 and "seed" not in out
+    rr = gateway.summary([dict(runs[0], cpu_s=None, cpu_s_per_1000_requests=None, cpu_s_by_process=None)])
+    assert rr["cpu_s_per_1000_requests"] is None and "cpu_s_by_process" not in rr
