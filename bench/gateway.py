@@ -59,9 +59,10 @@ import httpx
 
 sys.path.append(str(Path(__file__).resolve().parent))  # bench/harness.py, after the stdlib
 import harness  # noqa: E402
+from warmfleet.livefleet import wait_http  # noqa: E402
+from warmfleet.localprocs import free_port  # noqa: E402
 
 routing = harness.sibling("routing")
-free_port = routing.free_port
 progress = harness.reporter("gateway")
 
 REPO = harness.BENCH.parent
@@ -318,7 +319,7 @@ def start_envoy(envoy: str, epp_port: int, endpoints: list[str], cwd: str) -> tu
     path.write_text(json.dumps(boot))
     p = start_logged([envoy, "-c", str(path), "--disable-hot-restart", "--log-level", "warning"], cwd,
                      f"envoy-lwepp-{port}")
-    routing.wait_http(f"http://127.0.0.1:{admin}/ready", p, 60)
+    wait_http(f"http://127.0.0.1:{admin}/ready", "envoy (lwepp)", [p], 60)
     return f"http://127.0.0.1:{port}", p
 
 
@@ -356,7 +357,7 @@ class Front:
 
     def stop(self) -> None:
         for p in self.procs.values():
-            routing.stop(p)
+            harness.stop(p)
 
 
 def start_front(kind: str, fleet, cwd: str, tools: dict, kube: Optional[KubePool]) -> Front:
@@ -381,7 +382,7 @@ def start_front(kind: str, fleet, cwd: str, tools: dict, kube: Optional[KubePool
             base, envoy = start_envoy(tools["envoy"], grpc, [u.removeprefix("http://") for u, _, _ in fleet.replicas],
                                       cwd)
         except BaseException:
-            routing.stop(picker)
+            harness.stop(picker)
             raise
         front = Front(base, {"envoy": envoy, "lwepp": picker})
     else:
@@ -477,7 +478,7 @@ def chart(results: dict, path: Path) -> None:
 
 def usable_fronts(wanted: list[str], args: argparse.Namespace) -> tuple[list[str], dict, dict]:
     """The fronts that can run here, the tools they need, and why each other one is skipped."""
-    fronts, skipped = routing.present_routers(wanted)
+    fronts, skipped = harness.present_routers(wanted)
     tools: dict = {}
     if any(f in EPP_FRONTS for f in fronts):
         try:
@@ -541,7 +542,7 @@ def main() -> int:
     results["targets"] = results["text"]["targets"]
     if not args.logs:
         shutil.rmtree(cwd, ignore_errors=True)
-    routing.write_results(Path(args.out), "gateway", results, chart, progress)
+    harness.write_results(Path(args.out), "gateway", results, chart, progress)
     slim = dict(results, text={k: v for k, v in results["text"].items() if k != "runs"})
     if args.json:
         print(json.dumps(slim))
