@@ -7,7 +7,9 @@ Setup and pinning as bench/router_throughput.py (router on core 0; bench/simflee
 time model, 8 replicas, and hey on core 1; non-streaming requests, max_tokens 1). `--body chat`
 sends multi-turn chat bodies on one shared system prompt (router_throughput.chat_bodies_for),
 `completion` the throughput bench's text prompts. py-spy (`pip install py-spy`; needs ptrace)
-records the router's non-idle samples (`record --format raw`, 200 Hz, `--nonblocking`); each
+records the router's non-idle samples (`record --format raw`, 200 Hz; `--nonblocking` unless
+`--native`, which needs the process stopped per sample); a sample whose innermost frame is epoll is
+a thread woken and not yet on a core (with --native; counted apart, not CPU). Each other
 stack is given to the first stage (STAGES, in order) one of whose patterns occurs in it, read
 from the innermost frame outwards, so a tokenizer call inside the proxy counts as tokenize.
 Writes router_profile.json (shares per stage, the top stacks) and the raw collapsed stacks.
@@ -36,27 +38,41 @@ progress = harness.reporter("profile")
 
 # stage -> substrings of a py-spy frame ("function (file:line)"); the innermost frame that matches one decides
 STAGES = [
-    ("gc", ("(gc)", "gc_collect", "_PyGC_", "gc_collect_main")),
     ("metrics (prometheus_client)", ("prometheus_client", "metrics.py")),
     ("logging", ("logging/__init__",)),
+    ("KV events (zmq, index apply)", ("subscriber.py", "zmq", "libzmq", "msgpack", "apply_batch", "apply_snapshot",
+                                      "server/events.py")),
     ("tokenize", ("tokenizers", "encode_batch_fast", "SegmentEncoder", "ids_encoder", "tokenizer.py:encode")),
     ("chat template render", ("jinja2", "apply_chat_template", "_prepare_message", "<template>", "_as_replica_sees")),
     ("hash", ("hashing.py", "HashMemo", "block_hashes", "blake3")),
     ("index match", ("index.py",)),
     ("policy choose", ("policy.py",)),
     ("hot-prefix bookkeeping", ("warmup.py",)),
-    ("body JSON parse", ("json/decoder", "json/__init__", "parse_json_object", "receive_capped")),
-    ("upstream proxy (aiohttp)", ("aiohttp",)),
+    ("body JSON parse", ("json/decoder", "json/__init__", "parse_json_object", "receive_capped", "_json.c")),
+    ("upstream client (aiohttp or http/upstream.py)", ("aiohttp", "upstream.py")),
     ("response relay (starlette)", ("starlette/responses",)),
     ("HTTP server (uvicorn, httptools)", ("uvicorn", "httptools", "transport.py")),
     ("route / forward (router code)", ("router/core/", "router/http/")),
-    ("health checks, events, peers", ("fleet.py", "subscriber.py", "zmq", "peers.py")),
-    ("event loop (uvloop, asyncio)", ("uvloop", "asyncio", "run_forever", "_run_once")),
+    ("health checks, peers", ("fleet.py", "peers.py")),
+    ("event loop (uvloop, asyncio)", ("uvloop", "asyncio")),
 ]
+GC = ("gc_collect", "_PyGC_", "(gc)")
+SYSCALLS = ("write (libc", "read (libc", "writev (libc", "send", "recv", "connect (libc")  # innermost frame (--native)
+# a sample whose innermost frame is epoll is a thread woken but not yet on a core (runnable in epoll_wait):
+# run-queue wait on a busy machine, not CPU; counted apart and left out of the shares
+WAITING = ("epoll_pwait", "epoll_wait")
 
 
 def stage_of(stack: list[str]) -> str:
+    """The stage of one stack: gc anywhere in it, a socket syscall innermost, else the first stage matching its innermost Python frame that
+    matches any (C frames count for the Python code that called them, as without --native)."""
+    if any(g in f for f in stack for g in GC):
+        return "gc"
+    if stack[-1].startswith(SYSCALLS):
+        return "socket syscalls (loopback TCP in the kernel)"
     for frame in reversed(stack):
+        if ".py" not in frame and "<template>" not in frame:
+            continue
         for name, pats in STAGES:
             if any(p in frame for p in pats):
                 return name
@@ -64,20 +80,23 @@ def stage_of(stack: list[str]) -> str:
 
 
 def attribute(raw: str, top: int = 15) -> dict:
-    """Shares per stage and the `top` leaf frames by samples, from py-spy's collapsed stacks."""
+    """Shares per stage of the CPU samples and the `top` innermost frames by samples, from py-spy's collapsed stacks."""
     per: collections.Counter = collections.Counter()
     leaves: collections.Counter = collections.Counter()
-    total = 0
+    total = waiting = 0
     for line in raw.splitlines():
         stacks, _, n = line.rpartition(" ")
         if not stacks or not n.isdigit():
             continue
         frames = stacks.split(";")
+        if any(w in frames[-1] for w in WAITING):
+            waiting += int(n)
+            continue
         total += int(n)
         per[stage_of(frames)] += int(n)
         inner = [f for f in frames if "(" in f][-3:]
         leaves[" < ".join(reversed(inner))] += int(n)
-    return {"samples": total,
+    return {"samples": total, "samples_runnable_in_epoll": waiting,
             "stage_share": {k: round(v / total, 3) for k, v in per.most_common()} if total else {},
             "top_stacks": [{"share": round(v / total, 3), "frames": k} for k, v in leaves.most_common(top)]}
 
