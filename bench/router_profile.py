@@ -64,8 +64,8 @@ WAITING = ("epoll_pwait", "epoll_wait")
 
 
 def stage_of(stack: list[str]) -> str:
-    """The stage of one stack: gc anywhere in it, a socket syscall innermost, else the first stage matching its innermost Python frame that
-    matches any (C frames count for the Python code that called them, as without --native)."""
+    """The stage of one stack: gc anywhere in it, a socket syscall innermost, else the first stage matching its
+    innermost Python frame that matches any (C frames count for the Python code that called them)."""
     if any(g in f for f in stack for g in GC):
         return "gc"
     if stack[-1].startswith(SYSCALLS):
@@ -138,7 +138,8 @@ def main() -> int:
         res: dict = {}
         for fmt, dest in formats:
             cmd = [spy, "record", "--pid", str(router.pid), "--rate", "200", "--format", fmt,
-                   "--output", str(dest), "--duration", str(int(args.duration))] + (["--native"] if args.native else ["--nonblocking"])
+                   "--output", str(dest), "--duration", str(int(args.duration)),
+                   "--native" if args.native else "--nonblocking"]
             rec = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             time.sleep(1.0)
             c0 = trace.proc_tree_cpu(router.pid)

@@ -31,7 +31,8 @@ class FakeRawServer:
         try:
             while self.answers:
                 head = await reader.readuntil(b"\r\n\r\n")
-                length = int(next(x.split(b":")[1] for x in head.split(b"\r\n") if x.lower().startswith(b"content-length")))
+                length = int(next(x.split(b":")[1] for x in head.split(b"\r\n")
+                                  if x.lower().startswith(b"content-length")))
                 self.requests.append(head + await reader.readexactly(length))
                 answer = self.answers.pop(0)
                 if answer is None:
@@ -55,7 +56,8 @@ def ok(body: bytes, extra: bytes = b"") -> bytes:
 async def test_keep_alive_reuses_one_connection_and_sends_one_request_each():
     async with FakeRawServer([ok(b'{"a": 1}', b"X-Request-Id: r1\r\nx-request-id: r2\r\n"), ok(b"{}")]) as s:
         up = Upstream(1.0, 5.0)
-        r = await up.post(s.url, "/v1/completions", b'{"p": 1}', {"content-type": "application/json", "authorization": "k"})
+        r = await up.post(s.url, "/v1/completions", b'{"p": 1}',
+                          {"content-type": "application/json", "authorization": "k"})
         assert (r.status, await r.read()) == (200, b'{"a": 1}')
         assert r.headers["x-request-id"] == "r1"  # names lower-cased, the first of repeated ones
         r.release()
@@ -66,12 +68,14 @@ async def test_keep_alive_reuses_one_connection_and_sends_one_request_each():
     assert s.connections == 1
     first = s.requests[0]
     assert first.startswith(b"POST /v1/completions HTTP/1.1\r\n")
-    assert b"\r\ncontent-length: 8\r\n" in first and b"\r\nauthorization: k\r\n" in first and first.endswith(b'{"p": 1}')
+    assert b"\r\ncontent-length: 8\r\n" in first and b"\r\nauthorization: k\r\n" in first
+    assert first.endswith(b'{"p": 1}')
     assert f"host: {s.url.split('//')[1]}".encode() in first
 
 
 async def test_chunked_answer_arrives_in_pieces_then_eof():
-    parts = [b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n", b"5\r\nhello\r\n", b"6\r\n world\r\n", b"0\r\n\r\n"]
+    parts = [b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n", b"5\r\nhello\r\n", b"6\r\n world\r\n",
+             b"0\r\n\r\n"]
     async with FakeRawServer([parts, ok(b"again")]) as s:
         up = Upstream(1.0, 5.0)
         r = await up.post(s.url, "/x", b"", {})

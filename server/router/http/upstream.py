@@ -1,4 +1,4 @@
-"""The proxy's HTTP/1.1 client to the replicas: keep-alive connections per replica on asyncio protocols, httptools' parser.
+"""The proxy's HTTP/1.1 client to the replicas: keep-alive connections per replica, httptools' parser.
 
 What forwarding needs and no more: POST a body with a few headers in one write, the status and
 headers, then the body whole (`read`) or as it arrives (`chunks`); a connection goes back to its
@@ -260,8 +260,8 @@ class Upstream:
             if u.scheme not in ("http", "https") or not u.hostname:
                 raise UpstreamError(f"unsupported replica URL {base!r}")
             tls = u.scheme == "https"
-            found = self._pools[base] = (_Pool(u.hostname, u.port or (443 if tls else 80), tls), u.netloc.encode("latin-1"),
-                                         u.path.rstrip("/").encode("latin-1"))
+            pool = _Pool(u.hostname, u.port or (443 if tls else 80), tls)
+            found = self._pools[base] = (pool, u.netloc.encode("latin-1"), u.path.rstrip("/").encode("latin-1"))
         return found
 
     async def post(self, base: str, path: str, body: bytes, headers: dict) -> UpstreamResponse:
