@@ -72,9 +72,9 @@ LEAST_LOAD = "least_load"
 RETRY = "retry"
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, unsafe_hash=True)  # equality and hash as frozen; not frozen: a frozen init costs 3x
 class Candidate:
-    """One routable replica as the policy sees it."""
+    """One routable replica as the policy sees it (made per replica per request; treat as read-only)."""
 
     replica: str
     gpu_blocks: int = 0  # leading blocks of the prompt cached in the primary pool
