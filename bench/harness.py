@@ -233,6 +233,53 @@ def stop(p: subprocess.Popen | None, timeout_s: float = 30.0) -> None:
         p.wait(timeout=10)
 
 
+# --- CPU of a router's process tree (/proc) -------------------------------------------------------
+def tree_pids(roots: Iterable[int], proc: Path = Path("/proc")) -> list[int]:
+    """`roots` and every live descendant (parents from /proc/PID/stat field 4)."""
+    children: dict[int, list[int]] = {}
+    for d in proc.iterdir():
+        if d.name.isdigit():
+            try:
+                raw = (d / "stat").read_text()
+            except OSError:  # exited while we looked
+                continue
+            children.setdefault(int(raw[raw.rindex(")") + 2:].split()[1]), []).append(int(d.name))
+    out, todo = [], list(roots)
+    while todo:
+        pid = todo.pop()
+        if pid not in out:
+            out.append(pid)
+            todo += children.get(pid, [])
+    return out
+
+
+def schedstat_ns(roots: Iterable[int], proc: Path = Path("/proc")) -> tuple[int, int]:
+    """(time on a CPU, time waiting on a run queue), ns so far, summed over every thread of the process trees under
+    `roots`: /proc/PID/task/TID/schedstat fields 1 and 2 (threads that have ended are not counted)."""
+    on_cpu = waiting = 0
+    for pid in tree_pids(roots, proc):
+        try:
+            tasks = list((proc / str(pid) / "task").iterdir())
+        except OSError:
+            continue
+        for t in tasks:
+            try:
+                f = (t / "schedstat").read_text().split()
+            except OSError:
+                continue
+            on_cpu, waiting = on_cpu + int(f[0]), waiting + int(f[1])
+    return on_cpu, waiting
+
+
+def sched_per_request(before: tuple[int, int], after: tuple[int, int], requests: int) -> dict:
+    """On-CPU and run-queue ms per request between two `schedstat_ns` readings, and wait / on-CPU."""
+    cpu, wait = after[0] - before[0], after[1] - before[1]
+    n = max(1, requests)
+    return {"router_cpu_ms_per_request": round(cpu / n / 1e6, 3),
+            "router_runq_wait_ms_per_request": round(wait / n / 1e6, 3),
+            "router_runq_wait_over_cpu": round(wait / cpu, 3) if cpu else None}
+
+
 def sibling(script: str) -> ModuleType:
     """bench/`script`.py as module `wf_bench_<script>`, loaded once per process and shared by every importer
     (by location: `trace` is a stdlib name)."""

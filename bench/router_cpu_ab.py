@@ -1,13 +1,16 @@
 """Router CPU per request, this checkout against an earlier commit, side by side at fixed request rates.
 
-    python -P bench/router_cpu_ab.py --baseline COMMIT [--rates 800,1600] [--rounds 3] [--duration 5] [--json]
+    python -P bench/router_cpu_ab.py --baseline COMMIT [--rates 800,1600] [--rounds 3] [--duration 5]
+                                     [--body completion|chat] [--replicas 8] [--json]
 
 Both routers (`warmfleet route`, the baseline's code from `git archive COMMIT` on PYTHONPATH) run at
-once against one `bench/simfleet.py` (8 replicas, zero time model) with the setup and pinning of
+once against one `bench/simfleet.py` (--replicas, default 8; zero time model) with the setup and pinning of
 `bench/router_throughput.py` (router core 0; simulator and hey core 1); at each rate they are
 measured in turn, `--rounds` times, and the median CPU ms per request (utime + stime of the
 router's process tree over the run / requests answered) is reported for each. CPU per request is
 the figure that survives a machine shared with other work; latency is reported, not judged.
+Bodies: router_throughput's 96-token text completions, or with `--body chat` its multi-turn chats
+on one shared system prompt (/v1/chat/completions: template render, tokenize, hash, choose).
 Writes router_cpu_ab.json and router_cpu_ab.png in --out.
 """
 
@@ -82,21 +85,24 @@ def main() -> int:
     ap.add_argument("--rates", default="800,1600")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--duration", type=float, default=5.0)
+    ap.add_argument("--body", choices=("completion", "chat"), default="completion")
+    ap.add_argument("--replicas", type=int, default=8)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     from warmfleet.server.tokenizer import Tokenizer
 
     model = trace.tiny_model()
-    bodies = rt.bodies_for(trace.Words(Tokenizer(str(model)), 16), 96, 4)
+    bodies = rt.make_bodies(args.body, trace.Words(Tokenizer(str(model)), 16), 96, 4)
+    path = "/v1/chat/completions" if args.body == "chat" else "/v1/completions"
     rates = [float(x) for x in args.rates.split(",")]
     cwd = tempfile.mkdtemp(prefix="wf-cpu-ab-")
     base_dir = checkout(args.baseline, Path(tempfile.mkdtemp(prefix="wf-baseline-")))
     head = subprocess.run(["git", "-C", str(HERE.parent), "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True).stdout.strip()
     sim = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-P", str(HERE / "simfleet.py"), "--model", str(model),
-                            "--replicas", "8", "--time-model", "zero", "--gpu-blocks", "4096", "--ready-file",
-                            str(Path(cwd) / "sim.json")], cwd=cwd, stdout=subprocess.DEVNULL,
+                            "--replicas", str(args.replicas), "--time-model", "zero", "--gpu-blocks", "4096",
+                            "--ready-file", str(Path(cwd) / "sim.json")], cwd=cwd, stdout=subprocess.DEVNULL,
                            stderr=open(Path(cwd) / "sim.log", "ab"))
     routers: dict = {}
     runs: dict = {"baseline": {}, "head": {}}
@@ -108,9 +114,9 @@ def main() -> int:
         for rnd in range(args.rounds):
             for rate in rates:
                 for name, (base, proc) in routers.items():
-                    rt.run_hey(base + "/v1/completions", bodies, rate, 1.0, "1", 16)  # warm
+                    rt.run_hey(base + path, bodies, rate, 1.0, "1", 16)  # warm
                     c0 = trace.proc_tree_cpu(proc.pid)
-                    r = rt.run_hey(base + "/v1/completions", bodies, rate, args.duration, "1", 16)
+                    r = rt.run_hey(base + path, bodies, rate, args.duration, "1", 16)
                     r["router_cpu_ms_per_request"] = round((trace.proc_tree_cpu(proc.pid) - c0)
                                                            / max(1, r["requests"]) * 1e3, 3)
                     r["loadavg_1m"] = os.getloadavg()[0]
@@ -122,7 +128,8 @@ def main() -> int:
         harness.stop(sim)
         shutil.rmtree(cwd, ignore_errors=True)
         shutil.rmtree(base_dir, ignore_errors=True)
-    res = {"command": " ".join([Path(sys.executable).name] + sys.argv), "rates": rates, "rounds": args.rounds,
+    res = {"command": " ".join([Path(sys.executable).name] + sys.argv), "body": args.body, "replicas": args.replicas,
+           "rates": rates, "rounds": args.rounds,
            "duration_s": args.duration, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "routers": {}}
     for name, code in (("baseline", args.baseline), ("head", head)):
         res["routers"][name] = {

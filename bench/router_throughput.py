@@ -115,6 +115,27 @@ def bodies_for(words, n_words: int, distinct: int) -> list[bytes]:
     return out
 
 
+def chat_bodies_for(words, n_words: int, distinct: int) -> list[bytes]:
+    """Chat bodies of about `n_words` tokens: one shared system prompt (half), then a conversation of its own each
+    (user, assistant, user), as a multi-turn client sends them."""
+    shared = [words.words[i][0] for i in words.run(10**9)] * (n_words // 2 // words.block + 1)
+    out = []
+    for k in range(distinct):
+        rest = [words.words[i][0] for i in words.run(10**9 + 1 + k)] * (n_words // words.block + 1)
+        turn = max(1, (n_words - n_words // 2) // 3)
+        msgs = [{"role": "system", "content": "".join(shared[: n_words // 2])},
+                {"role": "user", "content": "".join(rest[:turn])},
+                {"role": "assistant", "content": "".join(rest[turn: 2 * turn])},
+                {"role": "user", "content": "".join(rest[2 * turn: 3 * turn])}]
+        out.append(json.dumps({"model": "bench", "messages": msgs, "max_tokens": 1}).encode())
+    return out
+
+
+def make_bodies(kind: str, words, n_words: int, distinct: int) -> list[bytes]:
+    """`kind` "completion" (bodies_for) or "chat" (chat_bodies_for)."""
+    return (chat_bodies_for if kind == "chat" else bodies_for)(words, n_words, distinct)
+
+
 def measure(kinds: list[str], args, model: Path, cwd: str, bodies: list[bytes], rates: list[float]) -> dict:
     """Every router against the same simulated fleet, interleaved at each rate (same machine load)."""
     sim_cmd = ["taskset", "-c", args.load_core, sys.executable, "-P", str(HERE / "simfleet.py"), "--model",

@@ -16,7 +16,9 @@ the same machine load, so ratios between routers are measured side by side.
 
 Reports per router the fleet cached-token ratio (from `usage`), TTFT p50/p90 (to the first
 token), request spread (max / mean requests per replica over all replicas: one that got none counts as 0),
-errors, and for warmfleet the router-added latency against direct requests, decision reasons with the
+errors, the router's own CPU and run-queue wait per request over the run (its process tree's threads,
+/proc/PID/task/TID/schedstat: a TTFT tail from a router starved of a core shows as wait >> CPU), and for
+warmfleet the router-added latency against direct requests, decision reasons with the
 tokens each reason lost against the oracle, and a churn run (one replica killed mid-run and restarted cold).
 The oracle is the cached-token ratio of an unbounded cache that saw every earlier request.
 Writes `routing.json` and `routing.png` (bar charts per router) to --out.
@@ -456,6 +458,13 @@ def start_router(kind: str, fleet: Fleet, cwd: str, extra: list[str] = ()) -> tu
     return base, p
 
 
+def router_pids(proc) -> list[int]:
+    """The processes a router run is made of: none for "rr", warmfleet epp and its Envoy for a Gateway."""
+    if proc is None:
+        return []
+    return [proc.epp.pid, proc.envoy.pid] if isinstance(proc, Gateway) else [proc.pid]
+
+
 def kv_routing_counters(metrics_url: str) -> dict[str, float]:
     """vllm-router's counters of KV-aware decisions: index lookups by result, routing inputs, decision outcomes."""
     out = {}
@@ -717,8 +726,13 @@ def run_workload(name: str, model: Path, make_trace, routers: list[str], n: int,
                         bases = [base] if base else [u for u, _, _ in fleet.replicas]
                         served = fleet.served() if fleet.engine == "vllm" else None
                         t0 = time.monotonic()
+                        pids = router_pids(proc)
+                        s0 = harness.schedstat_ns(pids)
                         rec = asyncio.run(drive(bases, traces[seed], rate, seed))
+                        s1 = harness.schedstat_ns(pids)
                         summ = summarize(rec, len(fleet.replicas), oracles[seed])
+                        if pids:  # the router's own CPU and run-queue wait beside its TTFT (starved by the replicas?)
+                            summ.update(harness.sched_per_request(s0, s1, len(rec)))
                         if served is not None:  # vLLM names no replica in its answers: count at the replicas
                             summ["spread"] = harness.spread([v - served[u] for u, v in fleet.served().items()], len(fleet.replicas))
                         if hasattr(proc, "metrics_url"):

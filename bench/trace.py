@@ -294,24 +294,15 @@ def start_router(kind: str, model: Path, sim: dict, block: int, cwd: str, extra:
 
 
 def proc_tree_cpu(pid: int) -> float:
-    """utime + stime (s) of a process and all its descendants, from /proc."""
-    tick = os.sysconf("SC_CLK_TCK")
-    stats, children = {}, {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
+    """utime + stime (s) of a process and all its live descendants, from /proc."""
+    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
+    for p in harness.tree_pids([pid]):
         try:
-            raw = Path(f"/proc/{d}/stat").read_text()
-        except OSError:
+            raw = Path(f"/proc/{p}/stat").read_text()
+        except OSError:  # exited while we looked
             continue
         f = raw[raw.rfind(")") + 2:].split()
-        stats[int(d)] = (int(f[11]) + int(f[12])) / tick
-        children.setdefault(int(f[1]), []).append(int(d))
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
-        total += stats.get(p, 0.0)
-        todo += children.get(p, [])
+        total += (int(f[11]) + int(f[12])) / tick
     return total
 
 

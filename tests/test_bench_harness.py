@@ -54,3 +54,23 @@ def test_route_command_puts_every_replica_after_the_flags():
                                       "--replica", "http://r0,events=tcp://e0", "--replica", "http://r1,events=tcp://e1"]
     with pytest.raises(ValueError):
         harness.peer_command("nginx", [], 1, 2, [])
+
+
+def fake_proc(root, procs: dict) -> None:
+    """A /proc with `procs`: pid -> (ppid, {tid: (on-CPU ns, run-queue ns)}); the command holds ') ' as some do."""
+    for pid, (ppid, tasks) in procs.items():
+        (root / str(pid)).mkdir()
+        (root / str(pid) / "stat").write_text(f"{pid} (a) b) S {ppid} 1 1 0 -1\n")
+        for tid, (cpu, wait) in tasks.items():
+            (root / str(pid) / "task" / str(tid)).mkdir(parents=True)
+            (root / str(pid) / "task" / str(tid) / "schedstat").write_text(f"{cpu} {wait} 7\n")
+    (root / "self").mkdir()
+
+
+def test_schedstat_sums_every_thread_of_the_tree_and_nothing_else(tmp_path):
+    fake_proc(tmp_path, {10: (1, {10: (100, 5), 11: (50, 20)}), 12: (10, {12: (7, 3)}), 13: (12, {13: (1, 1)}),
+                         20: (1, {20: (1000, 1000)})})
+    assert sorted(harness.tree_pids([10], tmp_path)) == [10, 12, 13]
+    assert harness.schedstat_ns([10], tmp_path) == (158, 29)
+    assert harness.sched_per_request((0, 0), (4_000_000, 6_000_000), 2) == {
+        "router_cpu_ms_per_request": 2.0, "router_runq_wait_ms_per_request": 3.0, "router_runq_wait_over_cpu": 1.5}

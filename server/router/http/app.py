@@ -208,7 +208,7 @@ def _lifespan(rt: RouterRuntime, metrics: RouterMetrics, state: dict, peers: Opt
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        session = upstream_session()
+        session = upstream_session(rt.settings.proxy)
         try:
             async with running(rt, metrics, peers) as router:
                 state["fleet"] = app.state.fleet = router.fleet

@@ -19,7 +19,6 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
-import aiohttp
 import httpx
 from starlette.responses import Response, StreamingResponse
 
@@ -29,16 +28,17 @@ from ..core.router import Router
 from ..core.settings import ProxyConfig
 from ..core.usage import cached_tokens_in_events, cached_tokens_in_json, event_boundary
 from ..status import error_response
+from .upstream import ConnectTimeout, Upstream, UpstreamError, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
 RETRYABLE_STATUS = {502, 503, 504}
 CONNECT_FAILURES = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
                     httpx.WriteError, httpx.PoolTimeout)  # forward_plain (httpx)
-# forwarding (aiohttp): a connect timeout counts as a failed health check (fleet.report_timeout), a refused or
+# forwarding (upstream.py): a connect timeout counts as a failed health check (fleet.report_timeout), a refused or
 # reset connection takes the replica out at once; any other timeout is the replica being slow
-UPSTREAM_FAILURES = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, aiohttp.ClientResponseError)
-CONNECT_TIMEOUT = getattr(aiohttp, "ConnectionTimeoutError", ())  # aiohttp >= 3.10; older: a plain timeout (504)
+UPSTREAM_FAILURES = (UpstreamError,)
+CONNECT_TIMEOUT = ConnectTimeout
 PASSTHROUGH_HEADERS = ("content-type", "x-warmfleet-replica", "x-request-id")
 
 
@@ -47,10 +47,9 @@ def sse_error(message: str) -> bytes:
     return f"data: {payload}\n\ndata: [DONE]\n\n".encode()
 
 
-def upstream_session() -> aiohttp.ClientSession:
-    """Pooled keep-alive connections for forwarding (aiohttp writes headers and a small body in one send)."""
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=None, keepalive_timeout=60),
-                                 auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"))
+def upstream_session(cfg: ProxyConfig = ProxyConfig()) -> Upstream:
+    """Pooled keep-alive connections for forwarding (headers and a small body in one send)."""
+    return Upstream(cfg.connect_timeout_s, cfg.read_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -70,13 +69,11 @@ class Proxy:
     """The HTTP relay of `warmfleet route`: asks the core where a request goes (`Router.route`), then sends it."""
 
     def __init__(self, router: Router, cfg: ProxyConfig = ProxyConfig(), upstream_headers: Optional[dict] = None,
-                 session: Optional[aiohttp.ClientSession] = None):
+                 session: Optional[Upstream] = None):
         self.router, self.fleet, self.metrics, self.cfg = router, router.fleet, router.metrics, cfg
         self.upstream_headers = upstream_headers or {}
         self.timeout = httpx.Timeout(cfg.read_timeout_s, connect=cfg.connect_timeout_s)
-        self.session = session  # created lazily inside the running loop when not given
-        self.aio_timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s,
-                                                 sock_read=cfg.read_timeout_s)
+        self.session = session  # created lazily when not given
 
     # --- forwarding -------------------------------------------------------------------------
     async def forward(self, path: str, kind: str, body: dict, client_headers: dict,
@@ -105,7 +102,7 @@ class Proxy:
         queued = a.decision.uncached_for(rid)
         self.router.enter(rep, queued)  # queued prefill until the first token, the answer or a failure
         released = False
-        resp: Optional[aiohttp.ClientResponse] = None
+        resp: Optional[UpstreamResponse] = None
         try:
             resp = await self._send(rep, a.path, a.raw, a.headers)
             if resp.status in RETRYABLE_STATUS:
@@ -138,10 +135,10 @@ class Proxy:
             if not released:
                 self.router.leave(rep)
 
-    async def _first_event(self, rep: Replica, resp: aiohttp.ClientResponse, a: _Attempt,
+    async def _first_event(self, rep: Replica, resp: UpstreamResponse, a: _Attempt,
                            retried: bool) -> StreamingResponse:
         """Wait for a stream's first bytes (a replica sends them with the first token: TTFT), then relay the rest."""
-        chunks = resp.content.iter_any()
+        chunks = resp.chunks()
         first = await anext(chunks, b"")
         self.metrics.ttft.observe(time.perf_counter() - a.t_arrival)
         return self._stream(rep, resp, chunks, first, a.decision, retried=retried)
@@ -168,13 +165,12 @@ class Proxy:
             return Response(resp.content, resp.status_code, self._reply_headers(resp, rep, None))
         return error_response(503 if last_error == "no healthy replica" else 502, last_error, "upstream_error")
 
-    async def _send(self, rep: Replica, path: str, raw: bytes, headers: dict) -> aiohttp.ClientResponse:
+    async def _send(self, rep: Replica, path: str, raw: bytes, headers: dict) -> UpstreamResponse:
         if self.session is None or self.session.closed:
-            self.session = upstream_session()
-        return await self.session.post(rep.spec.url + path, data=raw, headers=headers, timeout=self.aio_timeout,
-                                       allow_redirects=False)
+            self.session = upstream_session(self.cfg)
+        return await self.session.post(rep.spec.url, path, raw, headers)
 
-    def _stream(self, rep: Replica, resp: aiohttp.ClientResponse, chunks: AsyncIterator[bytes], first: bytes,
+    def _stream(self, rep: Replica, resp: UpstreamResponse, chunks: AsyncIterator[bytes], first: bytes,
                 decision: Decision, retried: bool = False) -> StreamingResponse:
         async def relay() -> AsyncIterator[bytes]:
             buf = first
@@ -192,12 +188,12 @@ class Proxy:
                     buf += chunk
                 if buf:
                     yield buf
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            except (asyncio.TimeoutError, OSError) as exc:
                 self.metrics.stream_breaks.inc()
                 log.warning("stream from %s broke: %s", rep.id, type(exc).__name__)
                 yield (b"\n\n" if buf else b"") + sse_error(f"replica {rep.id} failed mid-stream ({type(exc).__name__})")
             finally:
-                resp.close() if not resp.content.at_eof() else resp.release()
+                resp.close() if not resp.at_eof() else resp.release()
                 self.router.leave(rep)
 
         return self._count(StreamingResponse(relay(), resp.status, self._reply_headers(resp, rep, decision, retried)))
