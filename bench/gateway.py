@@ -51,9 +51,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Optional
+from typing import Mapping, Optional
 
 import httpx
 
@@ -73,62 +72,6 @@ TARGETS = ("EPP cached ratio within 0.02 of the proxy's and ahead of lwepp and e
            "EPP TTFT p90 <= the proxy's; EPP routing-tier CPU per request < the proxy's")
 POOL, NAMESPACE, POD_LABEL = "bench", "default", "warmfleet-bench-replica"
 ACTIVE_PORTS = "inference.networking.k8s.io/active-ports"
-
-
-# --- CPU of a process tree (/proc) ------------------------------------------------------------------
-@dataclass(frozen=True)
-class ProcCpu:
-    """One /proc/PID/stat line's CPU fields, in clock ticks."""
-
-    pid: int
-    ppid: int
-    self_ticks: int  # utime + stime (fields 14, 15)
-    reaped_children_ticks: int  # cutime + cstime (fields 16, 17): children it has waited for
-
-
-def parse_stat(line: str) -> ProcCpu:
-    """/proc/PID/stat → ProcCpu. The command (field 2) is in parentheses and may hold spaces and ')':
-    fields are counted from the last ')'."""
-    pid = int(line[: line.index("(")])
-    rest = line[line.rindex(")") + 2:].split()  # rest[0] is field 3 (state)
-    utime, stime, cutime, cstime = (int(x) for x in rest[11:15])
-    return ProcCpu(pid, int(rest[1]), utime + stime, cutime + cstime)
-
-
-def tree_ticks(procs: Iterable[ProcCpu], roots: Iterable[int]) -> int:
-    """Ticks of `roots` and every live descendant, each with its reaped children (no tick counted twice:
-    a process's cutime holds only children it has reaped, which are no longer in the table)."""
-    by_parent: dict[int, list[ProcCpu]] = {}
-    table = {p.pid: p for p in procs}
-    for p in table.values():
-        by_parent.setdefault(p.ppid, []).append(p)
-    total, todo, seen = 0, [r for r in roots if r in table], set()
-    while todo:
-        pid = todo.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        p = table[pid]
-        total += p.self_ticks + p.reaped_children_ticks
-        todo.extend(c.pid for c in by_parent.get(pid, ()))
-    return total
-
-
-def read_procs(proc: Path = Path("/proc")) -> list[ProcCpu]:
-    out = []
-    for d in proc.iterdir():
-        if d.name.isdigit():
-            try:
-                out.append(parse_stat((d / "stat").read_text()))
-            except (OSError, ValueError, IndexError):  # exited while we looked
-                pass
-    return out
-
-
-def cpu_seconds(roots: Mapping[str, int]) -> dict[str, float]:
-    """CPU seconds so far of the process tree under each named root pid (one read of /proc for all)."""
-    procs, tick = read_procs(), os.sysconf("SC_CLK_TCK")
-    return {name: tree_ticks(procs, [pid]) / tick for name, pid in roots.items()}
 
 
 def total(by_role: Optional[Mapping[str, float]]) -> float:
@@ -353,7 +296,7 @@ class Front:
 
     def cpu_s(self) -> Optional[dict[str, float]]:
         """CPU seconds so far per role (each process with its descendants); None for a front of no process."""
-        return cpu_seconds({role: p.pid for role, p in self.procs.items()}) if self.procs else None
+        return harness.cpu_seconds({role: p.pid for role, p in self.procs.items()}) if self.procs else None
 
     def stop(self) -> None:
         for p in self.procs.values():

@@ -22,9 +22,10 @@ import sys
 import tempfile
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Callable, Collection, Hashable, Iterable, Sequence
+from typing import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 
 BENCH = Path(__file__).resolve().parent
 EXE = [sys.executable, "-P", "-m", "warmfleet.cli"]
@@ -234,6 +235,67 @@ def stop(p: subprocess.Popen | None, timeout_s: float = 30.0) -> None:
 
 
 # --- CPU of a router's process tree (/proc) -------------------------------------------------------
+# --- CPU of process trees (/proc) ------------------------------------------------------------------
+@dataclass(frozen=True)
+class ProcCpu:
+    """One /proc/PID/stat line's CPU fields, in clock ticks."""
+
+    pid: int
+    ppid: int
+    self_ticks: int  # utime + stime (fields 14, 15)
+    reaped_children_ticks: int  # cutime + cstime (fields 16, 17): children it has waited for
+
+
+def parse_stat(line: str) -> ProcCpu:
+    """/proc/PID/stat → ProcCpu. The command (field 2) is in parentheses and may hold spaces and ')':
+    fields are counted from the last ')'."""
+    pid = int(line[: line.index("(")])
+    rest = line[line.rindex(")") + 2:].split()  # rest[0] is field 3 (state)
+    utime, stime, cutime, cstime = (int(x) for x in rest[11:15])
+    return ProcCpu(pid, int(rest[1]), utime + stime, cutime + cstime)
+
+
+def tree_ticks(procs: Iterable[ProcCpu], roots: Iterable[int]) -> int:
+    """Ticks of `roots` and every live descendant, each with its reaped children (no tick counted twice:
+    a process's cutime holds only children it has reaped, which are no longer in the table)."""
+    by_parent: dict[int, list[ProcCpu]] = {}
+    table = {p.pid: p for p in procs}
+    for p in table.values():
+        by_parent.setdefault(p.ppid, []).append(p)
+    total, todo, seen = 0, [r for r in roots if r in table], set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        p = table[pid]
+        total += p.self_ticks + p.reaped_children_ticks
+        todo.extend(c.pid for c in by_parent.get(pid, ()))
+    return total
+
+
+def read_procs(proc: Path = Path("/proc")) -> list[ProcCpu]:
+    out = []
+    for d in proc.iterdir():
+        if d.name.isdigit():
+            try:
+                out.append(parse_stat((d / "stat").read_text()))
+            except (OSError, ValueError, IndexError):  # exited while we looked
+                pass
+    return out
+
+
+def cpu_seconds(roots: Mapping[str, int]) -> dict[str, float]:
+    """CPU seconds so far of the process tree under each named root pid (one read of /proc for all)."""
+    procs, tick = read_procs(), os.sysconf("SC_CLK_TCK")
+    return {name: tree_ticks(procs, [pid]) / tick for name, pid in roots.items()}
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds so far of one process tree (its live descendants and the children it reaped included)."""
+    return cpu_seconds({"tree": pid})["tree"]
+
+
 def tree_pids(roots: Iterable[int], proc: Path = Path("/proc")) -> list[int]:
     """`roots` and every live descendant (parents from /proc/PID/stat field 4)."""
     children: dict[int, list[int]] = {}

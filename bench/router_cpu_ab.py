@@ -115,9 +115,9 @@ def main() -> int:
             for rate in rates:
                 for name, (base, proc) in routers.items():
                     rt.run_hey(base + path, bodies, rate, 1.0, "1", 16)  # warm
-                    c0 = trace.proc_tree_cpu(proc.pid)
+                    c0 = harness.tree_cpu_s(proc.pid)
                     r = rt.run_hey(base + path, bodies, rate, args.duration, "1", 16)
-                    r["router_cpu_ms_per_request"] = round((trace.proc_tree_cpu(proc.pid) - c0)
+                    r["router_cpu_ms_per_request"] = round((harness.tree_cpu_s(proc.pid) - c0)
                                                            / max(1, r["requests"]) * 1e3, 3)
                     r["loadavg_1m"] = os.getloadavg()[0]
                     runs[name].setdefault(str(rate), []).append(r)

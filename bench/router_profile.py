@@ -142,9 +142,9 @@ def main() -> int:
                    "--native" if args.native else "--nonblocking"]
             rec = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             time.sleep(1.0)
-            c0 = trace.proc_tree_cpu(router.pid)
+            c0 = harness.tree_cpu_s(router.pid)
             r = rt.run_hey(base + path, bodies, args.rate, args.duration - 2, "1", 16)
-            r["router_cpu_ms_per_request"] = round((trace.proc_tree_cpu(router.pid) - c0) / max(1, r["requests"])
+            r["router_cpu_ms_per_request"] = round((harness.tree_cpu_s(router.pid) - c0) / max(1, r["requests"])
                                                    * 1e3, 3)
             err = rec.communicate(timeout=args.duration + 60)[1]
             if rec.returncode != 0:

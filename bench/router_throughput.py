@@ -203,9 +203,9 @@ def measure_one(router: tuple, bodies: list[bytes], rate: float, args, direct: d
     """One warmed-up run of a router at `rate`: latencies, CPU per request, added p99 against `direct`."""
     base, proc = router
     run_hey(base + "/v1/completions", bodies, rate, 1.5, args.load_core, args.concurrency)  # warm
-    c0 = trace.proc_tree_cpu(proc.pid)
+    c0 = harness.tree_cpu_s(proc.pid)
     r = run_hey(base + "/v1/completions", bodies, rate, args.duration, args.load_core, args.concurrency)
-    cpu = trace.proc_tree_cpu(proc.pid) - c0
+    cpu = harness.tree_cpu_s(proc.pid) - c0
     r["router_cpu_s_per_s"] = round(cpu / args.duration, 3)
     r["router_cpu_ms_per_request"] = round(cpu / max(1, r["requests"]) * 1e3, 3)
     r["direct_p99_ms"], r["direct_achieved_rps"] = direct["p99_ms"], direct["achieved_rps"]

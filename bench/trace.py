@@ -293,19 +293,6 @@ def start_router(kind: str, model: Path, sim: dict, block: int, cwd: str, extra:
     raise AssertionError("unreachable")
 
 
-def proc_tree_cpu(pid: int) -> float:
-    """utime + stime (s) of a process and all its live descendants, from /proc."""
-    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
-    for p in harness.tree_pids([pid]):
-        try:
-            raw = Path(f"/proc/{p}/stat").read_text()
-        except OSError:  # exited while we looked
-            continue
-        f = raw[raw.rfind(")") + 2:].split()
-        total += (int(f[11]) + int(f[12])) / tick
-    return total
-
-
 # --- driving ------------------------------------------------------------------------------------
 async def stream_completion(session, url: str, body: dict) -> dict:
     """POST one streamed completion; its client TTFT, usage, replica/route headers and error (None if it went well)."""
@@ -469,7 +456,7 @@ def run_one(kind: str, n: int, reqs: list[dict], model: Path, args, cwd: str, ex
             bases, procs = start_routers(kind, model, sim, args, cwd, extra)
 
         def routers_cpu() -> float:
-            return sum(proc_tree_cpu(p.pid) for p in procs)
+            return sum(harness.tree_cpu_s(p.pid) for p in procs)
 
         idle = None
         if procs:
@@ -479,12 +466,12 @@ def run_one(kind: str, n: int, reqs: list[dict], model: Path, args, cwd: str, ex
         progress(f"{kind} x {n}: fleet and {len(procs)} router(s) up in {time.monotonic() - t0:.0f} s; "
                  f"replaying {len(reqs)} requests")
         c0 = routers_cpu() if procs else None
-        sim_c0 = proc_tree_cpu(sim_proc.pid)
+        sim_c0 = harness.tree_cpu_s(sim_proc.pid)
         w0 = time.monotonic()
         rec = asyncio.run(drive(bases, reqs, args.time_scale, args.prompt_format))
         wall = time.monotonic() - w0
         cpu = routers_cpu() - c0 if procs else None
-        sim_cpu = proc_tree_cpu(sim_proc.pid) - sim_c0
+        sim_cpu = harness.tree_cpu_s(sim_proc.pid) - sim_c0
         stats = httpx.get(sim["control"] + "/sim/stats", timeout=60).json()
         simlog = httpx.get(sim["control"] + "/sim/log", timeout=60).json()
         out = summarize(rec, simlog, n, cpu, wall, oracle)

@@ -1,4 +1,4 @@
-"""bench/gateway.py's pure parts: CPU of a process tree from /proc stat lines, the issue's targets, lwepp's
+"""bench/gateway.py's pure parts and the CPU accounting it takes from bench/harness.py: CPU of process trees from /proc
 Envoy changes and its InferencePool objects."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import pytest
 from bench_scripts import load_bench
 
 gateway = load_bench("gateway.py")
+harness = load_bench("harness.py")
 
 
 def stat(pid: int, comm: str, ppid: int, utime: int, stime: int, cutime: int = 0, cstime: int = 0) -> str:
@@ -17,18 +18,18 @@ def stat(pid: int, comm: str, ppid: int, utime: int, stime: int, cutime: int = 0
 
 
 def test_parse_stat_counts_fields_after_the_last_parenthesis():
-    p = gateway.parse_stat(stat(41, "weird) name (x", 7, 100, 20, 3, 4))
+    p = harness.parse_stat(stat(41, "weird) name (x", 7, 100, 20, 3, 4))
     assert (p.pid, p.ppid, p.self_ticks, p.reaped_children_ticks) == (41, 7, 120, 7)
 
 
 def test_parse_stat_of_this_process():
     with open("/proc/self/stat") as f:
-        p = gateway.parse_stat(f.read())
+        p = harness.parse_stat(f.read())
     assert p.self_ticks >= 0 and p.ppid > 0
 
 
 def test_tree_ticks_counts_live_descendants_and_reaped_children_once():
-    procs = [gateway.parse_stat(line) for line in (
+    procs = [harness.parse_stat(line) for line in (
         stat(10, "envoy", 1, 5, 5),  # a root
         stat(11, "worker", 10, 2, 1, cutime=4),  # live child, which reaped its own child (4 ticks)
         stat(12, "grandchild", 11, 1, 0),
@@ -36,10 +37,10 @@ def test_tree_ticks_counts_live_descendants_and_reaped_children_once():
         stat(30, "unrelated", 1, 1000, 1000),
         stat(31, "unrelated child", 30, 50, 50),
     )]
-    assert gateway.tree_ticks(procs, [10]) == 10 + 3 + 4 + 1
-    assert gateway.tree_ticks(procs, [10, 20]) == 18 + 9
-    assert gateway.tree_ticks(procs, [11, 10]) == 18  # a root inside another root's tree counts once
-    assert gateway.tree_ticks(procs, [99]) == 0  # gone: nothing
+    assert harness.tree_ticks(procs, [10]) == 10 + 3 + 4 + 1
+    assert harness.tree_ticks(procs, [10, 20]) == 18 + 9
+    assert harness.tree_ticks(procs, [11, 10]) == 18  # a root inside another root's tree counts once
+    assert harness.tree_ticks(procs, [99]) == 0  # gone: nothing
     assert gateway.per_1000(0.5, 250) == 2.0 and gateway.per_1000(None, 10) is None
 
 
@@ -53,9 +54,9 @@ def test_net_of_idle_takes_the_idle_rate_over_the_run():
 def test_cpu_seconds_of_this_process_grows_with_work():
     import os
 
-    before = gateway.cpu_seconds({"me": os.getpid()})["me"]
+    before = harness.cpu_seconds({"me": os.getpid()})["me"]
     assert sum(range(20_000_000)) > 0  # a few hundred ms of CPU: many clock ticks
-    assert gateway.cpu_seconds({"me": os.getpid()})["me"] > before
+    assert harness.cpu_seconds({"me": os.getpid()})["me"] > before
 
 
 def front(ratio, p90=1.0, cpu=None):
