@@ -1,5 +1,5 @@
-"""bench/gateway.py's pure parts and the CPU accounting it takes from bench/harness.py: CPU of process trees from /proc
-Envoy changes and its InferencePool objects."""
+"""bench/gateway.py's pure parts (the issue's targets, lwepp's Envoy changes and its InferencePool objects) and
+the /proc CPU accounting it takes from bench/harness.py."""
 
 from __future__ import annotations
 
