@@ -3,9 +3,9 @@ server pod gets spec.adapters loaded and nothing else, through its /v1/load_lora
 (vLLM's routes, which warmfleet's engine serves too); status.adapters says on how many replicas each one is loaded.
 
 Adapters never enter the pod template (lora.py), so adding or removing one restarts nothing; a replica started later
-is brought in line by the next pass. The admin key is the service's API key (spec.router.apiKeySecret), which the
-server pods also read as their admin key (warmfleet) or API key (vLLM); without one the routes are open, as every
-route of those pods is.
+is brought in line by the next pass. The admin key is spec.lora.adminKeySecret (warmfleet only), else the service's
+API key (spec.router.apiKeySecret), which the server pods also read as their admin key (warmfleet) or API key (vLLM);
+without either the routes are open, as every route of those pods is.
 """
 
 from __future__ import annotations
@@ -66,10 +66,13 @@ def ready_server_urls(pods: list[Mapping[str, Any]], template: str | None = None
     return out
 
 
-async def sync_pod(http: httpx.AsyncClient, url: str, wanted: Mapping[str, str], headers: Mapping[str, str]) -> PodResult:
+async def sync_pod(http: httpx.AsyncClient, url: str, wanted: Mapping[str, str], headers: Mapping[str, str],
+                   admin_headers: Mapping[str, str] | None = None) -> PodResult:
     """Load `wanted` (name → path) on one server, unload the adapters it has that are not wanted; a loaded adapter at
-    another path (its source changed) is unloaded and loaded again."""
+    another path (its source changed) is unloaded and loaded again. `headers` for /v1/models (the API key),
+    `admin_headers` for load and unload (default: the same)."""
     res = PodResult()
+    admin = headers if admin_headers is None else admin_headers
     try:
         r = await http.get(url + "/v1/models", headers=headers, timeout=TIMEOUT_S)
         r.raise_for_status()
@@ -81,14 +84,14 @@ async def sync_pod(http: httpx.AsyncClient, url: str, wanted: Mapping[str, str],
         if name in wanted and (root is None or root == wanted[name]):
             res.loaded.add(name)
             continue
-        err = await _post(http, url, "/v1/unload_lora_adapter", {"lora_name": name}, headers)
+        err = await _post(http, url, "/v1/unload_lora_adapter", {"lora_name": name}, admin)
         res.actions.append(f"unload {name}")
         if err and name in wanted:
             res.errors[name] = f"unload (path changed): {err}"
     for name, path in sorted(wanted.items()):
         if name in res.loaded or name in res.errors:
             continue
-        err = await _post(http, url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}, headers)
+        err = await _post(http, url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}, admin)
         res.actions.append(f"load {name}")
         if err:
             res.errors[name] = err
@@ -117,16 +120,15 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-async def _auth_headers(kube: Any, spec: Any, ns: str) -> tuple[dict[str, str], str]:
-    """Bearer header from spec.router.apiKeySecret (the pods' admin / API key), and a problem reading it ('' if none)."""
-    ref = spec.router.api_key_secret
+async def _auth_headers(kube: Any, ref: Any, ns: str) -> tuple[dict[str, str], str]:
+    """Bearer header from a SecretKeyRef (the pods' API or admin key), and a problem reading it ('' if none)."""
     if ref is None:
         return {}, ""
     try:
         secret = await kube.get("Secret", ns, ref.name)
     except KubeError as exc:
         if exc.status == 403:
-            return {}, (f"the operator may not read Secret {ref.name} (the servers' admin key): grant it `get` on "
+            return {}, (f"the operator may not read Secret {ref.name} (a key of the servers): grant it `get` on "
                         "secrets (chart value operator.readModelCredentials)")
         raise
     if secret is None:
@@ -168,11 +170,14 @@ async def run_pass(state: OperatorState, body: Mapping[str, Any], nodes: list[No
     wanted = {a.name: lora.adapter_path(spec, a) for a in spec.adapters}
     pods = await kube.list("Pod", owner.namespace, m.server_selector(owner))
     urls = ready_server_urls(pods, template or os.environ.get(URL_TEMPLATE_ENV))
-    headers, problem = await _auth_headers(kube, spec, owner.namespace)
+    headers, problem = await _auth_headers(kube, spec.router.api_key_secret, owner.namespace)
+    admin_headers = headers
+    if not problem and spec.lora.admin_key_secret is not None:
+        admin_headers, problem = await _auth_headers(kube, spec.lora.admin_key_secret, owner.namespace)
     results: dict[str, PodResult] = {}
     if not problem:
         async def one(client: httpx.AsyncClient, name: str, url: str) -> tuple[str, PodResult]:
-            return name, await sync_pod(client, url, wanted, headers)
+            return name, await sync_pod(client, url, wanted, headers, admin_headers)
 
         if http is None:
             async with httpx.AsyncClient() as client:

@@ -335,6 +335,9 @@ def check_spec(spec: InferenceServiceSpec) -> None:
         raise SpecError("spec.lora", "engine fastdeploy serves no LoRA adapters (its docs/parameters.md and "
                                      "fastdeploy/engine/args_utils.py define no LoRA flag); use engine.kind warmfleet or vllm, "
                                      "or remove spec.lora and spec.adapters")
+    if spec.lora is not None and spec.lora.admin_key_secret is not None and engine.kind != "warmfleet":
+        raise SpecError("spec.lora.adminKeySecret", f"applies to engine warmfleet only: {engine.kind}'s runtime LoRA routes "
+                                                   "take its API key (spec.router.apiKeySecret)")
     gpr = spec.server.gpus_per_replica
     if gpr > 1 and not engine.tensor_parallel:
         raise SpecError(

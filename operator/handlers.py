@@ -33,12 +33,13 @@ def default_login(**kwargs: Any) -> Any:
 def make_registry(*, default_image: str, router_image: str | None = None, login: LoginFn = default_login,
                   router_url_template: str | None = None,
                   autoscale_interval_s: float = autoscale_pass.DEFAULT_INTERVAL_S,
-                  adapters_interval_s: float | None = None) -> kopf.OperatorRegistry:
+                  adapters_interval_s: float | None = None, server_url_template: str | None = None) -> kopf.OperatorRegistry:
     """A registry holding every handler; `login` is replaceable so tests can point kopf at kmock.
 
     `default_image` runs `warmfleet` engine pods, `router_image` (default: the same) router pods and the
     fetch-model init step, for services whose spec names no image.
-    `router_url_template` overrides where the autoscaler finds a service's routers (autoscale_pass.router_urls).
+    `router_url_template` overrides where the autoscaler finds a service's routers (autoscale_pass.router_urls),
+    `server_url_template` where the adapter pass finds server pods ({ip}, {name}, {port}; adapters_pass.ready_server_urls).
     The InferenceService's own handlers are defined here: their ids (qualified names) are kopf's progress keys.
     """
     registry = kopf.OperatorRegistry()
@@ -72,7 +73,7 @@ def make_registry(*, default_image: str, router_image: str | None = None, login:
                 when=lambda spec, status, **_: bool((spec or {}).get("lora")) or bool((status or {}).get("adapters")))
     async def adapters(body: kopf.Body, memo: kopf.Memo, nodes: kopf.Index, patch: kopf.Patch, **_: Any) -> None:
         """spec.adapters → every ready server pod (load/unload at run time), status.adapters."""
-        await adapters_pass.run_pass(memo.state, body, _node_list(nodes), patch)
+        await adapters_pass.run_pass(memo.state, body, _node_list(nodes), patch, template=server_url_template)
 
     @kopf.on.delete(*isvc, registry=registry, optional=True)
     def forget(uid: str, memo: kopf.Memo, **_: Any) -> None:

@@ -523,7 +523,11 @@ def _engine_env(spec: InferenceServiceSpec, engine: Engine) -> list[dict[str, An
     pod_name = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}] if engine.pod_name_env else []
     static = [{"name": k, "value": v} for k, v in engine.env + (engine.lora_env if spec.lora else ())]
     # warmfleet's load/unload routes take the admin key; the operator sends the service's API key (docs/lora.md)
-    admin = _api_key_env(spec, "WARMFLEET_ADMIN_KEY") if spec.lora and engine.kind == "warmfleet" else []
+    admin: list[dict[str, Any]] = []
+    if spec.lora and engine.kind == "warmfleet":
+        ref = spec.lora.admin_key_secret
+        admin = ([{"name": "WARMFLEET_ADMIN_KEY", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
+                 if ref else _api_key_env(spec, "WARMFLEET_ADMIN_KEY"))
     return [*pod_name, *static, *_api_key_env(spec, engine.api_key_env), *admin]
 
 

@@ -419,6 +419,11 @@ class LoraSpec:
     )
     fetch_interval_seconds: int = prop(30, doc="How often the adapter-fetch sidecar of a running pod looks for new hf:// and s3:// adapters.",
                                        minimum=5, maximum=3600)
+    admin_key_secret: Optional[SecretKeyRef] = prop(
+        None, doc=("engine warmfleet: the key of the servers' admin routes (load/unload adapters), which the operator "
+                   "reads and sends. Default: the API key (spec.router.apiKeySecret), so every API client may load and "
+                   "unload adapters. vLLM has no separate admin key: its runtime LoRA routes take the API key."),
+    )
 
     RULES: ClassVar[list[Rule]] = [
         ("!has(self.maxCpuLoras) || self.maxCpuLoras >= self.maxLoras", "maxCpuLoras must be >= maxLoras",

@@ -142,6 +142,17 @@ def test_admin_key_comes_from_the_api_key_secret_for_warmfleet():
     assert env["WARMFLEET_API_KEY"] == env["WARMFLEET_ADMIN_KEY"]
 
 
+def test_a_separate_admin_key_for_warmfleet():
+    body = lora_service(lora_spec={**LORA, "adminKeySecret": {"name": "admin", "key": "k"}},
+                        router={"apiKeySecret": {"name": "keys", "key": "api-key"}})
+    (dep,) = servers(objs(body))
+    env = {e["name"]: e.get("valueFrom") for e in server_container(dep)["env"]}
+    assert env["WARMFLEET_ADMIN_KEY"] == {"secretKeyRef": {"name": "admin", "key": "k"}}
+    assert env["WARMFLEET_API_KEY"] == {"secretKeyRef": {"name": "keys", "key": "api-key"}}
+    with pytest.raises(SpecError, match="adminKeySecret.*engine warmfleet only"):
+        objs(lora_service(engine=VLLM, lora_spec={**LORA, "adminKeySecret": {"name": "admin"}}))
+
+
 # ---- validation ----
 
 @pytest.mark.parametrize("change, message", [
@@ -381,17 +392,19 @@ def test_fetch_requires_the_adapter_config_in_adapter_mode(tmp_path):
 # ---- the runtime pass against fake server pods ----
 
 class FakeServer:
-    """A server pod's /v1/models and vLLM's runtime LoRA routes (what warmfleet's engine serves too)."""
+    """A server pod's /v1/models and vLLM's runtime LoRA routes (what warmfleet's engine serves too): `key` guards
+    every route, `admin_key` (warmfleet's --admin-key) the load and unload routes instead."""
 
-    def __init__(self, base="qwen", key=None, missing=()):
-        self.base, self.key, self.missing = base, key, set(missing)
+    def __init__(self, base="qwen", key=None, missing=(), admin_key=None):
+        self.base, self.key, self.missing, self.admin_key = base, key, set(missing), admin_key
         self.loras: dict[str, str] = {}
         self.calls: list[str] = []
 
     def handle(self, request: httpx.Request) -> httpx.Response:
-        if self.key and request.headers.get("authorization") != f"Bearer {self.key}":
-            return httpx.Response(401, json={"error": {"message": "admin routes need a key"}})
         path = request.url.path
+        need = self.admin_key if self.admin_key and path != "/v1/models" else self.key
+        if need and request.headers.get("authorization") != f"Bearer {need}":
+            return httpx.Response(401, json={"error": {"message": "admin routes need a key"}})
         if path == "/v1/models":
             cards = [{"id": self.base, "root": "/models/qwen"}] + [
                 {"id": n, "root": p, "parent": self.base} for n, p in self.loras.items()]
@@ -487,6 +500,16 @@ def test_pass_authenticates_with_the_api_key_secret():
     assert "sql" in srv.loras and patch["status"]["adapters"][0]["loadedReplicas"] == 1
 
 
+def test_pass_sends_the_admin_key_to_load_and_the_api_key_to_list():
+    body = lora_service(router={"apiKeySecret": {"name": "keys", "key": "api-key"}},
+                        lora_spec={**LORA, "adminKeySecret": {"name": "admin", "key": "k"}})
+    secrets = [{"kind": "Secret", "metadata": {"name": "keys"}, "data": {"api-key": base64.b64encode(b"api").decode()}},
+               {"kind": "Secret", "metadata": {"name": "admin"}, "data": {"k": base64.b64encode(b"adm").decode()}}]
+    srv = FakeServer(key="api", admin_key="adm")
+    _, patch = run_pass(body, [srv], SecretKube([server_pod("s-1", "10.0.0.1"), *secrets]))
+    assert "sql" in srv.loras and patch["status"]["adapters"][0]["loadedReplicas"] == 1
+
+
 def test_pass_reports_a_missing_secret_instead_of_calling_pods():
     body = lora_service(router={"apiKeySecret": {"name": "keys", "key": "api-key"}})
     srv = FakeServer(key="s3cret")
@@ -522,3 +545,79 @@ def test_unreachable_pod_is_reported_not_fatal():
     assert entry["loadedReplicas"] == 0 and "ConnectError" in entry["message"]
 
 
+
+
+# ---- the pass as the operator runs it: kopf in-process against kmock, fake server pods over HTTP ----
+
+class FakeServerPods:
+    """FakeServer per pod behind one HTTP server: the adapter pass reaches pod NAME at URL/NAME (server_url_template)."""
+
+    def __init__(self, names):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        import threading
+
+        self.pods = {n: FakeServer() for n in names}
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _serve(self) -> None:
+                pod, _, rest = self.path.lstrip("/").partition("/")
+                body = self.rfile.read(int(self.headers.get("content-length") or 0))
+                req = httpx.Request(self.command, f"http://pod/{rest}", content=body, headers=dict(self.headers))
+                resp = owner.pods[pod].handle(req)
+                self.send_response(resp.status_code)
+                self.send_header("content-type", resp.headers.get("content-type", "text/plain"))
+                self.send_header("content-length", str(len(resp.content)))
+                self.end_headers()
+                self.wfile.write(resp.content)
+
+            do_GET = do_POST = _serve  # noqa: N815 (http.server's names)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def kmock_pod(name, ip, ready=True):
+    pod = server_pod(name, ip, ready)
+    pod["apiVersion"] = "v1"
+    pod["metadata"].update(namespace="default", resourceVersion="1", uid=f"uid-{name}")
+    pod["spec"] = {"containers": [{"name": "server", "image": "img:test"}]}
+    return pod
+
+
+async def test_the_operator_loads_and_unloads_adapters_on_running_pods_without_touching_deployments(cluster):
+    from operator_fixtures.cluster import DEPLOY, ISVC, PODS, eventually, obj, seed, server_deployments, status
+    from operator_fixtures.running import run_operator
+
+    seed(cluster, a100("a1"))
+    seed(cluster, lora_service(adapters=[SQL]), res=ISVC)
+    seed(cluster, kmock_pod("qwen-p1", "10.0.0.1"), kmock_pod("qwen-p2", "10.0.0.2"), res=PODS)
+    with FakeServerPods(["qwen-p1", "qwen-p2"]) as fakes:
+        async with run_operator(cluster, 30, adapters_interval_s=1.0, server_url_template=fakes.url + "/{name}"):
+            def loaded(name, n):
+                entry = next((a for a in status(cluster).get("adapters") or [] if a["name"] == name), {})
+                return entry.get("loadedReplicas") == n and entry.get("readyReplicas") == 2
+
+            await eventually(lambda: loaded("sql", 2), "sql loaded on both pods")
+            assert all(set(f.loras) == {"sql"} for f in fakes.pods.values())
+            (dep_name,) = server_deployments(cluster)
+            template = copy.deepcopy(obj(cluster, DEPLOY, dep_name)["spec"]["template"])
+            await cluster.patch(f"/apis/{ISVC.rsplit('/', 1)[0]}/namespaces/default/inferenceservices/qwen",
+                                json={"metadata": {"generation": 2}, "spec": {"adapters": [CHAT]}})
+            await eventually(lambda: loaded("chat", 2) and len(status(cluster)["adapters"]) == 1, "chat instead of sql")
+            assert all(set(f.loras) == {"chat"} for f in fakes.pods.values())
+            assert all(f.calls[-2:] == ["unload_lora_adapter sql", "load_lora_adapter chat"] for f in fakes.pods.values())
+            await eventually(lambda: status(cluster).get("observedGeneration") == 2, "generation 2 reconciled")
+            assert obj(cluster, DEPLOY, dep_name)["spec"]["template"] == template
