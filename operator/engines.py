@@ -205,6 +205,7 @@ VLLM_FLAGS: Mapping[str, FlagDoc] = MappingProxyType({
     "--max-cpu-loras": FlagDoc("adapters", "adapters cached in CPU memory (>= --max-loras)", _VLLM_HELP + "; vllm/engine/arg_utils.py"),
 })
 VLLM_RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vllm/envs.py: enables /v1/load_lora_adapter and unload
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # --max-lora-rank's choices in 0.32.0's --help=all
 
 
 def _vllm_args(ri: RenderInput) -> list[str]:
@@ -335,6 +336,9 @@ def check_spec(spec: InferenceServiceSpec) -> None:
         raise SpecError("spec.lora", "engine fastdeploy serves no LoRA adapters (its docs/parameters.md and "
                                      "fastdeploy/engine/args_utils.py define no LoRA flag); use engine.kind warmfleet or vllm, "
                                      "or remove spec.lora and spec.adapters")
+    if spec.lora is not None and engine.kind == "vllm" and spec.lora.max_lora_rank not in VLLM_LORA_RANKS:
+        raise SpecError("spec.lora.maxLoraRank", f"is {spec.lora.max_lora_rank}; vLLM's --max-lora-rank takes one of "
+                                                f"{', '.join(map(str, VLLM_LORA_RANKS))}")
     if spec.lora is not None and spec.lora.admin_key_secret is not None and engine.kind != "warmfleet":
         raise SpecError("spec.lora.adminKeySecret", f"applies to engine warmfleet only: {engine.kind}'s runtime LoRA routes "
                                                    "take its API key (spec.router.apiKeySecret)")

@@ -129,6 +129,14 @@ def test_vllm_lora_flag_table():
         assert "vllm/engine/arg_utils.py" in engines.VLLM_FLAGS[flag].source
 
 
+def test_vllm_takes_only_its_own_rank_choices():
+    assert engines.VLLM_LORA_RANKS == (1, 8, 16, 32, 64, 128, 256, 320, 512)
+    with pytest.raises(SpecError, match="vLLM's --max-lora-rank takes one of 1, 8, 16"):
+        objs(lora_service(engine=VLLM, lora_spec={**LORA, "maxLoraRank": 24}))
+    (dep,) = servers(objs(lora_service(engine=VLLM, lora_spec={**LORA, "maxLoraRank": 320})))
+    assert flag_value(server_container(dep)["args"], "--max-lora-rank") == "320"
+
+
 def test_fastdeploy_with_lora_is_an_invalid_spec():
     body = lora_service(engine={"kind": "fastdeploy", "image": "fd:2"})
     with pytest.raises(SpecError, match="fastdeploy serves no LoRA adapters"):
