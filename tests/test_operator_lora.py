@@ -629,3 +629,23 @@ async def test_the_operator_loads_and_unloads_adapters_on_running_pods_without_t
             assert all(f.calls[-2:] == ["unload_lora_adapter sql", "load_lora_adapter chat"] for f in fakes.pods.values())
             await eventually(lambda: status(cluster).get("observedGeneration") == 2, "generation 2 reconciled")
             assert obj(cluster, DEPLOY, dep_name)["spec"]["template"] == template
+
+
+def test_fetch_model_adapters_command_is_one_pass_and_never_fails_the_pod(tmp_path, monkeypatch):
+    listing = tmp_path / "adapters.json"
+    listing.write_text(json.dumps([{"name": "local", "source": "/opt/local"},
+                                   {"name": "bad", "dir": "bad-1", "source": "s3://no-such-bucket/x"}]))
+    seen = []
+
+    def failing_fetch(remote, dest, **kw):
+        seen.append((str(dest), kw["config_file"]))
+        raise fetch_mod.FetchError("Unreachable", "no network here")
+
+    monkeypatch.setattr(fetch_mod, "fetch", failing_fetch)
+    parser = argparse.ArgumentParser()
+    fetch_mod.add_arguments(parser)
+    args = parser.parse_args(["--adapters", str(listing), "--adapters-dir", str(tmp_path / "root")])
+    assert fetch_mod.run(args) == 0  # the init step: a failed adapter is logged, the server still starts
+    assert seen == [(str(tmp_path / "root" / "bad-1"), "adapter_config.json")] and (tmp_path / "root").is_dir()
+    assert fetch_mod.run(parser.parse_args(["--adapters", str(listing)])) == 2  # --adapters-dir is required
+    assert fetch_mod.run(parser.parse_args(["hf://o/m"])) == 2  # SOURCE needs --dest

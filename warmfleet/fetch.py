@@ -6,6 +6,9 @@ idempotent (a complete directory costs one listing request and no transfer) and 
 several pods at once (an flock per model directory). Also reads config.json summaries for the
 operator. Needs the `fetch` extra (huggingface_hub, boto3), imported lazily; no paddle, no kopf.
 
+`warmfleet fetch-model --adapters FILE --adapters-dir DIR [--watch-s SECONDS]` fetches the LoRA adapters the
+operator lists (docs/lora.md "On Kubernetes") the same way, one directory each, adapter_config.json required.
+
 Directory layout under DEST (the model directory the server is started on):
 
     config.json, *.safetensors, tokenizer files, ...    the model, as the engine reads it
@@ -779,7 +782,7 @@ def fetch_adapters(args: argparse.Namespace, done: dict[str, str],
                 fetch(remote_for(parse_source(source), args), root / name, patterns=ADAPTER_PATTERNS,
                       retries=args.retries, config_file=ADAPTER_CONFIG_FILE)
             done[name] = source
-        except (FetchError, OSError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 (one adapter's failure, whatever it is, must not stop the others)
             line = f"{exc.reason}: {exc.message}" if isinstance(exc, FetchError) else f"{type(exc).__name__}: {exc}"
             log.error("adapter not fetched", extra={"fields": {"adapter": name, "source": source, "error": line}})
             failed[name] = line
