@@ -11,7 +11,8 @@ from typing import Callable, Literal, Mapping
 from warmfleet.operator.schema import SpecError
 from warmfleet.operator.spec import EngineKind, InferenceServiceSpec
 from warmfleet.server import engine_kinds
-from warmfleet.server.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig, flag_of, to_args
+from warmfleet.server.config import (CacheConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig, ServerConfig, flag_of,
+                                     to_args)
 
 HTTP_PORT = 8000
 KV_EVENTS_PORT = 5557
@@ -78,6 +79,15 @@ class HostFootprint:
 
 
 @dataclass(frozen=True)
+class LoraLimits:
+    """spec.lora as the engines take it: the limits only (adapters are loaded at run time, never in the arguments)."""
+
+    max_loras: int
+    max_cpu_loras: int
+    max_lora_rank: int
+
+
+@dataclass(frozen=True)
 class RenderInput:
     """What an engine's arguments are rendered from, in our units (sizes per replica)."""
 
@@ -93,6 +103,7 @@ class RenderInput:
     processor_cache_gib: float
     encoder_cache_tokens: int | None
     gpu_memory_utilization: float | None
+    lora: LoraLimits | None = None  # spec.lora; None: LoRA off (arguments as before)
 
 
 @dataclass(frozen=True)
@@ -117,6 +128,7 @@ class Engine:
     tensor_parallel: bool
     cache_contract: CacheContract
     load: LoadSource
+    lora_env: tuple[tuple[str, str], ...] = ()  # environment with spec.lora (runtime adapter updates)
 
     def args(self, ri: RenderInput) -> list[str]:
         """Arguments after `command` for one pool."""
@@ -145,8 +157,15 @@ def _warmfleet_args(ri: RenderInput) -> list[str]:
         scheduler=SchedulerConfig(max_num_batched_tokens=ri.max_num_batched_tokens),
         server=ServerConfig(host="0.0.0.0", port=HTTP_PORT, kv_events_port=KV_EVENTS_PORT, kv_events_host="0.0.0.0",
                             replica_id="$(POD_NAME)"),
+        lora=LoraConfig(enable_lora=True, max_loras=ri.lora.max_loras, max_cpu_loras=ri.lora.max_cpu_loras,
+                        max_lora_rank=ri.lora.max_lora_rank) if ri.lora else LoraConfig(),
     )
     args = ["serve", *to_args(cfg)]
+    if ri.lora:  # limits always explicit; no --lora-modules: the operator loads adapters at run time
+        for fname, n in (("max_loras", ri.lora.max_loras), ("max_cpu_loras", ri.lora.max_cpu_loras),
+                         ("max_lora_rank", ri.lora.max_lora_rank)):
+            if flag_of(LoraConfig, fname) not in args:
+                args += [flag_of(LoraConfig, fname), str(n)]
     # Sizes are always explicit, even when they equal a server default, so a pod shows what it got.
     for fname, value in (("swap_space", ri.swap_space_gib), ("max_encoder_cache", ri.encoder_cache_tokens or 0),
                          ("max_processor_cache", ri.processor_cache_gib)):
@@ -178,7 +197,15 @@ VLLM_FLAGS: Mapping[str, FlagDoc] = MappingProxyType({
     "--enable-prompt-tokens-details": FlagDoc("-", "report usage.prompt_tokens_details.cached_tokens", _VLLM_HELP),
     "--kv-offloading-size": FlagDoc("GiB", "native CPU KV tier, total across TP ranks; must be > 0 when set", _VLLM_HELP + "; vllm/config/kv_offloading.py"),
     "--kv-offloading-backend": FlagDoc("native|lmcache", "CPU KV tier backend", _VLLM_HELP),
+    # LoRA: EngineArgs fields in vllm/engine/arg_utils.py (enable_lora, max_loras, max_lora_rank, max_cpu_loras, from
+    # LoRAConfig); runtime /v1/load_lora_adapter needs VLLM_ALLOW_RUNTIME_LORA_UPDATING (lora_env below)
+    "--enable-lora": FlagDoc("-", "serve LoRA adapters", _VLLM_HELP + "; vllm/engine/arg_utils.py"),
+    "--max-loras": FlagDoc("adapters", "adapters in one batch (GPU slots)", _VLLM_HELP + "; vllm/engine/arg_utils.py"),
+    "--max-lora-rank": FlagDoc("rank", "largest adapter rank", _VLLM_HELP + "; vllm/engine/arg_utils.py"),
+    "--max-cpu-loras": FlagDoc("adapters", "adapters cached in CPU memory (>= --max-loras)", _VLLM_HELP + "; vllm/engine/arg_utils.py"),
 })
+VLLM_RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vllm/envs.py: enables /v1/load_lora_adapter and unload
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # --max-lora-rank's choices in 0.32.0's --help=all
 
 
 def _vllm_args(ri: RenderInput) -> list[str]:
@@ -200,6 +227,9 @@ def _vllm_args(ri: RenderInput) -> list[str]:
         args += ["--max-model-len", str(ri.max_model_len)]
     if ri.swap_space_gib > 0:  # vLLM refuses --kv-offloading-size 0; leaving it out disables the tier
         args += ["--kv-offloading-size", _num(ri.swap_space_gib), "--kv-offloading-backend", "native"]
+    if ri.lora:  # no --lora-modules: adapters are loaded at run time, so the pod template does not follow spec.adapters
+        args += ["--enable-lora", "--max-loras", str(ri.lora.max_loras), "--max-lora-rank", str(ri.lora.max_lora_rank),
+                 "--max-cpu-loras", str(ri.lora.max_cpu_loras)]
     return args
 
 
@@ -275,6 +305,7 @@ VLLM = Engine(
     encoder_note="vLLM has no encoder-cache size flag: it sizes its encoder cache from maxNumBatchedTokens",
     gpu_memory_utilization=PEER_GPU_MEMORY_UTILIZATION, tensor_parallel=True,
     cache_contract="exact-vllm", load=LoadSource("prometheus", "http", "/metrics"),
+    lora_env=((VLLM_RUNTIME_LORA_ENV, "True"),),
 )
 
 FASTDEPLOY = Engine(
@@ -301,6 +332,16 @@ def engine_of(spec: InferenceServiceSpec) -> Engine:
 def check_spec(spec: InferenceServiceSpec) -> None:
     """What the schema cannot see: the engine's capabilities. Raises SpecError (InvalidSpec)."""
     engine = engine_of(spec)
+    if spec.lora is not None and engine.kind == "fastdeploy":
+        raise SpecError("spec.lora", "engine fastdeploy serves no LoRA adapters (its docs/parameters.md and "
+                                     "fastdeploy/engine/args_utils.py define no LoRA flag); use engine.kind warmfleet or vllm, "
+                                     "or remove spec.lora and spec.adapters")
+    if spec.lora is not None and engine.kind == "vllm" and spec.lora.max_lora_rank not in VLLM_LORA_RANKS:
+        raise SpecError("spec.lora.maxLoraRank", f"is {spec.lora.max_lora_rank}; vLLM's --max-lora-rank takes one of "
+                                                f"{', '.join(map(str, VLLM_LORA_RANKS))}")
+    if spec.lora is not None and spec.lora.admin_key_secret is not None and engine.kind != "warmfleet":
+        raise SpecError("spec.lora.adminKeySecret", f"applies to engine warmfleet only: {engine.kind}'s runtime LoRA routes "
+                                                   "take its API key (spec.router.apiKeySecret)")
     gpr = spec.server.gpus_per_replica
     if gpr > 1 and not engine.tensor_parallel:
         raise SpecError(

@@ -7,7 +7,7 @@ from typing import Any, Awaitable, Callable
 
 import kopf
 
-from warmfleet.operator import autoscale_pass
+from warmfleet.operator import adapters_pass, autoscale_pass
 from warmfleet.operator import manifests as m
 from warmfleet.operator import modelconfig as mc
 from warmfleet.operator.diagnose import slim_pod
@@ -32,16 +32,19 @@ def default_login(**kwargs: Any) -> Any:
 
 def make_registry(*, default_image: str, router_image: str | None = None, login: LoginFn = default_login,
                   router_url_template: str | None = None,
-                  autoscale_interval_s: float = autoscale_pass.DEFAULT_INTERVAL_S) -> kopf.OperatorRegistry:
+                  autoscale_interval_s: float = autoscale_pass.DEFAULT_INTERVAL_S,
+                  adapters_interval_s: float | None = None, server_url_template: str | None = None) -> kopf.OperatorRegistry:
     """A registry holding every handler; `login` is replaceable so tests can point kopf at kmock.
 
     `default_image` runs `warmfleet` engine pods, `router_image` (default: the same) router pods and the
     fetch-model init step, for services whose spec names no image.
-    `router_url_template` overrides where the autoscaler finds a service's routers (autoscale_pass.router_urls).
+    `router_url_template` overrides where the autoscaler finds a service's routers (autoscale_pass.router_urls),
+    `server_url_template` where the adapter pass finds server pods ({ip}, {name}, {port}; adapters_pass.ready_server_urls).
     The InferenceService's own handlers are defined here: their ids (qualified names) are kopf's progress keys.
     """
     registry = kopf.OperatorRegistry()
     isvc = (GROUP, VERSION, PLURAL)
+    adapters_interval_s = adapters_interval_s or adapters_pass.interval_s()
     _add_lifecycle(registry, m.Images(engine=default_image, router=router_image or default_image), login)
     _add_indexes(registry)
 
@@ -65,6 +68,12 @@ def make_registry(*, default_image: str, router_image: str | None = None, login:
     async def autoscale(body: kopf.Body, memo: kopf.Memo, nodes: kopf.Index, patch: kopf.Patch, **_: Any) -> None:
         """The routers' metrics → spec.replicas (spec.autoscaling with a target), status.warmup, pod-deletion costs."""
         await autoscale_pass.run_pass(memo.state, body, _node_list(nodes), patch, template=router_url_template)
+
+    @kopf.timer(*isvc, id="adapters", interval=adapters_interval_s, initial_delay=adapters_interval_s, registry=registry,
+                when=lambda spec, status, **_: bool((spec or {}).get("lora")) or bool((status or {}).get("adapters")))
+    async def adapters(body: kopf.Body, memo: kopf.Memo, nodes: kopf.Index, patch: kopf.Patch, **_: Any) -> None:
+        """spec.adapters → every ready server pod (load/unload at run time), status.adapters."""
+        await adapters_pass.run_pass(memo.state, body, _node_list(nodes), patch, template=server_url_template)
 
     @kopf.on.delete(*isvc, registry=registry, optional=True)
     def forget(uid: str, memo: kopf.Memo, **_: Any) -> None:

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from warmfleet.operator.engines import KV_EVENTS_PORT  # noqa: F401  (re-exported: callers read ports here)
-from warmfleet.operator.engines import HTTP_PORT, Engine, RenderInput, engine_of
+from warmfleet.operator import lora
+from warmfleet.operator.engines import HTTP_PORT, Engine, LoraLimits, RenderInput, engine_of
 from warmfleet.operator.nodes import GPU_MEMORY_LABEL, GPU_PRODUCT_LABEL, GPU_RESOURCE, Pool, format_bytes
 from warmfleet.operator.sizing import PoolSizing
 from warmfleet.operator.spec import DEFAULT_DTYPE, DEFAULT_MODEL_CACHE, GROUP, InferenceServiceSpec, served_name
@@ -96,6 +97,7 @@ def names(owner: Owner) -> dict[str, str]:
     """Names of the fixed children."""
     return {
         "config": k8s_name(owner.name, "config"),
+        "adapters": k8s_name(owner.name, "adapters"),
         "replicas": k8s_name(owner.name, "replicas"),
         "router": k8s_name(owner.name, "router"),
         "router_peers": k8s_name(owner.name, "router-peers"),
@@ -148,6 +150,7 @@ def render_input(owner: Owner, spec: InferenceServiceSpec, sizing: PoolSizing) -
         max_num_batched_tokens=spec.server.max_num_batched_tokens, tensor_parallel=spec.server.gpus_per_replica,
         swap_space_gib=sz.swap_space_gib, processor_cache_gib=sz.processor_cache_gib,
         encoder_cache_tokens=sz.encoder_cache_tokens, gpu_memory_utilization=sz.gpu_memory_utilization,
+        lora=LoraLimits(spec.lora.max_loras, spec.lora.num_cpu_loras, spec.lora.max_lora_rank) if spec.lora else None,
     )
 
 
@@ -184,21 +187,98 @@ def _model_volume(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
     directory of this model (hf://, s3://; the fetch-model init container fills it), or nothing (baked in)."""
     src = model_source(spec)
     if src is not None and src.downloads:
-        cache = spec.model.cache
-        if cache is not None and cache.pvc:
-            vol: dict[str, Any] = {"name": MODEL_CACHE_VOLUME, "persistentVolumeClaim": {"claimName": cache.pvc}}
-        else:
-            host = (cache.host_path if cache is not None else None) or DEFAULT_MODEL_CACHE
-            vol = {"name": MODEL_CACHE_VOLUME, "hostPath": {"path": host, "type": "DirectoryOrCreate"}}
+        vol = _cache_volume(spec)
         # only this model's directory, read-only (a node-wide cache holds other services' models too)
         mount = {"name": MODEL_CACHE_VOLUME, "mountPath": _model_dir(spec), "subPath": src.cache_subdir(), "readOnly": True}
         return [vol], [mount]
+    return _local_model_volume(spec)
+
+
+def _cache_volume(spec: InferenceServiceSpec) -> dict[str, Any]:
+    """The node-local model cache: spec.model.cache's claim or hostPath, else the default hostPath."""
+    cache = spec.model.cache
+    if cache is not None and cache.pvc:
+        return {"name": MODEL_CACHE_VOLUME, "persistentVolumeClaim": {"claimName": cache.pvc}}
+    host = (cache.host_path if cache is not None else None) or DEFAULT_MODEL_CACHE
+    return {"name": MODEL_CACHE_VOLUME, "hostPath": {"path": host, "type": "DirectoryOrCreate"}}
+
+
+def _local_model_volume(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
     claim = _claim(spec)
     if not claim:
         return [], []
     vol = {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
     mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
     return [vol], [mount]
+
+
+ADAPTERS_LIST_VOLUME = "adapters-list"
+ADAPTER_FETCH_CONTAINER = "fetch-adapters"  # init step: the adapters listed when the pod starts
+ADAPTER_WATCH_CONTAINER = "adapter-fetch"  # sidecar: adapters added while the pod runs
+ADAPTER_FETCH_FLAGS = {"adapters": "--adapters", "adapters_dir": "--adapters-dir", "watch_s": "--watch-s",
+                       "hub_endpoint": "--hub-endpoint", "s3_endpoint": "--s3-endpoint", "s3_region": "--s3-region"}
+ADAPTER_WATCH_RESOURCES = {"requests": {"cpu": "50m", "memory": "256Mi"}, "limits": {"cpu": "1", "memory": "256Mi"}}
+
+
+def _lora_volumes(owner: Owner, spec: InferenceServiceSpec, model_vols: list[dict]) -> tuple[list[dict], list[dict]]:
+    """With spec.lora: the model cache (if the model's volumes lack it) and the adapters ConfigMap; the server's
+    read-only mount of the service's adapters directory. Nothing of it depends on spec.adapters."""
+    if spec.lora is None:
+        return [], []
+    vols = [] if any(v["name"] == MODEL_CACHE_VOLUME for v in model_vols) else [_cache_volume(spec)]
+    vols.append({"name": ADAPTERS_LIST_VOLUME, "configMap": {"name": names(owner)["adapters"]}})
+    mount = {"name": MODEL_CACHE_VOLUME, "mountPath": lora.ADAPTERS_MOUNT,
+             "subPath": lora.cache_subdir(owner.namespace, owner.name), "readOnly": True}
+    return vols, [mount]
+
+
+def adapter_fetch_container(owner: Owner, spec: InferenceServiceSpec, image: str, *, watch: bool,
+                            ephemeral: dict[str, str] | None = None) -> dict[str, Any]:
+    """`warmfleet fetch-model --adapters`: once before the server starts (init), or every fetchIntervalSeconds beside it
+    (sidecar). Both read the adapters ConfigMap, so the pod template does not change with spec.adapters."""
+    assert spec.lora is not None
+    lo = spec.lora
+    values: list[tuple[str, str]] = [
+        ("adapters", f"{lora.ADAPTERS_LIST_MOUNT}/{lora.ADAPTERS_FILE}"),
+        ("adapters_dir", f"{lora.CACHE_MOUNT}/{lora.cache_subdir(owner.namespace, owner.name)}"),
+    ]
+    if watch:
+        values.append(("watch_s", str(lo.fetch_interval_seconds)))
+    if lo.hub is not None and lo.hub.endpoint:
+        values.append(("hub_endpoint", lo.hub.endpoint))
+    if lo.s3 is not None and lo.s3.endpoint:
+        values.append(("s3_endpoint", lo.s3.endpoint))
+    if lo.s3 is not None and lo.s3.region:
+        values.append(("s3_region", lo.s3.region))
+    args = [FETCH_COMMAND[1]]
+    for key, value in values:
+        args += [ADAPTER_FETCH_FLAGS[key], value]
+    creds = [{"name": key, "valueFrom": {"secretKeyRef": {"name": lo.credentials_secret, "key": key, "optional": True}}}
+             for key, _ in HF_SECRET_KEYS + S3_SECRET_KEYS] if lo.credentials_secret else []
+    return {
+        "name": ADAPTER_WATCH_CONTAINER if watch else ADAPTER_FETCH_CONTAINER,
+        "image": image,
+        "imagePullPolicy": spec.server.image_pull_policy,
+        "command": [FETCH_COMMAND[0]],
+        "args": args,
+        "env": [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}, *creds],
+        "resources": _with_ephemeral(ADAPTER_WATCH_RESOURCES if watch else FETCH_RESOURCES, ephemeral),
+        "securityContext": _container_security(),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "volumeMounts": [{"name": MODEL_CACHE_VOLUME, "mountPath": lora.CACHE_MOUNT},
+                         {"name": ADAPTERS_LIST_VOLUME, "mountPath": lora.ADAPTERS_LIST_MOUNT, "readOnly": True},
+                         {"name": "tmp", "mountPath": "/tmp"}],
+    }
+
+
+def adapters_config_map(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
+    """The adapters the fetch steps fetch and the operator loads: [{name, source, path}] (changes roll nothing)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(owner, names(owner)["adapters"], "config"),
+        "data": {lora.ADAPTERS_FILE: json.dumps(lora.adapters_list(spec), indent=2, sort_keys=True)},
+    }
 
 
 def _credentials_env(spec: InferenceServiceSpec, src: ModelSource) -> list[dict[str, Any]]:
@@ -343,12 +423,21 @@ def server_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, plan
     d = spec.disruption
     engine = engine_of(spec)
     model_vols, model_mounts = _model_volume(spec)
+    lora_vols, lora_mounts = _lora_volumes(owner, spec, model_vols)
+    model_mounts = model_mounts + lora_mounts
     volumes = [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": format_bytes(sz.shm_bytes)}},
         {"name": "tmp", "emptyDir": {"sizeLimit": f"{engine.tmp_gib}Gi"}},
         *model_vols,
+        *lora_vols,
     ]
     ephemeral = pod_ephemeral_storage(volumes)
+    inits = _init_containers(spec, fetch_image or image, MODEL_CACHE_VOLUME, ephemeral=ephemeral)
+    sidecars: list[dict[str, Any]] = []
+    if spec.lora is not None:
+        inits.setdefault("initContainers", []).append(
+            adapter_fetch_container(owner, spec, fetch_image or image, watch=False, ephemeral=ephemeral))
+        sidecars.append(adapter_fetch_container(owner, spec, fetch_image or image, watch=True, ephemeral=ephemeral))
     surge = 0 if d.max_unavailable > 0 else 1  # GPUs are scarce: surge only when nothing may be unavailable
     return {
         "apiVersion": "apps/v1",
@@ -369,8 +458,8 @@ def server_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, plan
                     "automountServiceAccountToken": False,
                     # preStop, then the engine's SIGTERM drain (`warmfleet serve --drain-timeout-s`, 30 s), then its exit
                     "terminationGracePeriodSeconds": d.drain_seconds + ENGINE_SIGTERM_DRAIN_S + 15,
-                    **_init_containers(spec, fetch_image or image, MODEL_CACHE_VOLUME, ephemeral=ephemeral),
-                    "containers": [_server_container(owner, spec, image, sizing, model_mounts, ephemeral)],
+                    **inits,
+                    "containers": [_server_container(owner, spec, image, sizing, model_mounts, ephemeral), *sidecars],
                     "volumes": volumes,
                 },
             },
@@ -432,8 +521,14 @@ def _server_probes(engine: Engine, startup_timeout_seconds: int) -> dict[str, An
 
 def _engine_env(spec: InferenceServiceSpec, engine: Engine) -> list[dict[str, Any]]:
     pod_name = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}] if engine.pod_name_env else []
-    static = [{"name": k, "value": v} for k, v in engine.env]
-    return [*pod_name, *static, *_api_key_env(spec, engine.api_key_env)]
+    static = [{"name": k, "value": v} for k, v in engine.env + (engine.lora_env if spec.lora else ())]
+    # warmfleet's load/unload routes take the admin key; the operator sends the service's API key (docs/lora.md)
+    admin: list[dict[str, Any]] = []
+    if spec.lora and engine.kind == "warmfleet":
+        ref = spec.lora.admin_key_secret
+        admin = ([{"name": "WARMFLEET_ADMIN_KEY", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
+                 if ref else _api_key_env(spec, "WARMFLEET_ADMIN_KEY"))
+    return [*pod_name, *static, *_api_key_env(spec, engine.api_key_env), *admin]
 
 
 def _service(owner: Owner, name: str, component: str, selector: dict[str, str], ports: list[dict[str, Any]],
@@ -631,6 +726,7 @@ def config_map(owner: Owner, spec: InferenceServiceSpec, plan: list[PlannedPool]
             }
             for p in plan
         ],
+        **({"lora": lora_report(spec)} if spec.lora else {}),
     }
     return {
         "apiVersion": "v1",
@@ -640,13 +736,26 @@ def config_map(owner: Owner, spec: InferenceServiceSpec, plan: list[PlannedPool]
     }
 
 
+def lora_report(spec: InferenceServiceSpec) -> dict[str, Any]:
+    """The adapter budget with its inputs, and each adapter's own size from its hints (the ConfigMap's `lora`)."""
+    assert spec.lora is not None
+    budget = lora.budget_size(spec)
+    return {
+        "maxLoras": spec.lora.max_loras, "maxCpuLoras": spec.lora.num_cpu_loras, "maxLoraRank": spec.lora.max_lora_rank,
+        "bytesPerAdapter": budget.bytes, "deviceBytes": spec.lora.max_loras * budget.bytes,
+        "hostBytes": spec.lora.num_cpu_loras * budget.bytes, "budgetedAs": budget.note, "shapes": lora.shape_note(spec),
+        "adapters": [{"name": a.name, "path": lora.adapter_path(spec, a), "rank": sz.rank, "bytes": sz.bytes, "note": sz.note}
+                     for a, sz in ((a, lora.known_size(spec, a)) for a in spec.adapters)],
+    }
+
+
 def build_children(owner: Owner, spec: InferenceServiceSpec, images: Images, plan: list[PlannedPool]) -> list[dict[str, Any]]:
     """Every child object, in apply order; pools that cannot host replicas get no Deployment. Proxy mode: the router's
     Deployment, Services and PDB; gateway mode instead the endpoint picker's objects and the InferencePool (gateway.py)."""
     from warmfleet.operator import gateway
 
     gateway_mode = spec.router.mode == "gateway"
-    objs = [config_map(owner, spec, plan)]
+    objs = [config_map(owner, spec, plan)] + ([adapters_config_map(owner, spec)] if spec.lora else [])
     objs += gateway.epp_rbac(owner) if gateway_mode else router_rbac(owner)
     objs.append(replicas_service(owner, spec))
     objs += [server_deployment(owner, spec, images.engine, p, images.router) for p in plan if p.sizing.fits]

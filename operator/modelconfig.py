@@ -16,7 +16,7 @@ from warmfleet.operator.engines import engine_of
 from warmfleet.operator.kube import Kube, KubeError
 from warmfleet.operator.schema import SpecError, to_dict
 from warmfleet.operator.spec import (DEFAULT_DTYPE, DEFAULT_HIDDEN_SIZE, Condition, ConfigJson, InferenceServiceSpec,
-                                     LearnedInt, LearnedStr, LearnedValues, ModelConfigStatus, parse_spec)
+                                     LearnedInt, LearnedStr, LearnedValues, ModelConfigStatus, ModelShape, parse_spec)
 from warmfleet.operator.status import merge_conditions
 from warmfleet.source import DTYPES, ConfigSummary, parse_source
 
@@ -165,6 +165,7 @@ class Resolved:
     hidden_from: str
     dtype: str
     dtype_from: str
+    summary: ConfigSummary | None = None  # config.json's, for the shapes that size LoRA adapters
 
 
 def resolve(spec: InferenceServiceSpec, learned: Learned | None) -> Resolved:
@@ -188,18 +189,27 @@ def resolve(spec: InferenceServiceSpec, learned: Learned | None) -> Resolved:
         dtype, dtype_from = str(s.dtype), "config.json"
     else:
         dtype, dtype_from = DEFAULT_DTYPE, "default"
-    return Resolved(hidden, hidden_from, dtype, dtype_from)
+    return Resolved(hidden, hidden_from, dtype, dtype_from, s)
 
 
 def effective(spec: InferenceServiceSpec, r: Resolved) -> InferenceServiceSpec:
-    """The spec with the resolved hidden size and dtype filled in (what sizing and rendering read)."""
-    return dataclasses.replace(spec, model=dataclasses.replace(spec.model, hidden_size=r.hidden_size, dtype=r.dtype))
+    """The spec with the resolved hidden size and dtype filled in (what sizing and rendering read), and with
+    spec.lora, the model shapes config.json gives where spec.lora.modelShape leaves them unset."""
+    spec = dataclasses.replace(spec, model=dataclasses.replace(spec.model, hidden_size=r.hidden_size, dtype=r.dtype))
+    if spec.lora is None or r.summary is None:
+        return spec
+    s, shape = r.summary, spec.lora.model_shape or ModelShape()
+    learned = {f: getattr(shape, f) if getattr(shape, f) is not None else getattr(s, f)
+               for f in ("num_layers", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")}
+    return dataclasses.replace(spec, lora=dataclasses.replace(spec.lora, model_shape=ModelShape(**learned)))
 
 
 def _status(spec: InferenceServiceSpec, learned: Learned | None, resolved: Resolved | None) -> dict[str, Any]:
     s = learned.summary if learned else None
     config = ConfigJson(architecture=s.architecture, model_type=s.model_type, hidden_size=s.hidden_size, dtype=s.dtype,
-                        vision=s.vision, vision_hidden_size=s.vision_hidden_size) if s else None
+                        vision=s.vision, vision_hidden_size=s.vision_hidden_size, num_layers=s.num_layers,
+                        intermediate_size=s.intermediate_size, num_attention_heads=s.num_attention_heads,
+                        num_key_value_heads=s.num_key_value_heads, head_dim=s.head_dim) if s else None
     values = LearnedValues(hidden_size=LearnedInt(value=resolved.hidden_size, from_=resolved.hidden_from),  # type: ignore[arg-type]
                            dtype=LearnedStr(value=resolved.dtype, from_=resolved.dtype_from)) if resolved else None  # type: ignore[arg-type]
     return to_dict(ModelConfigStatus(source=spec.model.source or spec.model.path or "", revision=learned.revision if learned else "",

@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping
 
 import kopf
 
-from warmfleet.operator import gateway
+from warmfleet.operator import gateway, lora
 from warmfleet.operator import manifests as m
 from warmfleet.operator import modelconfig as mc
 from warmfleet.operator.diagnose import claims_to_check, diagnose
@@ -100,6 +100,7 @@ def plan_for(body: Mapping[str, Any], nodes: list[NodeInfo], default_images: m.I
         raise SpecError("spec.model.servedName", f"is immutable: was {previous_model!r}, now {served_name(spec, owner.name)!r}")
     check_spec(spec)
     spec = mc.effective(spec, mc.resolve(spec, learned if learned is not None else mc.from_status(body)))
+    lora.check(spec, served_name(spec, owner.name))
     return owner, spec, make_plan(owner, spec, nodes, m.images_for(spec, default_images))
 
 

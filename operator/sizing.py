@@ -18,6 +18,7 @@ PROCESSOR_HOST_SHARE = 0.10  # Auto processor cache ceiling as a share of H
 SWAP_HOST_CAP = 0.7  # Auto swap never exceeds this share of H
 SHM_HEADROOM_BYTES = 1 * GiB  # /dev/shm beyond the caches placed there (IPC buffers, workers, NCCL)
 MIN_GPU_MEMORY_UTILIZATION = 0.1  # a peer engine left less than this share of GPU memory cannot host a KV pool
+LORA_GPU_SHARE = 0.25  # resident adapters may take at most this share of a replica's GPU memory (the KV pool needs the rest)
 GIB_STEP = 0.25  # GiB sizes are floored to this step so flags stay readable and stable
 
 
@@ -66,11 +67,12 @@ def size_pool(spec: InferenceServiceSpec, pool: Pool) -> PoolSizing:
     H = int(pool.host_memory_bytes * (1 - cache.host_reserve_fraction) / R)
     E = int(spec.server.engine_memory_gib * GiB)
     sources: dict[str, str] = {}
+    adapter, lora_device, lora_host = _lora_budget(spec, sources)
     P_gib = _processor_cache_gib(cache, H, sources)
     P = int(P_gib * GiB)
     processor_host = P * fp.processor_copies
     shm_fixed = (P if fp.processor_in_shm else 0) + SHM_HEADROOM_BYTES
-    S_gib = _swap_space_gib(cache, H, E + processor_host + shm_fixed, fp.swap_overhead, sources)
+    S_gib = _swap_space_gib(cache, H, E + processor_host + shm_fixed + (lora_host or 0), fp.swap_overhead, sources)
     swap_host = int(S_gib * GiB * fp.swap_overhead)
     shm = _round_up_mib(shm_fixed + (swap_host if fp.swap_in_shm else 0))
     g = pool.gpu_memory_mib * MiB
@@ -78,14 +80,26 @@ def size_pool(spec: InferenceServiceSpec, pool: Pool) -> PoolSizing:
     token_bytes = (spec.model.hidden_size or DEFAULT_HIDDEN_SIZE) * DTYPE_BYTES[spec.model.dtype or DEFAULT_DTYPE]
     enc = _encoder_tokens(spec, engine, g, token_bytes, sources)
     gpu_util = _gpu_memory_utilization(engine, g, enc, token_bytes, cache.encoder_fraction)
-    memory = _round_up_mib(E + processor_host + shm + (0 if fp.swap_in_shm else swap_host))
+    memory = _round_up_mib(E + processor_host + shm + (0 if fp.swap_in_shm else swap_host) + (lora_host or 0))
     inputs = PoolInputs(host_bytes_per_replica=H, engine_bytes=E, gpu_bytes_per_replica=g * gpr,
-                        bytes_per_encoder_token=token_bytes, sources=sources)
+                        bytes_per_encoder_token=token_bytes, bytes_per_adapter=adapter, sources=sources)
     sizes = PoolSizes(replicas_per_node=R, swap_space_gib=S_gib, encoder_cache_tokens=enc, processor_cache_gib=P_gib,
-                      gpu_memory_utilization=gpu_util, memory_bytes=memory, shm_bytes=shm,
-                      hash=sizes_hash(S_gib, enc, P_gib, memory, shm, gpu_util))
+                      gpu_memory_utilization=gpu_util, memory_bytes=memory, shm_bytes=shm, lora_device_bytes=lora_device,
+                      lora_host_bytes=lora_host, hash=sizes_hash(S_gib, enc, P_gib, memory, shm, gpu_util, lora_device))
     msg = why_unfit(sizes, inputs, engine)
     return PoolSizing(not msg, msg, R, sizes, inputs)
+
+
+def _lora_budget(spec: InferenceServiceSpec, sources: dict[str, str]) -> tuple[int | None, int | None, int | None]:
+    """(bytes per adapter, device bytes, host bytes) with spec.lora, else Nones. The budget depends on spec.lora only
+    (maxLoraRank, all seven projections: the largest adapter the engine accepts), never on spec.adapters."""
+    if spec.lora is None:
+        return None, None, None
+    from warmfleet.operator import lora
+
+    size = lora.budget_size(spec)
+    sources["lora"] = f"{size.note}; {lora.shape_note(spec)}"
+    return size.bytes, spec.lora.max_loras * size.bytes, spec.lora.num_cpu_loras * size.bytes
 
 
 def _processor_cache_gib(cache: CacheSpec, host_bytes: int, sources: dict[str, str]) -> float:
@@ -118,6 +132,11 @@ def why_unfit(sizes: PoolSizes, inputs: PoolInputs, engine: Engine) -> str:
         proc = f" + processor cache {P_gib:g} x {fp.processor_copies}" if fp.processor_copies else ""
         return (f"a replica needs {memory / GiB:.2f} GiB host memory (engine {E / GiB:.2f} + {swap}{proc} "
                 f"+ /dev/shm {shm / GiB:.2f}) but {R} per node leaves {H / GiB:.2f} GiB each")
+    if sizes.lora_device_bytes and inputs.gpu_bytes_per_replica and \
+            sizes.lora_device_bytes > LORA_GPU_SHARE * inputs.gpu_bytes_per_replica:
+        return (f"LoRA adapters resident on the accelerator need {sizes.lora_device_bytes / GiB:.2f} GiB (maxLoras x "
+                f"{(inputs.bytes_per_adapter or 0) / MiB:.1f} MiB), more than {LORA_GPU_SHARE:g} of the "
+                f"{inputs.gpu_bytes_per_replica / GiB:.2f} GiB GPU memory per replica; lower spec.lora.maxLoras or maxLoraRank")
     gpu_util, enc = sizes.gpu_memory_utilization, sizes.encoder_cache_tokens
     if gpu_util is not None and gpu_util < MIN_GPU_MEMORY_UTILIZATION:
         return (f"the encoder cache ({enc} tokens) leaves {engine.kind} --gpu-memory-utilization {gpu_util:g}, "
@@ -161,11 +180,13 @@ def _round_up_mib(n: int) -> int:
 
 
 def sizes_hash(swap_gib: float, encoder_tokens: int | None, processor_gib: float, memory: int, shm: int,
-               gpu_memory_utilization: float | None = None) -> str:
+               gpu_memory_utilization: float | None = None, lora_device_bytes: int | None = None) -> str:
     """Digest of everything sizing puts into a pod template; a new value rolls the pool."""
     key = f"{swap_gib!r}|{encoder_tokens}|{processor_gib!r}|{memory}|{shm}"
     if gpu_memory_utilization is not None:  # absent for warmfleet, whose digests stay as they were
         key += f"|{gpu_memory_utilization!r}"
+    if lora_device_bytes is not None:  # only with spec.lora: digests without it stay as they were
+        key += f"|lora {lora_device_bytes}"
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 

@@ -355,6 +355,87 @@ class DisruptionSpec:
     startup_timeout_seconds: int = prop(1800, doc="Seconds a replica may take to load weights before it is restarted.", minimum=60, maximum=86400)
 
 
+LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(kw_only=True)
+class AdapterSpec:
+    """A LoRA adapter served next to the model; added and removed at run time, without restarting replicas."""
+
+    name: str = prop(doc="Name clients send as `model` to select the adapter; unique, not the served model name.",
+                     pattern=DNS_LABEL, maxLength=63)
+    source: str = prop(
+        doc=("Where the PEFT adapter directory comes from: hf://ORG/NAME[@REVISION] or s3://BUCKET[/PREFIX] (fetched into "
+             "the node-local model cache under the service's adapters directory at pod start and, on running pods, by the "
+             "adapter-fetch sidecar), pvc://CLAIM/PATH on the model's own claim, or an absolute path in the image."),
+        minLength=1, maxLength=1024,
+    )
+    rank: Optional[int] = prop(
+        None, doc="The adapter's rank r, if known before its files are read: checked against spec.lora.maxLoraRank and shown in status.",
+        minimum=1, maximum=1024,
+    )
+    target_modules: list[Literal[LORA_PROJECTIONS]] = prop(  # type: ignore[valid-type]
+        [], doc="The projections it adapts, if known (default: all seven), for the size shown in status.", maxItems=7)
+
+    RULES: ClassVar[list[Rule]] = [
+        (f"self.source.matches('{SOURCE_PATTERN}') && !self.source.matches('{DOTDOT_PATTERN}')",
+         f"source must be {SOURCE_FORMS}, without '..' segments", lambda a: check_source(a.source) is None),
+    ]
+
+
+@dataclass(kw_only=True)
+class ModelShape:
+    """The language model's shapes that size a LoRA adapter (default: config.json's, for hf:// and s3:// models)."""
+
+    num_layers: Optional[int] = prop(None, doc="Decoder layers (config.json num_hidden_layers).", minimum=1, maximum=1024)
+    intermediate_size: Optional[int] = prop(None, doc="MLP width (config.json intermediate_size).", minimum=1, maximum=1048576)
+    num_attention_heads: Optional[int] = prop(None, doc="Query heads (default: q/k/v/o taken as hiddenSize x hiddenSize).",
+                                              minimum=1, maximum=1024)
+    num_key_value_heads: Optional[int] = prop(None, doc="KV heads (default: numAttentionHeads, the largest).", minimum=1, maximum=1024)
+    head_dim: Optional[int] = prop(None, doc="Width of one head (default: hiddenSize / numAttentionHeads).", minimum=1, maximum=4096)
+
+
+@dataclass(kw_only=True)
+class LoraSpec:
+    """Per-replica LoRA limits. Setting this section enables adapters (it is part of the pod template: changing it rolls
+    the replicas); spec.adapters is not, and changes at run time."""
+
+    max_loras: int = prop(1, doc="Adapters resident on the accelerator at once (--max-loras); sized out of GPU memory.",
+                          minimum=1, maximum=256)
+    max_lora_rank: int = prop(16, doc="Largest adapter rank accepted (--max-lora-rank); sizing assumes it for every adapter.",
+                              minimum=1, maximum=1024)
+    max_cpu_loras: Optional[int] = prop(
+        None, doc="Adapters kept in host memory (--max-cpu-loras; default maxLoras, at least maxLoras); sized into the pod's memory request.",
+        minimum=1, maximum=4096,
+    )
+    credentials_secret: Optional[str] = prop(
+        None, doc="Secret with the adapters' download credentials (HF_TOKEN; AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN), for every hf:// and s3:// adapter.",
+        pattern=DNS_LABEL, maxLength=253,
+    )
+    hub: Optional[HubSpec] = prop(None, doc="Hub settings for hf:// adapters.")
+    s3: Optional[S3Spec] = prop(None, doc="Store settings for s3:// adapters.")
+    model_shape: Optional[ModelShape] = prop(
+        None, doc="The language model's shapes for sizing adapters; needed (numLayers, intermediateSize) when config.json cannot be read.",
+    )
+    fetch_interval_seconds: int = prop(30, doc="How often the adapter-fetch sidecar of a running pod looks for new hf:// and s3:// adapters.",
+                                       minimum=5, maximum=3600)
+    admin_key_secret: Optional[SecretKeyRef] = prop(
+        None, doc=("engine warmfleet: the key of the servers' admin routes (load/unload adapters), which the operator "
+                   "reads and sends. Default: the API key (spec.router.apiKeySecret), so every API client may load and "
+                   "unload adapters. vLLM has no separate admin key: its runtime LoRA routes take the API key."),
+    )
+
+    RULES: ClassVar[list[Rule]] = [
+        ("!has(self.maxCpuLoras) || self.maxCpuLoras >= self.maxLoras", "maxCpuLoras must be >= maxLoras",
+         lambda s: s.max_cpu_loras is None or s.max_cpu_loras >= s.max_loras),
+    ]
+
+    @property
+    def num_cpu_loras(self) -> int:
+        """Adapters in host memory: maxCpuLoras, else maxLoras (the engines' default)."""
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
 @dataclass(kw_only=True)
 class InferenceServiceSpec:
     """Desired state of an InferenceService."""
@@ -371,10 +452,19 @@ class InferenceServiceSpec:
     cache: CacheSpec = prop(CacheSpec(), doc="Cache sizes.")
     router: RouterSpec = prop(RouterSpec(), doc="Router.")
     disruption: DisruptionSpec = prop(DisruptionSpec(), doc="Disruption and startup.")
+    lora: Optional[LoraSpec] = prop(None, doc="LoRA limits per replica; set it to serve spec.adapters (docs/lora.md).")
+    adapters: list[AdapterSpec] = prop(
+        [], doc="LoRA adapters, loaded into and unloaded from running replicas by the operator (no restart); needs spec.lora.",
+        maxItems=256,
+    )
 
     RULES: ClassVar[list[Rule]] = [
         ("!has(self.pools) || self.pools.all(p, self.pools.exists_one(q, q.name == p.name))", "pool names must be unique",
          lambda s: len({p.name for p in s.pools}) == len(s.pools)),
+        ("!has(self.adapters) || size(self.adapters) == 0 || has(self.lora)",
+         "adapters need spec.lora (the limits every replica starts with)", lambda s: not s.adapters or s.lora is not None),
+        ("!has(self.adapters) || self.adapters.all(a, self.adapters.exists_one(b, b.name == a.name))",
+         "adapter names must be unique", lambda s: len({a.name for a in s.adapters}) == len(s.adapters)),
     ]
 
     def desired_replicas(self) -> int:
@@ -433,6 +523,10 @@ class PoolSizes:
     )
     memory_bytes: int = prop(doc="Pod memory request = limit, bytes.", format="int64")
     shm_bytes: int = prop(doc="/dev/shm size limit, bytes.", format="int64")
+    lora_device_bytes: Optional[int] = prop(
+        None, doc="Accelerator memory for resident LoRA adapters: maxLoras x the budgeted adapter (spec.lora).", format="int64")
+    lora_host_bytes: Optional[int] = prop(
+        None, doc="Host memory for LoRA adapters: maxCpuLoras x the budgeted adapter, inside memoryBytes (spec.lora).", format="int64")
     hash: str = prop(doc="Digest of the sizes; a change rolls the pool.")
 
 
@@ -444,7 +538,10 @@ class PoolInputs:
     engine_bytes: int = prop(doc="Engine host memory, bytes.", format="int64")
     gpu_bytes_per_replica: int = prop(doc="GPU memory per replica, bytes.", format="int64")
     bytes_per_encoder_token: int = prop(doc="hiddenSize x dtype bytes.")
-    sources: dict[str, str] = prop({}, doc="Per size: auto, fixed, min or max (which bound clamped it).")
+    bytes_per_adapter: Optional[int] = prop(
+        None, doc="The adapter every LoRA slot is budgeted for: layers x maxLoraRank x sum over projections of (in + out) x dtype bytes.",
+        format="int64")
+    sources: dict[str, str] = prop({}, doc="Per size: auto, fixed, min or max (which bound clamped it); lora: the adapter's inputs.")
 
 
 @dataclass(kw_only=True)
@@ -500,6 +597,11 @@ class ConfigJson:
     dtype: Optional[str] = prop(None, doc="torch_dtype as written (used only if it is bfloat16, float16 or float32).")
     vision: bool = prop(False, doc="Whether it has a vision tower config (vision_config): a multimodal model.")
     vision_hidden_size: Optional[int] = prop(None, doc="The vision tower's own width, for reference.", format="int64")
+    num_layers: Optional[int] = prop(None, doc="num_hidden_layers (sizes LoRA adapters).", format="int64")
+    intermediate_size: Optional[int] = prop(None, doc="intermediate_size, the MLP width (sizes LoRA adapters).", format="int64")
+    num_attention_heads: Optional[int] = prop(None, doc="num_attention_heads (sizes LoRA adapters).", format="int64")
+    num_key_value_heads: Optional[int] = prop(None, doc="num_key_value_heads (sizes LoRA adapters).", format="int64")
+    head_dim: Optional[int] = prop(None, doc="head_dim, when config.json says (sizes LoRA adapters).", format="int64")
 
 
 @dataclass(kw_only=True)
@@ -539,6 +641,18 @@ class AutoscalingStatus:
 
 
 @dataclass(kw_only=True)
+class AdapterStatus:
+    """One spec.adapters item on the running replicas (the operator's adapter pass)."""
+
+    name: str = prop(doc="Adapter name.")
+    source: str = prop("", doc="Its source.")
+    path: str = prop("", doc="Its directory inside the server pods, as loaded.")
+    loaded_replicas: int = prop(0, doc="Ready replicas that have it loaded.")
+    ready_replicas: int = prop(0, doc="Ready replicas the operator reached or tried.")
+    message: str = prop("", doc="Why it is not loaded everywhere (files not fetched yet, refused by the engine, ...).")
+
+
+@dataclass(kw_only=True)
 class InferenceServiceStatus:
     """Observed state of an InferenceService."""
 
@@ -558,6 +672,7 @@ class InferenceServiceStatus:
     model_config: Optional[ModelConfigStatus] = prop(None, doc="Model facts (hidden size, dtype, config.json) and their origin.")
     warmup: Optional[WarmupStatus] = prop(None, doc="Warm-up state of the replicas, as the routers report it.")
     autoscaling: Optional[AutoscalingStatus] = prop(None, doc="The autoscaler's last decision (spec.autoscaling with a target).")
+    adapters: list[AdapterStatus] = prop([], doc="spec.adapters on the ready replicas: loaded on how many, and why not (spec.lora).")
 
 
 def parse_spec(data: Any) -> InferenceServiceSpec:

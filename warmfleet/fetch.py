@@ -6,6 +6,9 @@ idempotent (a complete directory costs one listing request and no transfer) and 
 several pods at once (an flock per model directory). Also reads config.json summaries for the
 operator. Needs the `fetch` extra (huggingface_hub, boto3), imported lazily; no paddle, no kopf.
 
+`warmfleet fetch-model --adapters FILE --adapters-dir DIR [--watch-s SECONDS]` fetches the LoRA adapters the
+operator lists (docs/lora.md "On Kubernetes") the same way, one directory each, adapter_config.json required.
+
 Directory layout under DEST (the model directory the server is started on):
 
     config.json, *.safetensors, tokenizer files, ...    the model, as the engine reads it
@@ -536,8 +539,10 @@ def remote_name(remote: Remote) -> str:
 
 
 def fetch(remote: Remote, dest: Path, *, patterns: Sequence[str] = MODEL_PATTERNS, retries: int = DEFAULT_RETRIES,
-          retry_delay_s: float = 1.0) -> Result:
-    """Bring `dest` up to date with the remote's files matching `patterns`; raises FetchError."""
+          retry_delay_s: float = 1.0, config_file: str = CONFIG_FILE) -> Result:
+    """Bring `dest` up to date with the remote's files matching `patterns`; raises FetchError.
+
+    `config_file` must be among them (a model's config.json; a LoRA adapter's adapter_config.json)."""
     dest = Path(dest)
     meta = _prepare(dest)
     source = remote_name(remote)
@@ -553,14 +558,15 @@ def fetch(remote: Remote, dest: Path, *, patterns: Sequence[str] = MODEL_PATTERN
         try:
             listing = remote.listing()
         except FetchError as exc:
-            offline = _offline_copy(dest, state, remote, exc)
+            offline = _offline_copy(dest, state, remote, exc, config_file)
             if offline is not None:
                 return offline
             raise
         wanted = _filter(listing.files, patterns)
-        if not any(f.name == CONFIG_FILE for f in wanted):
-            raise FetchError("NotFound", f"{source}: no {CONFIG_FILE} at revision {listing.revision} "
-                                         f"({len(listing.files)} files listed): not a Hugging Face-style model directory")
+        if not any(f.name == config_file for f in wanted):
+            kind = "model" if config_file == CONFIG_FILE else "PEFT adapter"
+            raise FetchError("NotFound", f"{source}: no {config_file} at revision {listing.revision} "
+                                         f"({len(listing.files)} files listed): not a Hugging Face-style {kind} directory")
         progress = Progress(files=len(wanted), total_bytes=sum(f.size for f in wanted))
         log.info("start", extra={"fields": {"source": source, "dest": str(dest), "revision": listing.revision,
                                             "files": progress.files, "bytes": progress.total_bytes}})
@@ -594,7 +600,7 @@ def fetch(remote: Remote, dest: Path, *, patterns: Sequence[str] = MODEL_PATTERN
         for stale in (meta / "partial").glob("*.part"):
             if stale.name not in keep:
                 stale.unlink(missing_ok=True)
-        summary = _summary(dest / CONFIG_FILE, source)
+        summary = _summary(dest / config_file, source)
         _write_json(meta / "config-summary.json", summary.as_dict())
         state.update(revision=listing.revision, complete=True, anonymous=remote.anonymous,
                      files={f.name: known[f.name] for f in wanted})
@@ -603,7 +609,8 @@ def fetch(remote: Remote, dest: Path, *, patterns: Sequence[str] = MODEL_PATTERN
         return Result(dest, listing.revision, [f.name for f in wanted], summary, progress)
 
 
-def _offline_copy(dest: Path, state: dict[str, Any], remote: Remote, exc: FetchError) -> Result | None:
+def _offline_copy(dest: Path, state: dict[str, Any], remote: Remote, exc: FetchError,
+                  config_file: str = CONFIG_FILE) -> Result | None:
     """A complete earlier copy when the source is unreachable; only for copies fetched without credentials,
     so a pod without access never reads a private model another service fetched onto the node."""
     if exc.reason != "Unreachable" or not state.get("complete") or not state.get("anonymous") or not remote.anonymous:
@@ -615,7 +622,7 @@ def _offline_copy(dest: Path, state: dict[str, Any], remote: Remote, exc: FetchE
                 extra={"fields": {"error": exc.message, "revision": state.get("revision")}})
     progress = Progress(files=len(files), total_bytes=sum(e["size"] for e in files.values()))
     progress.done_files, progress.done_bytes, progress.cached_files = len(files), progress.total_bytes, len(files)
-    return Result(dest, str(state.get("revision", "")), sorted(files), _summary(dest / CONFIG_FILE, remote_name(remote)),
+    return Result(dest, str(state.get("revision", "")), sorted(files), _summary(dest / config_file, remote_name(remote)),
                   progress, offline=True)
 
 
@@ -623,7 +630,7 @@ def _summary(path: Path, source: str) -> ConfigSummary:
     try:
         return summarize_config(json.loads(path.read_text()))
     except (OSError, ValueError) as exc:
-        raise FetchError("BadConfig", f"{source}: {CONFIG_FILE} is not valid JSON: {exc}") from exc
+        raise FetchError("BadConfig", f"{source}: {path.name} is not valid JSON: {exc}") from exc
 
 
 # ---- config.json only (the operator, `warmfleet operator render`) ----
@@ -675,8 +682,14 @@ def read_config(src: ModelSource, *, hf_token: str | None = None, hub_endpoint: 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """`warmfleet fetch-model` flags."""
-    p.add_argument("source", help="hf://ORG/NAME[@REVISION] or s3://BUCKET[/PREFIX].")
-    p.add_argument("--dest", required=True, help="Model directory to fill (created; resumed and verified if it exists).")
+    p.add_argument("source", nargs="?", help="hf://ORG/NAME[@REVISION] or s3://BUCKET[/PREFIX] (not with --adapters).")
+    p.add_argument("--dest", help="Model directory to fill (created; resumed and verified if it exists); required with SOURCE.")
+    p.add_argument("--adapters", metavar="FILE",
+                   help="Instead of SOURCE: a JSON list of LoRA adapters [{name, source}] (the operator's adapters ConfigMap); "
+                        "each hf:// or s3:// one is fetched into ADAPTERS_DIR/NAME. A failed adapter is logged, not fatal.")
+    p.add_argument("--adapters-dir", metavar="DIR", help="With --adapters: the directory holding one directory per adapter.")
+    p.add_argument("--watch-s", type=float, default=None, metavar="SECONDS",
+                   help="With --adapters: never exit; read FILE again every SECONDS and fetch adapters not fetched yet.")
     p.add_argument("--tokenizer-only", action="store_true",
                    help="Configs, tokenizer files and chat templates only, no weights (what the router reads).")
     p.add_argument("--allow", action="append", metavar="PATTERN",
@@ -707,6 +720,12 @@ def run(args: argparse.Namespace) -> int:
 
     setup_logging("info")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    if args.adapters:
+        return run_adapters(args)
+    if not args.source or not args.dest:
+        print("warmfleet fetch-model: error: SOURCE and --dest are required (or --adapters FILE --adapters-dir DIR)",
+              file=sys.stderr, flush=True)
+        return 2
     try:
         src = parse_source(args.source)
         remote = remote_for(src, args)
@@ -721,3 +740,64 @@ def run(args: argparse.Namespace) -> int:
                 Path(args.termination_log).write_text(line + "\n")
         return 1
     return 0
+
+
+# ---- LoRA adapters (the operator's adapters ConfigMap: init step and sidecar) ----
+
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_PATTERNS = ("adapter_config.json", "adapter_model.safetensors", "*.jinja", "tokenizer*")
+
+
+def read_adapters(path: Path) -> list[tuple[str, str]]:
+    """(directory, source) of each hf:// or s3:// adapter in an adapters file ({name, source, dir}; dir defaults to
+    name); other sources are mounted, not fetched."""
+    entries = json.loads(Path(path).read_text() or "[]")
+    out = []
+    for e in entries if isinstance(entries, list) else []:
+        name, source = str(e.get("dir") or e.get("name") or ""), str(e.get("source") or "")
+        if name and "/" not in name and name not in (".", "..") and source.startswith(("hf://", "s3://")):
+            out.append((name, source))
+    return out
+
+
+def fetch_adapters(args: argparse.Namespace, done: dict[str, str],
+                   fetch_one: Any = None) -> dict[str, str]:
+    """Fetch every adapter of the file not in `done` (name → source fetched); failures are logged and left for the
+    next pass. Returns the failures (name → error line)."""
+    root = Path(args.adapters_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    failed: dict[str, str] = {}
+    try:
+        wanted = read_adapters(Path(args.adapters))
+    except (OSError, ValueError) as exc:
+        log.error("adapters file unreadable", extra={"fields": {"file": args.adapters, "error": str(exc)}})
+        return {"": str(exc)}
+    for name, source in wanted:
+        if done.get(name) == source:
+            continue
+        try:
+            if fetch_one is not None:
+                fetch_one(name, source, root / name)
+            else:
+                fetch(remote_for(parse_source(source), args), root / name, patterns=ADAPTER_PATTERNS,
+                      retries=args.retries, config_file=ADAPTER_CONFIG_FILE)
+            done[name] = source
+        except Exception as exc:  # noqa: BLE001 (one adapter's failure, whatever it is, must not stop the others)
+            line = f"{exc.reason}: {exc.message}" if isinstance(exc, FetchError) else f"{type(exc).__name__}: {exc}"
+            log.error("adapter not fetched", extra={"fields": {"adapter": name, "source": source, "error": line}})
+            failed[name] = line
+    return failed
+
+
+def run_adapters(args: argparse.Namespace) -> int:
+    """--adapters: one pass (the init step: exits 0 even if an adapter failed, so one bad adapter never keeps a replica
+    from starting; the operator reports adapters it cannot load), or with --watch-s a pass every SECONDS (the sidecar)."""
+    if not args.adapters_dir:
+        print("warmfleet fetch-model: error: --adapters needs --adapters-dir", file=sys.stderr, flush=True)
+        return 2
+    done: dict[str, str] = {}
+    while True:
+        fetch_adapters(args, done)
+        if args.watch_s is None:
+            return 0
+        time.sleep(args.watch_s)

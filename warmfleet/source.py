@@ -110,11 +110,20 @@ class ConfigSummary:
     dtype: str | None  # torch_dtype / dtype as written (may be outside DTYPES, e.g. float8_e4m3fn)
     vision: bool  # has a vision tower config: a multimodal model
     vision_hidden_size: int | None  # the vision tower's own width, for reference
+    # the language model's shapes that size a LoRA adapter (the text config's where nested)
+    num_layers: int | None = None  # num_hidden_layers
+    intermediate_size: int | None = None  # MLP width
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """camelCase, as status.modelConfig.configJson and fetch-model's summary file carry it."""
         out = {"architecture": self.architecture, "modelType": self.model_type, "hiddenSize": self.hidden_size,
-               "dtype": self.dtype, "vision": self.vision, "visionHiddenSize": self.vision_hidden_size}
+               "dtype": self.dtype, "vision": self.vision, "visionHiddenSize": self.vision_hidden_size,
+               "numLayers": self.num_layers, "intermediateSize": self.intermediate_size,
+               "numAttentionHeads": self.num_attention_heads, "numKeyValueHeads": self.num_key_value_heads,
+               "headDim": self.head_dim}
         return {k: v for k, v in out.items() if v is not None}
 
     @classmethod
@@ -122,7 +131,9 @@ class ConfigSummary:
         """The inverse of as_dict."""
         return cls(architecture=str(d.get("architecture") or ""), model_type=str(d.get("modelType") or ""),
                    hidden_size=_int(d.get("hiddenSize")), dtype=d.get("dtype"), vision=bool(d.get("vision")),
-                   vision_hidden_size=_int(d.get("visionHiddenSize")))
+                   vision_hidden_size=_int(d.get("visionHiddenSize")), num_layers=_int(d.get("numLayers")),
+                   intermediate_size=_int(d.get("intermediateSize")), num_attention_heads=_int(d.get("numAttentionHeads")),
+                   num_key_value_heads=_int(d.get("numKeyValueHeads")), head_dim=_int(d.get("headDim")))
 
 
 def _int(v: Any) -> int | None:
@@ -151,6 +162,9 @@ def summarize_config(cfg: Mapping[str, Any]) -> ConfigSummary:
         return _DTYPE_ALIASES.get(raw, raw)
 
     vision_cfg = next((cfg[k] for k in _VISION_KEYS if cfg.get(k)), None)
+
+    def shape(key: str) -> int | None:
+        return _int(cfg.get(key)) or _int(text.get(key))
     archs = cfg.get("architectures") or []
     return ConfigSummary(
         architecture=str(archs[0]) if isinstance(archs, list) and archs else "",
@@ -159,4 +173,7 @@ def summarize_config(cfg: Mapping[str, Any]) -> ConfigSummary:
         dtype=dtype(cfg) or dtype(text),
         vision=vision_cfg is not None,
         vision_hidden_size=(_int(vision_cfg.get("embed_dim")) or width(vision_cfg)) if isinstance(vision_cfg, Mapping) else None,
+        num_layers=shape("num_hidden_layers"), intermediate_size=shape("intermediate_size"),
+        num_attention_heads=shape("num_attention_heads"), num_key_value_heads=shape("num_key_value_heads"),
+        head_dim=shape("head_dim"),
     )
