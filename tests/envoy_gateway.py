@@ -1,5 +1,5 @@
 """A real Envoy (WARMFLEET_ENVOY: scripts/envoy-env.sh builds it) started on a bootstrap from
-`warmfleet envoy-bootstrap`'s builder, and a real `warmfleet epp` process; for the gateway tests."""
+`warmfleet envoy-bootstrap`'s builder, for the gateway tests (the `warmfleet epp` process: livefleet.Epp)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from warmfleet.livefleet import BLOCK, Proc, Replica, free_port, wait_for
+from warmfleet.livefleet import free_port, wait_for
 from warmfleet.server.router.epp.envoy_bootstrap import GatewayConfig, bootstrap
 
 
@@ -77,33 +77,3 @@ class Envoy:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-class Epp(Proc):
-    """`warmfleet epp` in front of real replicas (their KV events included)."""
-
-    def __init__(self, model: Path, replicas: list[Replica], cwd: Path, extra: tuple[str, ...] = ()):
-        self.grpc_port, self.http_port = free_port(), free_port()
-        args = ["epp", "--model", str(model), "--port", str(self.grpc_port), "--http-port", str(self.http_port),
-                "--block-size", str(BLOCK), "--log-level", "warning", *extra]
-        for r in replicas:
-            args += ["--replica", f"{r.url},events={r.events}"]
-        super().__init__("epp", args, cwd)
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
-
-    @property
-    def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-    def view(self) -> dict:
-        return httpx.get(self.http_url + "/v1/router/replicas", timeout=5).json()
-
-    def metrics(self) -> str:
-        return httpx.get(self.http_url + "/metrics", timeout=5).text
-
-    def wait_synced(self, timeout_s: float = 60.0) -> None:
-        wait_for(lambda: all(r["healthy"] and r["synced"] for r in self.view()["replicas"]),
-                 "EPP healthy and synced with every replica", [self], timeout_s)

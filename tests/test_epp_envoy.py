@@ -12,9 +12,9 @@ import json
 import httpx
 import pytest
 
-from envoy_gateway import Envoy, Epp, envoy_binary
+from envoy_gateway import Envoy, envoy_binary
 from warmfleet.server.tiny_checkpoints.images import data_uri, image_bytes, image_part
-from warmfleet.livefleet import Replica, free_port, metric, wait_for
+from warmfleet.livefleet import Epp, Replica, free_port, metric, wait_for
 from warmfleet.server.router.epp.envoy_bootstrap import GatewayConfig
 
 pytestmark = pytest.mark.slow

@@ -150,13 +150,20 @@ class Replica(Proc):
 
 
 class Router(Proc):
+    """`warmfleet route` in front of real replicas (their KV events included); `url` serves the status routes."""
+
+    name, command = "router", "route"
+
     def __init__(self, model: Path, replicas: list[Replica], cwd: Path, extra: tuple[str, ...] = ()):
         self.port = free_port()
-        args = ["route", "--model", str(model), "--port", str(self.port), "--block-size", str(BLOCK),
+        args = [self.command, "--model", str(model), *self.port_flags(), "--block-size", str(BLOCK),
                 "--log-level", "warning", *extra]
         for r in replicas:
             args += ["--replica", f"{r.url},events={r.events}"]
-        super().__init__("router", args, cwd)
+        super().__init__(self.name, args, cwd)
+
+    def port_flags(self) -> list[str]:
+        return ["--port", str(self.port)]
 
     @property
     def url(self) -> str:
@@ -166,9 +173,26 @@ class Router(Proc):
         """GET /v1/router/replicas: {"replicas": [...], "index_blocks": N, ...}."""
         return httpx.get(self.url + "/v1/router/replicas", timeout=5).json()
 
+    def metrics(self) -> str:
+        return httpx.get(self.url + "/metrics", timeout=5).text
+
     def wait_synced(self, timeout_s: float = 60.0) -> None:
         wait_for(lambda: all(r["healthy"] and r["synced"] for r in self.view()["replicas"]),
                  "router healthy and synced with every replica", [self], timeout_s)
+
+
+class Epp(Router):
+    """`warmfleet epp` with the same flags: ext_proc gRPC on `address`, the status routes on `url` (--http-port)."""
+
+    name, command = "epp", "epp"
+
+    def port_flags(self) -> list[str]:
+        self.grpc_port = free_port()
+        return ["--port", str(self.grpc_port), "--http-port", str(self.port)]
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
 
 
 class ProcessExited(RuntimeError):
