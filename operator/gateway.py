@@ -100,8 +100,14 @@ def inference_pool(owner: m.Owner, spec: InferenceServiceSpec) -> dict[str, Any]
     }
 
 
+# The paths the HTTPRoute sends to the pool: the OpenAI routes `warmfleet route` serves too (a test checks they are
+# its OPENAI_ROUTES), so the servers' admin routes (LoRA load/unload, drain) are not reachable through the gateway.
+PUBLIC_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize")
+
+
 def http_route(owner: m.Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
-    """An HTTPRoute from spec.router.gateway's Gateway (listener sectionName, if set) to the InferencePool: every path."""
+    """An HTTPRoute from spec.router.gateway's Gateway (listener sectionName, if set) to the InferencePool: the
+    OpenAI paths only (PUBLIC_PATHS)."""
     gw = spec.router.gateway
     assert gw is not None
     parent: dict[str, Any] = {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": gw.name}
@@ -116,7 +122,7 @@ def http_route(owner: m.Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
         "spec": {
             "parentRefs": [parent],
             "rules": [{
-                "matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
+                "matches": [{"path": {"type": "Exact", "value": path}} for path in PUBLIC_PATHS],
                 "backendRefs": [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": names(owner)["pool"]}],
                 "timeouts": {"request": ROUTE_REQUEST_TIMEOUT},
             }],

@@ -141,6 +141,11 @@ def test_http_route_attaches_the_pool_to_the_gateway_only_when_asked():
                                             "namespace": "gateway-system", "sectionName": "http"}]
     (rule,) = route["spec"]["rules"]
     assert rule["backendRefs"] == [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "qwen"}]
+    # the OpenAI routes the proxy serves, nothing more: the servers' admin routes (LoRA load/unload) stay private
+    from warmfleet.server.router.http.app import OPENAI_ROUTES
+
+    assert sorted(x["path"]["value"] for x in rule["matches"]) == sorted(p for _, p, _ in OPENAI_ROUTES.values())
+    assert {x["path"]["type"] for x in rule["matches"]} == {"Exact"}
     local = one(render(gw_service({"gateway": {"name": "gw"}}), NODES, IMAGES), "HTTPRoute")
     assert local["spec"]["parentRefs"] == [{"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": "gw"}]
     assert not [o for o in render(gw_service(), NODES, IMAGES) if o["kind"] == "HTTPRoute"]
