@@ -191,10 +191,11 @@ class Fleet:
 
     def start_replica(self, i: int, port: int | None = None, eport: int | None = None) -> tuple:
         port, eport = port or free_port(), eport or free_port()
-        p = subprocess.Popen(EXE + ["serve", "--model", str(self.model), "--served-model-name", "bench",
-                                    "--port", str(port), "--kv-events-port", str(eport), "--replica-id", f"b{i}",
-                                    "--block-size", str(BLOCK), "--num-gpu-blocks", str(self.gpu_blocks),
-                                    "--log-level", "warning"], cwd=self.cwd, stdout=subprocess.DEVNULL)
+        pin = ["taskset", "-c", ",".join(map(str, replica_cores()))] if ROUTER_CORE is not None else []
+        cmd = [*pin, *EXE, "serve", "--model", str(self.model), "--served-model-name", "bench", "--port", str(port),
+               "--kv-events-port", str(eport), "--replica-id", f"b{i}", "--block-size", str(BLOCK),
+               "--num-gpu-blocks", str(self.gpu_blocks), "--log-level", "warning"]
+        p = subprocess.Popen(cmd, cwd=self.cwd, stdout=subprocess.DEVNULL)
         return f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{eport}", p
 
     def route_flag(self, i: int) -> str:
@@ -313,10 +314,23 @@ def metric_sum(base: str, name: str, match: str = "") -> float:
     return total
 
 
-def core_of(i: int) -> int:
-    """The core replica i's worker is pinned to: replicas spread over the cores this process may use."""
+ROUTER_CORE: int | None = None  # --router-core: every router (and Envoy + EPP) there, the replicas on the other cores
+
+
+def replica_cores() -> list[int]:
+    """The cores replicas run on: those this process may use, less --router-core's."""
     cores = sorted(os.sched_getaffinity(0))
+    return [c for c in cores if c != ROUTER_CORE] or cores
+
+
+def core_of(i: int) -> int:
+    """The core replica i's worker is pinned to: replicas spread over replica_cores()."""
+    cores = replica_cores()
     return cores[i % len(cores)]
+
+
+def router_taskset() -> str | None:
+    return None if ROUTER_CORE is None else str(ROUTER_CORE)
 
 
 class VllmFleet(Fleet):
@@ -338,6 +352,8 @@ class VllmFleet(Fleet):
                            min(2048, self.gpu_blocks * self.block),
                            ["--kv-events-config", json.dumps(kv_events), "--enable-scale-out"])
         self.logs[i] = Path(self.cwd) / f"vllm-{i}-{port}-{time.monotonic_ns()}.log"
+        if ROUTER_CORE is not None:  # the whole replica (API server, engine core, worker) off the routers' core
+            cmd = ["taskset", "-c", ",".join(map(str, replica_cores())), *cmd]
         p = start_group(cmd, vllm_env(core_of(i)), self.cwd, self.logs[i])
         return f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{eport}", p
 
@@ -419,15 +435,16 @@ def start_gateway(fleet: Fleet, cwd: str, extra: list[str]) -> tuple[str, Gatewa
                  "--block-size", str(fleet.block), "--engine", fleet.engine, "--log-level", "warning", *extra]
     for i in range(len(fleet.replicas)):
         cmd += ["--replica", fleet.route_flag(i)]
-    _, epp = harness.start_router("epp", cmd, http_port, cwd, log=f"epp-{grpc_port}.log", health_s=60,
-                                  synced=harness.in_sync, sync_s=60)
+    _, epp = harness.start_router("epp", cmd, http_port, cwd, log=f"epp-{grpc_port}.log", taskset=router_taskset(),
+                                  health_s=60, synced=harness.in_sync, sync_s=60)
     endpoints = [u.removeprefix("http://") for u, _, _ in fleet.replicas]
     cfg = GatewayConfig(epp=f"127.0.0.1:{grpc_port}", listen_host="127.0.0.1", listen_port=port, admin_port=admin,
                         endpoints=endpoints)
     config = Path(cwd) / f"envoy-{port}.json"
     config.write_text(json.dumps(bootstrap(cfg)))
     with (Path(cwd) / f"envoy-{port}.log").open("ab") as log:
-        envoy = subprocess.Popen([envoy_path(), "-c", str(config), "--disable-hot-restart", "--log-level", "warning"],
+        pin = ["taskset", "-c", router_taskset()] if ROUTER_CORE is not None else []
+        envoy = subprocess.Popen([*pin, envoy_path(), "-c", str(config), "--disable-hot-restart", "--log-level", "warning"],
                                  cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
     gw = Gateway(epp, envoy)
     wait_http(f"http://127.0.0.1:{admin}/ready", "envoy", [epp, envoy], 60)
@@ -452,7 +469,8 @@ def start_router(kind: str, fleet: Fleet, cwd: str, extra: list[str] = ()) -> tu
         cmd = harness.peer_command(kind, urls, port, metrics_port, peer_policy(kind, fleet))
         if kind == "vllm" and fleet.engine == "vllm":  # its KV-routing counters (metrics_url): did its index match
             env = dict(os.environ, VLLM_ROUTER_TOKENIZER=str(fleet.model))  # its own tokenizer: the checkpoint
-    base, p = harness.start_router(kind, cmd, port, cwd, env=env, health_s=60, synced=synced, sync_s=60)
+    base, p = harness.start_router(kind, cmd, port, cwd, env=env, taskset=router_taskset(), health_s=60,
+                                   synced=synced, sync_s=60)
     if env is not None:
         p.metrics_url = f"http://127.0.0.1:{metrics_port}"
     return base, p
@@ -788,9 +806,16 @@ def main() -> int:
                     help="Replicas: `warmfleet serve`, or real vLLM (text workload only; implies --no-images).")
     ap.add_argument("--logs", default=None,
                     help="Keep replica and router logs here (default: a temporary directory, removed after the run).")
+    ap.add_argument("--router-core", type=int, default=None,
+                    help="Pin every router to this core (taskset) and the replicas to the other cores, so that no "
+                         "router competes with vLLM's spinning OpenMP workers (default: routers unpinned).")
     ap.add_argument("--vllm-python", default=None,
                     help="Python of the vLLM CPU environment (default: $WARMFLEET_VLLM_PYTHON or scripts/vllm-env.sh).")
     args = ap.parse_args()
+    global ROUTER_CORE
+    if args.router_core is not None and args.router_core not in os.sched_getaffinity(0):
+        ap.error(f"--router-core {args.router_core}: not a core this process may use ({sorted(os.sched_getaffinity(0))})")
+    ROUTER_CORE = args.router_core
     vllm = args.engine == "vllm"
     n = args.replicas or (2 if args.quick else 4)
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else ([0] if args.quick else [0, 1, 2])
@@ -854,11 +879,13 @@ def main() -> int:
 
 def vllm_setup(n: int, gpu_blocks: int) -> dict:
     """How the vLLM replicas run (the exact commands, thread binding and router commands are added per run)."""
-    cores = len(os.sched_getaffinity(0))
+    cores = len(replica_cores())
     return {"python": vllm_python(), "block_size": VLLM_BLOCK, "pool_tokens_per_replica": gpu_blocks * VLLM_BLOCK,
             "env": {"PYTHONHASHSEED": "0",
                     "VLLM_CPU_KVCACHE_SPACE": "1 (GiB; --num-gpu-blocks-override sets the pool)",
-                    "VLLM_CPU_OMP_THREADS_BIND": f"replica i: core i mod {cores} ({n} replicas on {cores} cores)"},
+                    "VLLM_CPU_OMP_THREADS_BIND": f"replica i: core i mod {cores} ({n} replicas on cores "
+                                                 f"{replica_cores()})"},
+            "router_core": ROUTER_CORE,
             "vllm_router_env": {"VLLM_ROUTER_TOKENIZER": "the checkpoint directory"}}
 
 
