@@ -235,13 +235,17 @@ def test_real_router_follows_the_simulated_fleet(tiny_model_dir):
                     for j in range(3):
                         body = {"model": "bench", "prompt": ids(1000 * k, 64) + ids(1000 * k + 500 + j, 7),
                                 "max_tokens": 2}
+                        held = {u: len(index.state(u).gpu) for u in fleet.urls}
                         r = await c.post("/v1/completions", json=body)
                         assert r.status_code == 200
                         reason, predicted = r.headers["x-warmfleet-route"].split("; predicted_cached_tokens=")
                         seen.append((k, r.headers["x-warmfleet-replica"], reason, int(predicted),
                                      r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]))
                         url = fleet.urls[int(r.headers["x-warmfleet-replica"][1:])]
-                        await until(lambda: len(index.state(url).gpu) >= 4, "the replica's BlockStored events")
+                        # the first ask stores the prefix's 4 full blocks (the 7-token tail fills none); wait for
+                        # exactly those events, not any 4 blocks the replica already held from an earlier prefix
+                        grown = held[url] + (4 if j == 0 else 0)
+                        await until(lambda: len(index.state(url).gpu) >= grown, "the replica's BlockStored events")
             for k in range(4):
                 reps = {s[1] for s in seen if s[0] == k}
                 assert len(reps) == 1, seen  # each prefix stayed on one replica
