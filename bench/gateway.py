@@ -58,7 +58,7 @@ import httpx
 
 sys.path.append(str(Path(__file__).resolve().parent))  # bench/harness.py, after the stdlib
 import harness  # noqa: E402
-from warmfleet.livefleet import wait_http  # noqa: E402
+from warmfleet.livefleet import Envoy, wait_http  # noqa: E402
 from warmfleet.localprocs import free_port  # noqa: E402
 
 routing = harness.sibling("routing")
@@ -253,17 +253,12 @@ def for_lwepp(boot: dict) -> dict:
 def start_envoy(envoy: str, epp_port: int, endpoints: list[str], cwd: str) -> tuple[str, subprocess.Popen]:
     """lwepp's Envoy: the product generator's bootstrap (as routing.start_gateway builds it for `warmfleet epp`)
     with `for_lwepp`'s changes, the pool `endpoints`; Envoy started with the same flags as there."""
-    from warmfleet.server.router.epp.envoy_bootstrap import GatewayConfig, bootstrap
+    from warmfleet.server.router.epp.envoy_bootstrap import GatewayConfig
 
-    port, admin = free_port(), free_port()
-    boot = for_lwepp(bootstrap(GatewayConfig(epp=f"127.0.0.1:{epp_port}", listen_host="127.0.0.1", listen_port=port,
-                                             admin_port=admin, endpoints=endpoints)))
-    path = Path(cwd) / f"envoy-lwepp-{port}.json"
-    path.write_text(json.dumps(boot))
-    p = start_logged([envoy, "-c", str(path), "--disable-hot-restart", "--log-level", "warning"], cwd,
-                     f"envoy-lwepp-{port}")
-    wait_http(f"http://127.0.0.1:{admin}/ready", "envoy (lwepp)", [p], 60)
-    return f"http://127.0.0.1:{port}", p
+    proc = Envoy(envoy, GatewayConfig(epp=f"127.0.0.1:{epp_port}", endpoints=endpoints), Path(cwd),
+                 name=f"envoy-lwepp-{epp_port}", edit=for_lwepp).start()
+    proc.wait_ready()
+    return proc.url, proc.popen
 
 
 def probe(base: str, fleet, want_replicas: int, timeout_s: float = 60) -> None:

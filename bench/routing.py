@@ -71,7 +71,7 @@ from pathlib import Path
 
 import httpx
 
-from warmfleet.livefleet import wait_http
+from warmfleet.livefleet import Envoy, wait_http
 from warmfleet.localprocs import free_port
 
 sys.path.append(str(Path(__file__).resolve().parent))  # bench/harness.py, after the stdlib
@@ -428,9 +428,9 @@ class Gateway:
 
 def start_gateway(fleet: Fleet, cwd: str, extra: list[str]) -> tuple[str, Gateway]:
     """`warmfleet epp` (the same flags as the route runs) behind Envoy configured by envoy_bootstrap.bootstrap."""
-    from warmfleet.server.router.epp.envoy_bootstrap import GatewayConfig, bootstrap
+    from warmfleet.server.router.epp.envoy_bootstrap import GatewayConfig
 
-    grpc_port, http_port, port, admin = free_port(), free_port(), free_port(), free_port()
+    grpc_port, http_port = free_port(), free_port()
     cmd = EXE + ["epp", "--model", str(fleet.model), "--port", str(grpc_port), "--http-port", str(http_port),
                  "--block-size", str(fleet.block), "--engine", fleet.engine, "--log-level", "warning", *extra]
     for i in range(len(fleet.replicas)):
@@ -438,17 +438,12 @@ def start_gateway(fleet: Fleet, cwd: str, extra: list[str]) -> tuple[str, Gatewa
     _, epp = harness.start_router("epp", cmd, http_port, cwd, log=f"epp-{grpc_port}.log", taskset=router_taskset(),
                                   health_s=60, synced=harness.in_sync, sync_s=60)
     endpoints = [u.removeprefix("http://") for u, _, _ in fleet.replicas]
-    cfg = GatewayConfig(epp=f"127.0.0.1:{grpc_port}", listen_host="127.0.0.1", listen_port=port, admin_port=admin,
-                        endpoints=endpoints)
-    config = Path(cwd) / f"envoy-{port}.json"
-    config.write_text(json.dumps(bootstrap(cfg)))
-    with (Path(cwd) / f"envoy-{port}.log").open("ab") as log:
-        pin = ["taskset", "-c", router_taskset()] if ROUTER_CORE is not None else []
-        envoy = subprocess.Popen([*pin, envoy_path(), "-c", str(config), "--disable-hot-restart", "--log-level", "warning"],
-                                 cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
-    gw = Gateway(epp, envoy)
-    wait_http(f"http://127.0.0.1:{admin}/ready", "envoy", [epp, envoy], 60)
-    return f"http://127.0.0.1:{port}", gw
+    pin = ("taskset", "-c", router_taskset()) if ROUTER_CORE is not None else ()
+    envoy = Envoy(envoy_path(), GatewayConfig(epp=f"127.0.0.1:{grpc_port}", endpoints=endpoints), Path(cwd),
+                  name=f"envoy-{grpc_port}", pin=pin).start()
+    gw = Gateway(epp, envoy.popen)
+    envoy.wait_ready(others=(epp,))
+    return envoy.url, gw
 
 
 def start_router(kind: str, fleet: Fleet, cwd: str, extra: list[str] = ()) -> tuple[str, subprocess.Popen | None]:

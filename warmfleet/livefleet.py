@@ -1,4 +1,5 @@
-"""Real `warmfleet serve` / `warmfleet route` processes on loopback (the demo, tests, benches): start, wait, kill, restart.
+"""Real `warmfleet serve` / `route` / `epp` processes (and an Envoy in front of an EPP) on loopback, for the demo, tests
+and benches: start, wait, kill, restart.
 
 Every process runs with `python -P` and a cwd outside the repo (the repo's operator/ folder would
 shadow the standard library) and logs to a file there, which a failing wait quotes.
@@ -6,12 +7,13 @@ shadow the standard library) and logs to a file there, which a failing wait quot
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -61,7 +63,8 @@ def memory_mib(pid: int) -> dict:
 
 @dataclass
 class Proc:
-    """One warmfleet process; `start()` again after `kill()` restarts it with the same arguments (same ports)."""
+    """One process (`warmfleet` + args unless `exe` says which program); `start()` again after `kill()` restarts it
+    with the same arguments (same ports)."""
 
     name: str
     args: list[str]
@@ -70,6 +73,7 @@ class Proc:
     console: bool = False  # log to this process's console instead of the file
     popen: Optional[subprocess.Popen] = None
     starts: int = 0
+    exe: Optional[list[str]] = None  # the program (and a prefix such as taskset) before args; None: warmfleet
 
     @property
     def log_path(self) -> Path:
@@ -78,14 +82,15 @@ class Proc:
     def start(self) -> "Proc":
         assert not self.alive(), f"{self.name} is already running"
         self.starts += 1
+        cmd = (self.exe or EXE) + self.args
         if self.console:
-            self.popen = subprocess.Popen(EXE + self.args, cwd=self.cwd, env=self.env, start_new_session=True)
+            self.popen = subprocess.Popen(cmd, cwd=self.cwd, env=self.env, start_new_session=True)
             return self
         with open(self.log_path, "ab") as log:
             log.write(f"--- start {self.starts} ---\n".encode())
             log.flush()
             # a session of its own: a kill reaches its helper processes, never the caller's
-            self.popen = subprocess.Popen(EXE + self.args, cwd=self.cwd, env=self.env, stdout=log,
+            self.popen = subprocess.Popen(cmd, cwd=self.cwd, env=self.env, stdout=log,
                                           stderr=subprocess.STDOUT, start_new_session=True)
         return self
 
@@ -193,6 +198,33 @@ class Epp(Router):
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
+
+
+class Envoy(Proc):
+    """A real Envoy on the bootstrap `warmfleet envoy-bootstrap` builds (server/router/epp/envoy_bootstrap.py) from
+    `cfg` on loopback ports of its own, `edit`ed in place if given: the gateway on `url`, the admin on `admin_port`."""
+
+    def __init__(self, binary: str, cfg, cwd: Path, name: str = "envoy", edit: Optional[Callable[[dict], None]] = None,
+                 pin: tuple[str, ...] = ()):
+        from warmfleet.server.router.epp.envoy_bootstrap import bootstrap
+
+        self.port, self.admin_port = free_port(), free_port()
+        self.cfg = replace(cfg, listen_host="127.0.0.1", listen_port=self.port, admin_port=self.admin_port)
+        boot = bootstrap(self.cfg)
+        if edit is not None:
+            edit(boot)
+        self.config_path = Path(cwd) / f"{name}.json"
+        self.config_path.write_text(json.dumps(boot, indent=2))
+        # --disable-hot-restart: no shared-memory base id to collide with other Envoys on the host
+        super().__init__(name, ["-c", str(self.config_path), "--disable-hot-restart", "--log-level", "warning"],
+                         Path(cwd), exe=[*pin, binary])
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout_s: float = 60.0, others: tuple = ()) -> None:
+        wait_http(f"http://127.0.0.1:{self.admin_port}/ready", f"{self.name} ready", [self, *others], timeout_s)
 
 
 class ProcessExited(RuntimeError):
