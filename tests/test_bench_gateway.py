@@ -144,3 +144,21 @@ def test_summary_means_runs_and_cpu_per_process_role():
     assert out["cached_ratio"] == 0.5 and "seed" not in out
     rr = gateway.summary([dict(runs[0], cpu_s=None, cpu_s_per_1000_requests=None, cpu_s_by_process=None)])
     assert rr["cpu_s_per_1000_requests"] is None and "cpu_s_by_process" not in rr
+
+
+def test_ext_proc_floor_measures_every_stack_it_lists(capsys, monkeypatch):
+    """bench/ext_proc_floor.py end to end on a few streams: one positive CPU figure per stack, per-round-trip
+    figures consistent with the per-stream ones."""
+    import json
+    import sys
+
+    floor = load_bench("ext_proc_floor.py")
+    monkeypatch.setattr(sys, "argv", ["ext_proc_floor.py", "--streams", "64", "--concurrency", "4", "--rounds", "1",
+                                      "--messages", "4"])
+    assert floor.main() == 0
+    out = json.loads(capsys.readouterr().out)
+    per_stream, per_trip = out["server_cpu_ms_per_stream"], out["server_cpu_us_per_round_trip"]
+    assert set(per_stream) == set(floor.stacks()) >= {"grpc.aio", "grpc.aio+uvloop", "grpc-threads"}
+    for stack, ms in per_stream.items():
+        assert ms > 0, stack
+        assert per_trip[stack] == pytest.approx(ms * 1000 / 4, abs=0.1)
