@@ -161,4 +161,4 @@ def test_ext_proc_floor_measures_every_stack_it_lists(capsys, monkeypatch):
     assert set(per_stream) == set(floor.stacks()) >= {"grpc.aio", "grpc.aio+uvloop", "grpc-threads"}
     for stack, ms in per_stream.items():
         assert ms > 0, stack
-        assert per_trip[stack] == pytest.approx(ms * 1000 / 4, abs=0.1)
+        assert per_trip[stack] == pytest.approx(ms * 1000 / 4, rel=0.01)
