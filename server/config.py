@@ -146,6 +146,12 @@ class ServerConfig:
         default=None, metadata=opt("--kv-events-port", "Port of the ZMQ PUB socket for KV events (unset disables).")
     )
     kv_events_host: str = field(default="127.0.0.1", metadata=opt("--kv-events-host", "Address the KV-event socket binds."))
+    kv_events_token_ids: bool = field(
+        default=False, metadata=opt("--kv-events-token-ids", "Publish each stored block's token ids in BlockStored "
+                                    "(vLLM's field, for consumers that rebuild hashes from tokens). Off: the list is "
+                                    "empty, so the unauthenticated event port never carries prompt text; warmfleet's "
+                                    "router needs only the hashes.")
+    )
     replica_id: Optional[str] = field(
         default=None, metadata=opt("--replica-id", "Identity in KV events (default: host:port).")
     )

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import struct
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Union
 
 import msgpack
@@ -221,12 +221,15 @@ class Snapshot:
 
 
 class EventPublisher:
-    """ZMQ PUB socket that numbers and sends event batches; owned by the engine-core process."""
+    """ZMQ PUB socket that numbers and sends event batches; owned by the engine-core process.
 
-    def __init__(self, replica_id: str, endpoint: str):
+    Without `token_ids`, BlockStored goes out with an empty token list: the stream is unauthenticated, and the
+    hashes (salted per tenant) are all a router needs, so the prompts' tokens stay in the replica."""
+
+    def __init__(self, replica_id: str, endpoint: str, token_ids: bool = False):
         import zmq
 
-        self.replica_id = replica_id
+        self.replica_id, self.token_ids = replica_id, token_ids
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PUB)
         self._sock.setsockopt(zmq.SNDHWM, 100_000)
@@ -238,6 +241,8 @@ class EventPublisher:
         if not events:
             return
         self.seq += 1
+        if not self.token_ids:
+            events = [replace(e, token_ids=[]) if isinstance(e, BlockStored) and e.token_ids else e for e in events]
         self._sock.send_multipart(encode(EventBatch(self.replica_id, self.seq, events)))
 
     def close(self) -> None:

@@ -70,3 +70,33 @@ def test_events_carry_contract_hashes_sequence_and_tiers(tiny_model_dir):
     assert snap.seq == pub.seq
     sub.close(0)
     pub.close()
+
+
+def test_block_stored_carries_no_token_ids_unless_asked(tiny_model_dir):
+    """The event port is unauthenticated: by default BlockStored's token list is empty (the hashes are unchanged);
+    --kv-events-token-ids publishes the prompt's tokens for consumers that rebuild hashes from them."""
+    prompt = list(range(40, 90))  # 3 full blocks of 16
+    seen = {}
+    for token_ids in (False, True):
+        port = free_port()
+        pub = EventPublisher("replica-a", f"tcp://127.0.0.1:{port}", token_ids=token_ids)
+        cfg = EngineConfig(ModelConfig(model=str(tiny_model_dir)),
+                           CacheConfig(block_size=16, num_gpu_blocks=8, swap_space=0.01), server=ServerConfig())
+        core = EngineCore(cfg, pub)
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        deadline = time.monotonic() + 10
+        while not sub.poll(50):
+            core.publish_load()
+            assert time.monotonic() < deadline
+        sub.recv_multipart()
+        run(core, "a", prompt)
+        batches = drain(sub, lambda bs: sum(len(e.block_hashes) for b in bs for e in b.events
+                                            if isinstance(e, BlockStored)) >= 3)
+        stored = [e for b in batches for e in b.events if isinstance(e, BlockStored)]
+        seen[token_ids] = ([h for e in stored for h in e.block_hashes][:3], [t for e in stored for t in e.token_ids])
+        sub.close(0)
+        pub.close()
+    assert seen[False][0] == seen[True][0] == block_hashes(prompt, [], 16, model_fingerprint(tiny_model_dir), None)
+    assert seen[False][1] == [] and seen[True][1][:48] == prompt[:48]

@@ -134,7 +134,8 @@ def start_core(cfg):
 
     publisher = None
     if cfg.server.kv_events_port is not None:
-        publisher = EventPublisher(replica_id(cfg.server), f"tcp://{cfg.server.kv_events_host}:{cfg.server.kv_events_port}")
+        publisher = EventPublisher(replica_id(cfg.server), f"tcp://{cfg.server.kv_events_host}:{cfg.server.kv_events_port}",
+                                   token_ids=cfg.server.kv_events_token_ids)
     return EngineCore(cfg, publisher)
 
 
