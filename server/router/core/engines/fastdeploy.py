@@ -54,8 +54,12 @@ class PredictedDialect:
         """--predicted-capacity-blocks (set it to the replicas' KV pool) and --predicted-ttl-s."""
         return cls(settings.predicted_capacity_blocks, settings.predicted_ttl_s)
 
-    def block_hashes(self, prompt: Prompt, cache_salt: Optional[str], cfg: HashConfig) -> list[bytes]:
-        return prompt_block_hashes(prompt, cache_salt, cfg, self.memo)
+    def block_hashes(self, prompt: Prompt, cache_salt: Optional[str], cfg: HashConfig, adapter=None) -> list[bytes]:
+        return prompt_block_hashes(prompt, cache_salt, cfg, self.memo)  # no LoRA (the operator refuses it)
+
+    def adapter_identity(self, card: dict) -> None:
+        """None: FastDeploy serves no LoRA adapters here."""
+        return None
 
     def prepare_body(self, body: dict, prompt: Prompt) -> bool:
         """The request goes as the client sent it (the replica computes the same names itself)."""
