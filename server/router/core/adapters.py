@@ -109,6 +109,15 @@ class AdapterView:
         # NOTE: `recent` is kept: vLLM's running label names only adapters with running requests, while its
         # slots keep the last max_loras adapters loaded (an LRU, as ours), which is what `recent` models.
 
+    def describe(self, rid: str) -> Optional[dict]:
+        """The replicas view's entry: served and resident adapters, slots, this router's in flight (None: no adapters)."""
+        st = self.replicas.get(rid)
+        if st is None or not st.served:
+            return None
+        return {"served": sorted(st.served), "max_loras": st.max_loras,
+                "resident": sorted(n for n in st.served if self.resident(rid, n)),
+                "waiting": sorted(st.waiting), "in_flight": dict(st.in_flight)}
+
     def forget(self, rid: str) -> None:
         """The replica is down or gone: it comes back with nothing resident."""
         self.replicas.pop(rid, None)
