@@ -77,9 +77,11 @@ def test_prediction_equals_the_replicas_cached_tokens_per_adapter(lora_fleet):
     replicas, router = lora_fleet
     system = "Per-adapter test. " + SYSTEM
     for model in ("a", "b", "c", "tiny"):
+        before = {rid: x["gpu_blocks"] for rid, x in view(router).items()}
         home, predicted, cached = ask(router, model, "What is an adapter?", system=system)
         assert predicted == 0 and cached == 0  # the same text under every other adapter: none of their blocks
-        wait_for(lambda: view(router)[url_of(replicas, home)]["gpu_blocks"] > 0, "the replica's events indexed", [])
+        url = url_of(replicas, home)
+        wait_for(lambda: view(router)[url]["gpu_blocks"] > before[url], "the replica's events indexed", [])
         for q in ("And a slot?", "And a rank?"):
             replica, predicted, cached = ask(router, model, q, system=system)
             assert replica == home, model  # the adapter's prefix (and the adapter) are there
