@@ -93,6 +93,10 @@ class AdapterView:
 
     def __init__(self) -> None:
         self.replicas: dict[str, ReplicaAdapters] = {}
+        self._names: frozenset = frozenset()  # every adapter some replica serves (is_adapter: once per request)
+
+    def _update_names(self) -> None:
+        self._names = frozenset(n for st in self.replicas.values() for n in st.served)
 
     def _of(self, rid: str) -> ReplicaAdapters:
         st = self.replicas.get(rid)
@@ -102,6 +106,7 @@ class AdapterView:
 
     def learn_served(self, rid: str, served: dict) -> None:
         self._of(rid).served = dict(served)
+        self._update_names()
 
     def learn_info(self, rid: str, info: LoraInfo) -> None:
         st = self._of(rid)
@@ -121,10 +126,11 @@ class AdapterView:
     def forget(self, rid: str) -> None:
         """The replica is down or gone: it comes back with nothing resident."""
         self.replicas.pop(rid, None)
+        self._update_names()
 
     def is_adapter(self, name: Optional[str]) -> bool:
         """Whether some replica serves `name` as an adapter."""
-        return name is not None and any(name in st.served for st in self.replicas.values())
+        return name in self._names
 
     def identity(self, rid: str, name: str) -> Optional[Hashable]:
         st = self.replicas.get(rid)

@@ -118,6 +118,7 @@ class Fleet:
             if task is not None:
                 await cancel(task)
             self.index.remove(rid)
+            self.adapters.forget(rid)
             m = self.metrics
             for gauge in (m.replica_healthy, m.replica_in_flight, m.replica_queued_tokens, m.replica_draining):
                 try:
