@@ -1,4 +1,4 @@
-"""LoRA adapters per replica as the router sees them: served (and their hash identity), resident, busy; no HTTP framework.
+"""LoRA adapters per replica as the router sees them: served (with their hash identity), resident, busy; no web server.
 
     GET /v1/models  entries with `parent`  → served: name → the dialect's adapter_identity (warmfleet: name and
                                              content digest; vLLM: ("lora", name, lora_path))
@@ -115,7 +115,7 @@ class AdapterView:
         # slots keep the last max_loras adapters loaded (an LRU, as ours), which is what `recent` models.
 
     def describe(self, rid: str) -> Optional[dict]:
-        """The replicas view's entry: served and resident adapters, slots, this router's in flight (None: no adapters)."""
+        """The replicas view's entry: served and resident adapters, slots, this router's in flight (None: none)."""
         st = self.replicas.get(rid)
         if st is None or not st.served:
             return None

@@ -100,7 +100,8 @@ class Proxy:
         """One replica's try: the answer for the client, or why the next replica should be tried."""
         rid = rep.id
         queued = a.decision.uncached_for(rid)
-        self.router.enter(rep, queued, a.decision.adapter)  # queued prefill until the first token, the answer or a failure
+        # queued prefill until the first token, the answer or a failure
+        self.router.enter(rep, queued, a.decision.adapter)
         released = False
         resp: Optional[UpstreamResponse] = None
         try:

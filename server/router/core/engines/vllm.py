@@ -156,8 +156,8 @@ class VllmDialect:
 
     def block_hashes(self, prompt: Prompt, cache_salt: Optional[str], cfg: HashConfig,
                      adapter: Optional[tuple] = None) -> list[bytes]:
-        digests = vllm_block_digests(prompt.token_ids, prompt.mm_items, cfg.block_size, cache_salt, self.seed, self.memo,
-                                     adapter)
+        digests = vllm_block_digests(prompt.token_ids, prompt.mm_items, cfg.block_size, cache_salt, self.seed,
+                                     self.memo, adapter)
         return [key_of(d) for d in digests]
 
     def adapter_identity(self, card: dict) -> Optional[tuple]:
