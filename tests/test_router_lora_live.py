@@ -98,3 +98,16 @@ def test_the_router_knows_what_each_replica_serves_and_holds(lora_fleet):
     # a new conversation for b goes where b is resident (nothing cached of it anywhere)
     replica, predicted, _ = ask(router, "b", "Fresh question?", system="Another conversation. " + SYSTEM)
     assert replica == home and predicted == 0
+
+
+def test_a_streamed_adapter_request_is_booked_until_its_last_byte(lora_fleet):
+    replicas, router = lora_fleet
+    with httpx.stream("POST", router + "/v1/chat/completions", timeout=60, json={
+            "model": "c", "max_tokens": 4, "stream": True,
+            "messages": [{"role": "user", "content": "Stream from c, please."}]}) as r:
+        assert r.status_code == 200
+        url = url_of(replicas, r.headers["x-warmfleet-replica"])
+        body = "".join(r.iter_text())
+    assert "[DONE]" in body
+    wait_for(lambda: view(router)[url]["adapters"]["in_flight"] == {}, "the stream's adapter booking released", [])
+    assert "c" in view(router)[url]["adapters"]["resident"]
