@@ -100,6 +100,12 @@ def test_a_slot_is_free_unless_max_loras_other_adapters_are_busy():
     v.done("r", "b")
     assert v.has_slot("r", "a")
     assert v.has_slot("unknown", "a")  # nothing known: no reason to refuse it
+    # our running label is the resident slots, idle ones included: not busy; vLLM's names adapters with requests
+    v.learn_info("r", lora.LoraInfo(2, frozenset({"b", "c"}), frozenset()), running_busy=False)
+    assert v.has_slot("r", "a")
+    v.learn_info("r", lora.LoraInfo(2, frozenset({"b", "c"}), frozenset()), running_busy=True)
+    assert not v.has_slot("r", "a") and v.has_slot("r", "b")
+    assert VllmDialect("0").lora_running_busy and not WarmfleetDialect().lora_running_busy
 
 
 # --- policy ----------------------------------------------------------------------------------------

@@ -9,7 +9,9 @@
 
 An adapter is *resident* on a replica when the metric's running label or this router's recent sends say so.
 A replica has a *slot* for an adapter when it is resident there, or fewer than `max_loras` other adapters are
-busy there (requests of this router in flight, or waiting on the replica), so taking it evicts nothing in use.
+busy there (requests of this router in flight, waiting on the replica, or for vLLM, whose running label names
+every adapter with requests, running there), so taking it evicts nothing in use. Our engine's running label
+names its resident slots, busy or idle.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ class ReplicaAdapters:
     served: dict = field(default_factory=dict)  # name -> identity (dialect.adapter_identity)
     max_loras: int = 0  # device slots; 0: unknown (every replica is taken to have a slot)
     running: frozenset = frozenset()  # the metric's resident / running adapters
+    running_busy: bool = False  # the engine's running label names adapters with requests (vLLM), not idle slots
     waiting: frozenset = frozenset()  # the metric's waiting adapters
     recent: OrderedDict = field(default_factory=OrderedDict)  # adapters this router sent, newest last
     in_flight: dict = field(default_factory=dict)  # adapter -> requests of this router in flight there
@@ -108,9 +111,11 @@ class AdapterView:
         self._of(rid).served = dict(served)
         self._update_names()
 
-    def learn_info(self, rid: str, info: LoraInfo) -> None:
+    def learn_info(self, rid: str, info: LoraInfo, running_busy: bool = False) -> None:
+        """A scrape; `running_busy`: the dialect's `lora_running_busy` (what its running label means)."""
         st = self._of(rid)
         st.max_loras, st.running, st.waiting = info.max_loras, info.running, info.waiting
+        st.running_busy = running_busy
         # NOTE: `recent` is kept: vLLM's running label names only adapters with running requests, while its
         # slots keep the last max_loras adapters loaded (an LRU, as ours), which is what `recent` models.
 
@@ -146,6 +151,8 @@ class AdapterView:
         if st is None or not st.max_loras or self.resident(rid, name):
             return True
         busy = {n for n, k in st.in_flight.items() if k > 0} | set(st.waiting)
+        if st.running_busy:
+            busy |= st.running
         busy.discard(name)
         return len(busy) < st.max_loras
 
@@ -190,6 +197,6 @@ async def scrape(view: AdapterView, rid: str, url: str, http, headers: dict, dia
         resp = await http.get(url + "/metrics", headers=headers, timeout=5.0)
         info = parse_lora_info(resp.text) if resp.status_code == 200 else None
         if info is not None:
-            view.learn_info(rid, info)
+            view.learn_info(rid, info, dialect.lora_running_busy)
     except Exception as exc:  # noqa: BLE001 - a scrape never takes the loop down
         log.debug("adapter scrape of %s failed: %s", rid, type(exc).__name__)

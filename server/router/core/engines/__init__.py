@@ -24,6 +24,7 @@ class Dialect(Protocol):
 
     kind: str  # its name in engine_kinds.DIALECTS
     contract: str  # "exact" (events tell what the replica holds) | "predicted" (the router's own decisions)
+    lora_running_busy: bool  # vllm:lora_requests_info's running label names adapters with requests (not idle slots)
     ready_path: str  # GET path whose 200 means "takes requests now"; the router's active health check asks it
 
     @classmethod

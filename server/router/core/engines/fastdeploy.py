@@ -40,6 +40,7 @@ def parse_load(text: str) -> Optional[Load]:
 class PredictedDialect:
     kind = "fastdeploy"
     contract = "predicted"
+    lora_running_busy = False  # no LoRA
     ready_path = "/health"  # the operator's readiness probe for FastDeploy (operator/engines.py)
 
     def __init__(self, capacity_blocks: int, ttl_s: float, memo_capacity: int = 200_000):

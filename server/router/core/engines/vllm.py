@@ -143,6 +143,7 @@ def decode_vllm(frames: list[bytes], verify=None) -> EventBatch:
 class VllmDialect:
     kind = "vllm"
     contract = "exact"
+    lora_running_busy = True  # vllm:lora_requests_info's running label names adapters with requests
     ready_path = "/health"  # vLLM listens only once its engine is up; /health is its readiness probe too
 
     def __init__(self, seed: Optional[str], memo_capacity: int = 200_000):

@@ -17,6 +17,7 @@ log = logging.getLogger(__name__)
 class WarmfleetDialect:
     kind = "warmfleet"
     contract = "exact"
+    lora_running_busy = False  # our running label names resident slots, busy or idle
     # NOTE: not /health, which is liveness: 200 from the moment the HTTP server listens, while the model
     # still loads and every request would get a 503.
     ready_path = "/ready"
