@@ -219,6 +219,10 @@ def test_router_predicts_an_adapters_own_blocks_only_among_replicas_serving_it(r
     assert tenant.predicted_cached_tokens == 0  # another tenant's salt: other names
     plain, _, _ = rt.decide("chat", body("tiny"), fleet.routable())
     assert plain.adapter is None and plain.order[0] == urls[0] and plain.hits[urls[0]] > 0
+    # warm-up and hand-off replay the adapter's prefix as the adapter, homed where the policy homes the adapter
+    hot = fleet.warmer.hot.entries[names[-1]]
+    assert hot.model == "sql" and hot.cold_key == adapter_key("sql")
+    assert fleet.warmer.hot.entries[base[-1]].cold_key == base[0]  # the base model's: its first block, as before
 
 
 def test_router_books_adapter_load_per_replica_and_keeps_a_burst_together(router):

@@ -190,8 +190,10 @@ class Router:
             if used is not None and used.blocks:
                 self.fleet.index.touch(decision.order[0], hashes[:used.blocks])
         if prompt is not None and not prompt.mm_items:  # remembered for warming replicas that join later
+            # placed as the policy places it cold: an adapter's prefixes by the adapter's rendezvous
+            place = adapter_key(adapter) if adapter is not None else cold_key
             self.fleet.warmer.hot.observe(prompt.token_ids, hashes, bs, body.get("cache_salt"), body.get("model"),
-                                          cold_key, time.monotonic())
+                                          place, time.monotonic())
         self.metrics.route_seconds.observe(time.perf_counter() - t0)
         self.metrics.decisions.labels(decision.reason).inc()
         if self.fleet.dialect.contract == "predicted":
