@@ -16,7 +16,7 @@ from warmfleet.server.router.core.engines.warmfleet import WarmfleetDialect
 from warmfleet.server.router.core.fleet import Fleet
 from warmfleet.server.router.core.metrics import RouterMetrics
 from warmfleet.server.router.core.policy import (
-    ADAPTER_HIT, COLD_HASH, Candidate, PolicyConfig, adapter_slot_first, choose, rendezvous_weight,
+    ADAPTER_HIT, COLD_HASH, LOAD_SPILL, Candidate, PolicyConfig, adapter_slot_first, choose, rendezvous_weight,
 )
 from warmfleet.server.router.core.prompt import HashConfig, Prompt, PromptRenderer
 from warmfleet.server.router.core.registry import ReplicaSpec
@@ -166,6 +166,7 @@ def test_never_over_max_loras_while_another_replica_has_a_slot():
     cs = cands(3, gpu_blocks=[3, 0, 0], adapter_slot=[False, True, False])
     d = choose(cs, block_size=B, num_prompt_tokens=80, cold_key=b"k", adapter_key=adapter_key("a"))
     assert d.order[0] == "r1" and d.order[-2:] == ["r0", "r2"]  # the full ones stay as retry fallbacks, last
+    assert d.reason == LOAD_SPILL and d.predicted_cached_tokens == 0  # moved off the warm replica: said so
     # nobody has a slot: the policy's own order (the replica queues the request, it never refuses it)
     full = cands(3, gpu_blocks=[3, 0, 0], adapter_slot=[False, False, False])
     assert choose(full, block_size=B, num_prompt_tokens=80, cold_key=b"k", adapter_key=adapter_key("a")).order[0] == "r0"

@@ -231,6 +231,7 @@ def test_choose_for_an_adapter_holds_its_invariants(cands, cfg, adapter_weight, 
     slots = [by_name[r].adapter_slot for r in d.order]
     assert slots == sorted(slots, reverse=True)
     assert d.reason != ADAPTER_HIT or (t.adapter_resident and d.hits[t.replica] == 0)
+    assert d.reason != PREFIX_HIT or d.hits[t.replica] > 0 or t.warm_image_tokens > 0
     warm = any(d.hits[c.replica] > 0 or c.warm_image_tokens > 0 or c.adapter_resident for c in cands)
     if not warm:  # a cold adapter: its own rendezvous under the caps (the prompt's key plays no part)
         assert d.reason in (COLD_HASH, LOAD_SPILL)

@@ -276,5 +276,7 @@ def choose(cands: Sequence[Candidate], *, block_size: int, num_prompt_tokens: in
     else:
         ranked, reason = spread_order(cands), LEAST_LOAD
     if adapter_key is not None:
-        ranked = adapter_slot_first(ranked)
+        first, ranked = ranked[0], adapter_slot_first(ranked)
+        if ranked[0] is not first:  # the best had no slot for the adapter: moved off it, as a spill
+            reason = LOAD_SPILL
     return Decision([c.replica for c in ranked], reason, hits[ranked[0].replica], hits, num_prompt_tokens)
