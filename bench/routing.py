@@ -184,6 +184,7 @@ def oracle_ratio(model: Path, trace: list[list[dict]]) -> float:
 # --- processes ------------------------------------------------------------------------------
 class Fleet:
     engine, block, ready_path = "warmfleet", BLOCK, "/ready"
+    serve_args: tuple = ()  # more `warmfleet serve` flags for every replica (bench/adapters.py: the LoRA ones)
 
     def __init__(self, model: Path, n: int, gpu_blocks: int, cwd: str):  # noqa: D107
         self.model, self.n, self.gpu_blocks, self.cwd = model, n, gpu_blocks, cwd
@@ -194,7 +195,7 @@ class Fleet:
         pin = ["taskset", "-c", ",".join(map(str, replica_cores()))] if ROUTER_CORE is not None else []
         cmd = [*pin, *EXE, "serve", "--model", str(self.model), "--served-model-name", "bench", "--port", str(port),
                "--kv-events-port", str(eport), "--replica-id", f"b{i}", "--block-size", str(BLOCK),
-               "--num-gpu-blocks", str(self.gpu_blocks), "--log-level", "warning"]
+               "--num-gpu-blocks", str(self.gpu_blocks), "--log-level", "warning", *self.serve_args]
         p = subprocess.Popen(cmd, cwd=self.cwd, stdout=subprocess.DEVNULL)
         return f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{eport}", p
 
@@ -489,9 +490,9 @@ def kv_routing_counters(metrics_url: str) -> dict[str, float]:
 
 
 # --- driving --------------------------------------------------------------------------------
-async def one(client: httpx.AsyncClient, base: str, i: int, msgs: list[dict], rec: list) -> None:
+async def one(client: httpx.AsyncClient, base: str, i: int, msgs: list[dict], rec: list, model: str = "bench") -> None:
     t0 = time.perf_counter()
-    body = {"model": "bench", "messages": msgs, "max_tokens": 4, "temperature": 0, "stream": True,
+    body = {"model": model, "messages": msgs, "max_tokens": 4, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     ttft, cached, prompt, replica, route, err = None, 0, 0, None, None, None
     try:
@@ -518,15 +519,18 @@ async def one(client: httpx.AsyncClient, base: str, i: int, msgs: list[dict], re
                 "route": route, "error": err})
 
 
-async def drive(bases: list[str], trace: list, rate: float, seed: int, on_tick=None) -> list[dict]:
-    """Open-loop Poisson arrivals; `bases` cycle per request (one base = a router, several = round-robin)."""
+async def drive(bases: list[str], trace: list, rate: float, seed: int, on_tick=None,
+                models: list[str] | None = None) -> list[dict]:
+    """Open-loop Poisson arrivals; `bases` cycle per request (one base = a router, several = round-robin);
+    `models[i]`: request i's `model` (default "bench")."""
     rng = random.Random(seed)
     rec: list[dict] = []
     cycle = itertools.cycle(bases)
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=None)) as client:
         tasks = []
         for i, msgs in enumerate(trace):
-            tasks.append(asyncio.create_task(one(client, next(cycle), i, msgs, rec)))
+            model = models[i] if models is not None else "bench"
+            tasks.append(asyncio.create_task(one(client, next(cycle), i, msgs, rec, model)))
             if on_tick:
                 await on_tick(i)
             await asyncio.sleep(rng.expovariate(rate))

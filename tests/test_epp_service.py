@@ -262,3 +262,17 @@ async def test_the_clients_key_is_not_passed_on_when_the_epp_checks_keys(tiny_mo
         s, first, _, _ = await pick_full_duplex(f, raw(chat("keyed")), headers={"authorization": "Bearer key-a"})
         assert list(first.request_headers.response.header_mutation.remove_headers) == ["authorization"]
         s.cancel()
+
+
+async def test_an_adapter_request_goes_only_where_the_adapter_is_served_and_books_it_there(tiny_model_dir):
+    from warmfleet.server.hashing import AdapterId
+
+    async with EppFleet(tiny_model_dir) as f:
+        url = f.served[1].url
+        f.fleet.adapters.learn_served(url, {"sql": AdapterId("sql", "d-sql")})  # as its /v1/models would list it
+        s, first, _, _ = await pick_full_duplex(f, raw({**chat("adapter question", stream=True), "model": "sql"}))
+        assert set_headers(first.request_headers.response)[pick.DESTINATION] == f.endpoint(1)  # no fallback: 404
+        assert f.fleet.adapters.replicas[url].in_flight == {"sql": 1} and f.fleet.adapters.resident(url, "sql")
+        s.cancel()
+        await until(lambda: sum(f.in_flight().values()) == 0, "stream released")
+        assert f.fleet.adapters.replicas[url].in_flight == {}

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from serve_replica import START_TIMEOUT_S, Replica
+from warmfleet.server.hashing import adapter_digest
 from warmfleet.server.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
@@ -54,6 +55,8 @@ def test_models_list_adapters_with_parent(replica):
     data = httpx.get(replica.url + "/v1/models", headers=auth(USER)).json()["data"]
     assert [(m["id"], m["parent"]) for m in data] == [("tiny", None), ("a", "tiny")]
     assert data[1]["root"].endswith("qwen2_tiny/a")
+    # the router's key for the adapter's chain root: the engine's digest of its files
+    assert data[1]["lora_digest"] == adapter_digest(GOLDEN / "qwen2_tiny" / "a") and data[0]["lora_digest"] is None
 
 
 def test_model_selects_the_adapter(replica, tiny_model_dir):
@@ -122,6 +125,9 @@ def test_load_run_concurrently_and_unload_at_runtime(replica, tiny_model_dir):
     assert labels["max_lora"] == "1" and labels["running_lora_adapters"] in ("a", "b")
     assert labels["waiting_lora_adapters"] == ""
     assert float(line.rsplit(" ", 1)[1]) > 1.7e9  # a timestamp, as vLLM sets it
+    # one slot shared by a and b: each switch between them copied one into the slot (the bench's adapter loads)
+    loads = next(ln for ln in metrics.splitlines() if ln.startswith("warmfleet:lora_device_loads_total{"))
+    assert float(loads.rsplit(" ", 1)[1]) >= 2
 
     r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "b"}, headers=auth(ADMIN))
     assert r.status_code == 200, r.text

@@ -8,6 +8,7 @@ hit), and hold `policy.choose` to the invariants that any combination of its rul
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 import pytest
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 from warmfleet.server.events import CPU, GPU, BlockRemoved, BlockStored, EventBatch, Snapshot
 from warmfleet.server.router.core.index import KVIndex, PrefixMatch
 from warmfleet.server.router.core.policy import (
-    COLD_HASH, LEAST_LOAD, LOAD_SPILL, PREFIX_HIT, Candidate, PolicyConfig, cacheable_tokens, choose, load_cap,
+    ADAPTER_HIT, COLD_HASH, LEAST_LOAD, LOAD_SPILL, PREFIX_HIT, Candidate, PolicyConfig, cacheable_tokens, choose, load_cap,
     prefix_value, rendezvous_weight, share_cap,
 )
 
@@ -199,6 +200,45 @@ def test_choose_holds_its_invariants_for_any_rule_set(cands, cfg, num_prompt_tok
             assert t is first
         top = max(cands, key=lambda c: rendezvous_weight(cold_key, c.replica))
         assert (d.reason == COLD_HASH) == (t is top)
+
+
+@st.composite
+def adapter_fleets(draw):
+    """fleets() whose replicas have the request's LoRA adapter resident or not, a slot for it or not."""
+    return [Candidate(c.replica, c.gpu_blocks, c.cpu_blocks, c.warm_image_tokens, c.load, c.queued_tokens, c.sent,
+                      c.tie, c.unseen, adapter_resident=resident, adapter_slot=resident or draw(st.booleans()))
+            for c in draw(fleets()) for resident in [draw(st.booleans())]]
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cands=adapter_fleets(), cfg=configs, adapter_weight=st.sampled_from([0.0, 64.0]),
+       num_prompt_tokens=st.integers(1, 160), cold_key=st.one_of(st.none(), st.binary(min_size=1, max_size=32)),
+       adapter=st.binary(min_size=1, max_size=16), shuffle=st.randoms(use_true_random=False))
+def test_choose_for_an_adapter_holds_its_invariants(cands, cfg, adapter_weight, num_prompt_tokens, cold_key, adapter,
+                                                    shuffle):
+    bs = 16
+    cfg = dataclasses.replace(cfg, adapter_weight=adapter_weight)
+    d = choose(cands, block_size=bs, num_prompt_tokens=num_prompt_tokens, cold_key=cold_key, cfg=cfg,
+               adapter_key=adapter)
+    by_name = {c.replica: c for c in cands}
+    t = by_name[d.order[0]]
+    assert sorted(d.order) == sorted(by_name)
+    mixed = list(cands)
+    shuffle.shuffle(mixed)  # every router process agrees
+    assert choose(mixed, block_size=bs, num_prompt_tokens=num_prompt_tokens, cold_key=cold_key, cfg=cfg,
+                  adapter_key=adapter) == d
+    # never a replica without a slot for the adapter while another has one; those go last, as fallbacks
+    slots = [by_name[r].adapter_slot for r in d.order]
+    assert slots == sorted(slots, reverse=True)
+    assert d.reason != ADAPTER_HIT or (t.adapter_resident and d.hits[t.replica] == 0)
+    assert d.reason != PREFIX_HIT or d.hits[t.replica] > 0 or t.warm_image_tokens > 0
+    warm = any(d.hits[c.replica] > 0 or c.warm_image_tokens > 0 or c.adapter_resident for c in cands)
+    if not warm:  # a cold adapter: its own rendezvous under the caps (the prompt's key plays no part)
+        assert d.reason in (COLD_HASH, LOAD_SPILL)
+        allowed = under_both_caps(cands, cfg)
+        if allowed:
+            first = max(allowed, key=lambda c: rendezvous_weight(adapter, c.replica))
+            assert t is first or not first.adapter_slot
 
 
 # --- tokenizing without offsets: the same ids as the replica's encoder ------------------------------

@@ -80,14 +80,25 @@ def _api_routes() -> APIRouter:
     async def _completions(request: Request) -> Response:
         return await completions(request, get_state(request))
 
+    async def lora_digests(s) -> dict:
+        """Adapter name -> its content digest, from the engine (empty when it serves none or cannot answer)."""
+        if not s.loras or s.engine is None:
+            return {}
+        try:
+            return (await s.engine.stats()).lora_digests
+        except Exception as exc:  # the listing stays up; the router only lacks the digest until the next poll
+            log.warning("no LoRA digests from the engine: %s", exc)
+            return {}
+
     @api.get("/v1/models")
     async def _models(request: Request) -> ModelList:
         s = get_state(request)
         info = s.engine.model_info if s.engine is not None else None
         max_len = info.max_model_len if info else None
         card = ModelCard(id=s.model_name, root=info.model_dir if info else s.cfg.model.model, max_model_len=max_len)
-        adapters = [ModelCard(id=name, root=path, parent=s.model_name, max_model_len=max_len)
-                    for name, path in s.loras.items()]
+        digests = await lora_digests(s)
+        adapters = [ModelCard(id=name, root=path, parent=s.model_name, max_model_len=max_len,
+                              lora_digest=digests.get(name)) for name, path in s.loras.items()]
         return ModelList(data=[card, *adapters])
 
     @api.post("/tokenize")

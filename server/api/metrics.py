@@ -114,6 +114,10 @@ class EngineStatsCollector(Collector):
                     field("encoder_cache_budget_tokens"))
         if field("max_loras"):
             yield lora_requests_info(s)
+            yield counter("warmfleet:lora_device_loads",
+                          "LoRA adapters copied into a device slot (resident-set misses).", field("lora_device_loads"))
+            yield counter("warmfleet:lora_disk_loads", "LoRA adapters read from disk (registration included).",
+                          field("lora_disk_loads"))
 
 
 def lora_requests_info(s: EngineStats) -> GaugeMetricFamily:

@@ -132,6 +132,7 @@ class ModelCard(BaseModel):
     owned_by: str = "warmfleet"
     root: Optional[str] = None
     parent: Optional[str] = None  # a LoRA adapter's base model (vLLM's field); None for the base model
+    lora_digest: Optional[str] = None  # warmfleet's: an adapter's hashing.adapter_digest, in its block-hash chain root
     max_model_len: Optional[int] = None
 
 

@@ -199,7 +199,9 @@ class EngineCore:
         waiting = {r.adapter.name: None for r in self.scheduler.waiting if r.adapter is not None}
         resident = a.resident_names
         return {"max_loras": a.max_loras, "running_lora_adapters": resident,
-                "waiting_lora_adapters": [n for n in waiting if n not in resident]}
+                "waiting_lora_adapters": [n for n in waiting if n not in resident],
+                "lora_digests": {n: ad.id.digest for n, ad in a.adapters.items()},
+                "lora_device_loads": a.num_device_loads, "lora_disk_loads": a.num_disk_loads}
 
     def _encoder_stats(self) -> dict:
         if self.encoder_cache is None:

@@ -52,6 +52,9 @@ class EngineStats:
     max_loras: int = 0  # device adapter slots (0: LoRA not enabled)
     running_lora_adapters: list = field(default_factory=list)  # adapters resident in a device slot, ready to serve
     waiting_lora_adapters: list = field(default_factory=list)  # adapters of waiting requests not resident yet
+    lora_digests: dict = field(default_factory=dict)  # adapter name -> hashing.adapter_digest (its chain root's key)
+    lora_device_loads: int = 0  # adapters copied into a device slot since start (a miss of the resident set)
+    lora_disk_loads: int = 0  # adapters read from disk since start (registration included)
     extra: dict = field(default_factory=dict)
 
 

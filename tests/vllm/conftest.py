@@ -140,6 +140,23 @@ class VllmFleet:
         return {x["id"]: x for x in httpx.get(self.router + "/v1/router/replicas").json()["replicas"]}
 
 
+def start_router(model: Path, reps: list, work: Path, port: int) -> subprocess.Popen:
+    """The rendered `warmfleet route` container's command in front of `reps` on loopback (tenants of KEYS)."""
+    keys = work / "keys.json"
+    keys.write_text(json.dumps(KEYS))
+    _, router = rendered_containers()
+    assert router["command"] == ["warmfleet"] and router["args"][0] == "route"
+    args = substitute(router["args"][1:], "--model", str(model))
+    args = substitute(substitute(args, "--host", "127.0.0.1"), "--port", str(port))
+    args = substitute(args, "--discover-service", None)
+    assert args[args.index("--engine") + 1] == "vllm" and args[args.index("--block-size") + 1] == str(BLOCK)
+    args = [sys.executable, "-P", "-m", "warmfleet.cli", "route", *args, "--api-keys-file", str(keys),
+            "--salt-secret", "test-secret"]
+    for r in reps:
+        args += ["--replica", r.flag]
+    return subprocess.Popen(args, cwd=work, stdout=(work / "router.log").open("ab"), stderr=subprocess.STDOUT)
+
+
 @pytest.fixture(scope="session")
 def vllm_python() -> str:
     py = os.environ.get("WARMFLEET_VLLM_PYTHON")
@@ -162,20 +179,8 @@ def vllm_fleet(vllm_python, tmp_path_factory):
             r.start()
         for r in reps:
             r.wait_ready([x.proc for x in reps])
-        keys = work / "keys.json"
-        keys.write_text(json.dumps(KEYS))
         port = free_port()
-        _, router = rendered_containers()
-        assert router["command"] == ["warmfleet"] and router["args"][0] == "route"
-        args = substitute(router["args"][1:], "--model", str(model))
-        args = substitute(substitute(args, "--host", "127.0.0.1"), "--port", str(port))
-        args = substitute(args, "--discover-service", None)
-        assert args[args.index("--engine") + 1] == "vllm" and args[args.index("--block-size") + 1] == str(BLOCK)
-        args = [sys.executable, "-P", "-m", "warmfleet.cli", "route", *args, "--api-keys-file", str(keys),
-                "--salt-secret", "test-secret"]
-        for r in reps:
-            args += ["--replica", r.flag]
-        router_proc = subprocess.Popen(args, cwd=work, stdout=(work / "router.log").open("ab"), stderr=subprocess.STDOUT)
+        router_proc = start_router(model, reps, work, port)
         fleet = VllmFleet(reps, f"http://127.0.0.1:{port}", router_proc)
         wait_for(lambda: all(x["synced"] and x["healthy"] for x in fleet.replicas_view().values()),
                  "the router synced with both vLLM replicas", [router_proc], 60)

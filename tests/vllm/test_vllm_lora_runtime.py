@@ -12,13 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 
 from warmfleet.operator import adapters_pass
 from warmfleet.operator.manifests import Images
 from warmfleet.operator.nodes import node_info
 from warmfleet.operator.reconcile import render
+from warmfleet.server.tiny_checkpoints.lora import make_tiny_adapter
 
 from .conftest import L4_NODE, SPEC, VllmReplica, substitute
 
@@ -54,37 +54,13 @@ class LoraReplica(VllmReplica):
                                      start_new_session=True)
 
 
-def make_adapter(model: Path, out: Path, rank: int = 8, seed: int = 0) -> Path:
-    """A PEFT LoRA on q/v of the language model, random A and B, named as `peft` saves Qwen2-VL adapters."""
-    from safetensors.numpy import save_file
-
-    cfg = json.loads((model / "config.json").read_text())
-    text = cfg.get("text_config") or cfg
-    h, heads = text["hidden_size"], text["num_attention_heads"]
-    kv, hd = text.get("num_key_value_heads", heads), text.get("head_dim", text["hidden_size"] // heads)
-    rng = np.random.default_rng(seed)
-    tensors = {}
-    for i in range(text["num_hidden_layers"]):
-        for proj, out_dim in (("q_proj", heads * hd), ("v_proj", kv * hd)):
-            key = f"base_model.model.model.language_model.layers.{i}.self_attn.{proj}"
-            tensors[f"{key}.lora_A.weight"] = rng.normal(0, 0.2, (rank, h)).astype(np.float32)
-            tensors[f"{key}.lora_B.weight"] = rng.normal(0, 0.2, (out_dim, rank)).astype(np.float32)
-    out.mkdir(parents=True)
-    save_file(tensors, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(model), "r": rank,
-        "lora_alpha": 2 * rank, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"], "bias": "none",
-        "fan_in_fan_out": False, "inference_mode": True, "use_rslora": False, "modules_to_save": None}))
-    return out
-
-
 @pytest.fixture(scope="module")
 def lora_replica(vllm_python, tmp_path_factory):
     from warmfleet.server.tiny_checkpoints.vl import make_tiny_vl_model
 
     work = tmp_path_factory.mktemp("vllm-lora")
     model = make_tiny_vl_model(work / "vl-bench", arch="qwen2_vl", size="bench", seed=0)
-    adapter = make_adapter(model, work / "adapters" / "sql-1")
+    adapter = make_tiny_adapter(model, work / "adapters" / "sql-1")
     rep = LoraReplica(vllm_python, model, work / "vllm-lora.log")
     try:
         rep.start()

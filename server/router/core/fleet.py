@@ -36,6 +36,7 @@ import aiohttp
 import httpx
 
 from ...events import EventBatch, Snapshot
+from . import adapters as lora
 from .engines.warmfleet import WarmfleetDialect
 from .index import Applied, KVIndex
 from .metrics import RouterMetrics
@@ -47,6 +48,8 @@ log = logging.getLogger(__name__)
 
 RESYNC_ATTEMPTS = 5  # snapshot fetches in a row before waiting for the next trigger
 RESYNC_MIN_INTERVAL_S = 0.2  # spacing of back-to-back snapshot fetches of one replica
+ADAPTER_POLL_S = 1.0  # LoRA adapter metric scrape interval (replicas that list adapters only)
+MODELS_EVERY = 5  # /v1/models (which adapters, their identities) every this many adapter scrapes
 STALL_GRACE_S = 10.0  # rounds of all-timeouts forgiven for this long in a row, then counted (a partition)
 
 
@@ -55,7 +58,7 @@ class Fleet:
                  health_timeout_s: float = 0.5, health_failures: int = 2, model_fingerprint: Optional[str] = None,
                  block_size: Optional[int] = None, upstream_headers: Optional[dict] = None, dialect=None,
                  warmup: WarmupConfig = WarmupConfig(), index_max_blocks: Optional[int] = None,
-                 stall_grace_s: float = STALL_GRACE_S):
+                 stall_grace_s: float = STALL_GRACE_S, adapter_poll_s: Optional[float] = ADAPTER_POLL_S):
         self.http = http
         self.dialect = dialect or WarmfleetDialect()  # how this fleet's engine names blocks, speaks events, resyncs
         self.metrics = metrics
@@ -74,11 +77,18 @@ class Fleet:
         self._health_task: Optional[asyncio.Task] = None
         self._probe: Optional[aiohttp.ClientSession] = None  # health checks (see _check)
         self.warmer = Warmer(warmup, http, metrics, self.upstream_headers)  # replays hot prefixes into joiners
+        self.adapters = lora.AdapterView()  # LoRA adapters each replica serves and holds (adapters.py)
+        self.adapter_poll_s = adapter_poll_s  # None: never scraped (no adapter affinity)
+        self._adapter_task: Optional[asyncio.Task] = None
+        self._adapter_rounds = 0
 
     # --- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
         await self.check_health()
         self._health_task = asyncio.create_task(self._health_loop())
+        if self.adapter_poll_s is not None:
+            await self.scrape_adapters()
+            self._adapter_task = asyncio.create_task(self._adapter_loop())
 
     def _probe_session(self) -> aiohttp.ClientSession:
         """The health checks' own pooled keep-alive session (made in the running loop, closed by stop())."""
@@ -89,8 +99,9 @@ class Fleet:
     async def stop(self) -> None:
         await self.warmer.stop()
         tasks = list(self._subscribers.values()) + list(self._resyncs.values())
-        if self._health_task is not None:
-            tasks.append(self._health_task)
+        for t in (self._health_task, self._adapter_task):
+            if t is not None:
+                tasks.append(t)
         for t in tasks:
             await cancel(t)
         self._subscribers.clear()
@@ -107,6 +118,7 @@ class Fleet:
             if task is not None:
                 await cancel(task)
             self.index.remove(rid)
+            self.adapters.forget(rid)
             m = self.metrics
             for gauge in (m.replica_healthy, m.replica_in_flight, m.replica_queued_tokens, m.replica_draining):
                 try:
@@ -168,6 +180,24 @@ class Fleet:
         if st is None or st.load is None or time.monotonic() - st.load_time > max_age_s:
             return 0
         return st.load.num_running + st.load.num_waiting
+
+    # --- LoRA adapters ----------------------------------------------------------------------
+    async def _adapter_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.adapter_poll_s)
+            try:
+                await self.scrape_adapters()
+            except Exception:
+                log.exception("adapter scrape round failed")
+
+    async def scrape_adapters(self) -> None:
+        """Every healthy replica's lora_requests_info; its /v1/models too every MODELS_EVERY rounds (and the first)."""
+        models = self._adapter_rounds % MODELS_EVERY == 0
+        self._adapter_rounds += 1
+        reps = self.registry.healthy()
+        await asyncio.gather(*(lora.scrape(self.adapters, r.id, r.spec.url, self.http, self.upstream_headers,
+                                           self.dialect, models or r.id not in self.adapters.replicas)
+                               for r in reps))
 
     # --- health -----------------------------------------------------------------------------
     async def _health_loop(self) -> None:
@@ -265,6 +295,7 @@ class Fleet:
         log.warning("replica %s is down: %s", rid, self.registry.replicas[rid].last_error)
         self.index.purge(rid)
         self.dialect.forget(rid)
+        self.adapters.forget(rid)
         self.warmer.cancel(rid)
         self.metrics.replica_healthy.labels(rid).set(0)
 

@@ -53,6 +53,14 @@ that outgrows one replica's share spills, and its new home then holds it too.
 A prefix nobody holds goes by rendezvous hashing of its first blocks' chain hash, so a burst
 of requests sharing a new prefix converges on one replica before any KV event arrives, and
 every router process computes the same answer.
+
+LoRA adapters (`adapter_key` given: the request names one). A replica with the adapter resident scores
+`adapter_weight` more (it loads nothing into a slot) and counts as warm; one nobody has resident, for a
+prompt nobody holds, goes by rendezvous of the adapter's key, so each replica holds a stable subset of the
+cold adapters. Equal scores go by that rendezvous too, so a hot adapter that outgrows its replicas' caps
+(the same bounded-load rule) spills to the same next home each time and is resident on more replicas as its
+load grows. Last, `adapter_slot_first`: replicas that could take the adapter only by evicting one in use go
+after every replica that has it resident or a free slot (they stay as retry fallbacks).
 """
 
 from __future__ import annotations
@@ -69,6 +77,7 @@ PREFIX_HIT = "prefix_hit"
 COLD_HASH = "cold_hash"
 LOAD_SPILL = "load_spill"
 LEAST_LOAD = "least_load"
+ADAPTER_HIT = "adapter_hit"  # no cached prefix, but the request's LoRA adapter is resident on the target
 RETRY = "retry"
 
 
@@ -86,6 +95,8 @@ class Candidate:
     tie: float = 0.0  # added to `sent` in the tie-break only: routers sharing one stale view draw it at random
     unseen: int = 0  # requests on it that peer routers may have sent or finished since their last report
     #                  (one per fresh peer): widens the in-flight bound for keeping a warm prefix, nothing else
+    adapter_resident: bool = False  # the request's LoRA adapter is resident there (adapters.AdapterView.resident)
+    adapter_slot: bool = True  # it can take the adapter without evicting one in use (AdapterView.has_slot)
 
 
 @dataclass(frozen=True)
@@ -95,6 +106,7 @@ class Decision:
     predicted_cached_tokens: int  # tokens the target should serve from its cache
     hits: dict = field(default_factory=dict)  # replica -> tokens it should serve from cache (for retries)
     num_prompt_tokens: int = 0
+    adapter: Optional[str] = None  # the LoRA adapter the request names (its in-flight count per replica), None: base
 
     def uncached_for(self, replica: str) -> int:
         """Prompt tokens `replica` must compute if it serves the request."""
@@ -183,10 +195,14 @@ def keeps_warm(best: Candidate, advantage: int, cap: float, scap: float, cfg: Po
 
 
 def warm_order(cands: Sequence[Candidate], fits: list[Candidate], fit_ids: set, hits: dict[str, int], scores: dict,
-               cap: float, scap: float, cfg: PolicyConfig) -> tuple[list[Candidate], str]:
-    """Best score first under the caps, then the rest, unless the best over them keeps the request warm; and why."""
+               cap: float, scap: float, cfg: PolicyConfig, home: Optional[dict] = None) -> tuple[list[Candidate], str]:
+    """Best score first under the caps, then the rest, unless the best over them keeps the request warm; and why.
+
+    `home`: replica -> rendezvous weight of the request's adapter, deciding equal scores (None: no adapter)."""
+    home = home or {}
+
     def rank(c: Candidate) -> tuple:
-        return (-scores[id(c)], c.load, c.sent + c.tie, c.replica)
+        return (-scores[id(c)], -home.get(c.replica, 0), c.load, c.sent + c.tie, c.replica)
 
     ranked = sorted(fits, key=rank) + sorted([c for c in cands if id(c) not in fit_ids], key=rank)
     best = min(cands, key=rank)  # replica names are unique: the same as sorted(cands, key=rank)[0]
@@ -200,6 +216,8 @@ def warm_order(cands: Sequence[Candidate], fits: list[Candidate], fit_ids: set, 
         return ranked, LOAD_SPILL
     if hits[target.replica] > 0 or target.warm_image_tokens > 0:
         return ranked, PREFIX_HIT
+    if home and target.adapter_resident:
+        return ranked, ADAPTER_HIT
     return ranked, LEAST_LOAD  # the warm replicas are too busy to be worth it
 
 
@@ -214,14 +232,21 @@ def cold_order(cands: Sequence[Candidate], fits: list[Candidate], fit_ids: set, 
     return ranked, COLD_HASH if ranked[0] is top_any else LOAD_SPILL
 
 
+def adapter_slot_first(ranked: list[Candidate]) -> list[Candidate]:
+    """`ranked` with the replicas lacking a slot for the adapter moved behind the rest (order kept in each part)."""
+    return [c for c in ranked if c.adapter_slot] + [c for c in ranked if not c.adapter_slot]
+
+
 def spread_order(cands: Sequence[Candidate]) -> list[Candidate]:
     """A prompt shorter than one block (nothing to cache): least load first, then fewest sent."""
     return sorted(cands, key=lambda c: (c.load, c.sent + c.tie, c.replica))
 
 
 def choose(cands: Sequence[Candidate], *, block_size: int, num_prompt_tokens: int,
-           cold_key: Optional[bytes], cfg: PolicyConfig = PolicyConfig()) -> Decision:
-    """Order replicas for one request; raises ValueError if there are none."""
+           cold_key: Optional[bytes], cfg: PolicyConfig = PolicyConfig(),
+           adapter_key: Optional[bytes] = None) -> Decision:
+    """Order replicas for one request (`adapter_key`: its LoRA adapter's, None for the base model); raises
+    ValueError if there are none."""
     if not cands:
         raise ValueError("no routable replicas")
     limit = cacheable_tokens(num_prompt_tokens, block_size)
@@ -235,16 +260,23 @@ def choose(cands: Sequence[Candidate], *, block_size: int, num_prompt_tokens: in
     # Linear in the number of replicas: membership by identity, each score and rendezvous weight
     # computed once (list membership compared dataclasses field by field: 1.2 ms a request at 64
     # replicas, 4.4 ms at 128; docs/scale.md).
+    adapter_weight = cfg.adapter_weight if adapter_key is not None else 0.0  # adapter fields count for adapters only
     scores = {id(c): (max(0.0, values[id(c)] - common) + cfg.encoder_weight * c.warm_image_tokens
+                      + adapter_weight * c.adapter_resident
                       - queue_weight * c.queued_tokens - cfg.load_weight * c.load) for c in cands}
     cap = load_cap([c.load for c in cands], cfg.epsilon)
     scap = share_cap([c.sent for c in cands], cfg.share_epsilon)
     fits = under_caps(cands, cap, scap)
     fit_ids = {id(c) for c in fits}
-    if any(hits[c.replica] > 0 or c.warm_image_tokens > 0 for c in cands):
-        ranked, reason = warm_order(cands, fits, fit_ids, hits, scores, cap, scap, cfg)
-    elif cold_key is not None:
-        ranked, reason = cold_order(cands, fits, fit_ids, scores, cold_key)
+    home = {c.replica: rendezvous_weight(adapter_key, c.replica) for c in cands} if adapter_key is not None else None
+    if any(hits[c.replica] > 0 or c.warm_image_tokens > 0 or (home and c.adapter_resident) for c in cands):
+        ranked, reason = warm_order(cands, fits, fit_ids, hits, scores, cap, scap, cfg, home)
+    elif adapter_key is not None or cold_key is not None:  # a cold adapter goes by its own key: a stable subset
+        ranked, reason = cold_order(cands, fits, fit_ids, scores, adapter_key if adapter_key is not None else cold_key)
     else:
         ranked, reason = spread_order(cands), LEAST_LOAD
+    if adapter_key is not None:
+        first, ranked = ranked[0], adapter_slot_first(ranked)
+        if ranked[0] is not first:  # the best had no slot for the adapter: moved off it, as a spill
+            reason = LOAD_SPILL
     return Decision([c.replica for c in ranked], reason, hits[ranked[0].replica], hits, num_prompt_tokens)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from ... import rendering
-from ...hashing import MMPlaceholder, block_extra_keys, block_hashes, hash_block, root_hash
+from ...hashing import AdapterId, MMPlaceholder, block_extra_keys, block_hashes, hash_block, root_hash
 
 IMAGE_PAD_TOKENS = ("<|image_pad|>", "<image>")  # placeholder tokens a template emits per image, by model family
 
@@ -227,12 +227,13 @@ class HashConfig:
 
 
 def prompt_block_hashes(prompt: Prompt, cache_salt: Optional[str], cfg: HashConfig,
-                        memo: Optional["HashMemo"] = None) -> list[bytes]:
-    """Contract-1 chain over the prompt's full blocks (memoised per block when `memo` is given)."""
+                        memo: Optional["HashMemo"] = None, adapter: Optional[AdapterId] = None) -> list[bytes]:
+    """Contract-1 chain over the prompt's full blocks (memoised per block when `memo` is given); `adapter`: the
+    LoRA adapter the request names, whose identity is in the chain's root as the replica puts it there."""
     if memo is not None:
-        return memo.block_hashes(prompt.token_ids, prompt.mm_items, cfg, cache_salt)
+        return memo.block_hashes(prompt.token_ids, prompt.mm_items, cfg, cache_salt, adapter)
     return block_hashes(prompt.token_ids, prompt.mm_items, cfg.block_size, cfg.model_fingerprint,
-                        cache_salt=cache_salt, algo=cfg.algo)
+                        cache_salt=cache_salt, algo=cfg.algo, adapter=adapter)
 
 
 class HashMemo:
@@ -248,13 +249,13 @@ class HashMemo:
         self._roots: dict = {}
 
     def block_hashes(self, token_ids: Sequence[int], mm_items: Sequence[MMPlaceholder], cfg: HashConfig,
-                     cache_salt: Optional[str]) -> list[bytes]:
-        root_key = (cfg.model_fingerprint, cache_salt or "", cfg.algo)
+                     cache_salt: Optional[str], adapter: Optional[AdapterId] = None) -> list[bytes]:
+        root_key = (cfg.model_fingerprint, cache_salt or "", cfg.algo, adapter)
         prev = self._roots.get(root_key)
         if prev is None:
             if len(self._roots) > 10_000:
                 self._roots.clear()
-            prev = self._roots[root_key] = root_hash(cfg.model_fingerprint, cache_salt, cfg.algo)
+            prev = self._roots[root_key] = root_hash(cfg.model_fingerprint, cache_salt, cfg.algo, adapter)
         items = sorted(mm_items, key=lambda m: m.offset)
         bs = cfg.block_size
         out: list[bytes] = []

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import random
 import time
@@ -36,6 +37,11 @@ def has_images(body: dict) -> bool:
     """Whether a chat body holds an image part (cheap: no decoding)."""
     messages = body.get("messages")
     return isinstance(messages, list) and rendering.has_images(messages)
+
+
+def adapter_key(name: str) -> bytes:
+    """The rendezvous key of a LoRA adapter: its name (the same on every router process and replica)."""
+    return b"lora\0" + name.encode()
 
 
 def cached_tokens_of(body: dict) -> Optional[int]:
@@ -108,6 +114,30 @@ class Router:
         if self._media_pool is not None:
             self._media_pool.shutdown(wait=False, cancel_futures=True)
 
+    def adapter_of(self, body: dict, replicas: list[Replica]) -> tuple[Optional[str], list[Replica]]:
+        """The LoRA adapter `body` names (None: the base model or unknown) and the replicas to route it among: those
+        that serve it, when any does (the others would answer 404)."""
+        model = body.get("model")
+        view = self.fleet.adapters
+        if not isinstance(model, str) or not view.is_adapter(model):
+            return None, replicas
+        serving = [r for r in replicas if view.identity(r.id, model) is not None]
+        return model, serving or replicas
+
+    def adapter_hashes(self, prompt: Prompt, salt: Optional[str], adapter: str,
+                       replicas: list[Replica]) -> tuple[dict, dict]:
+        """Block names and prefix matches per replica for an adapter request: hashed once per distinct identity
+        the replicas serve the adapter under (the same files everywhere: once)."""
+        view, groups = self.fleet.adapters, {}
+        for r in replicas:
+            groups.setdefault(view.identity(r.id, adapter), []).append(r.id)
+        names, matches = {}, {}
+        for ident, rids in groups.items():
+            h = self.fleet.dialect.block_hashes(prompt, salt, self.hash_cfg, ident) if ident is not None else []
+            matches.update(self.fleet.index.match(h, rids))
+            names.update((rid, h) for rid in rids)
+        return names, matches
+
     def decide(self, kind: str, body: dict, replicas: list[Replica],
                rendered: Optional[tuple[Optional[Prompt]]] = None) -> tuple[Decision, Optional[Prompt], list[bytes]]:
         """The routing decision, the rendered prompt (None if the router cannot render it) and its block names.
@@ -118,8 +148,16 @@ class Router:
         bs = self.hash_cfg.block_size
         salt = body.get("cache_salt")
         salt = salt if isinstance(salt, str) else None  # not a string: the replica answers the 400, not a crash here
-        hashes = self.fleet.dialect.block_hashes(prompt, salt, self.hash_cfg) if prompt else []
-        matches = self.fleet.index.match(hashes, [r.id for r in replicas])
+        adapter, replicas = self.adapter_of(body, replicas)
+        if adapter is None:
+            hashes = self.fleet.dialect.block_hashes(prompt, salt, self.hash_cfg) if prompt else []
+            matches = self.fleet.index.match(hashes, [r.id for r in replicas])
+            names = None
+        else:
+            names, matches = (self.adapter_hashes(prompt, salt, adapter, replicas) if prompt
+                              else ({}, self.fleet.index.match([], [r.id for r in replicas])))
+            hashes = next(iter(names.values()), [])
+        view = self.fleet.adapters
         cands = []
         combined = self.peers.combined if self.peers is not None else None
         for r in replicas:
@@ -128,26 +166,34 @@ class Router:
             if prompt and prompt.mm_items:
                 hits = self.fleet.index.encoder_hits(r.id, [i.mm_hash for i in prompt.mm_items])
                 warm = sum(i.length for i in prompt.mm_items if i.mm_hash in hits and i.offset >= m.blocks * bs)
+            resident, slot = (view.resident(r.id, adapter), view.has_slot(r.id, adapter)) if adapter else (False, True)
             if combined is None:
                 cands.append(Candidate(r.id, m.gpu_blocks, m.cpu_blocks, warm,
                                        load=max(r.in_flight, self.fleet.engine_load(r.id)),
-                                       queued_tokens=r.queued_tokens, sent=r.sent))
+                                       queued_tokens=r.queued_tokens, sent=r.sent,
+                                       adapter_resident=resident, adapter_slot=slot))
             else:  # every router's load on it: ours exact, the peers' as of their last report (peers.py)
                 in_flight, queued, sent = combined(r.id, r.in_flight, r.queued_tokens, r.sent)
                 cands.append(Candidate(r.id, m.gpu_blocks, m.cpu_blocks, warm,
                                        load=max(in_flight, self.fleet.engine_load(r.id)),
                                        queued_tokens=queued, sent=sent, tie=random.random() * self.peers.jitter,
-                                       unseen=self.peers.fresh))
+                                       unseen=self.peers.fresh, adapter_resident=resident, adapter_slot=slot))
         cold_key = hashes[min(len(hashes), self.cold_key_blocks) - 1] if hashes else None
         num_tokens = prompt.num_tokens if prompt else 0
-        decision = choose(cands, block_size=bs, num_prompt_tokens=num_tokens, cold_key=cold_key, cfg=self.policy)
+        decision = choose(cands, block_size=bs, num_prompt_tokens=num_tokens, cold_key=cold_key, cfg=self.policy,
+                          adapter_key=adapter_key(adapter) if adapter else None)
+        if adapter is not None:
+            decision = dataclasses.replace(decision, adapter=adapter)
+            hashes = names.get(decision.order[0], hashes) if decision.order else hashes
         if self.fleet.index.max_blocks_per_replica is not None and decision.order:  # capped index: LRU by use
             used = matches.get(decision.order[0])
             if used is not None and used.blocks:
                 self.fleet.index.touch(decision.order[0], hashes[:used.blocks])
         if prompt is not None and not prompt.mm_items:  # remembered for warming replicas that join later
+            # placed as the policy places it cold: an adapter's prefixes by the adapter's rendezvous
+            place = adapter_key(adapter) if adapter is not None else cold_key
             self.fleet.warmer.hot.observe(prompt.token_ids, hashes, bs, body.get("cache_salt"), body.get("model"),
-                                          cold_key, time.monotonic())
+                                          place, time.monotonic())
         self.metrics.route_seconds.observe(time.perf_counter() - t0)
         self.metrics.decisions.labels(decision.reason).inc()
         if self.fleet.dialect.contract == "predicted":
@@ -172,9 +218,12 @@ class Router:
             yield rep
 
     # --- load this router put on the replicas ---------------------------------------------------
-    def enter(self, rep: Replica, queued_tokens: int = 0) -> None:
-        """A request goes to `rep`: one more in flight, its uncached prompt queued until its first token."""
+    def enter(self, rep: Replica, queued_tokens: int = 0, adapter: Optional[str] = None) -> None:
+        """A request goes to `rep`: one more in flight, its uncached prompt queued until its first token; one more
+        on its LoRA `adapter` there (Decision.adapter)."""
         rep.in_flight += 1
+        if adapter is not None:
+            self.fleet.adapters.sent(rep.id, adapter)
         rep.queued_tokens += queued_tokens
         for r in self.fleet.registry.replicas.values():  # recent share: counts decay over ~SHARE_WINDOW requests
             r.sent *= SHARE_DECAY
@@ -187,9 +236,11 @@ class Router:
         rep.queued_tokens -= queued_tokens
         self.metrics.replica_queued_tokens.labels(rep.id).set(rep.queued_tokens - rep.replay_tokens)
 
-    def leave(self, rep: Replica) -> None:
-        """The request's last byte has gone (or it failed): one fewer in flight on `rep`."""
+    def leave(self, rep: Replica, adapter: Optional[str] = None) -> None:
+        """The request's last byte has gone (or it failed): one fewer in flight on `rep` (and on its `adapter`)."""
         rep.in_flight -= 1
+        if adapter is not None:
+            self.fleet.adapters.done(rep.id, adapter)
         self.metrics.replica_in_flight.labels(rep.id).set(rep.in_flight)
 
     def record_actual(self, decision: Decision, rid: str, actual: Optional[int]) -> None:

@@ -59,6 +59,9 @@ class PolicyConfig:
     max_share_slack: int = field(default=1, metadata=opt(  # cap on that extra share slack
         "--max-share-slack", "Cap on that extra share-cap slack."))
     encoder_weight: float = 0.5  # an image whose encoder output is warm saves this fraction of its tokens (no flag)
+    adapter_weight: float = field(default=64.0, metadata=opt(  # a resident LoRA adapter, in prompt tokens
+        "--adapter-weight", "Prompt tokens a replica that has the request's LoRA adapter resident is worth (no load "
+        "into a device slot); the bounded-load caps still spread a hot adapter to more replicas."))
 
     def __post_init__(self) -> None:
         if not 0 <= self.cpu_weight <= 1:
@@ -69,6 +72,8 @@ class PolicyConfig:
                              "--share-slack-tokens and --max-share-slack must be >= 0")
         if self.queue_weight < 0 or self.load_weight < 0 or (self.cold_queue_weight or 0) < 0:
             raise ValueError("--queue-weight, --cold-queue-weight and --load-weight must be >= 0")
+        if self.adapter_weight < 0:
+            raise ValueError("--adapter-weight must be >= 0")
         if self.epsilon < 0:
             raise ValueError("--balance-epsilon must be >= 0")
 

@@ -176,8 +176,12 @@ class Exchange:
     def book(self, rep: Replica) -> None:
         self.rep = rep
         self.queued = self.routed.decision.uncached_for(rep.id) if self.routed is not None else 0
-        self.router.enter(rep, self.queued)
+        self.router.enter(rep, self.queued, self.adapter())
         self.t_pick = time.perf_counter()
+
+    def adapter(self) -> Optional[str]:
+        """The LoRA adapter the routed request names (its in-flight count per replica), None: base model or unrouted."""
+        return self.routed.decision.adapter if self.routed is not None else None
 
     def prefilled(self) -> None:
         if self.rep is not None and not self.prefill_done:
@@ -193,7 +197,7 @@ class Exchange:
             log.warning("the gateway reports endpoint %s, which is not in this pool", served)
             return
         self.prefilled()
-        self.router.leave(self.rep)
+        self.router.leave(self.rep, self.adapter())
         self.door.metrics.retries.inc()
         self.door.metrics.decisions.labels(RETRY).inc()
         self.prefill_done = False  # the served replica's own prompt share is queued there until the first byte
@@ -203,7 +207,7 @@ class Exchange:
         """Release what this request holds (idempotent): its queued prefill, its in-flight count, its client slot."""
         if self.rep is not None:
             self.prefilled()
-            self.router.leave(self.rep)
+            self.router.leave(self.rep, self.adapter())
             self.rep = None
         if self.client is not None:
             self.door.limiter.release(self.client)

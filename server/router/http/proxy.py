@@ -100,7 +100,8 @@ class Proxy:
         """One replica's try: the answer for the client, or why the next replica should be tried."""
         rid = rep.id
         queued = a.decision.uncached_for(rid)
-        self.router.enter(rep, queued)  # queued prefill until the first token, the answer or a failure
+        # queued prefill until the first token, the answer or a failure
+        self.router.enter(rep, queued, a.decision.adapter)
         released = False
         resp: Optional[UpstreamResponse] = None
         try:
@@ -133,7 +134,7 @@ class Proxy:
         finally:
             self.router.prefilled(rep, queued)
             if not released:
-                self.router.leave(rep)
+                self.router.leave(rep, a.decision.adapter)
 
     async def _first_event(self, rep: Replica, resp: UpstreamResponse, a: _Attempt,
                            retried: bool) -> StreamingResponse:
@@ -194,7 +195,7 @@ class Proxy:
                 yield (b"\n\n" if buf else b"") + sse_error(f"replica {rep.id} failed mid-stream ({type(exc).__name__})")
             finally:
                 resp.close() if not resp.at_eof() else resp.release()
-                self.router.leave(rep)
+                self.router.leave(rep, decision.adapter)
 
         return self._count(StreamingResponse(relay(), resp.status, self._reply_headers(resp, rep, decision, retried)))
 

@@ -24,14 +24,19 @@ class Dialect(Protocol):
 
     kind: str  # its name in engine_kinds.DIALECTS
     contract: str  # "exact" (events tell what the replica holds) | "predicted" (the router's own decisions)
+    lora_running_busy: bool  # vllm:lora_requests_info's running label names adapters with requests (not idle slots)
     ready_path: str  # GET path whose 200 means "takes requests now"; the router's active health check asks it
 
     @classmethod
     def from_settings(cls, settings) -> "Dialect":
         """The dialect a router with these RouterSettings speaks (its knobs: --vllm-hash-seed, --predicted-*)."""
 
-    def block_hashes(self, prompt, cache_salt: Optional[str], cfg) -> list[bytes]:
-        """The index keys of the prompt's full blocks, as this engine names them."""
+    def block_hashes(self, prompt, cache_salt: Optional[str], cfg, adapter=None) -> list[bytes]:
+        """The index keys of the prompt's full blocks, as this engine names them (for LoRA `adapter`, an
+        `adapter_identity`)."""
+
+    def adapter_identity(self, card: dict):
+        """A /v1/models entry with `parent` (a LoRA adapter) as this engine keys its blocks; None: not known yet."""
 
     def prepare_body(self, body: dict, prompt) -> bool:
         """Rewrite the request so the engine names its blocks as predicted; True if the body changed."""

@@ -40,6 +40,7 @@ def parse_load(text: str) -> Optional[Load]:
 class PredictedDialect:
     kind = "fastdeploy"
     contract = "predicted"
+    lora_running_busy = False  # no LoRA
     ready_path = "/health"  # the operator's readiness probe for FastDeploy (operator/engines.py)
 
     def __init__(self, capacity_blocks: int, ttl_s: float, memo_capacity: int = 200_000):
@@ -54,8 +55,12 @@ class PredictedDialect:
         """--predicted-capacity-blocks (set it to the replicas' KV pool) and --predicted-ttl-s."""
         return cls(settings.predicted_capacity_blocks, settings.predicted_ttl_s)
 
-    def block_hashes(self, prompt: Prompt, cache_salt: Optional[str], cfg: HashConfig) -> list[bytes]:
-        return prompt_block_hashes(prompt, cache_salt, cfg, self.memo)
+    def block_hashes(self, prompt: Prompt, cache_salt: Optional[str], cfg: HashConfig, adapter=None) -> list[bytes]:
+        return prompt_block_hashes(prompt, cache_salt, cfg, self.memo)  # no LoRA (the operator refuses it)
+
+    def adapter_identity(self, card: dict) -> None:
+        """None: FastDeploy serves no LoRA adapters here."""
+        return None
 
     def prepare_body(self, body: dict, prompt: Prompt) -> bool:
         """The request goes as the client sent it (the replica computes the same names itself)."""

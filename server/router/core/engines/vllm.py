@@ -6,9 +6,10 @@ Block hashes (vllm/v1/core/kv_cache_utils.py, checked against vLLM 0.32.0): with
     h_i = sha256(cbor_canonical((h_{i-1} or NONE_HASH, tuple(block tokens), extra_keys_i or None)))
     NONE_HASH = sha256(cbor_canonical(seed)),  seed = $PYTHONHASHSEED, else "vllm-none-hash"
 
-where extra_keys_i is a tuple of tagged keys: ("lora", name, path), ("mm", identifier, offset of
-the item relative to the block start) for every item overlapping the block, ("cache_salt",
-salt) on block 0 only. Events publish the low 64 bits of each digest as an integer
+where extra_keys_i is a tuple of tagged keys, in this order: ("lora", name, path) on every block
+of a LoRA request (path: the adapter's lora_path, which vLLM's /v1/models lists as the entry's
+`root`), ("mm", identifier, offset of the item relative to the block start) for every item
+overlapping the block, ("cache_salt", salt) on block 0 only. Events publish the low 64 bits of each digest as an integer
 (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1, the default), so the router keys its index by those
 8 bytes. Reproducing the hash (rather than re-keying stored blocks by the token ids their
 events carry) lets the router hash a new request once, with no per-replica map from vLLM's
@@ -64,24 +65,28 @@ def key_of(digest_or_int: Any) -> bytes:
     raise ValueError(f"not a vLLM block hash: {type(digest_or_int).__name__}")
 
 
-def extra_keys(start: int, end: int, mm_items: Sequence[MMPlaceholder], cache_salt: Optional[str]) -> Optional[tuple]:
-    keys: list[tuple] = [("mm", m.mm_hash, m.offset - start) for m in mm_items
-                         if m.offset < end and m.offset + m.length > start]
+def extra_keys(start: int, end: int, mm_items: Sequence[MMPlaceholder], cache_salt: Optional[str],
+               lora: Optional[tuple] = None) -> Optional[tuple]:
+    """vLLM 0.32's generate_block_hash_extra_keys: LoRA key, image keys, then the salt (block 0)."""
+    keys: list[tuple] = [lora] if lora is not None else []
+    keys += [("mm", m.mm_hash, m.offset - start) for m in mm_items if m.offset < end and m.offset + m.length > start]
     if start == 0 and cache_salt:
         keys.append(("cache_salt", cache_salt))
     return tuple(keys) or None
 
 
 def vllm_block_digests(token_ids: Sequence[int], mm_items: Sequence[MMPlaceholder], block_size: int,
-                       cache_salt: Optional[str], seed: Optional[str], memo: Optional[BoundedMemo] = None) -> list[bytes]:
-    """Full 32-byte digests of every full block, as vLLM computes them with sha256_cbor."""
+                       cache_salt: Optional[str], seed: Optional[str], memo: Optional[BoundedMemo] = None,
+                       lora: Optional[tuple] = None) -> list[bytes]:
+    """Full 32-byte digests of every full block, as vLLM computes them with sha256_cbor (`lora`: ("lora", name,
+    path) of a LoRA request)."""
     items = sorted(mm_items, key=lambda m: m.offset)
     prev = none_hash(seed)
     out = []
     for i in range(len(token_ids) // block_size):
         s, e = i * block_size, (i + 1) * block_size
         block = tuple(token_ids[s:e])
-        extra = extra_keys(s, e, items, cache_salt)
+        extra = extra_keys(s, e, items, cache_salt, lora)
         key = (prev, block, extra)
         h = memo.get(key) if memo is not None else None
         if h is None:
@@ -138,6 +143,7 @@ def decode_vllm(frames: list[bytes], verify=None) -> EventBatch:
 class VllmDialect:
     kind = "vllm"
     contract = "exact"
+    lora_running_busy = True  # vllm:lora_requests_info's running label names adapters with requests
     ready_path = "/health"  # vLLM listens only once its engine is up; /health is its readiness probe too
 
     def __init__(self, seed: Optional[str], memo_capacity: int = 200_000):
@@ -149,9 +155,16 @@ class VllmDialect:
     def from_settings(cls, settings) -> "VllmDialect":
         return cls(seed=settings.hash_seed)
 
-    def block_hashes(self, prompt: Prompt, cache_salt: Optional[str], cfg: HashConfig) -> list[bytes]:
-        digests = vllm_block_digests(prompt.token_ids, prompt.mm_items, cfg.block_size, cache_salt, self.seed, self.memo)
+    def block_hashes(self, prompt: Prompt, cache_salt: Optional[str], cfg: HashConfig,
+                     adapter: Optional[tuple] = None) -> list[bytes]:
+        digests = vllm_block_digests(prompt.token_ids, prompt.mm_items, cfg.block_size, cache_salt, self.seed,
+                                     self.memo, adapter)
         return [key_of(d) for d in digests]
+
+    def adapter_identity(self, card: dict) -> Optional[tuple]:
+        """vLLM's LoRA extra key ("lora", name, lora_path) of a /v1/models adapter entry (`root` is its lora_path)."""
+        root = card.get("root")
+        return ("lora", card["id"], root) if isinstance(root, str) and root else None
 
     def prepare_body(self, body: dict, prompt: Prompt) -> bool:
         """Give every image part the identity the router hashed it under (vLLM's `uuid`); True if changed.

@@ -8,6 +8,7 @@ from typing import Optional
 import httpx
 
 from ....events import EventBatch, Snapshot, decode
+from ....hashing import AdapterId
 from ..prompt import HashConfig, HashMemo, Prompt, prompt_block_hashes
 
 log = logging.getLogger(__name__)
@@ -16,6 +17,7 @@ log = logging.getLogger(__name__)
 class WarmfleetDialect:
     kind = "warmfleet"
     contract = "exact"
+    lora_running_busy = False  # our running label names resident slots, busy or idle
     # NOTE: not /health, which is liveness: 200 from the moment the HTTP server listens, while the model
     # still loads and every request would get a 503.
     ready_path = "/ready"
@@ -27,8 +29,14 @@ class WarmfleetDialect:
     def from_settings(cls, settings) -> "WarmfleetDialect":
         return cls()
 
-    def block_hashes(self, prompt: Prompt, cache_salt: Optional[str], cfg: HashConfig) -> list[bytes]:
-        return prompt_block_hashes(prompt, cache_salt, cfg, self.memo)
+    def block_hashes(self, prompt: Prompt, cache_salt: Optional[str], cfg: HashConfig,
+                     adapter: Optional[AdapterId] = None) -> list[bytes]:
+        return prompt_block_hashes(prompt, cache_salt, cfg, self.memo, adapter)
+
+    def adapter_identity(self, card: dict) -> Optional[AdapterId]:
+        """A /v1/models adapter entry's identity in our chain root: its name and the engine's digest of its files."""
+        digest = card.get("lora_digest")
+        return AdapterId(card["id"], digest) if isinstance(digest, str) and digest else None
 
     def served(self, index, rid: str, hashes) -> None:
         """Nothing to predict: the replica's own events say what it stored."""
