@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 from ... import rendering
+from ...multimodal.url_hashes import parse_header
 from .fleet import Fleet
 from .metrics import RouterMetrics
 from .policy import RETRY, Candidate, Decision, PolicyConfig, choose
@@ -103,6 +104,17 @@ class Router:
             self._media_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="router-media")
         return await asyncio.get_running_loop().run_in_executor(self._media_pool, self.render, kind, body)
 
+    def learn_media(self, body: dict, header: Optional[str]) -> None:
+        """Remember what a replica's answer to `body` says its http(s) images hashed to (url_hashes.py), under the
+        body's salt (the tenant's); a no-op without the header."""
+        if not header or self.renderer is None:
+            return
+        rows = parse_header(header)
+        salt = body.get("cache_salt")
+        if rows and (salt is None or isinstance(salt, str)):
+            self.renderer.urls.learn(salt, rows)
+            self.metrics.media_urls_learned.inc(len(rows))
+
     def close(self) -> None:
         """Stop render_off_loop's thread (a render under way finishes; nothing waits for it)."""
         if self._media_pool is not None:
@@ -122,12 +134,15 @@ class Router:
         matches = self.fleet.index.match(hashes, [r.id for r in replicas])
         cands = []
         combined = self.peers.combined if self.peers is not None else None
+        warm_images: dict[str, int] = {}  # replica -> images outside its KV prefix with their encoder output cached
         for r in replicas:
             m = matches[r.id]
             warm = 0
             if prompt and prompt.mm_items:
                 hits = self.fleet.index.encoder_hits(r.id, [i.mm_hash for i in prompt.mm_items])
-                warm = sum(i.length for i in prompt.mm_items if i.mm_hash in hits and i.offset >= m.blocks * bs)
+                if hits:
+                    warm_items = [i for i in prompt.mm_items if i.mm_hash in hits and i.offset >= m.blocks * bs]
+                    warm, warm_images[r.id] = sum(i.length for i in warm_items), len(warm_items)
             if combined is None:
                 cands.append(Candidate(r.id, m.gpu_blocks, m.cpu_blocks, warm,
                                        load=max(r.in_flight, self.fleet.engine_load(r.id)),
@@ -148,6 +163,8 @@ class Router:
         if prompt is not None and not prompt.mm_items:  # remembered for warming replicas that join later
             self.fleet.warmer.hot.observe(prompt.token_ids, hashes, bs, body.get("cache_salt"), body.get("model"),
                                           cold_key, time.monotonic())
+        if warm_images and decision.order and warm_images.get(decision.order[0]):
+            self.metrics.predicted_encoder_hits.inc(warm_images[decision.order[0]])
         self.metrics.route_seconds.observe(time.perf_counter() - t0)
         self.metrics.decisions.labels(decision.reason).inc()
         if self.fleet.dialect.contract == "predicted":
