@@ -162,7 +162,8 @@ class PromptRenderer:
     prompt is encoded with them.
     """
 
-    def __init__(self, model_dir: str, tokenizer: Any = None, hash_algo: str = "blake3"):
+    def __init__(self, model_dir: str, tokenizer: Any = None, hash_algo: str = "blake3",
+                 urls: Optional[UrlHashMemo] = None):
         if tokenizer is None:
             from ...tokenizer import Tokenizer
 
@@ -175,7 +176,7 @@ class PromptRenderer:
         self.segments = SegmentEncoder.for_tokenizer(tokenizer)
         self._encode = ids_encoder(tokenizer)
         self.images = BoundedMemo(4096)  # data: URI -> ImageInfo (multimodal.prompt.render's memo)
-        self.urls = UrlHashMemo()  # http(s) image URL -> what a replica said it hashed to, per salt (url_memo.py)
+        self.urls = urls or UrlHashMemo()  # http(s) image URL -> what a replica said it hashed to, per salt (url_memo.py)
 
     def _encode_chat(self, text: str) -> list[int]:
         if self.segments is not None:
