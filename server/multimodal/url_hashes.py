@@ -4,9 +4,11 @@
 
 `url_key` is `url_key(url)`: blake2b-128 of the URL as the client wrote it, so a signed URL's
 token never travels in a header or sits in router memory in clear. `mm_hash` is what the
-replica computed from the bytes it fetched, namespaced by the request's `cache_salt` (so one
-tenant's entries name nothing another tenant's prompts can match), and (t, h, w) its patch
-grid, which the router needs to expand the image's placeholder tokens. Only http(s) parts
+replica computed from the bytes it fetched (contract 1: a digest of the bytes and the
+preprocessing parameters), and (t, h, w) its patch grid, which the router needs to expand the
+image's placeholder tokens. The header only answers the request that made the replica fetch;
+the router files it under that request's `cache_salt`, so a tenant learns only from its own
+requests. Only http(s) parts
 without a `uuid` are reported (data: URIs the router hashes itself, a uuid names itself).
 The router keeps it per (salt, url_key), bounded and expiring (router/core/url_memo.py); the
 replica's content hash stays the truth, so a changed object only makes a predicted hit a miss.

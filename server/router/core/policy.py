@@ -198,7 +198,7 @@ def warm_order(cands: Sequence[Candidate], fits: list[Candidate], fit_ids: set, 
     target = ranked[0]
     if scores[id(best)] > scores[id(target)] and best_is_over and not kept_warm:
         return ranked, LOAD_SPILL
-    if hits[target.replica] > 0 or target.warm_image_tokens > 0:
+    if hits[target.replica] > 0 or (target.warm_image_tokens > 0 and cfg.encoder_weight > 0):
         return ranked, PREFIX_HIT
     return ranked, LEAST_LOAD  # the warm replicas are too busy to be worth it
 
@@ -241,7 +241,8 @@ def choose(cands: Sequence[Candidate], *, block_size: int, num_prompt_tokens: in
     scap = share_cap([c.sent for c in cands], cfg.share_epsilon)
     fits = under_caps(cands, cap, scap)
     fit_ids = {id(c) for c in fits}
-    if any(hits[c.replica] > 0 or c.warm_image_tokens > 0 for c in cands):
+    encoder_warm = cfg.encoder_weight > 0 and any(c.warm_image_tokens > 0 for c in cands)  # weight 0: ignored
+    if encoder_warm or any(hits[c.replica] > 0 for c in cands):
         ranked, reason = warm_order(cands, fits, fit_ids, hits, scores, cap, scap, cfg)
     elif cold_key is not None:
         ranked, reason = cold_order(cands, fits, fit_ids, scores, cold_key)

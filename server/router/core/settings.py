@@ -72,8 +72,10 @@ class PolicyConfig:
                self.share_slack_tokens, self.max_share_slack) < 0:
             raise ValueError("--warm-slack, --warm-inflight-slack, --warm-min-tokens, --balance-share-epsilon, "
                              "--share-slack-tokens and --max-share-slack must be >= 0")
-        if self.queue_weight < 0 or self.load_weight < 0 or (self.cold_queue_weight or 0) < 0 or self.encoder_weight < 0:
-            raise ValueError("--queue-weight, --cold-queue-weight, --load-weight and --encoder-weight must be >= 0")
+        if self.queue_weight < 0 or self.load_weight < 0 or (self.cold_queue_weight or 0) < 0:
+            raise ValueError("--queue-weight, --cold-queue-weight and --load-weight must be >= 0")
+        if self.encoder_weight < 0:
+            raise ValueError("--encoder-weight must be >= 0")
         if self.epsilon < 0:
             raise ValueError("--balance-epsilon must be >= 0")
 

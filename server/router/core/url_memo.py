@@ -2,9 +2,9 @@
 
 Learned from the media header of a replica's answer (multimodal/url_hashes.py) under the
 request's effective `cache_salt` (the tenant's, once the router salted the body), and looked up
-under the same salt only: a tenant learns nothing from another tenant's fetches, and since
-the replica's mm_hash is namespaced by the salt too, an entry could not name another tenant's
-image anyway. The replica hashes the bytes it fetches on every request, so an object changed
+under the same salt only: a tenant learns nothing from another tenant's fetches (which URLs
+they sent, what they hashed to), and cannot make the router believe anything about another
+tenant's URLs. The replica hashes the bytes it fetches on every request, so an object changed
 behind its URL makes the router's prediction a miss there (never a wrong hit), and that answer's
 header replaces the entry.
 
