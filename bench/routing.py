@@ -148,6 +148,53 @@ def image_workload(seed: int, n: int, images: int = 12) -> list[list[dict]]:
     return out
 
 
+def recurring_image_workload(seed: int, n: int, images: int = 8, turns: int = 3) -> list[list[dict]]:
+    """The same images in different conversations: each conversation its own system prompt (so no KV prefix reaches
+    its image), one image Zipf-picked from a set in its first user turn, then up to `turns` turns; interleaved."""
+    rng = random.Random(seed)
+    words = "what where colour shape count left right top corner gradient noise texture bright dark".split()
+
+    def text(k: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(k))
+
+    uris = [photo_uri(1000 * seed + 500 + k) for k in range(images)]
+    zipf = [1 / (i + 1) for i in range(images)]
+    open_convs: list[list[dict]] = []
+    out, num_convs = [], 0
+    for _ in range(n):
+        if not open_convs or rng.random() < 0.5:  # a new conversation on a (likely known) image
+            num_convs += 1
+            k = rng.choices(range(images), zipf)[0]
+            hist = [{"role": "system", "content": f"Conversation {num_convs}: " + text(24)},
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": uris[k]}},
+                                                 {"type": "text", "text": text(10)}]}]
+            open_convs.append(hist)
+        else:
+            hist = rng.choice(open_convs)
+            hist.append({"role": "user", "content": text(10)})
+        out.append(list(hist))
+        hist.append({"role": "assistant", "content": text(6)})
+        if sum(1 for m in hist if m["role"] == "user") >= turns:
+            open_convs.remove(hist)
+    return out
+
+
+def by_url(trace: list[list[dict]], media) -> list[list[dict]]:
+    """`trace` with every data: image served by `media` (livefleet.MediaServer) and sent by its http URL instead."""
+    import base64
+    import hashlib
+
+    def swap(part):
+        url = part.get("image_url", {}).get("url", "") if isinstance(part, dict) else ""
+        if not url.startswith("data:"):
+            return part
+        data = base64.b64decode(url.split(",", 1)[1])
+        return {**part, "image_url": {"url": media.put(hashlib.blake2b(data, digest_size=8).hexdigest() + ".png", data)}}
+
+    return [[{**m, "content": [swap(p) for p in m["content"]]} if isinstance(m.get("content"), list) else m
+             for m in msgs] for msgs in trace]
+
+
 def oracle_hits(model: Path, trace: list[list[dict]], capacity: int | None = None,
                 block: int = BLOCK) -> list[tuple[int, int]]:
     """Per request (cached, prompt) tokens for one cache that saw every earlier request (contract 1).
@@ -194,7 +241,8 @@ class Fleet:
         pin = ["taskset", "-c", ",".join(map(str, replica_cores()))] if ROUTER_CORE is not None else []
         cmd = [*pin, *EXE, "serve", "--model", str(self.model), "--served-model-name", "bench", "--port", str(port),
                "--kv-events-port", str(eport), "--replica-id", f"b{i}", "--block-size", str(BLOCK),
-               "--num-gpu-blocks", str(self.gpu_blocks), "--log-level", "warning"]
+               "--num-gpu-blocks", str(self.gpu_blocks), "--log-level", "warning",
+               "--allowed-media-host", "127.0.0.1"]  # the URL image workload's media server is on loopback
         p = subprocess.Popen(cmd, cwd=self.cwd, stdout=subprocess.DEVNULL)
         return f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{eport}", p
 
@@ -676,6 +724,10 @@ def extras_verdict(results: dict) -> dict:
         out["churn_unrouted_le_1s"] = churn_res["s_until_dead_replica_unrouted"] <= 1.0
     if lat:
         out["added_latency_p50_le_2ms"] = lat["added_p50_ms"] <= 2.0
+    for w in ("images", "images_recur", "images_url"):  # the image workloads' booleans, also at the top
+        for k, v in ((results.get(w) or {}).get("targets") or {}).items():
+            if isinstance(v, bool):
+                out[f"{w}.{k}"] = v
     return out
 
 
@@ -686,7 +738,7 @@ def chart(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    loads = [w for w in ("text", "images") if results.get(w)]
+    loads = [w for w in WORKLOADS if results.get(w)]
     fig, axes = plt.subplots(len(loads), 3, figsize=(13, 3.6 * len(loads)), squeeze=False)
     for row, w in zip(axes, loads):
         res = results[w]["routers"]
@@ -710,20 +762,43 @@ def chart(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def encoder_hits(fleet: Fleet, router: str | None) -> dict | None:
+    """Encoder-cache hits so far: the replicas' own count and (a warmfleet router) the ones it predicted."""
+    if fleet.engine != "warmfleet":
+        return None
+    out = {"replicas": sum(metric_sum(u, "warmfleet:encoder_cache_hits_total") for u, _, _ in fleet.replicas)}
+    if router:
+        out["predicted"] = metric_sum(router, "warmfleet_router_predicted_encoder_hits_total")
+    return out
+
+
+def encoder_hits_delta(before: dict | None, after: dict | None) -> dict:
+    """The run's encoder-cache hits as reported by the replicas, and as the router predicted them (warmfleet)."""
+    if not before or not after:
+        return {}
+    out = {"encoder_hits_reported": int(after["replicas"] - before["replicas"])}
+    if "predicted" in before and "predicted" in after and after["predicted"] >= before["predicted"]:
+        out["encoder_hits_predicted"] = int(after["predicted"] - before["predicted"])
+    return out
+
+
 def run_workload(name: str, model: Path, make_trace, routers: list[str], n: int, gpu_blocks: int,
                  rates: list[float], seeds: list[int], nreq: int, cwd: str, wf_args: list[str],
                  extras: bool, results: dict, variants: dict | None = None, warm_up: bool = True,
-                 make_fleet=Fleet) -> dict:
+                 make_fleet=Fleet, oracle_trace=None) -> dict:
     """Every router on fresh replicas per (rate, seed), routers interleaved so they share the machine's load.
 
     `make_fleet(model, n, gpu_blocks, cwd)` starts the replicas: Fleet (`warmfleet serve`) or a VllmFleet.
+    `oracle_trace(seed, n)`: the trace the oracle replays when `make_trace`'s cannot be hashed locally (images by URL:
+    the same requests with the images inline).
     """
     block = make_fleet.block
     traces = {seed: make_trace(seed, nreq) for seed in seeds}
-    oracles = {seed: oracle_hits(model, traces[seed], block=block) for seed in seeds}
+    hashable = {seed: (oracle_trace or make_trace)(seed, nreq) for seed in seeds}
+    oracles = {seed: oracle_hits(model, hashable[seed], block=block) for seed in seeds}
     oracle = statistics.mean(sum(c for c, _ in o) / sum(t for _, t in o) for o in oracles.values())
     lru = statistics.mean(sum(c for c, _ in o) / sum(t for _, t in o)
-                          for o in (oracle_hits(model, traces[seed], n * gpu_blocks, block) for seed in seeds))
+                          for o in (oracle_hits(model, hashable[seed], n * gpu_blocks, block) for seed in seeds))
     runs: dict = {k: [] for k in routers}
     variants = variants or {}
     for rate in rates:
@@ -746,9 +821,12 @@ def run_workload(name: str, model: Path, make_trace, routers: list[str], n: int,
                         t0 = time.monotonic()
                         pids = router_pids(proc)
                         s0 = harness.schedstat_ns(pids)
+                        wf_base = base if kind.startswith("warmfleet") else None  # its metrics are the router's
+                        enc0 = encoder_hits(fleet, wf_base)
                         rec = asyncio.run(drive(bases, traces[seed], rate, seed))
                         s1 = harness.schedstat_ns(pids)
                         summ = summarize(rec, len(fleet.replicas), oracles[seed])
+                        summ.update(encoder_hits_delta(enc0, encoder_hits(fleet, wf_base)))
                         if pids:  # the router's own CPU and run-queue wait beside its TTFT (starved by the replicas?)
                             summ.update(harness.sched_per_request(s0, s1, len(rec)))
                         if served is not None:  # vLLM names no replica in its answers: count at the replicas
@@ -794,6 +872,11 @@ def main() -> int:
     ap.add_argument("--gpu-blocks", type=int, default=None, help="KV blocks per replica (text workload).")
     ap.add_argument("--no-images", action="store_true", help="Skip the shared-image workload.")
     ap.add_argument("--no-text", action="store_true", help="Skip the text workload.")
+    ap.add_argument("--no-image-variants", action="store_true",
+                    help="Skip the images_recur (same images, other conversations) and images_url (by URL) workloads.")
+    ap.add_argument("--encoder-weight", type=float, default=None,
+                    help="warmfleet's --encoder-weight in the image variants (default: bench/encode_cost.py measures "
+                         "it on the VL checkpoint first).")
     ap.add_argument("--warmfleet-args", default="", help="Extra `warmfleet route` flags, e.g. '--load-weight 16'.")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                     help="A warmfleet variant run as router 'warmfleet:NAME' with these extra flags (after "
@@ -861,6 +944,9 @@ def main() -> int:
                                              nimg, cwd, wf_args, False, results, variants, not args.no_warm_up)
             for kind, v in results["images"]["routers"].items():
                 progress(f"images {kind}: { {k: x for k, x in v.items() if k != 'reasons'} }")
+            if not args.no_image_variants:
+                image_variants(vl, routers, n, rates[:1], image_seeds, nimg, cwd, wf_args, results, variants,
+                               not args.no_warm_up, args.encoder_weight)
         else:
             results["images"] = None
             progress("replicas do not accept images yet: image workload skipped")
@@ -869,12 +955,67 @@ def main() -> int:
     if not args.logs:
         shutil.rmtree(cwd, ignore_errors=True)
     harness.write_results(Path(args.out), "routing", results, chart, progress)
-    slim = {k: v for k, v in results.items() if k not in ("text", "images")}
-    for w in ("text", "images"):
+    slim = {k: v for k, v in results.items() if k not in WORKLOADS}
+    for w in WORKLOADS:
         if results.get(w):
             slim[w] = {k: v for k, v in results[w].items() if k != "runs"}
     harness.print_results(slim, args.json)
     return 0
+
+
+WORKLOADS = ("text", "images", "images_recur", "images_url")
+IMAGE_TTFT_TARGET = 0.8  # image TTFT p90 at most this x the best peer's (issue 26)
+URL_RATIO_TOLERANCE = 0.02  # URL conversations' cached ratio within this of the data: ones
+
+
+def image_variants(vl: Path, routers: list[str], n: int, rates: list[float], seeds: list[int], nreq: int, cwd: str,
+                   wf_args: list[str], results: dict, variants: dict, warm_up: bool, weight: float | None) -> None:
+    """The same images in different conversations, sent inline (images_recur) and by URL from a loopback media
+    server (images_url), warmfleet at the encoder weight measured for this checkpoint; their targets."""
+    from warmfleet.livefleet import MediaServer
+
+    if weight is None:
+        results["encode_cost"] = harness.sibling("encode_cost").run(vl, 8, Path(cwd))
+        weight = results["encode_cost"]["encoder_weight"]
+        progress(f"encode cost: {results['encode_cost']}")
+    args = [*wf_args, "--encoder-weight", str(weight)]
+    results["image_variants_encoder_weight"] = weight
+    results["images_recur"] = run_workload("images_recur", vl, recurring_image_workload, routers, n, 40, rates, seeds,
+                                           nreq, cwd, args, False, results, variants, warm_up)
+    with MediaServer(Path(tempfile.mkdtemp(prefix="media-", dir=cwd))) as media:
+        results["images_url"] = run_workload(
+            "images_url", vl, lambda seed, k: by_url(recurring_image_workload(seed, k), media), routers, n, 40, rates,
+            seeds, nreq, cwd, args, False, results, variants, warm_up, oracle_trace=recurring_image_workload)
+    for w in ("images", "images_recur", "images_url"):
+        if results.get(w):
+            results[w]["targets"].update(image_verdict(results[w]["routers"]))
+    data, url = (results[w]["routers"].get("warmfleet") for w in ("images_recur", "images_url"))
+    if data and url:
+        results["images_url"]["targets"]["url_ratio_minus_data_ratio"] = round(url["cached_ratio"] - data["cached_ratio"], 4)
+        results["images_url"]["targets"]["url_within_0_02_of_data"] = (
+            abs(url["cached_ratio"] - data["cached_ratio"]) <= URL_RATIO_TOLERANCE)
+    for w in ("images_recur", "images_url"):
+        for kind, v in results[w]["routers"].items():
+            progress(f"{w} {kind}: { {k: x for k, x in v.items() if k != 'reasons'} }")
+
+
+def image_verdict(res: dict) -> dict:
+    """An image workload's targets: warmfleet's TTFT p90 against the best peer's, and the encoder-cache hits it
+    predicted against those the replicas reported (within 20 %, or 2 hits)."""
+    wf = res.get("warmfleet")
+    if not wf:
+        return {}
+    out = {}
+    peers = [res[k] for k in PEERS if k in res and res[k].get("ttft_p90_s")]
+    if peers and wf.get("ttft_p90_s"):
+        best = min(p["ttft_p90_s"] for p in peers)
+        out["image_ttft_p90_vs_best_peer"] = round(wf["ttft_p90_s"] / best, 3)
+        out["image_ttft_p90_le_0_8_best_peer"] = wf["ttft_p90_s"] <= IMAGE_TTFT_TARGET * best
+    if wf.get("encoder_hits_predicted") is not None:
+        pred, rep = wf["encoder_hits_predicted"], wf["encoder_hits_reported"]
+        out["encoder_hits_predicted_vs_reported"] = [pred, rep]
+        out["encoder_hits_predicted_match_reported"] = abs(pred - rep) <= max(2, 0.2 * rep)
+    return out
 
 
 def vllm_setup(n: int, gpu_blocks: int) -> dict:

@@ -95,3 +95,19 @@ def test_encoder_weight_is_a_flag_and_refuses_negative_values():
     assert PolicyConfig(encoder_weight=1.5).encoder_weight == 1.5
     with pytest.raises(ValueError, match="--encoder-weight"):
         PolicyConfig(encoder_weight=-1)
+
+
+def test_an_image_straddling_the_cached_prefix_counts_as_an_encode_saved(router):
+    """The engine needs the image's rows past the prefix, and the vision encoder runs on whole images only."""
+    b = body("Conversation one.")
+    prompt = router.render("chat", b)
+    hashes = router.fleet.dialect.block_hashes(prompt, None, router.hash_cfg)
+    item = prompt.mm_items[0]
+    inside = item.offset // 16 + 1  # the prefix ends inside the image
+    assert inside * 16 < item.offset + item.length
+    for rid, events in ((A, [BlockStored(hashes[:inside], None, [], 16), EncoderStored([item.mm_hash])]),
+                        (B, [BlockStored(hashes[:inside], None, [], 16)])):
+        router.fleet.index.apply_batch(rid, EventBatch(rid, 1, events))
+    d = decide(router, b)
+    assert d.order[0] == A and d.predicted_cached_tokens == inside * 16
+    assert router.metrics.predicted_encoder_hits._value.get() == 1

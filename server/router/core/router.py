@@ -134,14 +134,16 @@ class Router:
         matches = self.fleet.index.match(hashes, [r.id for r in replicas])
         cands = []
         combined = self.peers.combined if self.peers is not None else None
-        warm_images: dict[str, int] = {}  # replica -> images outside its KV prefix with their encoder output cached
+        # replica -> images not wholly inside its cached KV prefix whose encoder output it holds: the engine needs rows
+        # of each (all of it, or the tail past the prefix), and the vision encoder runs on a whole image or not at all
+        warm_images: dict[str, int] = {}
         for r in replicas:
             m = matches[r.id]
             warm = 0
             if prompt and prompt.mm_items:
                 hits = self.fleet.index.encoder_hits(r.id, [i.mm_hash for i in prompt.mm_items])
                 if hits:
-                    warm_items = [i for i in prompt.mm_items if i.mm_hash in hits and i.offset >= m.blocks * bs]
+                    warm_items = [i for i in prompt.mm_items if i.mm_hash in hits and i.offset + i.length > m.blocks * bs]
                     warm, warm_images[r.id] = sum(i.length for i in warm_items), len(warm_items)
             if combined is None:
                 cands.append(Candidate(r.id, m.gpu_blocks, m.cpu_blocks, warm,
