@@ -11,7 +11,16 @@ set does not fit one replica), fresh for every run so each router starts with em
 open-loop workload: tenants with Zipf-popular system prompts, multi-turn conversations with
 growing history, and one hot prefix taking half the traffic. A second workload on the VL
 checkpoint sends requests that share images but not text (skipped with --no-images, or when
-the replicas do not accept images). Runs are interleaved per (rate, seed): every router sees
+the replicas do not accept images), and two variants of it (skipped with --no-image-variants):
+images_recur, where the same images recur in different conversations (each its own system prompt,
+so no KV prefix reaches the image: only an encoder cache can be reused), and images_url, the same
+requests with every image sent by http URL from a loopback media server (livefleet.MediaServer)
+instead of inline. Before them bench/encode_cost.py measures the checkpoint's encode cost per image
+token over prefill per token on one replica, and warmfleet runs them with that `--encoder-weight`
+(or --encoder-weight W). Their targets: image TTFT p90 <= 0.8 x the best peer's, the URL run's
+cached ratio within 0.02 of the inline one's, and the encoder-cache hits the router predicted
+(`warmfleet_router_predicted_encoder_hits_total`) within 20 % (or 2) of those the replicas report
+(`warmfleet:encoder_cache_hits_total`); also at the top level of "targets" as "WORKLOAD.NAME". Runs are interleaved per (rate, seed): every router sees
 the same machine load, so ratios between routers are measured side by side.
 
 Reports per router the fleet cached-token ratio (from `usage`), TTFT p50/p90 (to the first
