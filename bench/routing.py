@@ -16,7 +16,7 @@ images_recur, where the same images recur in different conversations (each its o
 so no KV prefix reaches the image: only an encoder cache can be reused), and images_url, the same
 requests with every image sent by http URL from a loopback media server (livefleet.MediaServer)
 instead of inline. Before them bench/encode_cost.py measures the checkpoint's encode cost per image
-token over prefill per token on one replica, and warmfleet runs them with that `--encoder-weight`
+token over prefill per token (engine in-process), and warmfleet runs them with that `--encoder-weight`
 (or --encoder-weight W). Their targets: image TTFT p90 <= 0.8 x the best peer's, the URL run's
 cached ratio within 0.02 of the inline one's, and the encoder-cache hits the router predicted
 (`warmfleet_router_predicted_encoder_hits_total`) within 20 % (or 2) of those the replicas report
@@ -984,7 +984,10 @@ def image_variants(vl: Path, routers: list[str], n: int, rates: list[float], see
     from warmfleet.livefleet import MediaServer
 
     if weight is None:
-        results["encode_cost"] = harness.sibling("encode_cost").run(vl, 8, Path(cwd))
+        # its own process: the engine it loads must not share this one (the load generator) with its threads
+        out = subprocess.run([sys.executable, "-P", str(Path(__file__).resolve().parent / "encode_cost.py"),
+                              "--model", str(vl), "--json"], cwd=cwd, capture_output=True, text=True, check=True)
+        results["encode_cost"] = json.loads(out.stdout.strip().splitlines()[-1])
         weight = results["encode_cost"]["encoder_weight"]
         progress(f"encode cost: {results['encode_cost']}")
     args = [*wf_args, "--encoder-weight", str(weight)]
