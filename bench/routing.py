@@ -157,7 +157,7 @@ def image_workload(seed: int, n: int, images: int = 12) -> list[list[dict]]:
     return out
 
 
-def recurring_image_workload(seed: int, n: int, images: int = 8, turns: int = 3) -> list[list[dict]]:
+def recurring_image_workload(seed: int, n: int, images: int = 12, turns: int = 3) -> list[list[dict]]:
     """The same images in different conversations: each conversation its own system prompt (so no KV prefix reaches
     its image), one image Zipf-picked from a set in its first user turn, then up to `turns` turns; interleaved."""
     rng = random.Random(seed)
@@ -240,6 +240,7 @@ def oracle_ratio(model: Path, trace: list[list[dict]]) -> float:
 # --- processes ------------------------------------------------------------------------------
 class Fleet:
     engine, block, ready_path = "warmfleet", BLOCK, "/ready"
+    extra_args: tuple[str, ...] = ()  # more `warmfleet serve` flags (fleet_with)
 
     def __init__(self, model: Path, n: int, gpu_blocks: int, cwd: str):  # noqa: D107
         self.model, self.n, self.gpu_blocks, self.cwd = model, n, gpu_blocks, cwd
@@ -251,7 +252,7 @@ class Fleet:
         cmd = [*pin, *EXE, "serve", "--model", str(self.model), "--served-model-name", "bench", "--port", str(port),
                "--kv-events-port", str(eport), "--replica-id", f"b{i}", "--block-size", str(BLOCK),
                "--num-gpu-blocks", str(self.gpu_blocks), "--log-level", "warning",
-               "--allowed-media-host", "127.0.0.1"]  # the URL image workload's media server is on loopback
+               "--allowed-media-host", "127.0.0.1", *self.extra_args]  # the URL workload's media server: loopback
         p = subprocess.Popen(cmd, cwd=self.cwd, stdout=subprocess.DEVNULL)
         return f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{eport}", p
 
@@ -297,6 +298,11 @@ class Fleet:
 
 # --- vLLM replicas (--engine vllm; bench/prefix_cache.py --engines also uses these) --------------
 @functools.lru_cache(maxsize=None)
+def fleet_with(*extra: str) -> type:
+    """A Fleet whose replicas also get `extra` flags."""
+    return type("Fleet", (Fleet,), {"extra_args": extra})
+
+
 def vllm_python() -> str:
     """The vLLM CPU environment's python: $WARMFLEET_VLLM_PYTHON (--vllm-python sets it) or scripts/vllm-env.sh's."""
     py = os.environ.get("WARMFLEET_VLLM_PYTHON")
@@ -975,6 +981,7 @@ def main() -> int:
 WORKLOADS = ("text", "images", "images_recur", "images_url")
 IMAGE_TTFT_TARGET = 0.8  # image TTFT p90 at most this x the best peer's (issue 26)
 URL_RATIO_TOLERANCE = 0.02  # URL conversations' cached ratio within this of the data: ones
+ENCODER_SLOTS = 5  # images one replica's encoder cache holds in the image variants (of recurring_image_workload's 12)
 
 
 def image_variants(vl: Path, routers: list[str], n: int, rates: list[float], seeds: list[int], nreq: int, cwd: str,
@@ -992,12 +999,16 @@ def image_variants(vl: Path, routers: list[str], n: int, rates: list[float], see
         progress(f"encode cost: {results['encode_cost']}")
     args = [*wf_args, "--encoder-weight", str(weight)]
     results["image_variants_encoder_weight"] = weight
+    # as the KV pools, each replica's encoder cache holds less than the working set: ENCODER_SLOTS of the images
+    tokens = results.get("encode_cost", {}).get("image_tokens") or 64
+    fleet = fleet_with("--max-encoder-cache", str(ENCODER_SLOTS * tokens))
+    results["image_variants_encoder_cache_tokens"] = ENCODER_SLOTS * tokens
     results["images_recur"] = run_workload("images_recur", vl, recurring_image_workload, routers, n, 40, rates, seeds,
-                                           nreq, cwd, args, False, results, variants, warm_up)
+                                           nreq, cwd, args, False, results, variants, warm_up, fleet)
     with MediaServer(Path(tempfile.mkdtemp(prefix="media-", dir=cwd))) as media:
         results["images_url"] = run_workload(
             "images_url", vl, lambda seed, k: by_url(recurring_image_workload(seed, k), media), routers, n, 40, rates,
-            seeds, nreq, cwd, args, False, results, variants, warm_up, oracle_trace=recurring_image_workload)
+            seeds, nreq, cwd, args, False, results, variants, warm_up, fleet, oracle_trace=recurring_image_workload)
     for w in ("images", "images_recur", "images_url"):
         if results.get(w):
             results[w]["targets"].update(image_verdict(results[w]["routers"]))
