@@ -754,7 +754,8 @@ def chart(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     loads = [w for w in WORKLOADS if results.get(w)]
-    fig, axes = plt.subplots(len(loads), 3, figsize=(13, 3.6 * len(loads)), squeeze=False)
+    images = any(w.startswith("images") for w in loads)  # a fourth column: encoder-cache hits
+    fig, axes = plt.subplots(len(loads), 3 + images, figsize=(13 + 4 * images, 3.6 * len(loads)), squeeze=False)
     for row, w in zip(axes, loads):
         res = results[w]["routers"]
         names = list(res)
@@ -770,11 +771,26 @@ def chart(results: dict, path: Path) -> None:
         row[0].legend(fontsize=8)
         harness.ttft_panel(row[1], res, names, c, f"{w}: TTFT to the first token (s)")
         harness.spread_panel(row[2], res, names, c, w)
+        if images:
+            encoder_panel(row[3], res, names, c, w)
     fig.suptitle(f"warmfleet routing bench: {results['replicas']} {results.get('engine', 'warmfleet')} replicas "
                  "(means over runs)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def encoder_panel(ax, res: dict, names: list[str], colors: list[str], w: str) -> None:
+    """Encoder-cache hits the replicas reported per run (bars) and those warmfleet predicted (black ticks)."""
+    ax.bar(names, [res[n].get("encoder_hits_reported") or 0 for n in names], color=colors)
+    predicted = [(i, res[n]["encoder_hits_predicted"]) for i, n in enumerate(names)
+                 if res[n].get("encoder_hits_predicted") is not None]
+    if predicted:
+        ax.scatter([i for i, _ in predicted], [v for _, v in predicted], marker="_", s=400, color="k",
+                   label="predicted by the router", zorder=3)
+        ax.legend(fontsize=8)
+    ax.set_title(f"{w}: encoder-cache hits per run (replicas' count)", fontsize=9)
+    ax.tick_params(axis="x", labelsize=8)
 
 
 def encoder_hits(fleet: Fleet, router: str | None) -> dict | None:
