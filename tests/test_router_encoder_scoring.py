@@ -68,7 +68,11 @@ def test_encoder_weight_zero_ignores_encoder_caches(router):
     assert decide(router, second).order[0] == cold
 
 
-def test_a_kv_prefix_holding_the_image_outweighs_an_encoder_hit(router):
+@pytest.mark.parametrize("weight", [0.5, 6.0])  # 6: the tiny VL checkpoint's measured encode cost (docs/router.md)
+def test_a_kv_prefix_holding_the_image_outweighs_an_encoder_hit(router, weight):
+    """The conversation's own replica saves the image's encode too (its KV is there): whatever the weight, it must
+    not lose the next turn to a replica that merely holds the image's encoder output."""
+    router.policy = replace(router.policy, encoder_weight=weight)
     b = body("Conversation one.")
     prompt = router.render("chat", b)
     hashes = router.fleet.dialect.block_hashes(prompt, None, router.hash_cfg)

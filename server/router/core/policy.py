@@ -3,8 +3,8 @@
 For each replica r the score, in prompt tokens saved, is
 
     score(r) = block_size * (gpu_blocks(r) + cpu_weight * cpu_blocks(r))
-             + encoder_weight * warm_image_tokens(r)      images not wholly inside that prefix whose
-                                                            encoder output r holds (an encode it saves)
+             + encoder_weight * warm_image_tokens(r)      images r need not encode: wholly inside that
+                                                            prefix, or in its encoder cache
              - queue_weight * queued_tokens(r)
              - load_weight * load(r)
 
@@ -80,7 +80,7 @@ class Candidate:
     replica: str
     gpu_blocks: int = 0  # leading blocks of the prompt cached in the primary pool
     cpu_blocks: int = 0  # further leading blocks cached only in the swap tier
-    warm_image_tokens: int = 0  # placeholder tokens of images not wholly in the prefix whose encoder output is cached
+    warm_image_tokens: int = 0  # placeholder tokens of images it need not encode (wholly in its prefix, or encoder-cached)
     load: float = 0.0  # requests in flight or queued on the replica
     queued_tokens: int = 0  # uncached prompt tokens this router sent it that still await their first token
     sent: float = 0.0  # requests this router sent it recently (decayed count): share cap and last tie-break

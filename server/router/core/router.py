@@ -141,10 +141,9 @@ class Router:
             m = matches[r.id]
             warm = 0
             if prompt and prompt.mm_items:
-                hits = self.fleet.index.encoder_hits(r.id, [i.mm_hash for i in prompt.mm_items])
-                if hits:
-                    warm_items = [i for i in prompt.mm_items if i.mm_hash in hits and i.offset + i.length > m.blocks * bs]
-                    warm, warm_images[r.id] = sum(i.length for i in warm_items), len(warm_items)
+                warm, n = self._encodes_saved(r.id, prompt, m.blocks * bs)
+                if n:
+                    warm_images[r.id] = n
             if combined is None:
                 cands.append(Candidate(r.id, m.gpu_blocks, m.cpu_blocks, warm,
                                        load=max(r.in_flight, self.fleet.engine_load(r.id)),
@@ -173,6 +172,20 @@ class Router:
             self.metrics.predicted_decisions.labels(decision.reason).inc()
         self.metrics.prompt_tokens.inc(num_tokens)
         return decision, prompt, hashes
+
+    def _encodes_saved(self, rid: str, prompt: Prompt, cached_tokens: int) -> tuple[int, int]:
+        """Image tokens whose encoding replica `rid` saves this request, and how many of those images its encoder
+        cache serves.
+
+        An image wholly inside the cached prefix needs no encoding (its KV is there); one the prefix does not wholly
+        hold is encoded whole unless the encoder cache has it. Both save the encode, so both count: an image in a
+        conversation's own prefix must not weigh less than the same image merely encoder-cached elsewhere.
+        """
+        in_prefix = [i for i in prompt.mm_items if i.offset + i.length <= cached_tokens]
+        rest = [i for i in prompt.mm_items if i.offset + i.length > cached_tokens]
+        hits = self.fleet.index.encoder_hits(rid, [i.mm_hash for i in rest]) if rest else set()
+        served = [i for i in rest if i.mm_hash in hits]
+        return sum(i.length for i in in_prefix) + sum(i.length for i in served), len(served)
 
     def retry_order(self, decision: Decision, max_attempts: int) -> Iterator[Replica]:
         """The decision's replicas still healthy when their turn comes, at most `max_attempts`; each after the first
