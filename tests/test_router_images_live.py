@@ -129,3 +129,41 @@ def test_a_url_conversation_is_predicted_and_served_as_warm_as_a_data_one(fleet,
     turns.append(("Anything else?", third["answer"]))
     fourth = ask(fleet, conversation(system, url, turns, "Last one?"))
     assert fourth["cached"] == fourth["predicted"] > image_end
+
+
+@pytest.fixture(scope="module")
+def tenant_fleet(tiny_vl_dir, tmp_path_factory):
+    f = LiveFleet(tiny_vl_dir, tmp_path_factory.mktemp("images-tenants"), replica_args=REPLICA_ARGS,
+                  router_args=("--api-key", "key-a", "--api-key", "key-b")).start()
+    try:
+        yield f
+    finally:
+        f.close()
+
+
+def ask_as(fleet: LiveFleet, key: str, messages: list[dict]) -> dict:
+    r = httpx.post(fleet.router.url + "/v1/chat/completions", timeout=120, headers={"authorization": f"Bearer {key}"},
+                   json={"model": MODEL_NAME, "messages": messages, "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return {"predicted": int(r.headers["x-warmfleet-route"].rsplit("=", 1)[1]),
+            "cached": r.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
+            "answer": r.json()["choices"][0]["message"]["content"]}
+
+
+def test_what_a_tenant_taught_the_router_about_a_url_another_tenant_cannot_use(tenant_fleet, media, tiny_vl_dir):
+    data = image_bytes(112, 168, seed=41)
+    url = media.put("private.png", data)
+    system = "You answer questions about one picture, turn after turn."
+    image = PromptRenderer(str(tiny_vl_dir)).chat({"messages": turn(system, data_uri(data), "x")}).mm_items[0]
+    first = ask_as(tenant_fleet, "key-a", conversation(system, url, [], "What is in it?"))
+    assert first["predicted"] <= image.offset  # nobody has told the router what the URL holds yet
+    turns = [("What is in it?", first["answer"])]
+    second = ask_as(tenant_fleet, "key-a", conversation(system, url, turns, "And the corners?"))
+    assert second["cached"] == second["predicted"] > image.offset + image.length  # tenant a learned it
+    assert tenant_fleet.router.view()["media_urls"] == 1
+    # tenant b sends the very same conversation: its salt keeps a's blocks and a's URL entry out of its reach
+    other = ask_as(tenant_fleet, "key-b", conversation(system, url, turns, "And the corners?"))
+    assert other["predicted"] == other["cached"] == 0
+    assert tenant_fleet.router.view()["media_urls"] == 2  # b's answer filed under b's salt, beside a's entry
+    again = ask_as(tenant_fleet, "key-b", conversation(system, url, turns, "Anything else?"))
+    assert again["predicted"] > image.offset + image.length  # b's own answer taught b
