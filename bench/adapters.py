@@ -79,15 +79,6 @@ def device_loads(urls: list[str]) -> float:
     return total
 
 
-def adapter_fleet(serve_args: list[str]):
-    """bench/routing.py's Fleet whose replicas also get `serve_args` (the adapters and their slots)."""
-    class AdapterFleet(routing.Fleet):
-        pass
-
-    AdapterFleet.serve_args = tuple(serve_args)
-    return AdapterFleet
-
-
 def run_router(kind: str, make_fleet, model: Path, n: int, gpu_blocks: int, cwd: str, models: list[str],
                trace: list, rate: float, seed: int) -> dict:
     """One router on fresh replicas: the workload's summary plus adapter loads per 1,000 requests."""
@@ -192,7 +183,7 @@ def main() -> int:
                      "gpu_blocks_per_replica": gpu_blocks, "model": str(model), "skipped_routers": skipped,
                      "requests_per_adapter": {a: models.count(a) for a in adapters},
                      "load_average_1_5_15_min": {"before": os.getloadavg()}}
-    make_fleet = adapter_fleet(serve_args)
+    make_fleet = routing.fleet_with(*serve_args)
     res = {}
     try:
         for kind in routers:

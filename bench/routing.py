@@ -11,7 +11,16 @@ set does not fit one replica), fresh for every run so each router starts with em
 open-loop workload: tenants with Zipf-popular system prompts, multi-turn conversations with
 growing history, and one hot prefix taking half the traffic. A second workload on the VL
 checkpoint sends requests that share images but not text (skipped with --no-images, or when
-the replicas do not accept images). Runs are interleaved per (rate, seed): every router sees
+the replicas do not accept images), and two variants of it (skipped with --no-image-variants):
+images_recur, where the same images recur in different conversations (each its own system prompt,
+so no KV prefix reaches the image: only an encoder cache can be reused), and images_url, the same
+requests with every image sent by http URL from a loopback media server (livefleet.MediaServer)
+instead of inline. Before them bench/encode_cost.py measures the checkpoint's encode cost per image
+token over prefill per token (engine in-process), and warmfleet runs them with that `--encoder-weight`
+(or --encoder-weight W). Their targets: image TTFT p90 <= 0.8 x the best peer's, the URL run's
+cached ratio within 0.02 of the inline one's, and the encoder-cache hits the router predicted
+(`warmfleet_router_predicted_encoder_hits_total`) within 20 % (or 2) of those the replicas report
+(`warmfleet:encoder_cache_hits_total`); also at the top level of "targets" as "WORKLOAD.NAME". Runs are interleaved per (rate, seed): every router sees
 the same machine load, so ratios between routers are measured side by side.
 
 Reports per router the fleet cached-token ratio (from `usage`), TTFT p50/p90 (to the first
@@ -148,6 +157,53 @@ def image_workload(seed: int, n: int, images: int = 12) -> list[list[dict]]:
     return out
 
 
+def recurring_image_workload(seed: int, n: int, images: int = 12, turns: int = 3) -> list[list[dict]]:
+    """The same images in different conversations: each conversation its own system prompt (so no KV prefix reaches
+    its image), one image Zipf-picked from a set in its first user turn, then up to `turns` turns; interleaved."""
+    rng = random.Random(seed)
+    words = "what where colour shape count left right top corner gradient noise texture bright dark".split()
+
+    def text(k: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(k))
+
+    uris = [photo_uri(1000 * seed + 500 + k) for k in range(images)]
+    zipf = [1 / (i + 1) for i in range(images)]
+    open_convs: list[list[dict]] = []
+    out, num_convs = [], 0
+    for _ in range(n):
+        if not open_convs or rng.random() < 0.5:  # a new conversation on a (likely known) image
+            num_convs += 1
+            k = rng.choices(range(images), zipf)[0]
+            hist = [{"role": "system", "content": f"Conversation {num_convs}: " + text(24)},
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": uris[k]}},
+                                                 {"type": "text", "text": text(10)}]}]
+            open_convs.append(hist)
+        else:
+            hist = rng.choice(open_convs)
+            hist.append({"role": "user", "content": text(10)})
+        out.append(list(hist))
+        hist.append({"role": "assistant", "content": text(6)})
+        if sum(1 for m in hist if m["role"] == "user") >= turns:
+            open_convs.remove(hist)
+    return out
+
+
+def by_url(trace: list[list[dict]], media) -> list[list[dict]]:
+    """`trace` with every data: image served by `media` (livefleet.MediaServer) and sent by its http URL instead."""
+    import base64
+    import hashlib
+
+    def swap(part):
+        url = part.get("image_url", {}).get("url", "") if isinstance(part, dict) else ""
+        if not url.startswith("data:"):
+            return part
+        data = base64.b64decode(url.split(",", 1)[1])
+        return {**part, "image_url": {"url": media.put(hashlib.blake2b(data, digest_size=8).hexdigest() + ".png", data)}}
+
+    return [[{**m, "content": [swap(p) for p in m["content"]]} if isinstance(m.get("content"), list) else m
+             for m in msgs] for msgs in trace]
+
+
 def oracle_hits(model: Path, trace: list[list[dict]], capacity: int | None = None,
                 block: int = BLOCK) -> list[tuple[int, int]]:
     """Per request (cached, prompt) tokens for one cache that saw every earlier request (contract 1).
@@ -184,7 +240,7 @@ def oracle_ratio(model: Path, trace: list[list[dict]]) -> float:
 # --- processes ------------------------------------------------------------------------------
 class Fleet:
     engine, block, ready_path = "warmfleet", BLOCK, "/ready"
-    serve_args: tuple = ()  # more `warmfleet serve` flags for every replica (bench/adapters.py: the LoRA ones)
+    serve_args: tuple[str, ...] = ()  # more `warmfleet serve` flags for every replica (fleet_with)
 
     def __init__(self, model: Path, n: int, gpu_blocks: int, cwd: str):  # noqa: D107
         self.model, self.n, self.gpu_blocks, self.cwd = model, n, gpu_blocks, cwd
@@ -195,7 +251,8 @@ class Fleet:
         pin = ["taskset", "-c", ",".join(map(str, replica_cores()))] if ROUTER_CORE is not None else []
         cmd = [*pin, *EXE, "serve", "--model", str(self.model), "--served-model-name", "bench", "--port", str(port),
                "--kv-events-port", str(eport), "--replica-id", f"b{i}", "--block-size", str(BLOCK),
-               "--num-gpu-blocks", str(self.gpu_blocks), "--log-level", "warning", *self.serve_args]
+               "--num-gpu-blocks", str(self.gpu_blocks), "--log-level", "warning",
+               "--allowed-media-host", "127.0.0.1", *self.serve_args]  # the URL workload's media server: loopback
         p = subprocess.Popen(cmd, cwd=self.cwd, stdout=subprocess.DEVNULL)
         return f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{eport}", p
 
@@ -241,6 +298,11 @@ class Fleet:
 
 # --- vLLM replicas (--engine vllm; bench/prefix_cache.py --engines also uses these) --------------
 @functools.lru_cache(maxsize=None)
+def fleet_with(*extra: str) -> type:
+    """A Fleet whose replicas also get `extra` flags."""
+    return type("Fleet", (Fleet,), {"serve_args": extra})
+
+
 def vllm_python() -> str:
     """The vLLM CPU environment's python: $WARMFLEET_VLLM_PYTHON (--vllm-python sets it) or scripts/vllm-env.sh's."""
     py = os.environ.get("WARMFLEET_VLLM_PYTHON")
@@ -675,6 +737,10 @@ def extras_verdict(results: dict) -> dict:
         out["churn_unrouted_le_1s"] = churn_res["s_until_dead_replica_unrouted"] <= 1.0
     if lat:
         out["added_latency_p50_le_2ms"] = lat["added_p50_ms"] <= 2.0
+    for w in ("images", "images_recur", "images_url"):  # the image workloads' booleans, also at the top
+        for k, v in ((results.get(w) or {}).get("targets") or {}).items():
+            if isinstance(v, bool):
+                out[f"{w}.{k}"] = v
     return out
 
 
@@ -685,8 +751,9 @@ def chart(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    loads = [w for w in ("text", "images") if results.get(w)]
-    fig, axes = plt.subplots(len(loads), 3, figsize=(13, 3.6 * len(loads)), squeeze=False)
+    loads = [w for w in WORKLOADS if results.get(w)]
+    images = any(w.startswith("images") for w in loads)  # a fourth column: encoder-cache hits
+    fig, axes = plt.subplots(len(loads), 3 + images, figsize=(13 + 4 * images, 3.6 * len(loads)), squeeze=False)
     for row, w in zip(axes, loads):
         res = results[w]["routers"]
         names = list(res)
@@ -702,6 +769,8 @@ def chart(results: dict, path: Path) -> None:
         row[0].legend(fontsize=8)
         harness.ttft_panel(row[1], res, names, c, f"{w}: TTFT to the first token (s)")
         harness.spread_panel(row[2], res, names, c, w)
+        if images:
+            encoder_panel(row[3], res, names, c, w)
     fig.suptitle(f"warmfleet routing bench: {results['replicas']} {results.get('engine', 'warmfleet')} replicas "
                  "(means over runs)", fontsize=10)
     fig.tight_layout()
@@ -709,20 +778,56 @@ def chart(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def encoder_panel(ax, res: dict, names: list[str], colors: list[str], w: str) -> None:
+    """Encoder-cache hits the replicas reported per run (bars) and those warmfleet predicted (black ticks)."""
+    ax.bar(names, [res[n].get("encoder_hits_reported") or 0 for n in names], color=colors)
+    predicted = [(i, res[n]["encoder_hits_predicted"]) for i, n in enumerate(names)
+                 if res[n].get("encoder_hits_predicted") is not None]
+    if predicted:
+        ax.scatter([i for i, _ in predicted], [v for _, v in predicted], marker="_", s=400, color="k",
+                   label="predicted by the router", zorder=3)
+        ax.legend(fontsize=8)
+    ax.set_title(f"{w}: encoder-cache hits per run (replicas' count)", fontsize=9)
+    ax.tick_params(axis="x", labelsize=8)
+
+
+def encoder_hits(fleet: Fleet, router: str | None) -> dict | None:
+    """Encoder-cache hits so far: the replicas' own count and (a warmfleet router) the ones it predicted."""
+    if fleet.engine != "warmfleet":
+        return None
+    out = {"replicas": sum(metric_sum(u, "warmfleet:encoder_cache_hits_total") for u, _, _ in fleet.replicas)}
+    if router:
+        out["predicted"] = metric_sum(router, "warmfleet_router_predicted_encoder_hits_total")
+    return out
+
+
+def encoder_hits_delta(before: dict | None, after: dict | None) -> dict:
+    """The run's encoder-cache hits as reported by the replicas, and as the router predicted them (warmfleet)."""
+    if not before or not after:
+        return {}
+    out = {"encoder_hits_reported": int(after["replicas"] - before["replicas"])}
+    if "predicted" in before and "predicted" in after and after["predicted"] >= before["predicted"]:
+        out["encoder_hits_predicted"] = int(after["predicted"] - before["predicted"])
+    return out
+
+
 def run_workload(name: str, model: Path, make_trace, routers: list[str], n: int, gpu_blocks: int,
                  rates: list[float], seeds: list[int], nreq: int, cwd: str, wf_args: list[str],
                  extras: bool, results: dict, variants: dict | None = None, warm_up: bool = True,
-                 make_fleet=Fleet) -> dict:
+                 make_fleet=Fleet, oracle_trace=None) -> dict:
     """Every router on fresh replicas per (rate, seed), routers interleaved so they share the machine's load.
 
     `make_fleet(model, n, gpu_blocks, cwd)` starts the replicas: Fleet (`warmfleet serve`) or a VllmFleet.
+    `oracle_trace(seed, n)`: the trace the oracle replays when `make_trace`'s cannot be hashed locally (images by URL:
+    the same requests with the images inline).
     """
     block = make_fleet.block
     traces = {seed: make_trace(seed, nreq) for seed in seeds}
-    oracles = {seed: oracle_hits(model, traces[seed], block=block) for seed in seeds}
+    hashable = {seed: (oracle_trace or make_trace)(seed, nreq) for seed in seeds}
+    oracles = {seed: oracle_hits(model, hashable[seed], block=block) for seed in seeds}
     oracle = statistics.mean(sum(c for c, _ in o) / sum(t for _, t in o) for o in oracles.values())
     lru = statistics.mean(sum(c for c, _ in o) / sum(t for _, t in o)
-                          for o in (oracle_hits(model, traces[seed], n * gpu_blocks, block) for seed in seeds))
+                          for o in (oracle_hits(model, hashable[seed], n * gpu_blocks, block) for seed in seeds))
     runs: dict = {k: [] for k in routers}
     variants = variants or {}
     for rate in rates:
@@ -745,9 +850,12 @@ def run_workload(name: str, model: Path, make_trace, routers: list[str], n: int,
                         t0 = time.monotonic()
                         pids = router_pids(proc)
                         s0 = harness.schedstat_ns(pids)
+                        wf_base = base if kind.startswith("warmfleet") else None  # its metrics are the router's
+                        enc0 = encoder_hits(fleet, wf_base)
                         rec = asyncio.run(drive(bases, traces[seed], rate, seed))
                         s1 = harness.schedstat_ns(pids)
                         summ = summarize(rec, len(fleet.replicas), oracles[seed])
+                        summ.update(encoder_hits_delta(enc0, encoder_hits(fleet, wf_base)))
                         if pids:  # the router's own CPU and run-queue wait beside its TTFT (starved by the replicas?)
                             summ.update(harness.sched_per_request(s0, s1, len(rec)))
                         if served is not None:  # vLLM names no replica in its answers: count at the replicas
@@ -793,6 +901,11 @@ def main() -> int:
     ap.add_argument("--gpu-blocks", type=int, default=None, help="KV blocks per replica (text workload).")
     ap.add_argument("--no-images", action="store_true", help="Skip the shared-image workload.")
     ap.add_argument("--no-text", action="store_true", help="Skip the text workload.")
+    ap.add_argument("--no-image-variants", action="store_true",
+                    help="Skip the images_recur (same images, other conversations) and images_url (by URL) workloads.")
+    ap.add_argument("--encoder-weight", type=float, default=None,
+                    help="warmfleet's --encoder-weight in the image variants (default: bench/encode_cost.py measures "
+                         "it on the VL checkpoint first).")
     ap.add_argument("--warmfleet-args", default="", help="Extra `warmfleet route` flags, e.g. '--load-weight 16'.")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
                     help="A warmfleet variant run as router 'warmfleet:NAME' with these extra flags (after "
@@ -860,6 +973,9 @@ def main() -> int:
                                              nimg, cwd, wf_args, False, results, variants, not args.no_warm_up)
             for kind, v in results["images"]["routers"].items():
                 progress(f"images {kind}: { {k: x for k, x in v.items() if k != 'reasons'} }")
+            if not args.no_image_variants:
+                image_variants(vl, routers, n, rates[:1], image_seeds, nimg, cwd, wf_args, results, variants,
+                               not args.no_warm_up, args.encoder_weight)
         else:
             results["images"] = None
             progress("replicas do not accept images yet: image workload skipped")
@@ -868,12 +984,75 @@ def main() -> int:
     if not args.logs:
         shutil.rmtree(cwd, ignore_errors=True)
     harness.write_results(Path(args.out), "routing", results, chart, progress)
-    slim = {k: v for k, v in results.items() if k not in ("text", "images")}
-    for w in ("text", "images"):
+    slim = {k: v for k, v in results.items() if k not in WORKLOADS}
+    for w in WORKLOADS:
         if results.get(w):
             slim[w] = {k: v for k, v in results[w].items() if k != "runs"}
     harness.print_results(slim, args.json)
     return 0
+
+
+WORKLOADS = ("text", "images", "images_recur", "images_url")
+IMAGE_TTFT_TARGET = 0.8  # image TTFT p90 at most this x the best peer's (issue 26)
+URL_RATIO_TOLERANCE = 0.02  # URL conversations' cached ratio within this of the data: ones
+ENCODER_SLOTS = 5  # images one replica's encoder cache holds in the image variants (of recurring_image_workload's 12)
+
+
+def image_variants(vl: Path, routers: list[str], n: int, rates: list[float], seeds: list[int], nreq: int, cwd: str,
+                   wf_args: list[str], results: dict, variants: dict, warm_up: bool, weight: float | None) -> None:
+    """The same images in different conversations, sent inline (images_recur) and by URL from a loopback media
+    server (images_url), warmfleet at the encoder weight measured for this checkpoint; their targets."""
+    from warmfleet.livefleet import MediaServer
+
+    if weight is None:
+        # its own process: the engine it loads must not share this one (the load generator) with its threads
+        out = subprocess.run([sys.executable, "-P", str(Path(__file__).resolve().parent / "encode_cost.py"),
+                              "--model", str(vl), "--json"], cwd=cwd, capture_output=True, text=True, check=True)
+        results["encode_cost"] = json.loads(out.stdout.strip().splitlines()[-1])
+        weight = results["encode_cost"]["encoder_weight"]
+        progress(f"encode cost: {results['encode_cost']}")
+    args = [*wf_args, "--encoder-weight", str(weight)]
+    results["image_variants_encoder_weight"] = weight
+    # as the KV pools, each replica's encoder cache holds less than the working set: ENCODER_SLOTS of the images
+    tokens = results.get("encode_cost", {}).get("image_tokens") or 64
+    fleet = fleet_with("--max-encoder-cache", str(ENCODER_SLOTS * tokens))
+    results["image_variants_encoder_cache_tokens"] = ENCODER_SLOTS * tokens
+    results["images_recur"] = run_workload("images_recur", vl, recurring_image_workload, routers, n, 40, rates, seeds,
+                                           nreq, cwd, args, False, results, variants, warm_up, fleet)
+    with MediaServer(Path(tempfile.mkdtemp(prefix="media-", dir=cwd))) as media:
+        results["images_url"] = run_workload(
+            "images_url", vl, lambda seed, k: by_url(recurring_image_workload(seed, k), media), routers, n, 40, rates,
+            seeds, nreq, cwd, args, False, results, variants, warm_up, fleet, oracle_trace=recurring_image_workload)
+    for w in ("images", "images_recur", "images_url"):
+        if results.get(w):
+            results[w]["targets"].update(image_verdict(results[w]["routers"]))
+    data, url = (results[w]["routers"].get("warmfleet") for w in ("images_recur", "images_url"))
+    if data and url:
+        results["images_url"]["targets"]["url_ratio_minus_data_ratio"] = round(url["cached_ratio"] - data["cached_ratio"], 4)
+        results["images_url"]["targets"]["url_within_0_02_of_data"] = (
+            abs(url["cached_ratio"] - data["cached_ratio"]) <= URL_RATIO_TOLERANCE)
+    for w in ("images_recur", "images_url"):
+        for kind, v in results[w]["routers"].items():
+            progress(f"{w} {kind}: { {k: x for k, x in v.items() if k != 'reasons'} }")
+
+
+def image_verdict(res: dict) -> dict:
+    """An image workload's targets: warmfleet's TTFT p90 against the best peer's, and the encoder-cache hits it
+    predicted against those the replicas reported (within 20 %, or 2 hits)."""
+    wf = res.get("warmfleet")
+    if not wf:
+        return {}
+    out = {}
+    peers = [res[k] for k in PEERS if k in res and res[k].get("ttft_p90_s")]
+    if peers and wf.get("ttft_p90_s"):
+        best = min(p["ttft_p90_s"] for p in peers)
+        out["image_ttft_p90_vs_best_peer"] = round(wf["ttft_p90_s"] / best, 3)
+        out["image_ttft_p90_le_0_8_best_peer"] = wf["ttft_p90_s"] <= IMAGE_TTFT_TARGET * best
+    if wf.get("encoder_hits_predicted") is not None:
+        pred, rep = wf["encoder_hits_predicted"], wf["encoder_hits_reported"]
+        out["encoder_hits_predicted_vs_reported"] = [pred, rep]
+        out["encoder_hits_predicted_match_reported"] = abs(pred - rep) <= max(2, 0.2 * rep)
+    return out
 
 
 def vllm_setup(n: int, gpu_blocks: int) -> dict:

@@ -7,13 +7,10 @@ image-aware prefix caching as seen in `cached_tokens`, the encoder and processor
 
 from __future__ import annotations
 
-import functools
-import http.server
 import os
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -23,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from warmfleet.server.tiny_checkpoints.images import data_uri, image_bytes, image_part
-from warmfleet.livefleet import wait_for
+from warmfleet.livefleet import MediaServer, wait_for
 from serve_replica import START_TIMEOUT_S, Replica
 
 pytestmark = pytest.mark.slow
@@ -60,22 +57,9 @@ def vl_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def image_server(tmp_path_factory) -> Iterator[str]:
     """A plain http.server on loopback serving a few PNGs."""
-    root = tmp_path_factory.mktemp("images")
-    (root / "cat.png").write_bytes(image_bytes(96, 80, seed=11))
-    handler = functools.partial(_QuietHandler, directory=str(root))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args) -> None:  # keep pytest output clean
-        pass
+    with MediaServer(tmp_path_factory.mktemp("images")) as media:
+        media.put("cat.png", image_bytes(96, 80, seed=11))
+        yield media.url
 
 
 @pytest.fixture(scope="module")

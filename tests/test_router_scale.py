@@ -170,7 +170,8 @@ def test_choose_holds_its_invariants_for_any_rule_set(cands, cfg, num_prompt_tok
     mixed = list(cands)
     shuffle.shuffle(mixed)
     assert choose(mixed, block_size=bs, num_prompt_tokens=num_prompt_tokens, cold_key=cold_key, cfg=cfg) == d
-    warm = any(d.hits[c.replica] > 0 or c.warm_image_tokens > 0 for c in cands)
+    # warm images count only while they are worth something (--encoder-weight 0: encoder caches ignored)
+    warm = any(d.hits[c.replica] > 0 or (c.warm_image_tokens > 0 and cfg.encoder_weight > 0) for c in cands)
     if not warm and cold_key is None:  # nothing to cache: least load, then fewest sent
         assert d.reason == LEAST_LOAD and t.load == min(c.load for c in cands)
         return

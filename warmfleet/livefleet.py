@@ -7,11 +7,14 @@ shadow the standard library) and logs to a file there, which a failing wait quot
 
 from __future__ import annotations
 
+import functools
+import http.server
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -312,3 +315,37 @@ class LiveFleet:
         for p in [self.router, *self.replicas]:
             p.stop()
 
+
+class _QuietFiles(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:  # no access log on the caller's stderr
+        pass
+
+
+class MediaServer:
+    """A plain HTTP server on loopback serving the files of `root` (images for http(s) image parts); a context manager.
+
+    Replicas fetch from it only if started with `--allowed-media-host 127.0.0.1` (their SSRF rules
+    refuse loopback otherwise)."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                                      functools.partial(_QuietFiles, directory=str(self.root)))
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def put(self, name: str, data: bytes) -> str:
+        """Serve `data` as `name` (replacing what was there); returns its URL."""
+        (self.root / name).write_bytes(data)
+        return f"{self.url}/{name}"
+
+    def __enter__(self) -> "MediaServer":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -286,8 +286,17 @@ async def chat_completions(request: Request, state: ServerState) -> Response:
         images.count(state)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return SSEResponse(_chat_stream(state, choices, meta, top, include_usage))
-    return await until_disconnect(request, _chat_full(state, choices, meta, top))
+        return _with_media_header(SSEResponse(_chat_stream(state, choices, meta, top, include_usage)), images)
+    return _with_media_header(await until_disconnect(request, _chat_full(state, choices, meta, top)), images)
+
+
+def _with_media_header(resp: Response, images: Optional[ImageInputs]) -> Response:
+    """Tell the router what the http(s) images of this request hashed to (multimodal/url_hashes.py)."""
+    if images is not None and images.media_header and resp.status_code == 200:
+        from ..multimodal.url_hashes import HEADER
+
+        resp.headers[HEADER] = images.media_header
+    return resp
 
 
 def message_dict(m: Any, index: int) -> dict[str, Any]:
@@ -317,6 +326,7 @@ class ImageInputs:
     prepare_time_s: float
     num_processor_cache_hits: int
     num_processor_cache_misses: int
+    media_header: Optional[str] = None  # url_hashes.HEADER's value: what the router learns of fetched image URLs
 
     def count(self, state: ServerState) -> None:
         """Metrics of an admitted request."""
@@ -346,7 +356,7 @@ async def prepare_images(state: ServerState, parsed: list[Any], messages: list[d
             f"messages[{i}].content[{j}]: the model `{state.model_name}` does not accept images (text-only model)",
             param=f"messages.{i}.content.{j}", code="unsupported_value",
         )
-    from ..multimodal import wire
+    from ..multimodal import url_hashes, wire
     from ..multimodal.media import MediaError
     from ..multimodal.prompt import UnknownMediaError
 
@@ -366,6 +376,7 @@ async def prepare_images(state: ServerState, parsed: list[Any], messages: list[d
         inputs=inputs, num_image_tokens=prepared.num_image_tokens, hash_time_s=prepared.hash_time_s,
         prepare_time_s=time.perf_counter() - t0, num_processor_cache_hits=prepared.num_processor_cache_hits,
         num_processor_cache_misses=prepared.num_processor_cache_misses,
+        media_header=url_hashes.encode_header((u, i.mm_hash, i.grid_thw) for u, i in prepared.fetched),
     )
 
 

@@ -20,6 +20,7 @@ from .media import MediaError, MediaLoader, decode_image
 from .processor import ImageProcessor, ProcessedImage
 from .processor_cache import ProcessorCacheClient
 from .prompt import ExpandedPrompt, ImageInfo, ImagePart, UnknownMediaError, expand, image_parts
+from .url_hashes import is_fetched_url
 
 
 @dataclass
@@ -31,6 +32,7 @@ class PreparedPrompt:
     hash_time_s: float = 0.0  # time spent computing mm_hash
     num_processor_cache_hits: int = 0
     num_processor_cache_misses: int = 0
+    fetched: list[tuple[str, ImageInfo]] = field(default_factory=list)  # (http(s) URL, what it hashed to): url_hashes.py
 
     @property
     def num_image_tokens(self) -> int:
@@ -86,7 +88,10 @@ class ImageInputPreparer:
                 raise MediaError(part.where, str(exc)) from None
             if self.cache is not None:
                 self.cache.put(h, img)
-        return ImageInfo(h, img.grid_thw), img
+        info = ImageInfo(h, img.grid_thw)
+        if part.uuid is None and is_fetched_url(part.url):
+            out.fetched.append((part.url, info))
+        return info, img
 
     def prepare(self, messages: Sequence[dict], cache_salt: Optional[str] = None, **template_kwargs) -> PreparedPrompt:
         """Blocking: do it on a worker thread (`prepare_async`). `cache_salt` scopes client uuids per tenant."""

@@ -182,12 +182,15 @@ def render(tokenizer, messages: Sequence[dict], *, processor_cfg: Optional[Image
            grid_lookup: Optional[Callable[[str], Optional[tuple[int, int, int]]]] = None,
            hash_algo: str = "blake3", max_pixels: int = 64 << 20, max_bytes: int = 20 << 20,
            cache_salt: Optional[str] = None, memo: Optional[InfoMemo] = None,
+           url_lookup: Optional[Callable[[str], Optional[tuple[str, tuple[int, int, int]]]]] = None,
            **template_kwargs) -> tuple[list[int], list[MMPlaceholder]]:
     """Router path: ids and placeholders from the request alone (data: URIs hashed and header-read).
 
     An image the router cannot resolve without fetching (http(s)/file URLs, a uuid that
     `grid_lookup(mm_hash)` does not know) cuts the result just before that image's pads: the
     blocks before it hash the same whatever it expands to, so the prefix stays exact.
+    `url_lookup(url)` may name an http(s) image without fetching it: the (mm_hash, grid) a replica
+    reported for it (router/core/url_memo.py); a stale answer only costs a miss on that replica.
     `memo` remembers a data: URI's ImageInfo by a digest of the URI text, the uuid and the salt,
     so a conversation resending its image skips base64 decoding; one memo per (processor config,
     limits, hash algo), as a router's renderer holds.
@@ -203,6 +206,9 @@ def render(tokenizer, messages: Sequence[dict], *, processor_cfg: Optional[Image
                 infos.append(info)
                 continue
         info = _resolve_for_router(part, cfg, grid_lookup, hash_algo, max_pixels, max_bytes, cache_salt)
+        if info is None and url_lookup is not None and part.uuid is None and part.url:
+            known_url = url_lookup(part.url)
+            info = None if known_url is None else ImageInfo(known_url[0], tuple(known_url[1]))
         if key is not None:
             memo.put(key, info)
         infos.append(info)

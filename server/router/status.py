@@ -59,10 +59,18 @@ def add_status_routes(app: FastAPI, state: dict, metrics: RouterMetrics) -> None
                         "drain_trigger": r.drain_trigger, "last_handoff": r.last_handoff,
                         "engine_requests": fleet.engine_load(r.id), "synced": bool(st and st.synced),
                         "gpu_blocks": len(st.gpu) if st else 0, "cpu_blocks": len(st.cpu) if st else 0,
-                        "adapters": fleet.adapters.describe(r.id), "last_error": r.last_error})
+                        "adapters": fleet.adapters.describe(r.id), "encoder_entries": len(st.encoder) if st else 0,
+                        "last_error": r.last_error})
         return JSONResponse({"replicas": out, "index_blocks": fleet.index.num_blocks(),
                              "index_evicted_blocks": fleet.index.evicted, "engine": fleet.dialect.kind,
-                             "contract": fleet.dialect.contract, "hash_check": fleet.dialect.hash_check()})
+                             "contract": fleet.dialect.contract, "hash_check": fleet.dialect.hash_check(),
+                             "media_urls": _num_urls(state)})
+
+
+def _num_urls(state: dict) -> Optional[int]:
+    """How many image URLs the router has learned (url_memo.UrlHashMemo); None without a renderer."""
+    urls = getattr(getattr(state.get("router"), "renderer", None), "urls", None)
+    return None if urls is None else len(urls)
 
 
 def phase(r) -> str:

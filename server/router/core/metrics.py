@@ -97,6 +97,13 @@ class RouterMetrics:
                                         "into their new owners.", registry=r)
         self.handoff_tokens = Counter(p + "handoff_tokens_total", "Prompt tokens of those hand-off replays.",
                                       registry=r)
+        self.predicted_encoder_hits = Counter(
+            p + "predicted_encoder_hits_total", "Images outside the predicted KV prefix whose encoder output the router "
+            "predicted cached on the replica it chose (compare with the replicas' warmfleet:encoder_cache_hits).",
+            registry=r)
+        self.media_urls_learned = Counter(
+            p + "media_urls_learned_total", "http(s) image URLs whose mm_hash a replica reported (x-warmfleet-media).",
+            registry=r)
         self.route_seconds = Histogram(p + "route_seconds", "Time to render, tokenize, hash and score one request.",
                                        buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05), registry=r)
 

@@ -3,7 +3,8 @@
 For each replica r the score, in prompt tokens saved, is
 
     score(r) = block_size * (gpu_blocks(r) + cpu_weight * cpu_blocks(r))
-             + encoder_weight * warm_image_tokens(r)
+             + encoder_weight * warm_image_tokens(r)      images r need not encode: wholly inside that
+                                                            prefix, or in its encoder cache
              - queue_weight * queued_tokens(r)
              - load_weight * load(r)
 
@@ -88,7 +89,7 @@ class Candidate:
     replica: str
     gpu_blocks: int = 0  # leading blocks of the prompt cached in the primary pool
     cpu_blocks: int = 0  # further leading blocks cached only in the swap tier
-    warm_image_tokens: int = 0  # placeholder tokens of images outside the prefix whose encoder output is cached
+    warm_image_tokens: int = 0  # placeholder tokens of images it need not encode (wholly in its prefix, or encoder-cached)
     load: float = 0.0  # requests in flight or queued on the replica
     queued_tokens: int = 0  # uncached prompt tokens this router sent it that still await their first token
     sent: float = 0.0  # requests this router sent it recently (decayed count): share cap and last tie-break
@@ -214,7 +215,7 @@ def warm_order(cands: Sequence[Candidate], fits: list[Candidate], fit_ids: set, 
     target = ranked[0]
     if scores[id(best)] > scores[id(target)] and best_is_over and not kept_warm:
         return ranked, LOAD_SPILL
-    if hits[target.replica] > 0 or target.warm_image_tokens > 0:
+    if hits[target.replica] > 0 or (target.warm_image_tokens > 0 and cfg.encoder_weight > 0):
         return ranked, PREFIX_HIT
     if home and target.adapter_resident:
         return ranked, ADAPTER_HIT
@@ -269,7 +270,8 @@ def choose(cands: Sequence[Candidate], *, block_size: int, num_prompt_tokens: in
     fits = under_caps(cands, cap, scap)
     fit_ids = {id(c) for c in fits}
     home = {c.replica: rendezvous_weight(adapter_key, c.replica) for c in cands} if adapter_key is not None else None
-    if any(hits[c.replica] > 0 or c.warm_image_tokens > 0 or (home and c.adapter_resident) for c in cands):
+    encoder_warm = cfg.encoder_weight > 0 and any(c.warm_image_tokens > 0 for c in cands)  # weight 0: ignored
+    if encoder_warm or any(hits[c.replica] > 0 or (home and c.adapter_resident) for c in cands):
         ranked, reason = warm_order(cands, fits, fit_ids, hits, scores, cap, scap, cfg, home)
     elif adapter_key is not None or cold_key is not None:  # a cold adapter goes by its own key: a stable subset
         ranked, reason = cold_order(cands, fits, fit_ids, scores, adapter_key if adapter_key is not None else cold_key)

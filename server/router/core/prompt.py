@@ -11,6 +11,7 @@ the first placeholder are the same whatever the image expands to), which is exac
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from ... import rendering
 from ...hashing import AdapterId, MMPlaceholder, block_extra_keys, block_hashes, hash_block, root_hash
+from .url_memo import UrlHashMemo
 
 IMAGE_PAD_TOKENS = ("<|image_pad|>", "<image>")  # placeholder tokens a template emits per image, by model family
 
@@ -160,7 +162,8 @@ class PromptRenderer:
     prompt is encoded with them.
     """
 
-    def __init__(self, model_dir: str, tokenizer: Any = None, hash_algo: str = "blake3"):
+    def __init__(self, model_dir: str, tokenizer: Any = None, hash_algo: str = "blake3",
+                 urls: Optional[UrlHashMemo] = None):
         if tokenizer is None:
             from ...tokenizer import Tokenizer
 
@@ -173,6 +176,7 @@ class PromptRenderer:
         self.segments = SegmentEncoder.for_tokenizer(tokenizer)
         self._encode = ids_encoder(tokenizer)
         self.images = BoundedMemo(4096)  # data: URI -> ImageInfo (multimodal.prompt.render's memo)
+        self.urls = urls or UrlHashMemo()  # http(s) image URL -> what a replica said it hashed to, per salt (url_memo.py)
 
     def _encode_chat(self, text: str) -> list[int]:
         if self.segments is not None:
@@ -198,6 +202,7 @@ class PromptRenderer:
                 self._processor_cfg = ImageProcessorConfig.from_model_dir(self.tokenizer.model_dir)
             ids, items = self._mm_render(self.tokenizer, messages, processor_cfg=self._processor_cfg,
                                          hash_algo=self.hash_algo, cache_salt=cache_salt, memo=self.images,
+                                         url_lookup=functools.partial(self.urls.get, cache_salt),
                                          add_generation_prompt=add_gen)
             return Prompt(list(ids), list(items), len(ids))
         ids = rendering.chat_ids(self.tokenizer, messages, add_gen)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 from ... import rendering
+from ...multimodal.url_hashes import parse_header
 from .fleet import Fleet
 from .metrics import RouterMetrics
 from .policy import RETRY, Candidate, Decision, PolicyConfig, choose
@@ -109,6 +110,17 @@ class Router:
             self._media_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="router-media")
         return await asyncio.get_running_loop().run_in_executor(self._media_pool, self.render, kind, body)
 
+    def learn_media(self, body: dict, header: Optional[str]) -> None:
+        """Remember what a replica's answer to `body` says its http(s) images hashed to (url_hashes.py), under the
+        body's salt (the tenant's); a no-op without the header."""
+        if not header or self.renderer is None:
+            return
+        rows = parse_header(header)
+        salt = body.get("cache_salt")
+        if rows and (salt is None or isinstance(salt, str)):
+            self.renderer.urls.learn(salt, rows)
+            self.metrics.media_urls_learned.inc(len(rows))
+
     def close(self) -> None:
         """Stop render_off_loop's thread (a render under way finishes; nothing waits for it)."""
         if self._media_pool is not None:
@@ -160,12 +172,16 @@ class Router:
         view = self.fleet.adapters
         cands = []
         combined = self.peers.combined if self.peers is not None else None
+        # replica -> images not wholly inside its cached KV prefix whose encoder output it holds: the engine needs rows
+        # of each (all of it, or the tail past the prefix), and the vision encoder runs on a whole image or not at all
+        warm_images: dict[str, int] = {}
         for r in replicas:
             m = matches[r.id]
             warm = 0
             if prompt and prompt.mm_items:
-                hits = self.fleet.index.encoder_hits(r.id, [i.mm_hash for i in prompt.mm_items])
-                warm = sum(i.length for i in prompt.mm_items if i.mm_hash in hits and i.offset >= m.blocks * bs)
+                warm, n = self._encodes_saved(r.id, prompt, m.blocks * bs)
+                if n:
+                    warm_images[r.id] = n
             resident, slot = (view.resident(r.id, adapter), view.has_slot(r.id, adapter)) if adapter else (False, True)
             if combined is None:
                 cands.append(Candidate(r.id, m.gpu_blocks, m.cpu_blocks, warm,
@@ -194,12 +210,28 @@ class Router:
             place = adapter_key(adapter) if adapter is not None else cold_key
             self.fleet.warmer.hot.observe(prompt.token_ids, hashes, bs, body.get("cache_salt"), body.get("model"),
                                           place, time.monotonic())
+        if warm_images and decision.order and warm_images.get(decision.order[0]):
+            self.metrics.predicted_encoder_hits.inc(warm_images[decision.order[0]])
         self.metrics.route_seconds.observe(time.perf_counter() - t0)
         self.metrics.decisions.labels(decision.reason).inc()
         if self.fleet.dialect.contract == "predicted":
             self.metrics.predicted_decisions.labels(decision.reason).inc()
         self.metrics.prompt_tokens.inc(num_tokens)
         return decision, prompt, hashes
+
+    def _encodes_saved(self, rid: str, prompt: Prompt, cached_tokens: int) -> tuple[int, int]:
+        """Image tokens whose encoding replica `rid` saves this request, and how many of those images its encoder
+        cache serves.
+
+        An image wholly inside the cached prefix needs no encoding (its KV is there); one the prefix does not wholly
+        hold is encoded whole unless the encoder cache has it. Both save the encode, so both count: an image in a
+        conversation's own prefix must not weigh less than the same image merely encoder-cached elsewhere.
+        """
+        in_prefix = [i for i in prompt.mm_items if i.offset + i.length <= cached_tokens]
+        rest = [i for i in prompt.mm_items if i.offset + i.length > cached_tokens]
+        hits = self.fleet.index.encoder_hits(rid, [i.mm_hash for i in rest]) if rest else set()
+        served = [i for i in rest if i.mm_hash in hits]
+        return sum(i.length for i in in_prefix) + sum(i.length for i in served), len(served)
 
     def retry_order(self, decision: Decision, max_attempts: int) -> Iterator[Replica]:
         """The decision's replicas still healthy when their turn comes, at most `max_attempts`; each after the first

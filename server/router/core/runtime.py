@@ -24,6 +24,7 @@ from .registry import ReplicaSpec, parse_replica
 from .router import Router
 from .settings import RouterSettings
 from .tenants import Tenants
+from .url_memo import UrlHashMemo
 
 Discovery = Callable[[Fleet], Awaitable[None]]  # runs until cancelled, calling fleet.set_members
 
@@ -66,7 +67,8 @@ def runtime_from_settings(s: RouterSettings) -> RouterRuntime:
         hash_cfg=HashConfig(s.block_size, model_fingerprint(s.model), s.prefix_hash_algo),
         settings=s,
         replicas=[parse_replica(r, s.kv_events_port, s.kv_replay_port, s.replica_metrics_port) for r in s.replicas],
-        renderer=PromptRenderer(s.model, hash_algo=s.prefix_hash_algo),
+        renderer=PromptRenderer(s.model, hash_algo=s.prefix_hash_algo,
+                                urls=UrlHashMemo(s.media_url_capacity, s.media_url_ttl_s)),
         tenants=Tenants.from_flags(keys, s.api_keys_file, s.salt_secret or os.environ.get("WARMFLEET_SALT_SECRET")),
         discovery=discovery,
         peers=parse_peers(s.peers),

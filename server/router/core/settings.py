@@ -58,7 +58,12 @@ class PolicyConfig:
         "best replica holds over the best one under the caps (0: off)."))
     max_share_slack: int = field(default=1, metadata=opt(  # cap on that extra share slack
         "--max-share-slack", "Cap on that extra share-cap slack."))
-    encoder_weight: float = 0.5  # an image whose encoder output is warm saves this fraction of its tokens (no flag)
+    # an image whose encoder output is warm on a replica (outside its KV prefix) saves this many prefill tokens per
+    # image token: the vision encoder's cost per image token over the prefill's per token (bench/encode_cost.py)
+    encoder_weight: float = field(default=0.5, metadata=opt(
+        "--encoder-weight", "Prefill tokens saved per image token whose vision-encoder output a replica has cached "
+        "(outside the request's cached prefix): encode cost per image token over prefill cost per token, as "
+        "bench/encode_cost.py measures it for a checkpoint (0: ignore encoder caches)."))
     adapter_weight: float = field(default=64.0, metadata=opt(  # a resident LoRA adapter, in prompt tokens
         "--adapter-weight", "Prompt tokens a replica that has the request's LoRA adapter resident is worth (no load "
         "into a device slot); the bounded-load caps still spread a hot adapter to more replicas."))
@@ -74,6 +79,8 @@ class PolicyConfig:
             raise ValueError("--queue-weight, --cold-queue-weight and --load-weight must be >= 0")
         if self.adapter_weight < 0:
             raise ValueError("--adapter-weight must be >= 0")
+        if self.encoder_weight < 0:
+            raise ValueError("--encoder-weight must be >= 0")
         if self.epsilon < 0:
             raise ValueError("--balance-epsilon must be >= 0")
 
@@ -151,6 +158,12 @@ class RouterSettings:
     vllm_hash_seed: str = field(default="0", metadata=opt(  # "unset": the replicas run without PYTHONHASHSEED
         "--vllm-hash-seed", "vLLM: the replicas' PYTHONHASHSEED (the operator sets 0); 'unset' if they run "
         "without one."))
+    media_url_capacity: int = field(default=100_000, metadata=opt(  # (salt, image URL) entries, LRU beyond
+        "--media-url-capacity", "http(s) image URLs (per tenant salt) whose mm_hash the router remembers from the "
+        "replicas' x-warmfleet-media answers, at most (least recently used forgotten first; ~200 bytes each)."))
+    media_url_ttl_s: float = field(default=600.0, metadata=opt(  # an entry older than this is forgotten
+        "--media-url-ttl-s", "Seconds after which a learned image URL is forgotten (the object behind it may have "
+        "changed; a stale entry only costs a predicted hit, never a wrong one)."))
     discover_service: Optional[str] = field(default=None, metadata=opt(
         "--discover-service", "Watch the EndpointSlices of this Service for replicas (Ready endpoints only).",
         metavar="NAMESPACE/NAME"))
@@ -210,6 +223,8 @@ class RouterSettings:
             raise ValueError("--index-max-blocks must be >= 1")
         if self.predicted_capacity_blocks < 1 or self.predicted_ttl_s <= 0:
             raise ValueError("--predicted-capacity-blocks must be >= 1 and --predicted-ttl-s > 0")
+        if self.media_url_capacity < 1 or self.media_url_ttl_s <= 0:
+            raise ValueError("--media-url-capacity must be >= 1 and --media-url-ttl-s > 0")
         if self.health_failures < 1:
             raise ValueError("--health-failures must be >= 1")
         if self.peer_interval_s <= 0 or self.peer_jitter < 0:

@@ -56,7 +56,7 @@ class EppServer:
 
     async def _start(self) -> None:
         router = await self._stack.enter_async_context(running(self.rt, self.metrics))
-        self.state["fleet"] = router.fleet
+        self.state["fleet"], self.state["router"] = router.fleet, router
         self.door = EppDoor(self.rt, router, self.limiter)
         self.processor = ExternalProcessor(self.door)
         streams = Gauge("warmfleet_epp_open_streams", "ext_proc streams open (one per HTTP request in the gateway).",

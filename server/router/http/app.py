@@ -212,7 +212,7 @@ def _lifespan(rt: RouterRuntime, metrics: RouterMetrics, state: dict, peers: Opt
         try:
             async with running(rt, metrics, peers) as router:
                 state["fleet"] = app.state.fleet = router.fleet
-                app.state.router = router
+                state["router"] = app.state.router = router
                 state["proxy"] = app.state.proxy = Proxy(router, rt.settings.proxy, upstream_headers(rt.settings),
                                                          session)
                 yield

@@ -22,6 +22,7 @@ from typing import AsyncIterator, Optional
 import httpx
 from starlette.responses import Response, StreamingResponse
 
+from ...multimodal.url_hashes import HEADER as MEDIA_HEADER
 from ..core.policy import RETRY, Decision
 from ..core.registry import Replica
 from ..core.router import Router
@@ -63,6 +64,7 @@ class _Attempt:
     decision: Decision
     hashes: list[bytes]  # the prompt's block names (recorded as served by the replica that answers 200)
     t_arrival: float  # perf_counter() when the request arrived (TTFT)
+    body: dict  # the request as routed (its cache_salt scopes what the answer's media header teaches)
 
 
 class Proxy:
@@ -87,7 +89,7 @@ class Proxy:
             raw = None  # the engine needs what the router computed (e.g. vLLM: image uuids)
         attempt = _Attempt(path, raw if raw is not None else json.dumps(body).encode(),
                            {"content-type": "application/json", **client_headers, **self.upstream_headers},
-                           bool(body.get("stream")), routed.decision, routed.hashes, t_arrival)
+                           bool(body.get("stream")), routed.decision, routed.hashes, t_arrival, body)
         last_error = "no replica accepted the request"
         for tried, rep in enumerate(self.router.retry_order(routed.decision, self.cfg.max_attempts), 1):
             outcome = await self._try(rep, attempt, retried=tried > 1)
@@ -111,6 +113,7 @@ class Proxy:
                 return f"{rid} answered {resp.status}"
             if resp.status == 200:
                 self.fleet.record_served(rid, a.hashes)
+                self.router.learn_media(a.body, resp.headers.get(MEDIA_HEADER))
             if a.stream and resp.status == 200:
                 out = await self._first_event(rep, resp, a, retried)
                 released = True  # from here the relay owns the in-flight count
