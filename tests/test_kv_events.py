@@ -32,10 +32,11 @@ def run(core, rid, prompt, salt=None):
         core.step()
 
 
-def test_events_carry_contract_hashes_sequence_and_tiers(tiny_model_dir):
+def engine_with_subscriber(model_dir, token_ids: bool = False):
+    """An engine core publishing on a free port, a subscriber joined to it, and the first batch it saw (a Load)."""
     port = free_port()
-    pub = EventPublisher("replica-a", f"tcp://127.0.0.1:{port}")
-    cfg = EngineConfig(ModelConfig(model=str(tiny_model_dir)),
+    pub = EventPublisher("replica-a", f"tcp://127.0.0.1:{port}", token_ids=token_ids)
+    cfg = EngineConfig(ModelConfig(model=str(model_dir)),
                        CacheConfig(block_size=16, num_gpu_blocks=8, swap_space=0.01), server=ServerConfig())
     core = EngineCore(cfg, pub)
     sub = zmq.Context.instance().socket(zmq.SUB)
@@ -46,7 +47,11 @@ def test_events_carry_contract_hashes_sequence_and_tiers(tiny_model_dir):
     while not sub.poll(50):
         core.publish_load()
         assert time.monotonic() < deadline
-    first = decode(sub.recv_multipart())
+    return pub, core, sub, decode(sub.recv_multipart())
+
+
+def test_events_carry_contract_hashes_sequence_and_tiers(tiny_model_dir):
+    pub, core, sub, first = engine_with_subscriber(tiny_model_dir)
     assert isinstance(first.events[0], Load)
 
     prompt = list(range(40, 90))  # 50 tokens: 3 full blocks of 16
@@ -78,19 +83,7 @@ def test_block_stored_carries_no_token_ids_unless_asked(tiny_model_dir):
     prompt = list(range(40, 90))  # 3 full blocks of 16
     seen = {}
     for token_ids in (False, True):
-        port = free_port()
-        pub = EventPublisher("replica-a", f"tcp://127.0.0.1:{port}", token_ids=token_ids)
-        cfg = EngineConfig(ModelConfig(model=str(tiny_model_dir)),
-                           CacheConfig(block_size=16, num_gpu_blocks=8, swap_space=0.01), server=ServerConfig())
-        core = EngineCore(cfg, pub)
-        sub = zmq.Context.instance().socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(f"tcp://127.0.0.1:{port}")
-        deadline = time.monotonic() + 10
-        while not sub.poll(50):
-            core.publish_load()
-            assert time.monotonic() < deadline
-        sub.recv_multipart()
+        pub, core, sub, _ = engine_with_subscriber(tiny_model_dir, token_ids)
         run(core, "a", prompt)
         batches = drain(sub, lambda bs: sum(len(e.block_hashes) for b in bs for e in b.events
                                             if isinstance(e, BlockStored)) >= 3)
