@@ -74,7 +74,10 @@ def mm_hash(data: Optional[bytes] = None, *, uuid: Optional[str] = None, params:
 
     A uuid names content the client chose, so it is scoped by `namespace` (the request's cache
     salt): one tenant cannot bind another tenant's uuid to different pixels, nor read its image
-    back by sending the uuid alone. Requests without a salt share one public namespace.
+    back by sending the uuid alone. Content is scoped the same way: the encoder and processor caches
+    are keyed by this hash, so with one shared key a tenant could tell from a hit (a faster first token,
+    or the router placing it where the image's encoder output is) that another tenant sent the same
+    bytes. Requests without a salt share one public namespace.
     """
     if uuid is not None:
         if not uuid:
@@ -86,6 +89,8 @@ def mm_hash(data: Optional[bytes] = None, *, uuid: Optional[str] = None, params:
         raise ValueError("mm_hash needs either the media bytes or a uuid")
     p = json.dumps(params or {}, sort_keys=True, separators=(",", ":")).encode()
     h = digest_fn(algo)
+    if namespace:  # the namespace's digest first: fixed width, so no public item's bytes can imitate it
+        return MMHash(h(h(namespace.encode()) + h(p) + data).hex())
     return MMHash(h(h(p) + data).hex())
 
 

@@ -4,8 +4,8 @@ One replica of the tiny Qwen2-VL checkpoint behind a router started with two key
 writes each key's salt into the forwarded `cache_salt` (server/router/core/tenants.py), which roots every
 block hash and scopes client uuids. What B could learn of A is checked where it would show:
 `usage.prompt_tokens_details.cached_tokens`, the router's decision header (`x-warmfleet-route`,
-`prefix_hit` would say "someone sent this"), and uuid-only image parts (A's uuid must be unknown to
-B). TTFT is measured by bench/tenant_probe.py (docs/reliability.md).
+`prefix_hit` would say "someone sent this"), uuid-only image parts (A's uuid must be unknown to
+B) and the replica's vision-encoder cache (image content hashes are scoped by the salt too). TTFT is measured by bench/tenant_probe.py (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from warmfleet.server.tiny_checkpoints.images import data_uri, image_bytes, image_part
-from warmfleet.livefleet import MODEL_NAME, LiveFleet
+from warmfleet.livefleet import MODEL_NAME, LiveFleet, metric
 from warmfleet.server.router.core.tenants import derive_salt
 
 pytestmark = pytest.mark.slow
@@ -78,3 +78,21 @@ def test_b_cannot_use_a_image_uuid_or_hit_a_image_blocks(keyed_fleet):
     cached(chat(url, KEY_A, [image_part(img), {"type": "text", "text": "q1"}], system))
     assert cached(chat(url, KEY_A, [image_part(img), {"type": "text", "text": "q2"}], system)) > 0
     assert cached(chat(url, KEY_B, [image_part(img), {"type": "text", "text": "q2"}], system)) == 0
+
+
+def test_b_sending_a_image_misses_the_encoder_cache(keyed_fleet):
+    """Image content hashes are scoped by the tenant's salt: B's copy of A's picture is encoded again (an encoder
+    hit would show in B's first-token time and in where an encoder-aware router places B), A's own repeat is a hit."""
+    url, replica = keyed_fleet.router.url, keyed_fleet.replicas[0]
+    img = data_uri(image_bytes(72, 56, seed=91))
+
+    def encoder_hits() -> float:
+        return metric(httpx.get(replica.url + "/metrics", timeout=5).text, "warmfleet:encoder_cache_hits_total") or 0.0
+
+    # each ask under another system prompt: no KV prefix covers the image, so only the encoder cache could serve it
+    cached(chat(url, KEY_A, [image_part(img), {"type": "text", "text": "what is it?"}], "Desk one. " * 12))
+    before = encoder_hits()
+    cached(chat(url, KEY_B, [image_part(img), {"type": "text", "text": "what is it?"}], "Desk two. " * 12))
+    assert encoder_hits() == before
+    cached(chat(url, KEY_A, [image_part(img), {"type": "text", "text": "and now?"}], "Desk three. " * 12))
+    assert encoder_hits() > before
