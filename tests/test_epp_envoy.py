@@ -14,7 +14,7 @@ import pytest
 
 from envoy_gateway import Envoy, envoy_binary
 from warmfleet.server.tiny_checkpoints.images import data_uri, image_bytes, image_part
-from warmfleet.livefleet import Epp, Replica, free_port, metric, wait_for
+from warmfleet.livefleet import Epp, MediaServer, Replica, free_port, metric, wait_for
 from warmfleet.server.router.epp.envoy_bootstrap import GatewayConfig
 
 pytestmark = pytest.mark.slow
@@ -26,7 +26,8 @@ SYSTEM = "You are the warmfleet gateway assistant. Answer briefly about caches, 
 def gateway(tiny_vl_dir, tmp_path_factory):
     envoy_binary()  # fail first, before starting anything, when no Envoy is given
     cwd = tmp_path_factory.mktemp("epp-envoy")  # never the repo root: its operator/ folder shadows the stdlib
-    replicas = [Replica(f"r{i}", tiny_vl_dir, cwd, ("--max-encoder-cache", "4096")) for i in range(2)]
+    replicas = [Replica(f"r{i}", tiny_vl_dir, cwd, ("--max-encoder-cache", "4096", "--allowed-media-host", "127.0.0.1"))
+                for i in range(2)]
     epp = Epp(tiny_vl_dir, replicas, cwd, ("--health-interval-s", "30"))
     envoy = None
     try:
@@ -86,6 +87,36 @@ def test_an_image_conversation_stays_home(gateway):
     assert second.status_code == 200, second.text
     assert second.headers["x-warmfleet-replica"] == first.headers["x-warmfleet-replica"]
     assert cached(second) > 0
+
+
+def test_a_url_image_is_learned_from_the_replica_through_the_gateway(gateway, tiny_vl_dir):
+    """Envoy hands the EPP the answer's headers: the replica's media header (what the URL it fetched hashed to)
+    teaches the EPP, is removed before the client, and the next turn is predicted warm past the image, exactly."""
+    from warmfleet.server.router.core.prompt import PromptRenderer
+
+    envoy, epp, _, cwd = gateway
+    data = image_bytes(112, 168, seed=43)
+    (cwd / "media").mkdir(exist_ok=True)
+    with MediaServer(cwd / "media") as media:
+        url = media.put("gw.png", data)
+        image = {"type": "image_url", "image_url": {"url": url}}
+        turn = [{"role": "system", "content": "One picture, several questions."},
+                {"role": "user", "content": [image, {"type": "text", "text": "What is in it?"}]}]
+        body = {"model": "tiny", "max_tokens": 2, "temperature": 0, "messages": turn}
+        first = httpx.post(envoy.url + "/v1/chat/completions", json=body, timeout=120)
+        assert first.status_code == 200, first.text
+        assert "x-warmfleet-media" not in first.headers  # the replica's note to the router only
+        assert metric(epp.metrics(), "warmfleet_router_media_urls_learned_total") >= 1
+        follow = turn + [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"] or "x"},
+                         {"role": "user", "content": "And its corners?"}]
+        before = {n: metric(epp.metrics(), n) or 0 for n in ("warmfleet_router_predicted_cached_tokens_total",
+                                                             "warmfleet_router_actual_cached_tokens_total")}
+        second = httpx.post(envoy.url + "/v1/chat/completions", json={**body, "messages": follow}, timeout=120)
+        assert second.status_code == 200, second.text
+    item = PromptRenderer(str(tiny_vl_dir)).chat({"messages": [
+        turn[0], {"role": "user", "content": [image_part(data_uri(data)), turn[1]["content"][1]]}]}).mm_items[0]
+    predicted, actual = (metric(epp.metrics(), n) - before[n] for n in before)
+    assert predicted == actual == cached(second) > item.offset + item.length  # warm past the image, as predicted
 
 
 def test_streaming_passes_through_envoy_event_by_event(gateway):

@@ -6,7 +6,8 @@ One gRPC stream per HTTP request, FULL_DUPLEX_STREAMED (what GIE gateways config
           ─ request_body … (eos) ─────▶  Router.route → enter(primary)
           ◀──────── headers response ─   destination header + envoy.lb metadata, clear_route_cache
           ◀──── streamed body chunks ─   the body as hashed (rewritten if the router changed it)
-          ─ response_headers ─────────▶  served endpoint: the load moves there if the gateway retried
+          ─ response_headers ─────────▶  served endpoint: the load moves there if the gateway retried;
+                                         the replica's media header (URL image hashes) learned, removed
           ◀───────── headers response ─
           ─ response_body chunk ──────▶  first one: prefilled; each one handed back at once
           ◀───────── streamed chunk ───
@@ -30,6 +31,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as mod
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from ...multimodal.url_hashes import HEADER as MEDIA_HEADER
 from ..core.errors import NO_REPLICA, Refusal, parse_json_object
 from ..core.policy import RETRY
 from ..core.registry import Replica
@@ -60,6 +62,7 @@ class Exchange:
         self.size = 0
         self.picked = False  # the pick (or an immediate answer) has been sent
         self.routed: Optional[Routed] = None
+        self.body: Optional[dict] = None  # the request as routed (its cache_salt files what the media header teaches)
         self.rep: Optional[Replica] = None  # where this request's load is booked (after the served report: there)
         self.queued = 0  # its uncached prompt tokens, queued on `rep` until the first response byte
         self.client: Optional[str] = None  # the per-client slot held
@@ -134,7 +137,7 @@ class Exchange:
             return [self.refuse(NO_REPLICA if self.subset is None else NO_SUBSET_ENDPOINT)]
         changed = routed.body_changed or self.door.rt.tenants.enabled  # a dialect rewrite or the tenant's salt
         out_body = json.dumps(body).encode() if changed else raw
-        self.routed, self.scanner = routed, UsageScanner(bool(body.get("stream")))
+        self.routed, self.scanner, self.body = routed, UsageScanner(bool(body.get("stream"))), body
         self.book(reps[0])
         value = pick.destination(pick.endpoint_of(r) for r in reps)
         self.picked = True
@@ -219,13 +222,17 @@ class Exchange:
         self.settle_served(pick.served_of(req, h))
         status = pick.header_value(h, ":status")
         self.status = int(status) if status and status.isdigit() else 0
+        media = pick.header_value(h, MEDIA_HEADER)
         if self.status == 200 and self.rep is not None and self.routed is not None:
             self.router.fleet.record_served(self.rep.id, self.routed.hashes)
+            self.router.learn_media(self.body, media)
         if self.scanner is not None and "text/event-stream" not in (pick.header_value(h, "content-type") or ""):
             self.scanner.stream = False
         common = pb.CommonResponse()
         if pick.header_value(h, pick.SERVED) is not None:  # the gateway's note to the EPP, not for the client
             common.header_mutation.remove_headers.append(pick.SERVED)
+        if media is not None:  # the replica's note to the router (url_hashes.py), not for the client
+            common.header_mutation.remove_headers.append(MEDIA_HEADER)
         out = [pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=common))]
         if h.end_of_stream:
             self.finish()
