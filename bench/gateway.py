@@ -20,6 +20,9 @@ interleaved so that they share the machine's load:
   the module, and declares one pod per replica (podIP 127.0.0.1, Ready, the annotation
   `inference.networking.k8s.io/active-ports` naming its port: lwepp's endpoints are pods x targetPorts);
   the control plane's CPU is not counted in the routing tier (a cluster runs it for everything);
+- `gateway-proxy`: proxy mode behind a gateway, the case a cluster that already runs one is in: the same
+  generator's bootstrap without ext_proc (`for_gateway_proxy`), Envoy forwarding everything to one
+  `warmfleet route` (as an HTTPRoute to the router's Service would), which routes to the replicas;
 - `rr`, `sglang`, `vllm`: bench/routing.py's peers (client-side round-robin; the two cache_aware routers).
 
 Reports per front the cached-token ratio (from `usage`), TTFT p50/p90, spread (max / mean requests per
@@ -29,7 +32,7 @@ their descendants, reaped children included (/proc/PID/stat fields 14-17), from 
 to just after the last answer; and the same net of the tier's idle burn (health checks, metric polls, KV
 events: measured for 5 s with no traffic before each run), the marginal cost of requests. Targets (booleans under "targets"): the EPP's cached ratio within 0.02 of the
 proxy's and ahead of lwepp and every peer; its TTFT p90 <= the proxy's; its CPU per request below the
-proxy's. A front that could not run is skipped, said up front and recorded under "skipped_fronts".
+proxy's (and, reported beside it, below gateway-proxy's: Envoy + proxy). A front that could not run is skipped, said up front and recorded under "skipped_fronts".
 
 Both Envoys start alike (routing.py's flags: default --concurrency, one worker per core).
 Writes gateway.json and gateway.png to --out; progress on stderr; with --json the last stdout line is one
@@ -65,8 +68,9 @@ routing = harness.sibling("routing")
 progress = harness.reporter("gateway")
 
 REPO = harness.BENCH.parent
-EPP_FRONTS = ("epp", "lwepp")  # behind Envoy
-FRONTS = ("proxy", *EPP_FRONTS, *routing.PEERS)
+EPP_FRONTS = ("epp", "lwepp")  # pickers behind Envoy
+ENVOY_FRONTS = (*EPP_FRONTS, "gateway-proxy")  # fronts that need the Envoy binary
+FRONTS = ("proxy", *EPP_FRONTS, "gateway-proxy", *routing.PEERS)
 COLORS = {"proxy": harness.ROUTER_COLORS["warmfleet"], "epp": "#1b6b3a", "lwepp": "#8c564b"}
 TARGETS = ("EPP cached ratio within 0.02 of the proxy's and ahead of lwepp and every peer; "
            "EPP TTFT p90 <= the proxy's; EPP routing-tier CPU per request < the proxy's")
@@ -96,8 +100,8 @@ def verdict(res: Mapping[str, Mapping]) -> dict:
     epp, proxy = res.get("epp"), res.get("proxy")
     if not epp or not proxy or epp.get("cached_ratio") is None or proxy.get("cached_ratio") is None:
         return {}
-    others = {k: v["cached_ratio"] for k, v in res.items()
-              if k not in ("epp", "proxy") and v.get("cached_ratio") is not None}
+    others = {k: v["cached_ratio"] for k, v in res.items()  # gateway-proxy is warmfleet's proxy too: not a rival
+              if k not in ("epp", "proxy", "gateway-proxy") and v.get("cached_ratio") is not None}
     out = {"epp_minus_proxy_ratio": round(epp["cached_ratio"] - proxy["cached_ratio"], 4),
            "epp_ratio_within_0.02_of_proxy": abs(epp["cached_ratio"] - proxy["cached_ratio"]) <= 0.02}
     if others:
@@ -112,6 +116,10 @@ def verdict(res: Mapping[str, Mapping]) -> dict:
     if e_cpu is not None and p_cpu:
         out["epp_cpu_vs_proxy"] = round(e_cpu / p_cpu, 3)
         out["epp_cpu_per_request_below_proxy"] = e_cpu < p_cpu
+    g_cpu = (res.get("gateway-proxy") or {}).get("cpu_s_per_1000_requests")
+    if e_cpu is not None and g_cpu:  # beside the issue's target: against proxy mode behind the same gateway
+        out["epp_cpu_vs_gateway_proxy"] = round(e_cpu / g_cpu, 3)
+        out["epp_cpu_per_request_below_gateway_proxy"] = e_cpu < g_cpu
     return out
 
 
@@ -250,6 +258,15 @@ def for_lwepp(boot: dict) -> dict:
     return boot
 
 
+def for_gateway_proxy(boot: dict) -> None:
+    """`boot` without the picker (in place): no ext_proc filter and no `epp` cluster, so Envoy forwards every
+    request to the pool's endpoints by round robin (override-host's fallback): here the one router."""
+    filters = http_filters(boot)
+    filters[:] = [f for f in filters if f["name"] != "envoy.filters.http.ext_proc"]
+    statics = boot["static_resources"]
+    statics["clusters"] = [c for c in statics["clusters"] if c["name"] != "epp"]
+
+
 def start_envoy(envoy: str, epp_port: int, endpoints: list[str], cwd: str) -> tuple[str, subprocess.Popen]:
     """lwepp's Envoy: the product generator's bootstrap (as routing.start_gateway builds it for `warmfleet epp`)
     with `for_lwepp`'s changes, the pool `endpoints`; Envoy started with the same flags as there."""
@@ -305,6 +322,18 @@ def start_front(kind: str, fleet, cwd: str, tools: dict, kube: Optional[KubePool
     if kind in routing.PEERS:
         base, p = routing.start_router(kind, fleet, cwd)
         return Front(base, {"router": p} if p is not None else {})
+    if kind == "gateway-proxy":
+        from warmfleet.server.router.epp.envoy_bootstrap import GatewayConfig
+
+        router_base, p = routing.start_router("warmfleet", fleet, cwd)
+        try:
+            envoy = Envoy(tools["envoy"], GatewayConfig(endpoints=[router_base.removeprefix("http://")]), Path(cwd),
+                          name=f"envoy-proxy-{free_port()}", edit=for_gateway_proxy).start()
+            envoy.wait_ready()
+        except BaseException:
+            harness.stop(p)
+            raise
+        return Front(envoy.url, {"envoy": envoy.popen, "router": p})
     if kind == "epp":  # routing.py's front: `warmfleet epp` (route's flags) behind Envoy from the generator
         base, gw = routing.start_router("epp", fleet, cwd)
         front = Front(base, {"envoy": gw.envoy, "epp": gw.epp})
@@ -418,11 +447,11 @@ def usable_fronts(wanted: list[str], args: argparse.Namespace) -> tuple[list[str
     """The fronts that can run here, the tools they need, and why each other one is skipped."""
     fronts, skipped = harness.present_routers(wanted)
     tools: dict = {}
-    if any(f in EPP_FRONTS for f in fronts):
+    if any(f in ENVOY_FRONTS for f in fronts):
         try:
             tools["envoy"] = envoy_binary(args.envoy)
         except (subprocess.CalledProcessError, OSError) as exc:
-            skipped.update({f: f"no Envoy ({exc})" for f in fronts if f in EPP_FRONTS})
+            skipped.update({f: f"no Envoy ({exc})" for f in fronts if f in ENVOY_FRONTS})
     if "epp" in fronts and "epp" not in skipped and not (installed(EPP_MAIN) and installed(BOOTSTRAP)):
         skipped["epp"] = "`warmfleet epp` or its Envoy bootstrap generator is not installed"
     if "lwepp" in fronts and "lwepp" not in skipped:

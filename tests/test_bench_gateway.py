@@ -88,6 +88,27 @@ def test_verdict_needs_the_epp_and_the_proxy():
     assert "epp_cpu_per_request_below_proxy" not in t  # the proxy's CPU unknown: no verdict either way
 
 
+def test_verdict_against_proxy_mode_behind_the_same_gateway():
+    """gateway-proxy (Envoy + warmfleet route) is compared on CPU, and is no rival on cached ratio (it is warmfleet)."""
+    res = {"proxy": front(0.60, 1.0, 10.0), "epp": front(0.59, 0.9, 14.0), "gateway-proxy": front(0.70, 1.0, 15.0)}
+    t = gateway.verdict(res)
+    assert t["epp_cpu_per_request_below_gateway_proxy"] and t["epp_cpu_vs_gateway_proxy"] == 0.933
+    assert not t["epp_cpu_per_request_below_proxy"]
+    assert "epp_ratio_ahead_of_lwepp_and_peers" not in t  # no rival measured
+    res["gateway-proxy"] = front(0.70, 1.0, 12.0)
+    assert not gateway.verdict(res)["epp_cpu_per_request_below_gateway_proxy"]
+
+
+def test_for_gateway_proxy_leaves_envoy_forwarding_to_the_pool():
+    from warmfleet.server.router.epp.envoy_bootstrap import GatewayConfig
+    from warmfleet.server.router.epp.envoy_bootstrap import bootstrap as build
+
+    boot = build(GatewayConfig(endpoints=["127.0.0.1:9000"]))
+    gateway.for_gateway_proxy(boot)
+    assert [f["name"] for f in gateway.http_filters(boot)] == ["envoy.filters.http.router"]
+    assert [c["name"] for c in boot["static_resources"]["clusters"]] == ["inference_pool"]
+
+
 def bootstrap() -> dict:
     ext_proc = {"name": "envoy.filters.http.ext_proc", "typed_config": {"processing_mode": {
         "request_header_mode": "SEND", "response_header_mode": "SEND", "request_body_mode": "FULL_DUPLEX_STREAMED",
@@ -107,17 +128,20 @@ def test_for_lwepp_buffers_the_body_and_streams_it_without_waiting():
                                       "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"}
 
 
-def test_envoy_accepts_the_lwepp_bootstrap(tmp_path):
-    """The generator's bootstrap with for_lwepp's changes, validated by the real Envoy (WARMFLEET_ENVOY)."""
+@pytest.mark.parametrize("edit", ["for_lwepp", "for_gateway_proxy"])
+def test_envoy_accepts_the_bench_bootstraps(tmp_path, edit):
+    """The generator's bootstrap with for_lwepp's (or for_gateway_proxy's) changes, validated by the real Envoy
+    (WARMFLEET_ENVOY)."""
     import json
     import subprocess
 
     from envoy_gateway import envoy_binary
     from warmfleet.server.router.epp.envoy_bootstrap import GatewayConfig, bootstrap
 
-    boot = gateway.for_lwepp(bootstrap(GatewayConfig(epp="127.0.0.1:9002", listen_port=8081, admin_port=None,
-                                                     endpoints=["127.0.0.1:8001", "127.0.0.1:8002"])))
-    path = tmp_path / "lwepp.json"
+    boot = bootstrap(GatewayConfig(epp="127.0.0.1:9002", listen_port=8081, admin_port=None,
+                                   endpoints=["127.0.0.1:8001", "127.0.0.1:8002"]))
+    getattr(gateway, edit)(boot)
+    path = tmp_path / f"{edit}.json"
     path.write_text(json.dumps(boot))
     proc = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
                           capture_output=True, text=True, timeout=120)
