@@ -18,7 +18,7 @@ demo: $(BIN)/warmfleet
 ## test: set up, then run every test: unit + integration, then e2e against a local Kubernetes
 test: unit e2e
 
-## unit: unit and integration tests (real servers on loopback, kopf against kmock); ~7 min on 2 cores
+## unit: unit and integration tests (real servers on loopback, kopf against kmock); ~8 min on 2 cores
 unit: $(BIN)/warmfleet
 	WARMFLEET_ENVOY="$$(scripts/envoy-env.sh | tail -n 1)" $(BIN)/pytest -q
 
