@@ -13,6 +13,7 @@ unless that variable is set, and `make test-vllm` fails, never skips, when vLLM 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -20,7 +21,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
 import httpx
 import pytest
@@ -172,18 +173,28 @@ def vllm_fleet(vllm_python, tmp_path_factory):
     work = tmp_path_factory.mktemp("vllm")  # never the repo root: its operator/ folder shadows the stdlib
     # Qwen2-VL, bench size: head_dim 64 (vLLM's CPU attention needs 32-512); serves text and images
     model = make_tiny_vl_model(work / "vl-bench", arch="qwen2_vl", size="bench", seed=0)
-    reps = [VllmReplica(vllm_python, model, work / f"vllm-{i}.log") for i in range(2)]
+    with routed_fleet([VllmReplica(vllm_python, model, work / f"vllm-{i}.log") for i in range(2)], model, work) as f:
+        yield f
+
+
+@contextlib.contextmanager
+def routed_fleet(reps: list, model: Path, work: Path, prepare: Callable[[list], None] = lambda reps: None,
+                 ready: Callable[[dict], bool] = lambda replica: True, what: str = "the router synced with both "
+                 "vLLM replicas") -> Iterator["VllmFleet"]:
+    """`reps` started and ready, `prepare(reps)` run, then `warmfleet route --engine vllm` in front of them, up once
+    every replica in its view is synced, healthy and `ready`; everything stopped after."""
     router_proc = None
     try:
         for r in reps:
             r.start()
         for r in reps:
             r.wait_ready([x.proc for x in reps])
+        prepare(reps)
         port = free_port()
         router_proc = start_router(model, reps, work, port)
         fleet = VllmFleet(reps, f"http://127.0.0.1:{port}", router_proc)
-        wait_for(lambda: all(x["synced"] and x["healthy"] for x in fleet.replicas_view().values()),
-                 "the router synced with both vLLM replicas", [router_proc], 60)
+        wait_for(lambda: all(x["synced"] and x["healthy"] and ready(x) for x in fleet.replicas_view().values()),
+                 what, [router_proc], 60)
         yield fleet
     finally:
         if router_proc is not None:

@@ -10,11 +10,10 @@ import httpx
 import pytest
 
 from warmfleet.livefleet import wait_for
-from warmfleet.localprocs import free_port
 from warmfleet.operator import adapters_pass
 from warmfleet.server.tiny_checkpoints.lora import make_tiny_adapter
 
-from .conftest import VllmFleet, start_router
+from .conftest import routed_fleet
 from .test_vllm_lora_runtime import LoraReplica
 
 SYSTEM = "You are the warmfleet assistant. Answer briefly and precisely about adapters and routing. " * 8
@@ -30,31 +29,18 @@ def lora_fleet(vllm_python, tmp_path_factory):
     wanted = {name: str(make_tiny_adapter(model, work / "adapters" / name, seed=seed))
               for seed, name in enumerate(("sql", "chat"))}
     reps = [LoraReplica(vllm_python, model, work / f"vllm-lora-{i}.log") for i in range(2)]
-    router_proc = None
-    try:
-        for r in reps:
-            r.start()
-        for r in reps:
-            r.wait_ready([x.proc for x in reps])
 
+    def load_adapters(reps: list) -> None:
         async def load_all():
             async with httpx.AsyncClient() as http:
                 return [await adapters_pass.sync_pod(http, r.url, wanted, {}) for r in reps]
 
         assert all(res.errors == {} for res in asyncio.run(load_all()))
-        port = free_port()
-        router_proc = start_router(model, reps, work, port)
-        fleet = VllmFleet(reps, f"http://127.0.0.1:{port}", router_proc)
-        wait_for(lambda: all(x["synced"] and x["healthy"] and (x["adapters"] or {}).get("served") == ["chat", "sql"]
-                             for x in fleet.replicas_view().values()),
-                 "the router synced with both vLLM replicas and learned their adapters", [router_proc], 60)
+
+    with routed_fleet(reps, model, work, load_adapters,
+                      ready=lambda x: (x["adapters"] or {}).get("served") == ["chat", "sql"],
+                      what="the router synced with both vLLM replicas and learned their adapters") as fleet:
         yield fleet
-    finally:
-        if router_proc is not None:
-            router_proc.terminate()
-            router_proc.wait(timeout=30)
-        for r in reps:
-            r.kill()
 
 
 def ask(fleet, model: str, question: str, system: str) -> tuple[str, int, int]:

@@ -85,10 +85,11 @@ class Fleet:
     # --- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
         await self.check_health()
-        self._health_task = asyncio.create_task(self._health_loop())
+        self._health_task = asyncio.create_task(self._every(self.health_interval_s, self.check_health, "health"))
         if self.adapter_poll_s is not None:
             await self.scrape_adapters()
-            self._adapter_task = asyncio.create_task(self._adapter_loop())
+            self._adapter_task = asyncio.create_task(self._every(self.adapter_poll_s, self.scrape_adapters,
+                                                                 "adapter scrape"))
 
     def _probe_session(self) -> aiohttp.ClientSession:
         """The health checks' own pooled keep-alive session (made in the running loop, closed by stop())."""
@@ -182,14 +183,6 @@ class Fleet:
         return st.load.num_running + st.load.num_waiting
 
     # --- LoRA adapters ----------------------------------------------------------------------
-    async def _adapter_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.adapter_poll_s)
-            try:
-                await self.scrape_adapters()
-            except Exception:
-                log.exception("adapter scrape round failed")
-
     async def scrape_adapters(self) -> None:
         """Every healthy replica's lora_requests_info; its /v1/models too every MODELS_EVERY rounds (and the first)."""
         models = self._adapter_rounds % MODELS_EVERY == 0
@@ -200,13 +193,15 @@ class Fleet:
                                for r in reps))
 
     # --- health -----------------------------------------------------------------------------
-    async def _health_loop(self) -> None:
+    @staticmethod
+    async def _every(interval_s: float, round_fn, what: str) -> None:
+        """`round_fn()` every `interval_s` until cancelled; a failed round is logged, the next one still runs."""
         while True:
-            await asyncio.sleep(self.health_interval_s)
+            await asyncio.sleep(interval_s)
             try:
-                await self.check_health()
+                await round_fn()
             except Exception:
-                log.exception("health round failed")
+                log.exception("%s round failed", what)
 
     async def check_health(self) -> None:
         reps = list(self.registry.replicas.values())
