@@ -3,15 +3,12 @@ the router's prediction equals the replica's cached_tokens per adapter, adapters
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
-from warmfleet.livefleet import wait_for
-from warmfleet.localprocs import free_port, stop_all
+from warmfleet.livefleet import LiveFleet, wait_for
 from warmfleet.server.tiny_checkpoints.lora import make_tiny_adapter
 
 pytestmark = pytest.mark.slow
@@ -25,33 +22,14 @@ def lora_fleet(tiny_model_dir, tmp_path_factory):
     cwd = tmp_path_factory.mktemp("lora-live")  # never the repo root: its operator/ folder shadows the stdlib
     c = make_tiny_adapter(tiny_model_dir, cwd / "c", seed=3)
     modules = [f"a={GOLDEN / 'a'}", f"b={GOLDEN / 'b'}", f"c={c}"]
-    exe = [sys.executable, "-P", "-m", "warmfleet.cli"]
-    procs: list[subprocess.Popen] = []
-    replicas = []
+    fleet = LiveFleet(tiny_model_dir, cwd, replica_args=("--kv-cache-memory", "0.05", "--lora-modules", *modules,
+                                                         "--max-loras", "1", "--max-cpu-loras", "3")).start()
     try:
-        for i in range(2):
-            port, events = free_port(), free_port()
-            procs.append(subprocess.Popen(exe + [
-                "serve", "--model", str(tiny_model_dir), "--port", str(port), "--kv-events-port", str(events),
-                "--replica-id", f"lora-{i}", "--served-model-name", "tiny", "--block-size", "16",
-                "--kv-cache-memory", "0.05", "--lora-modules", *modules, "--max-loras", "1", "--max-cpu-loras", "3",
-                "--log-level", "warning"], cwd=cwd))
-            replicas.append((f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{events}"))
-        for url, _ in replicas:
-            wait_for(lambda: httpx.get(url + "/ready").status_code == 200, f"{url} ready", procs)
-        port = free_port()
-        args = exe + ["route", "--model", str(tiny_model_dir), "--port", str(port), "--block-size", "16",
-                      "--log-level", "warning"]
-        for url, events in replicas:
-            args += ["--replica", f"{url},events={events}"]
-        procs.append(subprocess.Popen(args, cwd=cwd))
-        router = f"http://127.0.0.1:{port}"
-        wait_for(lambda: all(x["synced"] and x["healthy"] and (x["adapters"] or {}).get("max_loras") == 1
-                             for x in httpx.get(router + "/v1/router/replicas").json()["replicas"]),
-                 "the router synced with both replicas and learned their adapters", procs)
-        yield replicas, router
+        wait_for(lambda: all((x["adapters"] or {}).get("max_loras") == 1 for x in fleet.router.view()["replicas"]),
+                 "the router synced with both replicas and learned their adapters", [fleet.router])
+        yield fleet
     finally:
-        stop_all(procs)
+        fleet.close()
 
 
 def ask(router: str, model: str, question: str, system: str = SYSTEM) -> tuple[str, int, int]:
@@ -69,18 +47,18 @@ def view(router: str) -> dict:
     return {x["id"]: x for x in httpx.get(router + "/v1/router/replicas").json()["replicas"]}
 
 
-def url_of(replicas, replica_id: str) -> str:
-    return replicas[int(replica_id.rsplit("-", 1)[1])][0]
+def url_of(fleet: LiveFleet, replica_id: str) -> str:
+    return fleet.by_id(replica_id).url
 
 
 def test_prediction_equals_the_replicas_cached_tokens_per_adapter(lora_fleet):
-    replicas, router = lora_fleet
+    router = lora_fleet.router.url
     system = "Per-adapter test. " + SYSTEM
     for model in ("a", "b", "c", "tiny"):
         before = {rid: x["gpu_blocks"] for rid, x in view(router).items()}
         home, predicted, cached = ask(router, model, "What is an adapter?", system=system)
         assert predicted == 0 and cached == 0  # the same text under every other adapter: none of their blocks
-        url = url_of(replicas, home)
+        url = url_of(lora_fleet, home)
         wait_for(lambda: view(router)[url]["gpu_blocks"] > before[url], "the replica's events indexed", [])
         for q in ("And a slot?", "And a rank?"):
             replica, predicted, cached = ask(router, model, q, system=system)
@@ -89,11 +67,11 @@ def test_prediction_equals_the_replicas_cached_tokens_per_adapter(lora_fleet):
 
 
 def test_the_router_knows_what_each_replica_serves_and_holds(lora_fleet):
-    replicas, router = lora_fleet
+    router = lora_fleet.router.url
     home, _, _ = ask(router, "b", "Which replica holds b?", system="Residency test. " + SYSTEM)
-    wait_for(lambda: view(router)[url_of(replicas, home)]["adapters"]["resident"] == ["b"],
+    wait_for(lambda: view(router)[url_of(lora_fleet, home)]["adapters"]["resident"] == ["b"],
              "the replica's lora_requests_info scraped", [])
-    entry = view(router)[url_of(replicas, home)]["adapters"]
+    entry = view(router)[url_of(lora_fleet, home)]["adapters"]
     assert entry["served"] == ["a", "b", "c"] and entry["max_loras"] == 1
     # a new conversation for b goes where b is resident (nothing cached of it anywhere)
     replica, predicted, _ = ask(router, "b", "Fresh question?", system="Another conversation. " + SYSTEM)
@@ -101,12 +79,12 @@ def test_the_router_knows_what_each_replica_serves_and_holds(lora_fleet):
 
 
 def test_a_streamed_adapter_request_is_booked_until_its_last_byte(lora_fleet):
-    replicas, router = lora_fleet
+    router = lora_fleet.router.url
     with httpx.stream("POST", router + "/v1/chat/completions", timeout=60, json={
             "model": "c", "max_tokens": 4, "stream": True,
             "messages": [{"role": "user", "content": "Stream from c, please."}]}) as r:
         assert r.status_code == 200
-        url = url_of(replicas, r.headers["x-warmfleet-replica"])
+        url = url_of(lora_fleet, r.headers["x-warmfleet-replica"])
         body = "".join(r.iter_text())
     assert "[DONE]" in body
     wait_for(lambda: view(router)[url]["adapters"]["in_flight"] == {}, "the stream's adapter booking released", [])
