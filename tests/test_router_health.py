@@ -156,3 +156,44 @@ async def test_a_requests_connect_timeout_counts_as_one_failed_check_not_death()
         assert not fleet.registry.get(b).healthy
     finally:
         await close(fleet, reps, http)
+
+
+async def test_a_replica_that_just_answered_skips_the_probe_but_not_for_long():
+    fleet, reps, http = await fleet_of(2, health_interval_s=10.0, health_passive_max_s=0.3)
+    try:
+        await fleet.check_health()  # joining probed both, and so does a round before any answer
+        assert [r.checks for r in reps] == [2, 2] and healthy(fleet) == sorted(r.url for r in reps)
+        fleet.record_served(reps[0].url, [])  # a routed request answered 200
+        await fleet.check_health()
+        assert [r.checks for r in reps] == [2, 3]  # the one that answered was not probed
+        assert fleet.metrics.health_probes_skipped._value.get() == 1
+        await asyncio.sleep(0.35)  # past health_passive_max_s: probed even though it keeps answering
+        fleet.record_served(reps[0].url, [])
+        await fleet.check_health()
+        assert [r.checks for r in reps] == [3, 4]
+    finally:
+        await close(fleet, reps, http)
+
+
+async def test_passive_health_never_keeps_a_replica_that_is_down():
+    fleet, reps, http = await fleet_of(1, health_interval_s=10.0)
+    try:
+        await fleet.check_health()
+        fleet.report_failure(reps[0].url, "ClientConnectorError")  # a request found it gone
+        fleet.record_served(reps[0].url, [])  # a late 200 from before does not vouch for it
+        reps[0].stalled = True
+        await fleet.check_health()  # so it is probed (and stays out while it does not answer)
+        assert reps[0].checks == 3 and healthy(fleet) == []
+    finally:
+        await close(fleet, reps, http)
+
+
+async def test_passive_health_off_probes_every_round():
+    fleet, reps, http = await fleet_of(1, health_interval_s=10.0, health_passive_max_s=0.0)
+    try:
+        await fleet.check_health()
+        fleet.record_served(reps[0].url, [])
+        await fleet.check_health()
+        assert reps[0].checks == 3
+    finally:
+        await close(fleet, reps, http)

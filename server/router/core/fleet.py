@@ -9,6 +9,13 @@ would send its warm prefixes elsewhere). Its
 index entries are purged when it leaves (it may come back cold). When it passes a check again it
 is routable, and a snapshot resync rebuilds what it holds.
 
+Passive health: a replica that answered a routed request 200 within the last health interval has
+just shown it is up and ready, so that round sends it no probe (counted in
+`health_probes_skipped_total`); it is still probed at least every `health_passive_max_s` (1 s), so a
+readiness that turns 503 under steady traffic is seen within that. In front of vLLM the probes were
+five requests a second per replica into its API server, which shares the CPU with the engine, and
+about a third of the router's own samples on a loaded host (issue 26).
+
 A round in which every replica's check timed out (two replicas or more, none refused, none
 answered) is not counted against any of them: a stall of the router or of the host between it
 and the fleet (CPU throttling, a frozen network path, or a simulator hosting every replica) is far
@@ -55,7 +62,7 @@ STALL_GRACE_S = 10.0  # rounds of all-timeouts forgiven for this long in a row, 
 
 class Fleet:
     def __init__(self, http: httpx.AsyncClient, metrics: RouterMetrics, *, health_interval_s: float = 0.2,
-                 health_timeout_s: float = 0.5, health_failures: int = 2, model_fingerprint: Optional[str] = None,
+                 health_timeout_s: float = 0.5, health_failures: int = 2, health_passive_max_s: float = 1.0, model_fingerprint: Optional[str] = None,
                  block_size: Optional[int] = None, upstream_headers: Optional[dict] = None, dialect=None,
                  warmup: WarmupConfig = WarmupConfig(), index_max_blocks: Optional[int] = None,
                  stall_grace_s: float = STALL_GRACE_S, adapter_poll_s: Optional[float] = ADAPTER_POLL_S):
@@ -66,6 +73,7 @@ class Fleet:
         self.registry = Registry(on_down=self._on_down, on_up=self._on_up)
         self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
         self.health_failures = max(1, health_failures)
+        self.health_passive_max_s = health_passive_max_s  # 0: every replica probed every round
         self.stall_grace_s = stall_grace_s
         self.health_stall_rounds = 0  # rounds in which every check timed out (not counted against the replicas)
         self._stall_since: Optional[float] = None  # start of the current run of such rounds
@@ -203,9 +211,21 @@ class Fleet:
             except Exception:
                 log.exception("%s round failed", what)
 
+    def _answered_lately(self, rep: Replica, now: float) -> bool:
+        """Passive health (module docstring): it answered within the interval and was probed not too long ago."""
+        return (rep.healthy and now - rep.answered_at < self.health_interval_s
+                and now - rep.probed_at < self.health_passive_max_s)
+
+    async def _check_or_skip(self, rep: Replica, now: float) -> tuple[bool, bool, bool, str]:
+        if self._answered_lately(rep, now):
+            self.metrics.health_probes_skipped.inc()
+            return True, False, False, ""
+        return await self._check_once(rep)
+
     async def check_health(self) -> None:
         reps = list(self.registry.replicas.values())
-        results = await asyncio.gather(*(self._check_once(r) for r in reps))
+        start = time.monotonic()
+        results = await asyncio.gather(*(self._check_or_skip(r, start) for r in reps))
         now = time.monotonic()
         if len(reps) >= 2 and all(res[2] for res in results):  # every check timed out: see the module docstring
             first = self._stall_since is None
@@ -231,6 +251,7 @@ class Fleet:
     async def _check_once(self, rep: Replica) -> tuple[bool, bool, bool, str]:
         """One health check: (ok, refused, timed out, error)."""
         path = self.dialect.ready_path  # readiness, not liveness: a replica still loading its model is not routable
+        rep.probed_at = time.monotonic()
         # aiohttp, not httpx: ~0.13 ms of CPU per check against ~0.63 ms (bench/router_throughput.py,
         # docs/scale.md); with 64 replicas checked 5 times a second that is 4% of a core instead of 20%
         try:
@@ -266,7 +287,11 @@ class Fleet:
                      rep.id, err, self.health_failures - rep.failed_checks)
 
     def record_served(self, rid: str, hashes: list[bytes]) -> None:
-        """A replica accepted a prompt: engines without KV events learn it as a prediction."""
+        """A replica answered a routed prompt 200 (it is up: passive health); engines without KV events learn
+        it as a prediction."""
+        rep = self.registry.get(rid)
+        if rep is not None:
+            rep.answered_at = time.monotonic()
         self.dialect.served(self.index, rid, hashes)
         if self.dialect.contract == "predicted":
             self._update_index_metrics(rid)

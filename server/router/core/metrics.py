@@ -72,6 +72,9 @@ class RouterMetrics:
         self.health_stall_rounds = Counter(
             p + "health_stall_rounds_total", "Health-check rounds in which every replica timed out, taken as a stall "
             "of the router or its host and not counted against the replicas.", registry=r)
+        self.health_probes_skipped = Counter(
+            p + "health_probes_skipped_total", "Health checks not sent because the replica had just answered a "
+            "routed request (passive health, --health-passive-max-s).", registry=r)
         self.replica_healthy = Gauge(p + "replica_healthy", "1 if the replica is routable.", ["replica"], registry=r)
         self.event_lag = Histogram(p + "event_lag_seconds", "Publish-to-apply delay of KV-event batches.",
                                    buckets=(0.001, 0.005, 0.02, 0.1, 0.5, 2, 10), registry=r)

@@ -70,6 +70,8 @@ class Replica:
     replay_tokens: int = 0  # of queued_tokens, those of warm-up/hand-off replays (not client work: not in metrics)
     sent: float = 0.0  # requests this router sent it recently (decayed; policy share cap and tie-break)
     failed_checks: int = 0  # active health checks failed in a row (timeouts, non-200)
+    answered_at: float = 0.0  # monotonic time it last answered a routed request 200 (passive health)
+    probed_at: float = 0.0  # monotonic time of its last active health check
     warming: bool = False  # joined or restarted: hot prefixes are being replayed into it; not routed meanwhile
     last_warmup: Optional[dict] = None  # figures of its last warm-up (prefixes, tokens, seconds, budgets)
     draining: bool = False  # going away: takes no new requests, the ones in flight finish

@@ -88,7 +88,7 @@ async def running(rt: RouterRuntime, metrics: RouterMetrics,
     settings = rt.settings
     http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
     fleet = Fleet(http, metrics, health_interval_s=settings.health_interval_s,
-                  health_timeout_s=settings.health_timeout_s,
+                  health_timeout_s=settings.health_timeout_s, health_passive_max_s=settings.health_passive_max_s,
                   health_failures=settings.health_failures, model_fingerprint=rt.hash_cfg.model_fingerprint,
                   block_size=rt.hash_cfg.block_size, upstream_headers=upstream_headers(settings),
                   dialect=dialect_for(settings), warmup=settings.warmup,

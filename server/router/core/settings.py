@@ -182,6 +182,9 @@ class RouterSettings:
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     health_interval_s: float = field(default=0.2, metadata=opt(
         "--health-interval-s", "Active health-check period, seconds."))
+    health_passive_max_s: float = field(default=1.0, metadata=opt(  # fleet.py: passive health; 0 = probe every round
+        "--health-passive-max-s", "A replica that answered a routed request within the last health interval skips "
+        "that round's probe, but is probed at least this often, seconds (0: probe every round)."))
     health_timeout_s: float = field(default=0.5, metadata=opt("--health-timeout-s", "Health-check timeout, seconds."))
     health_failures: int = field(default=2, metadata=opt(  # in a row before a replica leaves; refused: at once
         "--health-failures", "Health checks failed in a row (timeout, non-200) before a replica leaves routing; a "
@@ -225,6 +228,8 @@ class RouterSettings:
             raise ValueError("--predicted-capacity-blocks must be >= 1 and --predicted-ttl-s > 0")
         if self.media_url_capacity < 1 or self.media_url_ttl_s <= 0:
             raise ValueError("--media-url-capacity must be >= 1 and --media-url-ttl-s > 0")
+        if self.health_passive_max_s < 0:
+            raise ValueError("--health-passive-max-s must be >= 0")
         if self.health_failures < 1:
             raise ValueError("--health-failures must be >= 1")
         if self.peer_interval_s <= 0 or self.peer_jitter < 0:
