@@ -79,8 +79,28 @@ def device_loads(urls: list[str]) -> float:
     return total
 
 
+def modeled_loads(rec: list[dict], models: list[str], max_loras: int) -> dict:
+    """Loads a `max_loras`-slot LRU per replica would make for these requests in arrival order, by the router's
+    decision reason (x-warmfleet-route; "none" for routers that send none): where the real loads come from."""
+    slots: dict[str, list[str]] = {}
+    out: dict[str, dict] = {}
+    for r in sorted((r for r in rec if r["replica"]), key=lambda r: r["t"]):
+        lru, a = slots.setdefault(r["replica"], []), models[r["i"]]
+        reason = (r["route"] or "none").split(";")[0]
+        row = out.setdefault(reason, {"requests": 0, "loads": 0})
+        row["requests"] += 1
+        if a in lru:
+            lru.remove(a)
+        else:
+            row["loads"] += 1
+            if len(lru) >= max_loras:
+                lru.pop(0)
+        lru.append(a)
+    return out
+
+
 def run_router(kind: str, make_fleet, model: Path, n: int, gpu_blocks: int, cwd: str, models: list[str],
-               trace: list, rate: float, seed: int) -> dict:
+               trace: list, rate: float, seed: int, max_loras: int) -> dict:
     """One router on fresh replicas: the workload's summary plus adapter loads per 1,000 requests."""
     t_start = time.monotonic()
     with make_fleet(model, n, gpu_blocks, cwd) as fleet:
@@ -96,6 +116,7 @@ def run_router(kind: str, make_fleet, model: Path, n: int, gpu_blocks: int, cwd:
                 harness.stop(proc)
     summ = routing.summarize(rec, n)
     summ["adapter_loads_per_1000"] = round(1000.0 * loads / len(rec), 1)
+    summ["modeled_loads_by_reason"] = modeled_loads(rec, models, max_loras)
     return summ
 
 
@@ -187,7 +208,8 @@ def main() -> int:
     res = {}
     try:
         for kind in routers:
-            res[kind] = run_router(kind, make_fleet, model, n, gpu_blocks, cwd, models, trace, rate, args.seed)
+            res[kind] = run_router(kind, make_fleet, model, n, gpu_blocks, cwd, models, trace, rate, args.seed,
+                                   args.max_loras)
             progress(f"{kind}: {res[kind]}")
     finally:
         shutil.rmtree(cwd, ignore_errors=True)
