@@ -2,6 +2,7 @@
 
     python bench/adapters.py [--quick] [--json] [--adapters N] [--max-loras K] [--routers rr,sglang,vllm,warmfleet]
                              [--replicas R] [--requests M] [--rate X] [--seed S] [--zipf A] [--out DIR]
+                             [--variant NAME=FLAGS (router warmfleet:NAME)]
 
 Starts R real `warmfleet serve` replicas on loopback (bench/routing.py's Fleet, fresh for every router), each
 serving the same N tiny PEFT adapters (server/tiny_checkpoints/lora.py: random q/v LoRAs on the checkpoint) with
@@ -100,13 +101,13 @@ def modeled_loads(rec: list[dict], models: list[str], max_loras: int) -> dict:
 
 
 def run_router(kind: str, make_fleet, model: Path, n: int, gpu_blocks: int, cwd: str, models: list[str],
-               trace: list, rate: float, seed: int, max_loras: int) -> dict:
+               trace: list, rate: float, seed: int, max_loras: int, extra: list[str]) -> dict:
     """One router on fresh replicas: the workload's summary plus adapter loads per 1,000 requests."""
     t_start = time.monotonic()
     with make_fleet(model, n, gpu_blocks, cwd) as fleet:
         progress(f"{kind}: {n} replicas up in {time.monotonic() - t_start:.0f} s")
         urls = [u for u, _, _ in fleet.replicas]
-        base, proc = routing.start_router(kind, fleet, cwd)
+        base, proc = routing.start_router(kind, fleet, cwd, extra)
         try:
             before = device_loads(urls)
             rec = asyncio.run(routing.drive([base] if base else urls, trace, rate, seed, models=models))
@@ -180,6 +181,9 @@ def main() -> int:
     ap.add_argument("--gpu-blocks", type=int, default=None,
                     help="KV blocks per replica (default: about two thirds of every adapter's prompts).")
     ap.add_argument("--out", default="bench/results", help="Directory for adapters.json and adapters.png.")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                    help="A warmfleet variant run as router 'warmfleet:NAME' with these extra `warmfleet route` flags, "
+                         "e.g. --routers rr,warmfleet,warmfleet:w256 --variant 'w256=--adapter-weight 256'.")
     args = ap.parse_args()
     n = args.replicas or (2 if args.quick else 4)
     num_adapters = args.adapters or (5 if args.quick else 12)
@@ -204,12 +208,14 @@ def main() -> int:
                      "gpu_blocks_per_replica": gpu_blocks, "model": str(model), "skipped_routers": skipped,
                      "requests_per_adapter": {a: models.count(a) for a in adapters},
                      "load_average_1_5_15_min": {"before": os.getloadavg()}}
+    variants = {"warmfleet:" + v.split("=", 1)[0]: v.split("=", 1)[1].split() for v in args.variant}
+    results["variants"] = variants
     make_fleet = routing.fleet_with(*serve_args)
     res = {}
     try:
         for kind in routers:
             res[kind] = run_router(kind, make_fleet, model, n, gpu_blocks, cwd, models, trace, rate, args.seed,
-                                   args.max_loras)
+                                   args.max_loras, variants.get(kind, []))
             progress(f"{kind}: {res[kind]}")
     finally:
         shutil.rmtree(cwd, ignore_errors=True)
