@@ -173,54 +173,6 @@ def test_never_over_max_loras_while_another_replica_has_a_slot():
     assert [c.replica for c in adapter_slot_first(cs)] == ["r1", "r0", "r2"]
 
 
-def test_homes_give_a_hot_adapter_several_replicas_and_keep_the_cold_tail_on_one():
-    reps = [f"r{i}" for i in range(4)]
-    names = [f"a{i}" for i in range(12)]
-    counts = {a: round(1000 / (i + 1) ** 1.1) for i, a in enumerate(names)}  # Zipf: a0 is ~36 % of requests
-    homes = lora.place_homes({a: list(reps) for a in names}, dict.fromkeys(reps, 2), counts)
-    assert len(homes["a0"]) == 2 and all(len(homes[a]) == 1 for a in names[1:])  # 0.36 x 4 replicas -> 2 homes
-    # the 7 hottest fill the 8 slots, no replica over its 2; the 5 coldest go to the least-homed replicas, never to
-    # the hot adapter's
-    slotted = [r for a in names[:7] for r in homes[a]]
-    assert sorted(slotted.count(r) for r in reps) == [2, 2, 2, 2]
-    assert not {r for a in names[7:] for r in homes[a]} & homes["a0"]
-    # deterministic, whatever order the inputs come in
-    again = lora.place_homes({a: reps[::-1] for a in reversed(names)}, dict.fromkeys(reps[::-1], 2), counts)
-    assert again == homes
-
-
-def test_a_cold_adapter_goes_to_its_home_before_its_rendezvous_replica():
-    key = adapter_key("sql")
-    top = max(("r0", "r1", "r2"), key=lambda r: rendezvous_weight(key, r))
-    home = next(r for r in ("r0", "r1", "r2") if r != top)
-    d = choose(cands(3), block_size=B, num_prompt_tokens=40, cold_key=b"k", adapter_key=key)
-    assert d.order[0] == top and d.reason == COLD_HASH  # no homes: rendezvous
-    d = choose(cands(3), block_size=B, num_prompt_tokens=40, cold_key=b"k", adapter_key=key,
-               adapter_homes=frozenset({home}))
-    assert d.order[0] == home and d.reason == COLD_HASH
-    # equal scores with the adapter resident on both: the home first too
-    d = choose(cands(3, adapter_resident=[True, True, True]), block_size=B, num_prompt_tokens=40, cold_key=b"k",
-               adapter_key=key, adapter_homes=frozenset({home}))
-    assert d.order[0] == home and d.reason == ADAPTER_HIT
-
-
-def test_the_view_places_homes_from_this_routers_recent_requests():
-    view = lora.AdapterView()
-    for r in ("r0", "r1"):
-        view.learn_served(r, {"hot": "h", "cold": "c", "rare": "x"})
-        view.learn_info(r, lora.LoraInfo(1, frozenset(), frozenset()))
-    for _ in range(30):
-        view.sent("r0", "hot")
-        view.done("r0", "hot")
-    view.sent("r1", "cold")
-    assert view.homes("hot", now=100.0) == {"r0", "r1"}  # all its traffic: a home on both, no slot left
-    assert len(view.homes("cold", now=100.0)) == 1
-    for _ in range(lora.POPULARITY_WINDOW):  # the window forgets: now "rare" is the hot one
-        view.sent("r1", "rare")
-    assert view.homes("hot", now=100.5) == {"r0", "r1"}  # not recomputed within HOMES_EVERY_S
-    assert view.homes("rare", now=101.0) == {"r0", "r1"} and len(view.homes("hot", now=101.0)) == 1
-
-
 def test_base_model_requests_ignore_the_adapter_fields():
     cs = cands(3, gpu_blocks=[0, 2, 0], adapter_resident=[True, False, False], adapter_slot=[True, False, True])
     d = choose(cs, block_size=B, num_prompt_tokens=80, cold_key=b"k")

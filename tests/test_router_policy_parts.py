@@ -103,12 +103,11 @@ def test_cold_order_follows_the_rendezvous_weight_under_the_caps():
     key = b"k" * 32
     by_weight = sorted(cands, key=lambda c: -rendezvous_weight(key, c.replica))
     scores = {id(c): 0.0 for c in cands}
-    weight = {c.replica: rendezvous_weight(key, c.replica) for c in cands}
-    ranked, reason = cold_order(cands, list(cands), {id(c) for c in cands}, scores, weight)
+    ranked, reason = cold_order(cands, list(cands), {id(c) for c in cands}, scores, key)
     assert ranked == by_weight and reason == COLD_HASH
     # the top replica over the caps: the next in rendezvous order takes it, the top one goes last
     fits = by_weight[1:]
-    ranked, reason = cold_order(cands, fits, {id(c) for c in fits}, scores, weight)
+    ranked, reason = cold_order(cands, fits, {id(c) for c in fits}, scores, key)
     assert ranked == by_weight[1:] + by_weight[:1] and reason == LOAD_SPILL
 
 

@@ -12,35 +12,20 @@ A replica has a *slot* for an adapter when it is resident there, or fewer than `
 busy there (requests of this router in flight, waiting on the replica, or for vLLM, whose running label names
 every adapter with requests, running there), so taking it evicts nothing in use. Our engine's running label
 names its resident slots, busy or idle.
-
-Homes: where an adapter goes when nothing decides (no cached prefix, equal scores). Recomputed at most every
-`HOMES_EVERY_S` from the adapters' popularity in this router's last `POPULARITY_WINDOW` requests: most popular
-first, each adapter takes a slot on its rendezvous-first replicas that still have one, one replica per
-1/R of the traffic it has (a hot adapter gets several homes before its load has to spill); once every
-replica's `max_loras` slots are placed, the rest share the replica with the least homed traffic, so the
-thrash of the cold tail stays on one replica's slots instead of evicting hot adapters everywhere. Plain
-rendezvous put homes at random: three adapters on one replica with two slots and one on another, and the
-loads that follow (bench/adapters.py, issue 25).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import re
-import time
-from collections import Counter, OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional
-
-from .policy import rendezvous_weight
 
 log = logging.getLogger(__name__)
 
 LORA_INFO = "vllm:lora_requests_info"
 RECENT_UNKNOWN_SLOTS = 4  # adapters taken as resident from this router's sends before a scrape says max_lora
-POPULARITY_WINDOW = 512  # this router's last adapter requests, whose counts place the homes
-HOMES_EVERY_S = 1.0  # homes are recomputed at most this often (and never on the request path otherwise)
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
@@ -51,32 +36,6 @@ class LoraInfo:
     max_loras: int  # device slots
     running: frozenset  # adapters resident / running there
     waiting: frozenset  # adapters wanted by waiting requests, not resident yet
-
-
-def adapter_key(name: str) -> bytes:
-    """The rendezvous key of a LoRA adapter: its name (the same on every router process and replica)."""
-    return b"lora\0" + name.encode()
-
-
-def place_homes(serving: dict[str, list[str]], slots: dict[str, int], counts: dict[str, int]) -> dict[str, frozenset]:
-    """Adapter -> the replicas that home it (module docstring, "Homes"); `serving`: adapter -> replicas serving it,
-    `slots`: replica -> device slots, `counts`: adapter -> recent requests. Deterministic for equal inputs."""
-    total = sum(counts.get(a, 0) for a in serving)
-    free = dict(slots)
-    homed = dict.fromkeys(slots, 0.0)  # traffic share homed on each replica
-    out: dict[str, frozenset] = {}
-    for a in sorted(serving, key=lambda a: (-counts.get(a, 0), a)):
-        key = adapter_key(a)
-        rids = sorted(serving[a], key=lambda r: -rendezvous_weight(key, r))
-        share = counts.get(a, 0) / total if total else 0.0
-        chosen = [r for r in rids if free.get(r, 0) > 0][:max(1, math.ceil(share * len(rids) - 1e-9))]
-        if not chosen:  # every slot placed: the cold tail shares the least-homed replica
-            chosen = [min(rids, key=lambda r: homed.get(r, 0.0))]
-        for r in chosen:
-            free[r] = free.get(r, 0) - 1
-            homed[r] = homed.get(r, 0.0) + share / len(chosen)
-        out[a] = frozenset(chosen)
-    return out
 
 
 def parse_lora_info(text: str) -> Optional[LoraInfo]:
@@ -138,10 +97,6 @@ class AdapterView:
     def __init__(self) -> None:
         self.replicas: dict[str, ReplicaAdapters] = {}
         self._names: frozenset = frozenset()  # every adapter some replica serves (is_adapter: once per request)
-        self._window: deque = deque()  # this router's last POPULARITY_WINDOW adapter requests
-        self._counts: Counter = Counter()  # adapter -> its requests in the window
-        self._homes: dict[str, frozenset] = {}
-        self._homes_at = float("-inf")
 
     def _update_names(self) -> None:
         self._names = frozenset(n for st in self.replicas.values() for n in st.served)
@@ -178,19 +133,6 @@ class AdapterView:
         self.replicas.pop(rid, None)
         self._update_names()
 
-    def homes(self, name: str, now: Optional[float] = None) -> frozenset:
-        """The replicas that home adapter `name` (module docstring, "Homes"), recomputed at most every HOMES_EVERY_S."""
-        now = time.monotonic() if now is None else now
-        if now - self._homes_at >= HOMES_EVERY_S:
-            self._homes_at = now
-            serving: dict[str, list[str]] = {}
-            for rid, st in self.replicas.items():
-                for a in st.served:
-                    serving.setdefault(a, []).append(rid)
-            slots = {rid: st.max_loras or RECENT_UNKNOWN_SLOTS for rid, st in self.replicas.items()}
-            self._homes = place_homes(serving, slots, self._counts)
-        return self._homes.get(name, frozenset())
-
     def is_adapter(self, name: Optional[str]) -> bool:
         """Whether some replica serves `name` as an adapter."""
         return name in self._names
@@ -218,11 +160,6 @@ class AdapterView:
         """This router sent `rid` a request for adapter `name` (None: the base model)."""
         if name is None:
             return
-        self._window.append(name)
-        self._counts[name] += 1
-        if len(self._window) > POPULARITY_WINDOW:
-            old = self._window.popleft()
-            self._counts[old] -= 1
         st = self._of(rid)
         st.in_flight[name] = st.in_flight.get(name, 0) + 1
         st.recent[name] = None

@@ -57,11 +57,10 @@ every router process computes the same answer.
 
 LoRA adapters (`adapter_key` given: the request names one). A replica with the adapter resident scores
 `adapter_weight` more (it loads nothing into a slot) and counts as warm; one nobody has resident, for a
-prompt nobody holds, goes to its homes (`adapter_homes`: adapters.place_homes, by popularity and slots),
-then by rendezvous of the adapter's key, so each replica holds a stable subset of the cold adapters. Equal
-scores go by homes and that rendezvous too, so a hot adapter that outgrows its replicas' caps (the same
-bounded-load rule) spills to the same next home each time and is resident on more replicas as its load
-grows. Last, `adapter_slot_first`: replicas that could take the adapter only by evicting one in use go
+prompt nobody holds, goes by rendezvous of the adapter's key, so each replica holds a stable subset of the
+cold adapters. Equal scores go by that rendezvous too, so a hot adapter that outgrows its replicas' caps
+(the same bounded-load rule) spills to the same next home each time and is resident on more replicas as its
+load grows. Last, `adapter_slot_first`: replicas that could take the adapter only by evicting one in use go
 after every replica that has it resident or a free slot (they stay as retry fallbacks).
 """
 
@@ -224,9 +223,9 @@ def warm_order(cands: Sequence[Candidate], fits: list[Candidate], fit_ids: set, 
 
 
 def cold_order(cands: Sequence[Candidate], fits: list[Candidate], fit_ids: set, scores: dict,
-               weight: dict[str, int]) -> tuple[list[Candidate], str]:
-    """A prefix nobody holds: `weight` order (replica -> rendezvous weight of the cold key, homes first) under the
-    caps, then the rest by score; and why."""
+               cold_key: bytes) -> tuple[list[Candidate], str]:
+    """A prefix nobody holds: rendezvous order of `cold_key` under the caps, then the rest by score; and why."""
+    weight = {c.replica: rendezvous_weight(cold_key, c.replica) for c in cands}
     over = [c for c in cands if id(c) not in fit_ids]
     ranked = (sorted(fits, key=lambda c: -weight[c.replica])
               + sorted(over, key=lambda c: (-scores[id(c)], c.load, c.sent + c.tie, c.replica)))
@@ -246,9 +245,9 @@ def spread_order(cands: Sequence[Candidate]) -> list[Candidate]:
 
 def choose(cands: Sequence[Candidate], *, block_size: int, num_prompt_tokens: int,
            cold_key: Optional[bytes], cfg: PolicyConfig = PolicyConfig(),
-           adapter_key: Optional[bytes] = None, adapter_homes: frozenset = frozenset()) -> Decision:
-    """Order replicas for one request (`adapter_key`: its LoRA adapter's, None for the base model; `adapter_homes`:
-    the replicas that home it); raises ValueError if there are none."""
+           adapter_key: Optional[bytes] = None) -> Decision:
+    """Order replicas for one request (`adapter_key`: its LoRA adapter's, None for the base model); raises
+    ValueError if there are none."""
     if not cands:
         raise ValueError("no routable replicas")
     limit = cacheable_tokens(num_prompt_tokens, block_size)
@@ -270,18 +269,12 @@ def choose(cands: Sequence[Candidate], *, block_size: int, num_prompt_tokens: in
     scap = share_cap([c.sent for c in cands], cfg.share_epsilon)
     fits = under_caps(cands, cap, scap)
     fit_ids = {id(c) for c in fits}
-    home = None
-    if adapter_key is not None:  # homes above every rendezvous weight (8 bytes), then rendezvous
-        home = {c.replica: rendezvous_weight(adapter_key, c.replica) + (int(c.replica in adapter_homes) << 64)
-                for c in cands}
+    home = {c.replica: rendezvous_weight(adapter_key, c.replica) for c in cands} if adapter_key is not None else None
     encoder_warm = cfg.encoder_weight > 0 and any(c.warm_image_tokens > 0 for c in cands)  # weight 0: ignored
     if encoder_warm or any(hits[c.replica] > 0 or (home and c.adapter_resident) for c in cands):
         ranked, reason = warm_order(cands, fits, fit_ids, hits, scores, cap, scap, cfg, home)
-    elif home is not None:  # a cold adapter goes to its homes, then by its own key: a stable subset
-        ranked, reason = cold_order(cands, fits, fit_ids, scores, home)
-    elif cold_key is not None:
-        ranked, reason = cold_order(cands, fits, fit_ids, scores,
-                                    {c.replica: rendezvous_weight(cold_key, c.replica) for c in cands})
+    elif adapter_key is not None or cold_key is not None:  # a cold adapter goes by its own key: a stable subset
+        ranked, reason = cold_order(cands, fits, fit_ids, scores, adapter_key if adapter_key is not None else cold_key)
     else:
         ranked, reason = spread_order(cands), LEAST_LOAD
     if adapter_key is not None:

@@ -22,7 +22,6 @@ from typing import Callable, Iterator, Optional
 
 from ... import rendering
 from ...multimodal.url_hashes import parse_header
-from .adapters import adapter_key
 from .fleet import Fleet
 from .metrics import RouterMetrics
 from .policy import RETRY, Candidate, Decision, PolicyConfig, choose
@@ -39,6 +38,11 @@ def has_images(body: dict) -> bool:
     """Whether a chat body holds an image part (cheap: no decoding)."""
     messages = body.get("messages")
     return isinstance(messages, list) and rendering.has_images(messages)
+
+
+def adapter_key(name: str) -> bytes:
+    """The rendezvous key of a LoRA adapter: its name (the same on every router process and replica)."""
+    return b"lora\0" + name.encode()
 
 
 def cached_tokens_of(body: dict) -> Optional[int]:
@@ -193,8 +197,7 @@ class Router:
         cold_key = hashes[min(len(hashes), self.cold_key_blocks) - 1] if hashes else None
         num_tokens = prompt.num_tokens if prompt else 0
         decision = choose(cands, block_size=bs, num_prompt_tokens=num_tokens, cold_key=cold_key, cfg=self.policy,
-                          adapter_key=adapter_key(adapter) if adapter else None,
-                          adapter_homes=view.homes(adapter) if adapter else frozenset())
+                          adapter_key=adapter_key(adapter) if adapter else None)
         if adapter is not None:
             decision = dataclasses.replace(decision, adapter=adapter)
             hashes = names.get(decision.order[0], hashes) if decision.order else hashes
