@@ -1,6 +1,13 @@
 """Hot-prefix memory for warm-up: conversations fold into one entry, hits decay, bounds hold, selection owns first."""
 
+import json
+
+import httpx
+
+from warmfleet.server.router.core.fleet import Fleet
+from warmfleet.server.router.core.metrics import RouterMetrics
 from warmfleet.server.router.core.policy import rendezvous_weight
+from warmfleet.server.router.core.registry import ReplicaSpec
 from warmfleet.server.router.core.warmup import HotPrefixes, WarmupConfig
 
 BS = 4
@@ -77,3 +84,44 @@ def test_handoff_moves_the_leaving_replicas_prefixes_to_their_new_owners_within_
         assert to == max(staying, key=lambda m: rendezvous_weight(e.cold_key, m))
     assert len(hot.select_handoff("http://c", staying, lambda k: held[k], budget_tokens=16, now=1.0)) == 2
     assert hot.select_handoff("http://c", ["http://c"], lambda k: held[k], 10_000, 1.0) == []  # nobody stays
+
+
+def test_a_prefix_under_an_adapter_is_replayed_only_where_that_adapter_is_served():
+    hot = HotPrefixes(WarmupConfig(half_life_s=1e9))
+    hot.observe([1] * 8, H(*[1] * 8), BS, None, "sql", b"k1", 0.0)  # asked under adapter "sql"
+    hot.observe([2] * 8, H(*[2] * 8), BS, None, "tiny", b"k2", 0.0)  # the base model
+    serves = lambda rid, model: model != "sql"  # noqa: E731 - the joiner does not list "sql"
+    assert [e.model for e in hot.select("http://new", ["http://new"], 10_000, 1.0, serves)] == ["tiny"]
+    assert {e.model for e in hot.select("http://new", ["http://new"], 10_000, 1.0)} == {"sql", "tiny"}
+    moves = hot.select_handoff("http://c", ["http://a"], lambda k: {"http://c"}, 10_000, 1.0, serves)
+    assert [e.model for e, _ in moves] == ["tiny"]
+
+
+async def test_warm_up_reads_the_joiners_adapters_before_replaying_an_adapters_prefix():
+    replayed: list[str] = []
+
+    def replica(req: httpx.Request) -> httpx.Response:
+        if req.url.path == "/v1/models":  # the joiner lists "chat" but not "sql"
+            cards = [{"id": "tiny"}, {"id": "chat", "parent": "tiny", "lora_digest": "d"}]
+            return httpx.Response(200, json={"object": "list", "data": cards})
+        if req.url.path == "/v1/completions":
+            replayed.append(json.loads(req.content)["model"])
+            return httpx.Response(200, json={})
+        return httpx.Response(404)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(replica)) as http:
+        fleet = Fleet(http, RouterMetrics(), adapter_poll_s=None)
+        fleet.warmer.http = http
+        await fleet.set_members([ReplicaSpec("http://old"), ReplicaSpec("http://new")])  # probes fail (aiohttp)
+        for rid in ("http://old", "http://new"):
+            fleet.registry.mark_up(rid)
+        fleet.adapters.learn_served("http://old", {"sql": "s", "chat": "c"})  # another replica serves both
+        for ids, model in (([1] * 8, "sql"), ([2] * 8, "chat"), ([3] * 8, "tiny")):
+            fleet.warmer.hot.observe(ids, H(*ids), BS, None, model, b"k" + bytes(ids[:1]), 0.0)
+        joiner = fleet.registry.get("http://new")
+        try:
+            await fleet.warmer._run(fleet, joiner)
+        finally:
+            await fleet.stop()
+    assert sorted(replayed) == ["chat", "tiny"]  # "sql" would have been a 404
+    assert joiner.last_warmup["prefixes"] == 2

@@ -12,7 +12,10 @@ What is replayed into a joining replica, within a budget of tokens and seconds: 
 prefixes whose cold key the replica would own by rendezvous hashing over the new membership
 (the ones the policy would now place there), hottest first; then the fleet's hottest others.
 Each goes as `POST /v1/completions {"prompt": [ids], "max_tokens": 1, "cache_salt": salt}`, so
-the salt of the tenant it came from is kept and nothing crosses tenants.
+the salt of the tenant it came from is kept and nothing crosses tenants. A prefix asked under a
+LoRA adapter is replayed as that adapter, and only into a replica that lists it (the joiner's
+/v1/models is read first): one that does not would answer 404, and the replay's budget is better
+spent on prefixes it can hold.
 
 Hand-off of a replica that begins draining (scale-in, rolling update): its hot prefixes (those
 the index says it holds, or that it owned by rendezvous) are replayed into the replicas that
@@ -27,12 +30,19 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
+from . import adapters as lora
 from .policy import rendezvous_weight
 from .settings import WarmupConfig
 
 log = logging.getLogger(__name__)
+
+
+def serves_of(fleet) -> Callable[[str, Optional[str]], bool]:
+    """`serves(replica, model)` for the selections: the base model always, an adapter where the replica lists it."""
+    view = fleet.adapters
+    return lambda rid, model: not view.is_adapter(model) or view.identity(rid, model) is not None
 
 
 @dataclass
@@ -74,8 +84,10 @@ class HotPrefixes:
         self.num_tokens += len(entry.token_ids)
         self._evict(now)
 
-    def select(self, replica: str, members: Iterable[str], budget_tokens: int, now: float) -> list[HotPrefix]:
-        """Prefixes to replay into `replica`: those it owns by rendezvous over `members` first, hottest first."""
+    def select(self, replica: str, members: Iterable[str], budget_tokens: int, now: float,
+               serves: Callable[[str, Optional[str]], bool] = lambda rid, model: True) -> list[HotPrefix]:
+        """Prefixes to replay into `replica`: those it owns by rendezvous over `members` first, hottest first;
+        `serves(replica, model)`: whether it can serve a prefix's model (an adapter it lists)."""
         members = list(members)
 
         def owned(e: HotPrefix) -> bool:
@@ -84,14 +96,15 @@ class HotPrefixes:
         ranked = sorted(self.entries.values(), key=lambda e: (not owned(e), -e.score(now, self.cfg.half_life_s)))
         out, used = [], 0
         for e in ranked:
-            if used + len(e.token_ids) > budget_tokens:
+            if used + len(e.token_ids) > budget_tokens or not serves(replica, e.model):
                 continue
             out.append(e)
             used += len(e.token_ids)
         return out
 
-    def select_handoff(self, leaving: str, staying: Sequence[str], held_by, budget_tokens: int,
-                       now: float) -> list[tuple[HotPrefix, str]]:
+    def select_handoff(self, leaving: str, staying: Sequence[str], held_by, budget_tokens: int, now: float,
+                       serves: Callable[[str, Optional[str]], bool] = lambda rid, model: True
+                       ) -> list[tuple[HotPrefix, str]]:
         """(prefix, new owner) pairs to replay when `leaving` drains, hottest first, within the budget.
 
         `held_by(key)` is the set of replicas whose cache holds the prefix's last block. A prefix
@@ -109,7 +122,8 @@ class HotPrefixes:
             was_owner = rendezvous_weight(e.cold_key, leaving) > rendezvous_weight(e.cold_key, owner)
             if leaving not in holders and not was_owner:
                 continue
-            if any(m in holders for m in staying) or used + len(e.token_ids) > budget_tokens:
+            if (any(m in holders for m in staying) or used + len(e.token_ids) > budget_tokens
+                    or not serves(owner, e.model)):
                 continue
             out.append((e, owner))
             used += len(e.token_ids)
@@ -207,7 +221,8 @@ class Warmer:
         def held_by(key: bytes) -> set:
             return {rid for rid, st in fleet.index.replicas.items() if key in st.gpu or key in st.cpu}
 
-        chosen = self.hot.select_handoff(rep.id, list(reps), held_by, self.cfg.budget_tokens, t0)
+        chosen = self.hot.select_handoff(rep.id, list(reps), held_by, self.cfg.budget_tokens, t0,
+                                         serves_of(fleet))
         sem = asyncio.Semaphore(self.cfg.concurrency)  # as a warm-up: the targets serve live traffic meanwhile
         deadline = t0 + self.cfg.budget_s
         done = {"prefixes": 0, "tokens": 0}
@@ -232,7 +247,9 @@ class Warmer:
     async def _run(self, fleet, rep) -> None:
         t0 = time.monotonic()
         members = [r.id for r in fleet.registry.serving()]  # the membership that owns traffic from now on
-        chosen = self.hot.select(rep.id, members, self.cfg.budget_tokens, time.monotonic())
+        if any(fleet.adapters.is_adapter(e.model) for e in self.hot.entries.values()):
+            await lora.scrape(fleet.adapters, rep.id, rep.spec.url, self.http, self.headers, fleet.dialect, models=True)
+        chosen = self.hot.select(rep.id, members, self.cfg.budget_tokens, time.monotonic(), serves_of(fleet))
         sem = asyncio.Semaphore(self.cfg.concurrency)
         done = {"prefixes": 0, "tokens": 0}
 
