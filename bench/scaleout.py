@@ -167,7 +167,7 @@ class Run:
             res["error"] = "no usage"
         self.rec.append({"tag": f"r{i}", "t": round(t, 4), "replica": res["replica"],
                          "ttft_client_s": res["ttft_client_s"], "cached": res["cached"], "prompt": res["prompt"],
-                         "error": res["error"]})
+                         "error": res["error"], "route": res["route"]})
 
     def rate_at(self, t: float) -> float:
         return self.rate
@@ -265,7 +265,12 @@ def window(rec: list[dict], t0: float, t1: float) -> dict:
     rows = [r for r in rec if t0 <= r["t"] < t1]
     ok = [r for r in rows if not r["error"]]
     prompt = sum(r["prompt"] for r in ok)
-    return {"requests": len(rows), "errors": len(rows) - len(ok),
+    reasons: dict[str, int] = {}  # the router's decision reasons (x-warmfleet-route): spills show as load_spill
+    for r in ok:
+        if r.get("route"):
+            reason = r["route"].split(";")[0]
+            reasons[reason] = reasons.get(reason, 0) + 1
+    return {"requests": len(rows), "errors": len(rows) - len(ok), "reasons": reasons,
             "error_kinds": sorted({r["error"] for r in rows if r["error"]}),
             "cached_ratio": round(sum(r["cached"] for r in ok) / prompt, 4) if prompt else None,
             "ttft_p90_model_s": quantile([r.get("ttft_model_s") for r in ok], 0.9),

@@ -197,3 +197,32 @@ async def test_passive_health_off_probes_every_round():
         assert reps[0].checks == 3
     finally:
         await close(fleet, reps, http)
+
+
+async def test_a_replica_that_becomes_routable_starts_at_the_others_mean_share():
+    fleet, reps, http = await fleet_of(3)
+    try:
+        a, b, c = (r.url for r in reps)
+        fleet.report_failure(c, "ClientConnectorError")  # joining the fleet below: not healthy yet
+        fleet.registry.get(a).sent, fleet.registry.get(b).sent = 100.0, 140.0
+        fleet.registry.mark_up(c)  # joins (or comes back) with no share of its own
+        assert fleet.registry.get(c).sent == 120.0
+        fleet.drain(c, "admin")
+        fleet.registry.get(c).sent = 3.0  # decayed while it took nothing
+        fleet.undrain(c)
+        assert fleet.registry.get(c).sent == 120.0
+    finally:
+        await close(fleet, reps, http)
+
+
+def test_a_joiner_at_zero_share_spills_every_warm_request_and_one_at_the_mean_does_not():
+    from warmfleet.server.router.core.policy import LOAD_SPILL, PREFIX_HIT, Candidate, choose
+
+    def decide(joiner_sent: float):  # four replicas of a steady fleet (~512 recent requests), r0 holds the prompt
+        cands = [Candidate("r0", gpu_blocks=16, sent=128.0, load=2)]
+        cands += [Candidate(f"r{i}", sent=128.0, load=2) for i in (1, 2, 3)] + [Candidate("new", sent=joiner_sent)]
+        return choose(cands, block_size=16, num_prompt_tokens=300, cold_key=b"k")
+
+    spilled, kept = decide(0.0), decide(128.0)
+    assert spilled.reason == LOAD_SPILL and spilled.order[0] != "r0"
+    assert kept.reason == PREFIX_HIT and kept.order[0] == "r0"

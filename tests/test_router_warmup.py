@@ -119,9 +119,11 @@ async def test_warm_up_reads_the_joiners_adapters_before_replaying_an_adapters_p
         for ids, model in (([1] * 8, "sql"), ([2] * 8, "chat"), ([3] * 8, "tiny")):
             fleet.warmer.hot.observe(ids, H(*ids), BS, None, model, b"k" + bytes(ids[:1]), 0.0)
         joiner = fleet.registry.get("http://new")
+        joiner.warming, fleet.registry.get("http://old").sent = True, 50.0
         try:
             await fleet.warmer._run(fleet, joiner)
         finally:
             await fleet.stop()
     assert sorted(replayed) == ["chat", "tiny"]  # "sql" would have been a 404
     assert joiner.last_warmup["prefixes"] == 2
+    assert joiner.sent == 50.0 and not joiner.warming  # routable at the others' mean share (Fleet.even_share)

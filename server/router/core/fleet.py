@@ -172,11 +172,22 @@ class Fleet:
         if self.registry.end_drain(rid):
             self.metrics.replica_draining.labels(rid).set(0)
             log.info("replica %s drain ended", rid)
+            self.even_share(rep)
             if rep.healthy:
                 self.warmer.begin(self, rep)
         return True
 
     # --- routing view -----------------------------------------------------------------------
+    def even_share(self, rep: Replica) -> None:
+        """`rep` becomes routable (joined, back, warmed, undrained): its recent share starts at the others' mean.
+
+        The share cap is (1 + eps) x the mean share + 1. A joiner at 0 lowers the mean by 1/n, which put
+        every other replica over the cap at once: each warm request spilled cold until the shares evened
+        out over ~SHARE_WINDOW requests. That was the TTFT tail after a scale-out (bench/scaleout.py:
+        no load_spill in the steady window, 2-8 per 0.5 s once the joiner was routable, each a cold prefill)."""
+        others = [r.sent for r in self.registry.healthy() if r is not rep and not r.draining and not r.warming]
+        rep.sent = sum(others) / len(others) if others else 0.0
+
     def routable(self) -> list[Replica]:
         """Healthy replicas neither warming up nor draining; failing those, the warming ones, then the draining."""
         healthy = self.registry.healthy()
@@ -323,6 +334,7 @@ class Fleet:
         log.info("replica %s is up", rid)
         self.metrics.replica_healthy.labels(rid).set(1)
         self.request_resync(rid, "recovered")
+        self.even_share(self.registry.replicas[rid])
         self.warmer.begin(self, self.registry.replicas[rid])  # a joiner or a restart starts cold: warm it first
 
     # --- events and resync ------------------------------------------------------------------

@@ -263,6 +263,7 @@ class Warmer:
         finally:
             took = time.monotonic() - t0
             rep.warming = False
+            fleet.even_share(rep)  # routable from now on: see Fleet.even_share
             self.tasks.pop(rep.id, None)
             m = self.metrics
             m.replica_warming.labels(rep.id).set(0)
