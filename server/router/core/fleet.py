@@ -62,8 +62,9 @@ STALL_GRACE_S = 10.0  # rounds of all-timeouts forgiven for this long in a row, 
 
 class Fleet:
     def __init__(self, http: httpx.AsyncClient, metrics: RouterMetrics, *, health_interval_s: float = 0.2,
-                 health_timeout_s: float = 0.5, health_failures: int = 2, health_passive_max_s: float = 1.0, model_fingerprint: Optional[str] = None,
-                 block_size: Optional[int] = None, upstream_headers: Optional[dict] = None, dialect=None,
+                 health_timeout_s: float = 0.5, health_failures: int = 2, health_passive_max_s: float = 1.0,
+                 model_fingerprint: Optional[str] = None, block_size: Optional[int] = None,
+                 upstream_headers: Optional[dict] = None, dialect=None,
                  warmup: WarmupConfig = WarmupConfig(), index_max_blocks: Optional[int] = None,
                  stall_grace_s: float = STALL_GRACE_S, adapter_poll_s: Optional[float] = ADAPTER_POLL_S):
         self.http = http

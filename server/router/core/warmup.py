@@ -247,9 +247,6 @@ class Warmer:
     async def _run(self, fleet, rep) -> None:
         t0 = time.monotonic()
         members = [r.id for r in fleet.registry.serving()]  # the membership that owns traffic from now on
-        if any(fleet.adapters.is_adapter(e.model) for e in self.hot.entries.values()):
-            await lora.scrape(fleet.adapters, rep.id, rep.spec.url, self.http, self.headers, fleet.dialect, models=True)
-        chosen = self.hot.select(rep.id, members, self.cfg.budget_tokens, time.monotonic(), serves_of(fleet))
         sem = asyncio.Semaphore(self.cfg.concurrency)
         done = {"prefixes": 0, "tokens": 0}
 
@@ -259,6 +256,10 @@ class Warmer:
                 done["tokens"] += len(e.token_ids)
 
         try:
+            if any(fleet.adapters.is_adapter(e.model) for e in self.hot.entries.values()):  # what the joiner lists
+                await lora.scrape(fleet.adapters, rep.id, rep.spec.url, self.http, self.headers, fleet.dialect,
+                                  models=True)
+            chosen = self.hot.select(rep.id, members, self.cfg.budget_tokens, time.monotonic(), serves_of(fleet))
             await asyncio.gather(*(replay(e) for e in chosen))
         finally:
             took = time.monotonic() - t0
