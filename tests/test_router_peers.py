@@ -18,7 +18,7 @@ from warmfleet.server.router.core.prompt import HashConfig, PromptRenderer
 from warmfleet.server.router.core.registry import Replica, ReplicaSpec
 from warmfleet.server.router.core.runtime import RouterRuntime
 from warmfleet.server.router.core.settings import RouterSettings
-from warmfleet.server.router.core.tenants import ConcurrencyLimiter
+from warmfleet.server.router.core.tenants import ConcurrencyLimiter, Tenants
 from warmfleet.server.router.http.app import build_app
 from warmfleet.server.tokenizer import Tokenizer
 
@@ -49,12 +49,14 @@ class TwoRouters:
     """Two fake replicas and two routers in front of them, each router given both routers' URLs."""
 
     def __init__(self, model_dir, *, peers: bool = True, max_concurrent_per_client: int = 0,
-                 failures: Optional[FakeSharedFailures] = None):
+                 failures: Optional[FakeSharedFailures] = None, admin_key: Optional[str] = None,
+                 api_keys: Optional[dict] = None):
         self.tok = Tokenizer(model_dir)
         self.fp = model_fingerprint(model_dir)
         self.failures = failures or FakeSharedFailures()
         self.replicas = [FakeReplica(f"r{i}", self.tok, self.fp, self.failures) for i in range(2)]
         self.model_dir, self.peers, self.limit = model_dir, peers, max_concurrent_per_client
+        self.admin_key, self.api_keys = admin_key, api_keys or {}
 
     async def __aenter__(self) -> "TwoRouters":
         self.served = [await Served(r.app).start() for r in self.replicas]
@@ -66,8 +68,9 @@ class TwoRouters:
                 hash_cfg=HashConfig(BLOCK, self.fp),
                 replicas=[ReplicaSpec(s.url, r.events) for s, r in zip(self.served, self.replicas)],
                 renderer=PromptRenderer(str(self.model_dir), tokenizer=self.tok), peers=urls if self.peers else [],
+                tenants=Tenants(self.api_keys),
                 settings=RouterSettings(health_interval_s=0.1, max_concurrent_per_client=self.limit, peer_interval_s=0.05,
-                                        peer_jitter=0.0))  # deterministic tie-breaks: the tests know which replica a router picks
+                                        peer_jitter=0.0, admin_key=self.admin_key))  # deterministic tie-breaks: the tests know which replica a router picks
             app = build_app(runtime)
             await b.start(app)
             self.apps.append(app)
@@ -232,3 +235,23 @@ async def test_a_peer_name_stands_for_every_address_it_resolves_to():
     load.peers["http://127.0.0.1:18080"].seen = 1.0
     await load.resolve()  # looked up again: a known peer keeps its state
     assert load.peers["http://127.0.0.1:18080"].seen == 1.0
+
+
+async def test_peer_load_is_an_admin_route_and_peers_send_the_admin_key(tiny_model_dir):
+    async with TwoRouters(tiny_model_dir, admin_key="adm", api_keys={"client-key": None}) as t:
+        for app in t.apps:  # the routers found each other: their polls carry the admin key
+            await until(lambda: app.state.peers.live_peers() == 1, "the other router answering an authorized poll")
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "Bearer client-key"}):
+            r = await t.clients[0].get("/v1/router/peer-load", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        r = await t.clients[0].get("/v1/router/peer-load", headers={"authorization": "Bearer adm"})
+        assert r.status_code == 200 and set(r.json()["replicas"]) == {s.url for s in t.served}
+
+
+async def test_a_router_that_checks_api_keys_without_an_admin_key_serves_peer_load_to_no_one(tiny_model_dir):
+    async with TwoRouters(tiny_model_dir, api_keys={"client-key": None}) as t:
+        r = await t.clients[0].get("/v1/router/peer-load", headers={"authorization": "Bearer client-key"})
+        assert r.status_code == 403
+        peers = t.apps[0].state.peers
+        await until(lambda: all(p.failures >= 2 for p in peers.peers.values()), "polls refused")
+        assert peers.live_peers() == 0 and all("403" in p.last_error for p in peers.peers.values())

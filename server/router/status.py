@@ -80,6 +80,21 @@ def phase(r) -> str:
     return "warming" if r.warming else "ready" if r.healthy else "down"
 
 
+def admin_denied(request: Request, rt: RouterRuntime) -> Optional[Response]:
+    """None if `request` may use an admin route (drain, peer load); else the 401/403 answer. With `--admin-key`
+    it needs `Authorization: Bearer KEY`; without one, the routes are open only while no API key is checked."""
+    admin_key = rt.settings.admin_key
+    if admin_key:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), admin_key.encode()):
+            return error_response(401, "admin routes need `Authorization: Bearer <admin key>`",
+                                  "authentication_error")
+    elif rt.tenants.enabled:
+        return error_response(403, "this router checks API keys: start it with --admin-key (or "
+                              "WARMFLEET_ADMIN_KEY) to use its admin routes", "permission_error")
+    return None
+
+
 def add_admin_routes(app: FastAPI, rt: RouterRuntime, state: dict) -> None:
     """Drain for static fleets and scripted rolling updates: POST starts it, DELETE ends it.
 
@@ -88,20 +103,8 @@ def add_admin_routes(app: FastAPI, rt: RouterRuntime, state: dict) -> None:
     `Authorization: Bearer KEY`; without one it is open only while the router checks no API keys.
     """
 
-    def denied(request: Request) -> Optional[Response]:
-        admin_key = rt.settings.admin_key
-        if admin_key:
-            scheme, _, token = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), admin_key.encode()):
-                return error_response(401, "admin routes need `Authorization: Bearer <admin key>`",
-                                      "authentication_error")
-        elif rt.tenants.enabled:
-            return error_response(403, "this router checks API keys: start it with --admin-key (or "
-                                  "WARMFLEET_ADMIN_KEY) to use its admin routes", "permission_error")
-        return None
-
     async def drain_call(request: Request, rid: str, start: bool) -> Response:
-        refused = denied(request)
+        refused = admin_denied(request, rt)
         if refused is not None:
             return refused
         fleet: Fleet = state["fleet"]

@@ -38,7 +38,9 @@ nothing else.
 A peer that has not answered for `stale_s` is left out of the sums (a dead router holds no
 requests; a partitioned one is then counted as zero, so a limit can be exceeded by what it
 holds). A URL that answers with this router's own id is itself (one `--peers` list for every
-router, e.g. a headless Service) and is not polled again. No pickle: JSON both ways.
+router, e.g. a headless Service) and is not polled again. No pickle: JSON both ways. The endpoint is an
+admin route (status.admin_denied): polls carry `Authorization: Bearer <admin key>`, so routers of one
+service share `--admin-key`; a router that checks API keys and has no admin key serves it to no one.
 
 A `--peers` URL whose host is a name (http only) stands for every address the name resolves to,
 looked up again every `resolve_s`: on Kubernetes the operator passes the routers' headless Service
@@ -103,7 +105,7 @@ class PeerLoad:
 
     def __init__(self, peers: Iterable[str], *, interval_s: float = 0.1, stale_s: float = 1.0,
                  timeout_s: float = 0.5, router_id: Optional[str] = None, jitter: float = 4.0,
-                 resolve_s: float = 5.0):
+                 resolve_s: float = 5.0, headers: Optional[dict] = None):
         self.router_id = router_id or secrets.token_hex(8)  # random per process: a restarted router is a new peer
         self.configured = list(peers)  # as given; a name's addresses are polled (resolve)
         self.peers = {u: PeerState(u) for u in self.configured}
@@ -115,6 +117,7 @@ class PeerLoad:
         self._clients: dict[str, int] = {}
         self.fresh = 0  # peers (not itself) heard from within stale_s at the last recompute
         self._session: Optional[aiohttp.ClientSession] = None
+        self.headers = headers or {}  # sent with every poll: the admin key (peer load is an admin route)
 
     # --- what the policy and the limiter read -------------------------------------------------
     def replica_load(self, rid: str) -> tuple[int, int, float]:
@@ -191,7 +194,7 @@ class PeerLoad:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=None))
         try:
-            async with self._session.get(peer.url + PEER_LOAD_PATH,
+            async with self._session.get(peer.url + PEER_LOAD_PATH, headers=self.headers,
                                          timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as resp:
                 if resp.status != 200:
                     raise ValueError(f"HTTP {resp.status}")

@@ -16,7 +16,7 @@ from ..core.metrics import RouterMetrics
 from ..core.peers import PEER_LOAD_PATH, PeerLoad
 from ..core.runtime import RouterRuntime, running, upstream_headers
 from ..core.tenants import ConcurrencyLimiter, admit_client
-from ..status import add_admin_routes, add_status_routes, error_response, refusal_response
+from ..status import add_admin_routes, add_status_routes, admin_denied, error_response, refusal_response
 from .proxy import Proxy, upstream_session
 
 
@@ -222,12 +222,18 @@ def _lifespan(rt: RouterRuntime, metrics: RouterMetrics, state: dict, peers: Opt
     return lifespan
 
 
-def _add_peer_route(app: FastAPI, state: dict, open_by_client: Callable[[], dict], peers: Optional[PeerLoad]) -> None:
-    """`GET /v1/router/peer-load`: this router's own figures (served even without --peers, so others can poll it)."""
+def _add_peer_route(app: FastAPI, rt: RouterRuntime, state: dict, open_by_client: Callable[[], dict],
+                    peers: Optional[PeerLoad]) -> None:
+    """`GET /v1/router/peer-load`: this router's own figures (served even without --peers, so others can poll it),
+    an admin route: its per-client open counts and replica loads are no one else's business (peers send the
+    admin key, which every router of a service shares)."""
     local = peers or PeerLoad([])
 
     @app.get(PEER_LOAD_PATH, response_model=None)  # no schema from the return annotation
-    async def peer_load() -> JSONResponse:
+    async def peer_load(request: Request) -> Response:
+        refused = admin_denied(request, rt)
+        if refused is not None:
+            return refused
         fleet = state.get("fleet")
         reps = fleet.registry.replicas.values() if fleet is not None else []
         out = local.local_report(reps, open_by_client())
@@ -238,7 +244,8 @@ def _add_peer_route(app: FastAPI, state: dict, open_by_client: Callable[[], dict
 def build_app(rt: RouterRuntime) -> FastAPI:
     metrics = RouterMetrics()
     settings = rt.settings
-    peers = (PeerLoad(rt.peers, interval_s=settings.peer_interval_s, jitter=settings.peer_jitter)
+    peers = (PeerLoad(rt.peers, interval_s=settings.peer_interval_s, jitter=settings.peer_jitter,
+                      headers={"authorization": f"Bearer {settings.admin_key}"} if settings.admin_key else None)
              if rt.peers else None)
     limiter = ConcurrencyLimiter(settings.max_concurrent_per_client, remote=peers.client_open if peers else None)
     state: dict = {}  # "fleet" and "proxy", set by the lifespan
@@ -250,5 +257,5 @@ def build_app(rt: RouterRuntime) -> FastAPI:
     _add_openai_routes(app, front)
     add_status_routes(app, state, metrics)
     add_admin_routes(app, rt, state)
-    _add_peer_route(app, state, lambda: limiter.open, peers)
+    _add_peer_route(app, rt, state, lambda: limiter.open, peers)
     return FastPath(app, front)  # type: ignore[return-value]  # an ASGI app that forwards attributes to `app`
