@@ -80,16 +80,17 @@ def phase(r) -> str:
     return "warming" if r.warming else "ready" if r.healthy else "down"
 
 
-def admin_denied(request: Request, rt: RouterRuntime) -> Optional[Response]:
-    """None if `request` may use an admin route (drain, peer load); else the 401/403 answer. With `--admin-key`
-    it needs `Authorization: Bearer KEY`; without one, the routes are open only while no API key is checked."""
+def admin_denied(request: Request, rt: RouterRuntime, keyless_ok: bool = False) -> Optional[Response]:
+    """None if `request` may use an admin route; else the 401/403 answer. With `--admin-key` it needs
+    `Authorization: Bearer KEY`; without one, the routes are open only while no API key is checked (or, with
+    `keyless_ok`, always: peer load, which routers rendered without an admin key still poll)."""
     admin_key = rt.settings.admin_key
     if admin_key:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), admin_key.encode()):
             return error_response(401, "admin routes need `Authorization: Bearer <admin key>`",
                                   "authentication_error")
-    elif rt.tenants.enabled:
+    elif rt.tenants.enabled and not keyless_ok:
         return error_response(403, "this router checks API keys: start it with --admin-key (or "
                               "WARMFLEET_ADMIN_KEY) to use its admin routes", "permission_error")
     return None

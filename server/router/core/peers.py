@@ -38,9 +38,9 @@ nothing else.
 A peer that has not answered for `stale_s` is left out of the sums (a dead router holds no
 requests; a partitioned one is then counted as zero, so a limit can be exceeded by what it
 holds). A URL that answers with this router's own id is itself (one `--peers` list for every
-router, e.g. a headless Service) and is not polled again. No pickle: JSON both ways. The endpoint is an
-admin route (status.admin_denied): polls carry `Authorization: Bearer <admin key>`, so routers of one
-service share `--admin-key`; a router that checks API keys and has no admin key serves it to no one.
+router, e.g. a headless Service) and is not polled again. No pickle: JSON both ways. With `--admin-key`
+the endpoint needs `Authorization: Bearer <admin key>` and polls send it, so the routers of one service
+share one admin key; without one it is open to anyone who reaches the router.
 
 A `--peers` URL whose host is a name (http only) stands for every address the name resolves to,
 looked up again every `resolve_s`: on Kubernetes the operator passes the routers' headless Service

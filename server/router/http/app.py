@@ -224,14 +224,14 @@ def _lifespan(rt: RouterRuntime, metrics: RouterMetrics, state: dict, peers: Opt
 
 def _add_peer_route(app: FastAPI, rt: RouterRuntime, state: dict, open_by_client: Callable[[], dict],
                     peers: Optional[PeerLoad]) -> None:
-    """`GET /v1/router/peer-load`: this router's own figures (served even without --peers, so others can poll it),
-    an admin route: its per-client open counts and replica loads are no one else's business (peers send the
-    admin key, which every router of a service shares)."""
+    """`GET /v1/router/peer-load`: this router's own figures (served even without --peers, so others can poll it).
+    With `--admin-key` it needs that key, which peers send (per-client open counts and replica loads are no one
+    else's business); without one it stays open, as routers rendered without an admin key poll it."""
     local = peers or PeerLoad([])
 
     @app.get(PEER_LOAD_PATH, response_model=None)  # no schema from the return annotation
     async def peer_load(request: Request) -> Response:
-        refused = admin_denied(request, rt)
+        refused = admin_denied(request, rt, keyless_ok=True)
         if refused is not None:
             return refused
         fleet = state.get("fleet")
