@@ -186,6 +186,25 @@ def test_sums_cover_fresh_peers_only_and_skip_itself():
     assert pl.replica_load("r0") == (2, 100, 3.5) and pl.replica_load("r1") == (0, 0, 0.0)
 
 
+def test_fresh_routers_partition_the_replicas_the_same_way_and_a_stale_one_gives_its_share_back():
+    reps = [f"http://r{i}" for i in range(30)]
+    views = {}
+    for me in ("A", "B", "C"):
+        pl = PeerLoad(["http://a", "http://b", "http://c"], router_id=me)
+        for url, rid in (("http://a", "A"), ("http://b", "B"), ("http://c", "C")):
+            pl.apply(pl.peers[url], {"router": rid, "replicas": {}, "clients": {}}, now=10.0)
+        pl.recompute(now=10.1)
+        views[me] = pl
+    owners = [[me for me, pl in views.items() if pl.owns(r)] for r in reps]
+    assert all(len(o) == 1 for o in owners)  # every replica has exactly one owner, the same in every router's view
+    assert {o[0] for o in owners} == {"A", "B", "C"}  # and each router owns some
+    a = views["A"]
+    a.apply(a.peers["http://b"], {"router": "B", "replicas": {}, "clients": {}}, now=12.0)
+    a.recompute(now=12.1)  # C is stale now: A and B split C's replicas, A keeps its own
+    assert all(a.owns(r) for r, o in zip(reps, owners) if o == ["A"])
+    assert any(a.owns(r) for r, o in zip(reps, owners) if o == ["C"])
+
+
 @pytest.mark.parametrize("report", [
     {"router": 1, "replicas": {}, "clients": {}},
     {"router": "A", "replicas": {"r0": [1, 2]}, "clients": {}},
@@ -255,3 +274,34 @@ async def test_without_an_admin_key_peer_load_stays_open_so_keyed_routers_still_
         assert (await t.clients[0].get("/v1/router/peer-load")).status_code == 200
         drain = await t.clients[0].post(f"/v1/router/replicas/{t.served[0].url}/drain")
         assert drain.status_code == 403  # the other admin routes stay closed to key-checking routers
+
+
+def test_with_partition_tokens_a_cold_request_prefers_this_routers_own_replicas(tiny_model_dir):
+    import httpx as _httpx
+
+    from warmfleet.server.router.core.fleet import Fleet
+    from warmfleet.server.router.core.metrics import RouterMetrics
+    from warmfleet.server.router.core.router import Router
+
+    fleet = Fleet(_httpx.AsyncClient(), RouterMetrics(), adapter_poll_s=None)
+    urls = [f"http://10.0.0.{i}:8000" for i in range(6)]
+    fleet.registry.set_members([ReplicaSpec(u) for u in urls])
+    for r in fleet.registry.replicas.values():
+        r.healthy = True
+    router = Router(fleet, PromptRenderer(str(tiny_model_dir)), HashConfig(BLOCK, "fp"), RouterMetrics())
+    for me in ("A", "C", "D", "E", "F"):  # a router that does not own the replica plain ties go to (the first)
+        pl = PeerLoad(["http://b"], router_id=me, jitter=0.0, partition_tokens=10_000)
+        pl.apply(pl.peers["http://b"], {"router": "B", "replicas": {}, "clients": {}}, now=10.0)
+        pl.recompute(now=10.1)
+        if not pl.owns(urls[0]):
+            break
+    router.peers = pl
+    mine = [u for u in urls if pl.owns(u)]
+    assert mine and urls[0] not in mine
+    req = {"model": "tiny", "prompt": "a new question about caches " * 20}
+    _, _, hashes = router.decide("completions", req, fleet.routable())
+    for u in (urls[0], mine[0]):  # the same first block on a replica of each kind: equal scores but the partition
+        fleet.index.add_blocks(u, hashes[:1])
+    assert router.decide("completions", req, fleet.routable())[0].order[0] == mine[0]
+    pl.partition_tokens = 0
+    assert router.decide("completions", req, fleet.routable())[0].order[0] == urls[0]  # the tie goes by name

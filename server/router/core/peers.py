@@ -62,6 +62,8 @@ from typing import Iterable, Optional
 
 import aiohttp
 
+from .policy import rendezvous_weight
+
 log = logging.getLogger(__name__)
 
 PEER_LOAD_PATH = "/v1/router/peer-load"
@@ -105,17 +107,20 @@ class PeerLoad:
 
     def __init__(self, peers: Iterable[str], *, interval_s: float = 0.1, stale_s: float = 1.0,
                  timeout_s: float = 0.5, router_id: Optional[str] = None, jitter: float = 4.0,
-                 resolve_s: float = 5.0, headers: Optional[dict] = None):
+                 resolve_s: float = 5.0, headers: Optional[dict] = None, partition_tokens: int = 0):
         self.router_id = router_id or secrets.token_hex(8)  # random per process: a restarted router is a new peer
         self.configured = list(peers)  # as given; a name's addresses are polled (resolve)
         self.peers = {u: PeerState(u) for u in self.configured}
         self._addresses: dict[str, list[str]] = {}  # configured URL -> the URLs it last resolved to
         self.interval_s, self.stale_s, self.timeout_s = interval_s, stale_s, timeout_s
         self.resolve_s = resolve_s  # how often names in --peers are looked up again
+        self.partition_tokens = partition_tokens  # queued tokens added to replicas this router does not own
         self.jitter = jitter  # tie-break noise, in recent requests (see the module docstring: herding)
         self._replicas: dict[str, tuple[int, int, float]] = {}  # sums over fresh peers
         self._clients: dict[str, int] = {}
         self.fresh = 0  # peers (not itself) heard from within stale_s at the last recompute
+        self._routers: list[str] = [self.router_id]  # ids of this router and its fresh peers, sorted
+        self._owned: dict[str, bool] = {}  # replica -> whether this router owns it (see `owns`)
         self._session: Optional[aiohttp.ClientSession] = None
         self.headers = headers or {}  # sent with every poll: the admin key (peer load is an admin route)
 
@@ -128,6 +133,15 @@ class PeerLoad:
         """This router's figures for `rid` with the peers': in flight and queued summed, recent share averaged."""
         p_in, p_queued, p_sent = self._replicas.get(rid, ZERO)
         return in_flight + p_in, queued_tokens + p_queued, (sent + p_sent) / (1 + self.fresh)
+
+    def owns(self, rid: str) -> bool:
+        """Whether replica `rid` is this router's by rendezvous over the fresh routers' ids: every router draws the
+        same partition, so routers deciding at the same moment prefer different replicas (--peer-partition-tokens)."""
+        got = self._owned.get(rid)
+        if got is None:
+            key = rid.encode()
+            got = self._owned[rid] = max(self._routers, key=lambda r: rendezvous_weight(key, r)) == self.router_id
+        return got
 
     def client_open(self, client: str) -> int:
         """Requests `client` has open on fresh peers."""
@@ -189,6 +203,10 @@ class PeerLoad:
         self._replicas = {rid: (a[0], a[1], a[2]) for rid, a in reps.items()}
         self._clients = clients
         self.fresh = fresh
+        routers = sorted({self.router_id} | {p.router for p in self.peers.values()
+                                            if p.router and not p.is_self and p.seen and now - p.seen <= self.stale_s})
+        if routers != self._routers:  # the fresh routers changed: every replica's owner may have
+            self._routers, self._owned = routers, {}
 
     async def poll(self, peer: PeerState) -> None:
         if self._session is None or self._session.closed:

@@ -190,6 +190,8 @@ class Router:
                                        adapter_resident=resident, adapter_slot=slot))
             else:  # every router's load on it: ours exact, the peers' as of their last report (peers.py)
                 in_flight, queued, sent = combined(r.id, r.in_flight, r.queued_tokens, r.sent)
+                if self.peers.partition_tokens and not self.peers.owns(r.id):
+                    queued += self.peers.partition_tokens
                 cands.append(Candidate(r.id, m.gpu_blocks, m.cpu_blocks, warm,
                                        load=max(in_flight, self.fleet.engine_load(r.id)),
                                        queued_tokens=queued, sent=sent, tie=random.random() * self.peers.jitter,

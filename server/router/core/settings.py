@@ -216,6 +216,10 @@ class RouterSettings:
     peer_jitter: float = field(default=4.0, metadata=opt(  # tie-break noise in recent requests (peers.py: herding)
         "--peer-jitter", "With --peers: random tie-break noise between equally loaded replicas, in recent requests, "
         "so routers sharing one view do not all pick the same replica between two polls (0: off)."))
+    peer_partition_tokens: int = field(default=0, metadata=opt(  # peers.PeerLoad.owns: herding of simultaneous picks
+        "--peer-partition-tokens", "With --peers: replicas that are not this router's by rendezvous over the routers "
+        "count this many prompt tokens of queued work more when little is cached, so routers deciding at the same "
+        "moment prefer different replicas (0: off)."))
     log_level: str = field(default="info", metadata=opt("--log-level", None, choices=LOG_LEVELS))
 
     def __post_init__(self) -> None:
@@ -232,6 +236,8 @@ class RouterSettings:
             raise ValueError("--health-passive-max-s must be >= 0")
         if self.health_failures < 1:
             raise ValueError("--health-failures must be >= 1")
+        if self.peer_partition_tokens < 0:
+            raise ValueError("--peer-partition-tokens must be >= 0")
         if self.peer_interval_s <= 0 or self.peer_jitter < 0:
             raise ValueError("--peer-interval-s must be > 0 and --peer-jitter >= 0")
 

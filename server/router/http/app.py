@@ -245,6 +245,7 @@ def build_app(rt: RouterRuntime) -> FastAPI:
     metrics = RouterMetrics()
     settings = rt.settings
     peers = (PeerLoad(rt.peers, interval_s=settings.peer_interval_s, jitter=settings.peer_jitter,
+                      partition_tokens=settings.peer_partition_tokens,
                       headers={"authorization": f"Bearer {settings.admin_key}"} if settings.admin_key else None)
              if rt.peers else None)
     limiter = ConcurrencyLimiter(settings.max_concurrent_per_client, remote=peers.client_open if peers else None)
