@@ -27,6 +27,14 @@ conversations. So with peers each candidate's tie-break (never its share cap) ge
 `jitter` of up to that many recent requests: equally loaded replicas are then picked at random,
 differently by each router.
 
+Simultaneous decisions: requests that reach several routers in the same instant (a burst spread by
+a load balancer) are placed before any report, polled or pushed, could tell one router of the
+others' picks, so they herd on the same least-loaded replicas; neither a faster poll (0.02 s) nor
+pushed deltas changed that (docs/scale.md). `--peer-partition-tokens N` (off by default) gives each
+router a preference instead: the replicas it owns by rendezvous over the fresh routers' ids (`owns`;
+the same partition in every router's view) count N fewer queued tokens than the others, so
+simultaneous picks of different routers land on different replicas unless the load says otherwise.
+
 Uncertainty: a peer's in-flight figures are as of its last report, so each router's view of a
 replica's in-flight count is off by about one request per fresh peer (sent or finished since).
 Bounded load enforced to the request on such a view threw away long warm prefixes for phantom
