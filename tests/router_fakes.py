@@ -249,3 +249,16 @@ def chat(question: str, tenant: Optional[int] = None, **extra) -> dict:
     system = SYSTEM if tenant is None else f"Tenant {tenant}. " + SYSTEM
     return {"model": "tiny", "messages": [{"role": "system", "content": system},
                                           {"role": "user", "content": question}], **extra}
+
+
+def static_router(model_dir, urls: list[str], block_size: int = BLOCK):
+    """A Router over healthy static members at `urls` (no sockets, no events, no adapter scrapes): decide() only."""
+    from warmfleet.server.router.core.fleet import Fleet
+    from warmfleet.server.router.core.metrics import RouterMetrics
+    from warmfleet.server.router.core.router import Router
+
+    fleet = Fleet(httpx.AsyncClient(), RouterMetrics(), adapter_poll_s=None)
+    fleet.registry.set_members([ReplicaSpec(u) for u in urls])
+    for r in fleet.registry.replicas.values():
+        r.healthy = True
+    return Router(fleet, PromptRenderer(str(model_dir)), HashConfig(block_size, "fp"), RouterMetrics())

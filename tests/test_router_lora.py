@@ -5,22 +5,19 @@ from __future__ import annotations
 
 import random
 
-import httpx
 import pytest
 
+from router_fakes import static_router
 from warmfleet.server import hashing
 from warmfleet.server.hashing import AdapterId
 from warmfleet.server.router.core import adapters as lora
 from warmfleet.server.router.core.engines.vllm import VllmDialect, none_hash, sha256_cbor, vllm_block_digests
 from warmfleet.server.router.core.engines.warmfleet import WarmfleetDialect
-from warmfleet.server.router.core.fleet import Fleet
-from warmfleet.server.router.core.metrics import RouterMetrics
 from warmfleet.server.router.core.policy import (
     ADAPTER_HIT, COLD_HASH, LOAD_SPILL, Candidate, PolicyConfig, adapter_slot_first, choose, rendezvous_weight,
 )
-from warmfleet.server.router.core.prompt import HashConfig, Prompt, PromptRenderer
-from warmfleet.server.router.core.registry import ReplicaSpec
-from warmfleet.server.router.core.router import Router, adapter_key
+from warmfleet.server.router.core.prompt import HashConfig, Prompt
+from warmfleet.server.router.core.router import adapter_key
 
 B = 16
 CFG = HashConfig(block_size=B, model_fingerprint="fp")
@@ -183,17 +180,14 @@ def test_base_model_requests_ignore_the_adapter_fields():
 # --- the router: one decision over a fleet serving adapters -------------------------------------------
 @pytest.fixture()
 def router(tiny_model_dir):
-    fleet = Fleet(httpx.AsyncClient(), RouterMetrics(), adapter_poll_s=None)
     urls = [f"http://10.0.0.{i}:8000" for i in range(3)]
-    fleet.registry.set_members([ReplicaSpec(u) for u in urls])
-    for r in fleet.registry.replicas.values():
-        r.healthy = True
+    router = static_router(tiny_model_dir, urls, B)
+    fleet = router.fleet
     sql = AdapterId("sql", "d-sql")
     for u in urls[:2]:  # the third does not serve sql
         fleet.adapters.learn_served(u, {"sql": sql})
         fleet.adapters.learn_info(u, lora.LoraInfo(2, frozenset(), frozenset()))
-    renderer = PromptRenderer(str(tiny_model_dir))
-    return Router(fleet, renderer, HashConfig(B, "fp"), RouterMetrics()), urls, sql
+    return router, urls, sql
 
 
 def body(model: str, salt=None) -> dict:

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import uvicorn
 
-from router_fakes import BLOCK, FakeReplica, FakeSharedFailures, Served
+from router_fakes import BLOCK, FakeReplica, FakeSharedFailures, Served, static_router
 from waiting import until
 from warmfleet.server.hashing import model_fingerprint
 from warmfleet.server.router.core.peers import PeerLoad, client_digest, parse_peers
@@ -277,18 +277,9 @@ async def test_without_an_admin_key_peer_load_stays_open_so_keyed_routers_still_
 
 
 def test_with_partition_tokens_a_cold_request_prefers_this_routers_own_replicas(tiny_model_dir):
-    import httpx as _httpx
-
-    from warmfleet.server.router.core.fleet import Fleet
-    from warmfleet.server.router.core.metrics import RouterMetrics
-    from warmfleet.server.router.core.router import Router
-
-    fleet = Fleet(_httpx.AsyncClient(), RouterMetrics(), adapter_poll_s=None)
     urls = [f"http://10.0.0.{i}:8000" for i in range(6)]
-    fleet.registry.set_members([ReplicaSpec(u) for u in urls])
-    for r in fleet.registry.replicas.values():
-        r.healthy = True
-    router = Router(fleet, PromptRenderer(str(tiny_model_dir)), HashConfig(BLOCK, "fp"), RouterMetrics())
+    router = static_router(tiny_model_dir, urls)
+    fleet = router.fleet
     for me in ("A", "C", "D", "E", "F"):  # a router that does not own the replica plain ties go to (the first)
         pl = PeerLoad(["http://b"], router_id=me, jitter=0.0, partition_tokens=10_000)
         pl.apply(pl.peers["http://b"], {"router": "B", "replicas": {}, "clients": {}}, now=10.0)

@@ -130,7 +130,7 @@ class PeerLoad:
         self._routers: list[str] = [self.router_id]  # ids of this router and its fresh peers, sorted
         self._owned: dict[str, bool] = {}  # replica -> whether this router owns it (see `owns`)
         self._session: Optional[aiohttp.ClientSession] = None
-        self.headers = headers or {}  # sent with every poll: the admin key (peer load is an admin route)
+        self.headers = headers or {}  # sent with every poll: the admin key, when the routers have one
 
     # --- what the policy and the limiter read -------------------------------------------------
     def replica_load(self, rid: str) -> tuple[int, int, float]:
