@@ -208,7 +208,7 @@ def main() -> int:
                      "gpu_blocks_per_replica": gpu_blocks, "model": str(model), "skipped_routers": skipped,
                      "requests_per_adapter": {a: models.count(a) for a in adapters},
                      "load_average_1_5_15_min": {"before": os.getloadavg()}}
-    variants = {"warmfleet:" + v.split("=", 1)[0]: v.split("=", 1)[1].split() for v in args.variant}
+    variants = harness.variants(args.variant)
     results["variants"] = variants
     make_fleet = routing.fleet_with(*serve_args)
     res = {}

@@ -61,7 +61,7 @@ import httpx
 
 sys.path.append(str(Path(__file__).resolve().parent))  # bench/harness.py, after the stdlib
 import harness  # noqa: E402
-from warmfleet.livefleet import Envoy, wait_http  # noqa: E402
+from warmfleet.livefleet import Envoy  # noqa: E402
 from warmfleet.localprocs import free_port  # noqa: E402
 
 routing = harness.sibling("routing")

@@ -144,6 +144,11 @@ def tool(name: str) -> str:
     return found
 
 
+def variants(specs: Iterable[str]) -> dict[str, list[str]]:
+    """`--variant NAME=FLAGS` values -> {"warmfleet:NAME": [flags]}: the extra `warmfleet route` flags per variant."""
+    return {"warmfleet:" + v.split("=", 1)[0]: v.split("=", 1)[1].split() for v in specs}
+
+
 def present_routers(routers: list[str]) -> tuple[list[str], dict[str, str]]:
     """The routers whose programs are installed, and why each other one is skipped (checked before any run)."""
     skipped = {r: f"{PEER_TOOLS[r]} is not installed (pip install 'warmfleet[peers]')"

@@ -147,7 +147,7 @@ def measure(kinds: list[str], args, model: Path, cwd: str, bodies: list[bytes], 
         trace.wait_for(lambda: (Path(cwd) / "sim.json").exists(), "simulator", sim, 60)
         desc = json.loads((Path(cwd) / "sim.json").read_text())
         for kind in kinds:
-            routers[kind] = trace.start_router(kind, model, desc, 16, cwd, variants_of(args).get(kind, []),
+            routers[kind] = trace.start_router(kind, model, desc, 16, cwd, harness.variants(args.variant).get(kind, []),
                                                taskset=args.router_core)
         direct = desc["replicas"][0]["url"]
         out = {k: {"steps": [], "max_sustained_rps": None, "max_sustained_rps_contiguous": None, "contiguous": True,
@@ -260,10 +260,6 @@ def chart(res: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def variants_of(args) -> dict:
-    return {"warmfleet:" + v.split("=", 1)[0]: v.split("=", 1)[1].split() for v in args.variant}
 
 
 def main() -> int:

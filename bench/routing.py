@@ -941,7 +941,7 @@ def main() -> int:
     for r, why in skipped.items():
         progress(f"skipping router {r}: {why}")
     wf_args = args.warmfleet_args.split()
-    variants = {"warmfleet:" + v.split("=", 1)[0]: v.split("=", 1)[1].split() for v in args.variant}
+    variants = harness.variants(args.variant)
     if args.logs:
         Path(args.logs).mkdir(parents=True, exist_ok=True)
     cwd = tempfile.mkdtemp(prefix="wf-bench-", dir=args.logs)

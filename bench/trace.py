@@ -582,7 +582,7 @@ def main() -> int:
         routers += [f"warmfleet@{args.active_active}", f"warmfleet@{args.active_active}-nopeers"]
     for kind in routers:
         parse_kind(kind)  # a typo fails here, not an hour into the run
-    variants = {"warmfleet:" + v.split("=", 1)[0]: v.split("=", 1)[1].split() for v in args.variant}
+    variants = harness.variants(args.variant)
 
     from warmfleet.server.hashing import block_hashes, model_fingerprint
     from warmfleet.server.tokenizer import Tokenizer
