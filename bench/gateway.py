@@ -34,6 +34,16 @@ events: measured for 5 s with no traffic before each run), the marginal cost of 
 proxy's and ahead of lwepp and every peer; its TTFT p90 <= the proxy's; its CPU per request below the
 proxy's (and, reported beside it, below gateway-proxy's: Envoy + proxy). A front that could not run is skipped, said up front and recorded under "skipped_fronts".
 
+--sim-rates R1,R2,...: the tier's CPU at a gateway's rates, where a real engine here cannot go and where the
+tier's per-wakeup costs no longer dominate (at 4-16 requests/s Envoy alone costs 1.5-2.8 ms per request, at 200
+0.35): the fronts (rr and the peers left out) in front of bench/simfleet.py's replicas with the zero time model
+(real scheduler, block pool and KV events; answers at once), all started once and measured in turn per rate and
+round (`--sim-rounds`, interleaved; the median round counts), offered by router_throughput.py's `hey` processes
+(streamed chat bodies, `max_tokens` 4, usage included: ~6 response chunks). Reported under "sim": CPU ms per
+request of the tier and of each of its processes, client latency p50/p99, errors; targets
+`sim_epp_cpu_below_proxy` (every rate) and `sim_envoy_alone_below_proxy` (Envoy's own share of the EPP front
+against the whole proxy: false means no endpoint picker, however cheap, can bring the tier below the proxy).
+
 Both Envoys start alike (routing.py's flags: default --concurrency, one worker per core).
 Writes gateway.json and gateway.png to --out; progress on stderr; with --json the last stdout line is one
 JSON object. Sizes: --quick is routing.py's quick shape (tiny checkpoint, 2 replicas with 48 KV blocks,
@@ -408,6 +418,150 @@ def run(model: Path, fronts: list[str], n: int, gpu_blocks: int, rates: list[flo
             "fronts": res, "runs": runs, "targets": verdict(res)}
 
 
+# --- the tier at a gateway's rates (--sim-rates) -------------------------------------------------------
+class SimFleet:
+    """bench/simfleet.py's replicas (zero time model) in routing.Fleet's shape, as start_front uses it."""
+
+    engine, block = "warmfleet", routing.BLOCK
+
+    def __init__(self, model: Path, n: int, cwd: str):
+        self.model, self.n, self.cwd = model, n, cwd
+        self.replicas: list[tuple[str, str, None]] = []
+        self.proc: Optional[subprocess.Popen] = None
+
+    def route_flag(self, i: int) -> str:
+        url, events, _ = self.replicas[i]
+        return f"{url},events={events}"
+
+    def __enter__(self) -> "SimFleet":
+        ready = Path(self.cwd) / "sim.json"
+        self.proc = start_logged([sys.executable, "-P", str(harness.BENCH / "simfleet.py"), "--model", str(self.model),
+                                  "--replicas", str(self.n), "--block-size", str(self.block), "--time-model", "zero",
+                                  "--gpu-blocks", "4096", "--ready-file", str(ready)], self.cwd, "simfleet")
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                harness.stop(self.proc)
+                raise RuntimeError(f"simfleet did not come up; see {self.cwd}/simfleet.log")
+            time.sleep(0.2)
+        self.replicas = [(r["url"], r["events"], None) for r in json.loads(ready.read_text())["replicas"]]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        harness.stop(self.proc)
+
+
+def sim_bodies(model: Path) -> list[bytes]:
+    """router_throughput.py's chat bodies (shared system prompt, a conversation each), streamed with usage."""
+    from warmfleet.server.tokenizer import Tokenizer
+
+    words = harness.sibling("trace").Words(Tokenizer(str(model)), routing.BLOCK)
+    out = []
+    for b in harness.sibling("router_throughput").chat_bodies_for(words, 96, 4):
+        body = dict(json.loads(b), max_tokens=4, stream=True, stream_options={"include_usage": True})
+        out.append(json.dumps(body).encode())
+    return out
+
+
+def run_sim(model: Path, fronts: list[str], n: int, rates: list[float], rounds: int, duration_s: float, cwd: str,
+            tools: dict, kube: Optional[KubePool], idle_s: float = 5.0, procs: int = 8) -> dict:
+    """Every front once in front of one simulated fleet; per round and rate each front in turn (warm-up, then
+    `duration_s` of hey); the round with the median tier CPU per request stands for (front, rate)."""
+    run_hey = harness.sibling("router_throughput").run_hey
+    bodies = sim_bodies(model)
+    cores = ",".join(str(c) for c in range(os.cpu_count() or 1))
+    runs: dict = {k: {str(r): [] for r in rates} for k in fronts}
+    idle: dict = {}
+    with SimFleet(model, n, cwd) as fleet:
+        started: dict[str, Front] = {}
+        try:
+            for kind in fronts:
+                started[kind] = start_front(kind, fleet, cwd, tools, kube)
+            for kind, front in started.items():
+                c0 = total(front.cpu_s())
+                time.sleep(idle_s)
+                idle[kind] = round((total(front.cpu_s()) - c0) / idle_s, 4)
+            for rnd in range(rounds):
+                for rate in rates:
+                    for kind, front in started.items():
+                        url = front.base + "/v1/chat/completions"
+                        run_hey(url, bodies, rate, 1.5, cores, procs)  # warm: connections, memoised segments
+                        c0 = front.cpu_s()
+                        r = run_hey(url, bodies, rate, duration_s, cores, procs)
+                        c1 = front.cpu_s()
+                        k = max(1, r["requests"])
+                        by = {role: round((c1[role] - c0[role]) / k * 1e3, 3) for role in c0}
+                        r.update(round=rnd, cpu_ms_per_request=round(sum(by.values()), 3),
+                                 cpu_ms_per_request_by_process=by)
+                        runs[kind][str(rate)].append(r)
+                        progress(f"sim {kind} @ {rate:g}/s round {rnd + 1}/{rounds}: {r}")
+        finally:
+            for front in started.values():
+                front.stop()
+    res = {}
+    for kind, per_rate in runs.items():
+        res[kind] = {"idle_cpu_s_per_s": idle.get(kind), "rates": {}}
+        for rate, rs in per_rate.items():
+            ranked = sorted(rs, key=lambda r: r["cpu_ms_per_request"])
+            res[kind]["rates"][rate] = dict(ranked[(len(ranked) - 1) // 2],
+                                            cpu_ms_per_request_rounds=[r["cpu_ms_per_request"] for r in rs])
+    return {"model": str(model), "replicas": n, "rates": rates, "rounds": rounds, "duration_s": duration_s,
+            "load": f"{procs} hey processes of one worker each (router_throughput.run_hey), streamed chat, "
+                    "max_tokens 4", "fronts": res, "targets": sim_verdict(res)}
+
+
+def sim_verdict(res: Mapping[str, Mapping]) -> dict:
+    """The CPU target at each simulated rate: the EPP front below the proxy, and Envoy's share of it alone."""
+    epp, proxy = res.get("epp"), res.get("proxy")
+    if not epp or not proxy:
+        return {}
+    rates = [r for r in epp["rates"] if r in proxy["rates"]]
+    tier = {r: round(epp["rates"][r]["cpu_ms_per_request"] / proxy["rates"][r]["cpu_ms_per_request"], 3)
+            for r in rates}
+    envoy = {r: round(epp["rates"][r]["cpu_ms_per_request_by_process"]["envoy"]
+                      / proxy["rates"][r]["cpu_ms_per_request"], 3) for r in rates}
+    return {"sim_epp_cpu_vs_proxy": tier, "sim_epp_cpu_below_proxy": all(v < 1 for v in tier.values()),
+            "sim_envoy_alone_vs_proxy": envoy, "sim_envoy_alone_below_proxy": all(v < 1 for v in envoy.values())}
+
+
+def sim_chart(results: dict, path: Path) -> None:
+    """Tier CPU per request by process (stacked) and client latency p50/p99, per front and rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = results["sim"]["fronts"]
+    rates = [str(r) for r in results["sim"]["rates"]]
+    fig, ax = plt.subplots(1, 2, figsize=(13, 4))
+    width = 0.8 / max(1, len(res))
+    shades = {"router": COLORS["proxy"], "envoy": "#aaaaaa", "epp": COLORS["epp"], "lwepp": COLORS["lwepp"]}
+    for j, (kind, fr) in enumerate(res.items()):
+        xs = [i + j * width for i in range(len(rates))]
+        bottom = [0.0] * len(rates)
+        roles = list(next(iter(fr["rates"].values()))["cpu_ms_per_request_by_process"])
+        for role in roles:
+            vals = [fr["rates"][r]["cpu_ms_per_request_by_process"][role] for r in rates]
+            ax[0].bar(xs, vals, width, bottom=bottom, color=shades.get(role), edgecolor="k", lw=0.5, label=role)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        for x, b in zip(xs, bottom):
+            ax[0].text(x, b, kind, rotation=90, fontsize=7, ha="center", va="bottom")
+        ax[1].plot(rates, [fr["rates"][r]["p50_ms"] for r in rates], marker="o", label=f"{kind} p50")
+        ax[1].plot(rates, [fr["rates"][r]["p99_ms"] for r in rates], marker="x", ls="--", label=f"{kind} p99")
+    ax[0].set_xticks([i + width * (len(res) - 1) / 2 for i in range(len(rates))], [f"{r}/s" for r in rates])
+    handles, labels = ax[0].get_legend_handles_labels()
+    seen = dict(zip(labels, handles))  # one entry per process role
+    ax[0].legend(seen.values(), seen.keys(), fontsize=8)
+    ax[0].set_title("routing-tier CPU ms per request, by process", fontsize=9)
+    ax[1].set_title("client latency (ms), streamed chat, max_tokens 4", fontsize=9)
+    ax[1].legend(fontsize=7)
+    fig.suptitle(f"gateway tier in front of {results['sim']['replicas']} simulated replicas (zero time model)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def summary(runs: list[dict]) -> dict:
     """routing.mean_of over one front's runs, plus the mean CPU seconds per process role."""
     out = routing.mean_of([{k: v for k, v in r.items() if k != "cpu_s_by_process"} for r in runs])
@@ -479,6 +633,10 @@ def main() -> int:
     ap.add_argument("--lwepp", default=None, help="lwepp binary (default: $WARMFLEET_LWEPP or scripts/lwepp.sh).")
     ap.add_argument("--out", default="bench/results", help="Directory for gateway.json and gateway.png.")
     ap.add_argument("--logs", default=None, help="Keep replica, router, EPP and Envoy logs here.")
+    ap.add_argument("--sim-rates", default=None,
+                    help="Comma-separated rates: measure the tier's CPU against simulated replicas instead (see above).")
+    ap.add_argument("--sim-rounds", type=int, default=3)
+    ap.add_argument("--sim-duration", type=float, default=8.0, help="Seconds per measured run.")
     args = ap.parse_args()
     # SIGTERM unwinds like Ctrl-C: replicas, fronts and the kwok control plane are stopped on the way out
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
@@ -500,6 +658,8 @@ def main() -> int:
                      "cpu_note": "routing tier = router process, or Envoy + EPP processes (descendants included); "
                                  "lwepp's kwok control plane is not counted"}
     model = routing.model_dir(args.model, args.quick)
+    if args.sim_rates:
+        return main_sim(args, fronts, n, model, cwd, tools, results)
     if "lwepp" in fronts:
         with KubePool() as kube:
             results["text"] = run(model, fronts, n, gpu_blocks, rates, seeds, nreq, cwd, tools, kube)
@@ -516,6 +676,26 @@ def main() -> int:
     else:
         for k, v in slim.items():
             print(f"{k}: {v}")
+    return 0
+
+
+def main_sim(args, fronts: list[str], n: int, model: Path, cwd: str, tools: dict, results: dict) -> int:
+    """--sim-rates: the tier's CPU at a gateway's rates (gateway_sim.json and .png)."""
+    fronts = [f for f in fronts if f not in routing.PEERS]  # rr has no tier; peers: router_throughput.py's business
+    rates = [float(x) for x in args.sim_rates.split(",")]
+    for k in ("rates", "seeds"):
+        results.pop(k)
+    if "lwepp" in fronts:
+        with KubePool() as kube:
+            results["sim"] = run_sim(model, fronts, n, rates, args.sim_rounds, args.sim_duration, cwd, tools, kube)
+    else:
+        results["sim"] = run_sim(model, fronts, n, rates, args.sim_rounds, args.sim_duration, cwd, tools, None)
+    results["load_average_1_5_15_min"]["after"] = os.getloadavg()
+    results["targets"] = results["sim"]["targets"]
+    if not args.logs:
+        shutil.rmtree(cwd, ignore_errors=True)
+    harness.write_results(Path(args.out), "gateway_sim", results, sim_chart, progress)
+    print(json.dumps(results) if args.json else json.dumps(results["targets"]))
     return 0
 
 

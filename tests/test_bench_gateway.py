@@ -186,3 +186,34 @@ def test_ext_proc_floor_measures_every_stack_it_lists(capsys, monkeypatch):
     for stack, ms in per_stream.items():
         assert ms > 0, stack
         assert per_trip[stack] == pytest.approx(ms * 1000 / 4, rel=0.01)
+
+
+def sim_front(rates: dict) -> dict:
+    """A --sim-rates front summary: rate -> CPU ms per request by process."""
+    return {"idle_cpu_s_per_s": 0.01, "rates": {r: {"cpu_ms_per_request": round(sum(by.values()), 3),
+                                                    "cpu_ms_per_request_by_process": by} for r, by in rates.items()}}
+
+
+def test_sim_verdict_compares_the_tier_and_envoy_alone_with_the_proxy_at_every_rate():
+    proxy = sim_front({"100.0": {"router": 1.0}, "400.0": {"router": 0.8}})
+    epp = sim_front({"100.0": {"envoy": 0.5, "epp": 0.4}, "400.0": {"envoy": 0.9, "epp": 0.5}})
+    v = gateway.sim_verdict({"proxy": proxy, "epp": epp})
+    assert v["sim_epp_cpu_vs_proxy"] == {"100.0": 0.9, "400.0": 1.75}
+    assert v["sim_epp_cpu_below_proxy"] is False  # below at 100/s only: every rate must be
+    assert v["sim_envoy_alone_vs_proxy"] == {"100.0": 0.5, "400.0": 1.125}
+    assert v["sim_envoy_alone_below_proxy"] is False
+    cheap = sim_front({"100.0": {"envoy": 0.5, "epp": 0.4}, "400.0": {"envoy": 0.3, "epp": 0.4}})
+    v = gateway.sim_verdict({"proxy": proxy, "epp": cheap})
+    assert v["sim_epp_cpu_below_proxy"] is True and v["sim_envoy_alone_below_proxy"] is True
+    assert gateway.sim_verdict({"proxy": proxy}) == {}
+
+
+def test_sim_chart_draws_every_front_and_rate(tmp_path):
+    res = {"sim": {"replicas": 2, "rates": [100.0, 400.0], "fronts": {
+        "proxy": sim_front({"100.0": {"router": 1.0}, "400.0": {"router": 0.8}}),
+        "epp": sim_front({"100.0": {"envoy": 0.5, "epp": 0.4}, "400.0": {"envoy": 0.9, "epp": 0.5}})}}}
+    for f in res["sim"]["fronts"].values():
+        for r in f["rates"].values():
+            r.update(p50_ms=2.0, p99_ms=9.0)
+    gateway.sim_chart(res, tmp_path / "g.png")
+    assert (tmp_path / "g.png").stat().st_size > 10_000
