@@ -35,8 +35,8 @@ proxy's and ahead of lwepp and every peer; its TTFT p90 <= the proxy's; its CPU 
 proxy's (and, reported beside it, below gateway-proxy's: Envoy + proxy). A front that could not run is skipped, said up front and recorded under "skipped_fronts".
 
 --sim-rates R1,R2,...: the tier's CPU at a gateway's rates, where a real engine here cannot go and where the
-tier's per-wakeup costs no longer dominate (at 4-16 requests/s Envoy alone costs 1.5-2.8 ms per request, at 200
-0.35): the fronts (rr and the peers left out) in front of bench/simfleet.py's replicas with the zero time model
+tier's per-wakeup costs no longer dominate (Envoy without ext_proc: ~2.5 ms per request at 4-16 requests/s,
+0.4 at 400): the fronts (rr and the peers left out) in front of bench/simfleet.py's replicas with the zero time model
 (real scheduler, block pool and KV events; answers at once), all started once and measured in turn per rate and
 round (`--sim-rounds`, interleaved; the median round counts), offered by router_throughput.py's `hey` processes
 (streamed chat bodies, `max_tokens` 4, usage included: ~6 response chunks). Reported under "sim": CPU ms per
