@@ -445,8 +445,11 @@ class SimFleet:
 
     def __init__(self, model: str, n: int, *, block_size: int = 16, gpu_blocks: int = 1024, cpu_blocks: int = 0,
                  tm: TimeModel = TimeModel(), host: str = "127.0.0.1", events: bool = True,
-                 max_model_len: int = 1 << 20, calibration: Optional[dict] = None, spares: int = 0):
+                 max_model_len: int = 1 << 20, calibration: Optional[dict] = None, spares: int = 0,
+                 slow: tuple[int, float] = (0, 1.0)):
         from warmfleet.server.tokenizer import Tokenizer
+
+        self.slow = slow  # (K, F): the last K of the n replicas are F times slower (a second, slower node pool)
 
         self.model, self.n, self.host = model, n, host
         self.block_size, self.gpu_blocks, self.cpu_blocks, self.tm = block_size, gpu_blocks, cpu_blocks, tm
@@ -489,9 +492,13 @@ class SimFleet:
         self.servers.append(await loop.create_server(lambda: HttpConn(self, None), sock=sock))
         self._load_task = asyncio.create_task(self._load_loop())
 
+    def time_model(self, rid: str) -> TimeModel:
+        k, factor = self.slow
+        return self.tm.scaled(1.0 / factor) if k and self.n - k <= int(rid[1:]) < self.n else self.tm
+
     def _replica(self, rid: str, events: Optional[str]) -> SimReplica:
-        return SimReplica(rid, self.fingerprint, self.block_size, self.gpu_blocks, self.cpu_blocks, self.tm,
-                          self.vocab, events, self.max_model_len)
+        return SimReplica(rid, self.fingerprint, self.block_size, self.gpu_blocks, self.cpu_blocks,
+                          self.time_model(rid), self.vocab, events, self.max_model_len)
 
     async def start_replica(self, i: int, events: Optional[str] = None) -> None:
         """Start slot i as a fresh, cold replica on its address (a new pod there); it must not be serving."""
@@ -570,7 +577,8 @@ class SimFleet:
                 r.publish_load(now)
 
     def describe(self) -> dict:
-        return {"replicas": [{"id": r.rid, "url": u, "events": r.events_endpoint, "state": self.state.get(r.rid)}
+        return {"replicas": [{"id": r.rid, "url": u, "events": r.events_endpoint, "state": self.state.get(r.rid),
+                              "slowdown": self.slow[1] if self.time_model(r.rid) is not self.tm else 1.0}
                              for r, u in zip(self.replicas, self.urls)],
                 "control": self.control_url, "model": self.model, "model_fingerprint": self.fingerprint,
                 "block_size": self.block_size, "gpu_blocks": self.gpu_blocks, "cpu_blocks": self.cpu_blocks,
@@ -779,11 +787,26 @@ def calibrate(block_size: int, out: Path, prefix_cache_json: Optional[Path] = No
 
 
 # --- CLI ---------------------------------------------------------------------------------------
+def parse_slow(spec: Optional[str], n: int) -> tuple[int, float]:
+    """--slow-replicas K:F → (K, F); exits with one line on a bad value."""
+    if not spec:
+        return 0, 1.0
+    try:
+        k, f = spec.split(":")
+        out = int(k), float(f)
+    except ValueError:
+        raise SystemExit(f"simfleet: --slow-replicas wants K:F (e.g. 8:2), got {spec!r}")
+    if not 0 <= out[0] <= n or out[1] <= 0:
+        raise SystemExit(f"simfleet: --slow-replicas {spec}: K must be in 0..{n} and F > 0")
+    return out
+
+
 async def serve(args) -> None:
     tm = TimeModel.load(args.time_model).scaled(args.engine_speedup)
     cal = json.loads(CALIBRATION.read_text()) if CALIBRATION.exists() and args.time_model == "calibrated" else None
     fleet = SimFleet(args.model, args.replicas, block_size=args.block_size, gpu_blocks=args.gpu_blocks,
-                     cpu_blocks=args.cpu_blocks, tm=tm, events=not args.no_events, calibration=cal, spares=args.spares)
+                     cpu_blocks=args.cpu_blocks, tm=tm, events=not args.no_events, calibration=cal, spares=args.spares,
+                     slow=parse_slow(args.slow_replicas, args.replicas))
     await fleet.start()
     desc = json.dumps(fleet.describe())
     if args.ready_file:
@@ -812,6 +835,8 @@ def main() -> int:
     ap.add_argument("--gpu-blocks", type=int, default=1024, help="Primary KV pool per replica, in blocks.")
     ap.add_argument("--cpu-blocks", type=int, default=0, help="CPU swap tier per replica, in blocks.")
     ap.add_argument("--time-model", default="calibrated", help="'calibrated', 'zero' or a JSON file.")
+    ap.add_argument("--slow-replicas", default=None, metavar="K:F",
+                    help="The last K replicas are F times slower (a fleet over two node pools).")
     ap.add_argument("--engine-speedup", type=float, default=1.0,
                     help="Divide every time constant by this (an engine this many times faster than the calibration).")
     ap.add_argument("--no-events", action="store_true", help="Publish no KV events.")

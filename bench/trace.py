@@ -219,12 +219,26 @@ def wait_for(check, what: str, proc: subprocess.Popen | None, timeout_s: float =
     wait(check, what, [proc] if proc is not None else [], timeout_s, poll_s=0.2)
 
 
+def slow_pool(spec: str) -> tuple[float, float]:
+    """--slow-pool FRAC:F (argparse type)."""
+    try:
+        frac, factor = (float(x) for x in spec.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want FRAC:F, e.g. 0.5:3, got {spec!r}")
+    if not 0 <= frac <= 1 or factor <= 0:
+        raise argparse.ArgumentTypeError("FRAC must be in [0, 1] and F > 0")
+    return frac, factor
+
+
 def start_sim(model: Path, n: int, args, cwd: str, time_model: str) -> tuple[subprocess.Popen, dict]:
     ready = Path(cwd) / f"sim-{time.monotonic_ns()}.json"
     cmd = [sys.executable, "-P", str(HERE / "simfleet.py"), "--model", str(model), "--replicas", str(n),
            "--block-size", str(args.block_size), "--gpu-blocks", str(args.gpu_blocks),
            "--cpu-blocks", str(args.cpu_blocks), "--time-model", time_model,
            "--engine-speedup", str(args.engine_speedup), "--ready-file", str(ready)]
+    if getattr(args, "slow_pool", None):  # other benches start the fleet with their own flags
+        frac, factor = args.slow_pool
+        cmd += ["--slow-replicas", f"{round(frac * n)}:{factor}"]
     log = open(Path(cwd) / "sim.log", "ab")
     p = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=log)
     wait_for(ready.exists, "simulated fleet", p, 120)
@@ -358,7 +372,7 @@ quantile = harness.quantile
 
 
 def summarize(rec: list[dict], simlog: list[dict], n: int, cpu_s: float | None, wall_s: float,
-              oracle: list[tuple[int, int]] | None = None) -> dict:
+              oracle: list[tuple[int, int]] | None = None, slowdown: dict | None = None) -> dict:
     by_tag = {x["tag"]: x for x in simlog}
     ok = [r for r in rec if not r["error"]]
     sim = [by_tag[f"r{r['i']}"] for r in ok if f"r{r['i']}" in by_tag]
@@ -377,6 +391,15 @@ def summarize(rec: list[dict], simlog: list[dict], n: int, cpu_s: float | None, 
            "replicas_used": len(per),
            "router_cpu_s_per_1k": round(cpu_s / len(rec) * 1000, 3) if cpu_s is not None and rec else None,
            "replay_wall_s": round(wall_s, 1)}
+    pools = sorted(set((slowdown or {}).values()))
+    if len(pools) > 1:  # --slow-pool: requests, cached ratio and simulated TTFT p90 per node pool
+        out["by_pool"] = {}
+        for f in pools:
+            xs = [x for x in sim if slowdown.get(x["replica"]) == f]
+            p = sum(x["prompt"] for x in xs)
+            out["by_pool"][f"x{f:g} slower" if f != 1 else "fast"] = {
+                "requests": len(xs), "cached_ratio": round(sum(x["cached"] for x in xs) / p, 4) if p else None,
+                "ttft_p90_s": quantile([x["ttft_model_s"] for x in xs], 0.9)}
     # the simulator's usage and the client's agree (a router that altered answers would show here)
     mism = sum(1 for r in ok if f"r{r['i']}" in by_tag and r["cached"] is not None
                and r["cached"] != by_tag[f"r{r['i']}"]["cached"])
@@ -474,12 +497,18 @@ def run_one(kind: str, n: int, reqs: list[dict], model: Path, args, cwd: str, ex
         sim_cpu = harness.tree_cpu_s(sim_proc.pid) - sim_c0
         stats = httpx.get(sim["control"] + "/sim/stats", timeout=60).json()
         simlog = httpx.get(sim["control"] + "/sim/log", timeout=60).json()
-        out = summarize(rec, simlog, n, cpu, wall, oracle)
+        out = summarize(rec, simlog, n, cpu, wall, oracle, {r["id"]: r.get("slowdown", 1.0) for r in sim["replicas"]})
         busy = [r["busy_model_s"] for r in stats["per_replica"]]
         out.update(router_processes=len(procs), router_idle_cpu_s_per_s=idle, sim_cpu_s=round(sim_cpu, 1),
                    sim_busy_mean=round(statistics.mean(busy) / wall, 3), sim_busy_max=round(max(busy) / wall, 3),
                    sim_max_loop_lag_s=max(r["max_loop_lag_s"] for r in stats["per_replica"]),
                    preemptions=sum(r["preemptions"] for r in stats["per_replica"]))
+        if kind.startswith("warmfleet"):  # the first router's fitted TTFT models (--ttft-model-samples), if any
+            view = httpx.get(bases[0] + "/v1/router/replicas", timeout=30).json()["replicas"]
+            slow = {r["url"]: r.get("slowdown", 1.0) for r in sim["replicas"]}
+            models = {r["id"]: dict(r["ttft_model"], sim_slowdown=slow.get(r["id"])) for r in view if r.get("ttft_model")}
+            if models:
+                out["ttft_models"] = models
         errs = [r["error"] for r in rec if r["error"]]
         if errs:
             out["error_kinds"] = {e: errs.count(e) for e in set(errs)}
@@ -562,6 +591,8 @@ def main() -> int:
     ap.add_argument("--gpu-blocks", type=int, default=512, help="Primary KV pool per simulated replica (blocks).")
     ap.add_argument("--cpu-blocks", type=int, default=512, help="CPU tier per simulated replica (blocks).")
     ap.add_argument("--time-model", default="calibrated", help="'calibrated' (bench/sim_calibration.json), 'zero', or a file.")
+    ap.add_argument("--slow-pool", type=slow_pool, default=None, metavar="FRAC:F",
+                    help="A fraction FRAC of the replicas F times slower (two node pools, e.g. 0.5:3).")
     ap.add_argument("--engine-speedup", type=float, default=10.0,
                     help="Simulated engine this many times faster than the calibration (default 10).")
     ap.add_argument("--output-scale", type=float, default=None,
@@ -612,6 +643,7 @@ def main() -> int:
         "gpu_blocks_per_replica": args.gpu_blocks, "cpu_blocks_per_replica": args.cpu_blocks,
         "time_model_calibrated": vars(tm) if hasattr(tm, "__dict__") else None,
         "engine_speedup": args.engine_speedup,
+        "slow_pool": args.slow_pool,
         "time_model_effective": vars(tm.scaled(args.engine_speedup)),
         "calibration": json.loads(sim_mod.CALIBRATION.read_text()) if sim_mod.CALIBRATION.exists() else None,
         "oracle_cached_ratio": oracle, "routers": routers, "variants": variants,

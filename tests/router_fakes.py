@@ -251,7 +251,7 @@ def chat(question: str, tenant: Optional[int] = None, **extra) -> dict:
                                           {"role": "user", "content": question}], **extra}
 
 
-def static_router(model_dir, urls: list[str], block_size: int = BLOCK):
+def static_router(model_dir, urls: list[str], block_size: int = BLOCK, policy=None):
     """A Router over healthy static members at `urls` (no sockets, no events, no adapter scrapes): decide() only."""
     from warmfleet.server.router.core.fleet import Fleet
     from warmfleet.server.router.core.metrics import RouterMetrics
@@ -261,4 +261,5 @@ def static_router(model_dir, urls: list[str], block_size: int = BLOCK):
     fleet.registry.set_members([ReplicaSpec(u) for u in urls])
     for r in fleet.registry.replicas.values():
         r.healthy = True
-    return Router(fleet, PromptRenderer(str(model_dir)), HashConfig(block_size, "fp"), RouterMetrics())
+    extra = {"policy": policy} if policy is not None else {}
+    return Router(fleet, PromptRenderer(str(model_dir)), HashConfig(block_size, "fp"), RouterMetrics(), **extra)

@@ -346,3 +346,16 @@ def test_router_listen_ports_are_outside_the_ephemeral_range_and_never_repeat():
     ports = [trace.listen_port() for _ in range(50)]
     assert len(set(ports)) == 50
     assert all(p < lo for p in ports)  # no outgoing connection is ever given one of these
+
+
+def test_a_slow_pool_is_the_last_k_replicas_f_times_slower(tiny_model_dir):
+    tm = sim.TimeModel(0.01, 1e-4, 1e-3, 1e-4)
+    fleet = sim.SimFleet(str(tiny_model_dir), 4, tm=tm, slow=sim.parse_slow("2:3", 4))
+    assert [fleet.time_model(f"s{i}") is tm for i in range(4)] == [True, True, False, False]
+    slow = fleet.time_model("s3")
+    assert slow.prefill_s_per_token == pytest.approx(3e-4) and slow.step_s == pytest.approx(0.03)
+    assert fleet.time_model("s4") is tm  # a spare slot beyond the n replicas stays in the fast pool
+    assert sim.parse_slow(None, 4) == (0, 1.0)
+    for bad in ("2", "x:3", "5:2", "2:0"):
+        with pytest.raises(SystemExit, match="--slow-replicas"):
+            sim.parse_slow(bad, 4)

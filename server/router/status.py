@@ -51,6 +51,7 @@ def add_status_routes(app: FastAPI, state: dict, metrics: RouterMetrics) -> None
     async def replicas() -> Response:
         """Debug view: members, health, load and how much of each one's cache the index knows."""
         fleet: Fleet = state["fleet"]
+        ttft = state["router"].ttft if "router" in state else None
         out = []
         for r in fleet.registry.replicas.values():
             st = fleet.index.replicas.get(r.id)
@@ -60,6 +61,7 @@ def add_status_routes(app: FastAPI, state: dict, metrics: RouterMetrics) -> None
                         "engine_requests": fleet.engine_load(r.id), "synced": bool(st and st.synced),
                         "gpu_blocks": len(st.gpu) if st else 0, "cpu_blocks": len(st.cpu) if st else 0,
                         "adapters": fleet.adapters.describe(r.id), "encoder_entries": len(st.encoder) if st else 0,
+                        "ttft_model": ttft.describe(r.id) if ttft is not None else None,
                         "last_error": r.last_error})
         return JSONResponse({"replicas": out, "index_blocks": fleet.index.num_blocks(),
                              "index_evicted_blocks": fleet.index.evicted, "engine": fleet.dialect.kind,

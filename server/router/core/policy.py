@@ -45,6 +45,15 @@ routing defaults"; the runs: docs/history/scale-rounds.md, "Fifth round"). What 
 the common prefix (a conversation's history) counts in full.
 Equal choices go to the replica this router sent the fewest requests, so they even out.
 
+Predicted TTFT (`ttft_model_samples` > 0, once the models are fitted: core/ttft.py). The fixed weights price
+every replica alike; a fleet over two node pools (an H200 beside an L4) is not alike. Each replica's fitted
+fixed cost, seconds per prefill token and per request of load then replace `load_weight` and the token-for-token
+queue price: score(r) = -(TTFT predicted on r) / (the fleet's median seconds per token), with the queued tokens
+still at the queue weight the cache's stake gives, the common prefix counted as held, and the encoder and adapter
+credits as above. And the caps follow capacity: a replica's load and share caps are the fleet's times its fitted
+prefill speed over the mean (within 0.25-4x; a factor, or a weight, within 25 % of 1 counts as 1), since an even
+share of requests overloads the slower pool. Slack, rendezvous and reasons are unchanged.
+
 Share cap: the in-flight bound alone cannot keep request counts even when requests are short
 (in flight is mostly 0 or 1) and it is what `warm_slack` loosens, so a replica may also take a
 request only while its recent count (`sent`, decayed by the caller) stays within
@@ -72,6 +81,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
 from .settings import PolicyConfig
+from .ttft import ALIKE
 
 # decision reasons (metric label values)
 PREFIX_HIT = "prefix_hit"
@@ -175,8 +185,32 @@ def common_prefix_level(values: Iterable[float], num_replicas: int, block_size: 
     return min(sorted(values, reverse=True)[num_replicas // 2], short)
 
 
-def under_caps(cands: Sequence[Candidate], cap: float, scap: float) -> list[Candidate]:
-    """The replicas under the load cap among those under the share cap (all of them if none is)."""
+def capacity_caps(cands: Sequence[Candidate], ttft: dict, epsilon: float, scap: float,
+                  bounds: tuple[float, float] = (0.25, 4.0)) -> Optional[dict]:
+    """id(candidate) -> its (load cap, share cap) scaled to its prefill speed over the candidates' mean (fitted:
+    1 / seconds per token, within `bounds`); None when all are alike (ttft.py reads a factor near 1 as 1): the
+    fleet's caps then hold for all."""
+    speed = {id(c): 1.0 / ttft[c.replica].per_token_s for c in cands}
+    if max(speed.values()) == min(speed.values()):
+        return None
+    mean = math.fsum(speed.values()) / len(speed)
+    lo, hi = bounds
+    load = (1.0 + epsilon) * (math.fsum(c.load for c in cands) + 1) / len(cands)  # load_cap before its ceil
+    out = {}
+    for c in cands:
+        w = min(hi, max(lo, speed[id(c)] / mean))
+        if abs(w - 1.0) <= ALIKE:  # one fast outlier must not put every other replica a hair under the caps
+            w = 1.0
+        out[id(c)] = (math.ceil(load * w), (scap - 1.0) * w + 1.0)
+    return out
+
+
+def under_caps(cands: Sequence[Candidate], cap: float, scap: float, caps: Optional[dict] = None) -> list[Candidate]:
+    """The replicas under the load cap among those under the share cap (all of them if none is); `caps`: per
+    replica ones (capacity_caps) instead of the fleet's."""
+    if caps is not None:
+        in_share = [c for c in cands if c.sent + 1 <= caps[id(c)][1]] or cands
+        return [c for c in in_share if c.load + 1 <= caps[id(c)][0]]
     in_share = [c for c in cands if c.sent + 1 <= scap] or cands
     return [c for c in in_share if c.load + 1 <= cap]
 
@@ -196,10 +230,12 @@ def keeps_warm(best: Candidate, advantage: int, cap: float, scap: float, cfg: Po
 
 
 def warm_order(cands: Sequence[Candidate], fits: list[Candidate], fit_ids: set, hits: dict[str, int], scores: dict,
-               cap: float, scap: float, cfg: PolicyConfig, home: Optional[dict] = None) -> tuple[list[Candidate], str]:
+               cap: float, scap: float, cfg: PolicyConfig, home: Optional[dict] = None,
+               caps: Optional[dict] = None) -> tuple[list[Candidate], str]:
     """Best score first under the caps, then the rest, unless the best over them keeps the request warm; and why.
 
-    `home`: replica -> rendezvous weight of the request's adapter, deciding equal scores (None: no adapter)."""
+    `home`: replica -> rendezvous weight of the request's adapter, deciding equal scores (None: no adapter);
+    `caps`: per replica caps (capacity_caps), None: the fleet's."""
     home = home or {}
 
     def rank(c: Candidate) -> tuple:
@@ -209,6 +245,8 @@ def warm_order(cands: Sequence[Candidate], fits: list[Candidate], fit_ids: set, 
     best = min(cands, key=rank)  # replica names are unique: the same as sorted(cands, key=rank)[0]
     best_is_over = id(best) not in fit_ids
     advantage = hits[best.replica] - max((hits[c.replica] for c in fits), default=0)
+    if caps is not None:
+        cap, scap = caps[id(best)]
     kept_warm = best_is_over and keeps_warm(best, advantage, cap, scap, cfg)
     if kept_warm:
         ranked = [best] + [c for c in ranked if c is not best]
@@ -243,10 +281,27 @@ def spread_order(cands: Sequence[Candidate]) -> list[Candidate]:
     return sorted(cands, key=lambda c: (c.load, c.sent + c.tie, c.replica))
 
 
+def ttft_scores(cands: Sequence[Candidate], ttft: dict, values: dict, common: float, limit: int,
+                queue_weight: float) -> dict:
+    """Each replica's predicted TTFT for this request, negated and in tokens of the fleet's median prefill speed
+    (so the warm-prefix rules keep their token thresholds): its fixed cost, the prefill it waits for (queued
+    tokens at `queue_weight`, then the prompt past what it holds) at its own speed, its load at its own cost."""
+    speeds = sorted(ttft[c.replica].per_token_s for c in cands)
+    ref = speeds[len(speeds) // 2]
+    out = {}
+    for c in cands:
+        k = ttft[c.replica]
+        own = limit - max(0.0, values[id(c)] - common)  # the common prefix counts as held, as in the fixed score
+        out[id(c)] = -(k.fixed_s + k.per_token_s * (queue_weight * c.queued_tokens + own)
+                       + k.per_load_s * c.load) / ref
+    return out
+
+
 def choose(cands: Sequence[Candidate], *, block_size: int, num_prompt_tokens: int,
            cold_key: Optional[bytes], cfg: PolicyConfig = PolicyConfig(),
-           adapter_key: Optional[bytes] = None) -> Decision:
-    """Order replicas for one request (`adapter_key`: its LoRA adapter's, None for the base model); raises
+           adapter_key: Optional[bytes] = None, ttft: Optional[dict] = None) -> Decision:
+    """Order replicas for one request (`adapter_key`: its LoRA adapter's, None for the base model; `ttft`: replica
+    -> ttft.Coefficients for every candidate, scoring by predicted TTFT instead of the fixed weights); raises
     ValueError if there are none."""
     if not cands:
         raise ValueError("no routable replicas")
@@ -262,17 +317,24 @@ def choose(cands: Sequence[Candidate], *, block_size: int, num_prompt_tokens: in
     # computed once (list membership compared dataclasses field by field: 1.2 ms a request at 64
     # replicas, 4.4 ms at 128; docs/scale.md).
     adapter_weight = cfg.adapter_weight if adapter_key is not None else 0.0  # adapter fields count for adapters only
-    scores = {id(c): (max(0.0, values[id(c)] - common) + cfg.encoder_weight * c.warm_image_tokens
-                      + adapter_weight * c.adapter_resident
-                      - queue_weight * c.queued_tokens - cfg.load_weight * c.load) for c in cands}
+    if ttft is None:
+        scores = {id(c): (max(0.0, values[id(c)] - common) + cfg.encoder_weight * c.warm_image_tokens
+                          + adapter_weight * c.adapter_resident
+                          - queue_weight * c.queued_tokens - cfg.load_weight * c.load) for c in cands}
+    else:
+        scores = ttft_scores(cands, ttft, values, common, limit, queue_weight)
+        for c in cands:
+            scores[id(c)] += cfg.encoder_weight * c.warm_image_tokens + adapter_weight * c.adapter_resident
     cap = load_cap([c.load for c in cands], cfg.epsilon)
     scap = share_cap([c.sent for c in cands], cfg.share_epsilon)
-    fits = under_caps(cands, cap, scap)
+    # with fitted TTFT models, a replica's caps follow its capacity: an even share would overload a slow pool
+    caps = capacity_caps(cands, ttft, cfg.epsilon, scap) if ttft is not None else None
+    fits = under_caps(cands, cap, scap, caps)
     fit_ids = {id(c) for c in fits}
     home = {c.replica: rendezvous_weight(adapter_key, c.replica) for c in cands} if adapter_key is not None else None
     encoder_warm = cfg.encoder_weight > 0 and any(c.warm_image_tokens > 0 for c in cands)  # weight 0: ignored
     if encoder_warm or any(hits[c.replica] > 0 or (home and c.adapter_resident) for c in cands):
-        ranked, reason = warm_order(cands, fits, fit_ids, hits, scores, cap, scap, cfg, home)
+        ranked, reason = warm_order(cands, fits, fit_ids, hits, scores, cap, scap, cfg, home, caps)
     elif adapter_key is not None or cold_key is not None:  # a cold adapter goes by its own key: a stable subset
         ranked, reason = cold_order(cands, fits, fit_ids, scores, adapter_key if adapter_key is not None else cold_key)
     else:

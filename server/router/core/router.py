@@ -18,7 +18,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, NamedTuple, Optional
 
 from ... import rendering
 from ...multimodal.url_hashes import parse_header
@@ -27,6 +27,7 @@ from .metrics import RouterMetrics
 from .policy import RETRY, Candidate, Decision, PolicyConfig, choose
 from .prompt import HashConfig, Prompt, PromptRenderer
 from .registry import Replica
+from .ttft import TtftModels
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,14 @@ class Routed:
     body_changed: bool  # the dialect rewrote the body (e.g. vLLM: image uuids): the client's bytes no longer do
 
 
+class TtftSample(NamedTuple):
+    """What a TTFT model learns from one request: when it was sent, the prefill it waited for, the load then."""
+
+    t_sent: float
+    prefill_tokens: int
+    load: float
+
+
 class Router:
     """One router's decisions over its fleet, and the load they put on it; shared by every front door."""
 
@@ -73,6 +82,8 @@ class Router:
         self.fleet, self.renderer, self.hash_cfg = fleet, renderer, hash_cfg
         self.metrics, self.policy, self.cold_key_blocks = metrics, policy, cold_key_blocks
         self._media_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None  # render_off_loop's thread
+        # fitted per replica from streamed first tokens when the policy scores by predicted TTFT
+        self.ttft = TtftModels(policy.ttft_model_samples) if policy.ttft_model_samples else None
 
     # --- decision ---------------------------------------------------------------------------
     async def route(self, kind: str, body: dict,
@@ -198,8 +209,13 @@ class Router:
                                        unseen=self.peers.fresh, adapter_resident=resident, adapter_slot=slot))
         cold_key = hashes[min(len(hashes), self.cold_key_blocks) - 1] if hashes else None
         num_tokens = prompt.num_tokens if prompt else 0
+        ttft = None
+        if self.ttft is not None:
+            ttft = {c.replica: self.ttft.coefficients(c.replica) for c in cands}
+            if None in ttft.values():  # not fitted yet: the fixed weights
+                ttft = None
         decision = choose(cands, block_size=bs, num_prompt_tokens=num_tokens, cold_key=cold_key, cfg=self.policy,
-                          adapter_key=adapter_key(adapter) if adapter else None)
+                          adapter_key=adapter_key(adapter) if adapter else None, ttft=ttft)
         if adapter is not None:
             decision = dataclasses.replace(decision, adapter=adapter)
             hashes = names.get(decision.order[0], hashes) if decision.order else hashes
@@ -252,9 +268,13 @@ class Router:
             yield rep
 
     # --- load this router put on the replicas ---------------------------------------------------
-    def enter(self, rep: Replica, queued_tokens: int = 0, adapter: Optional[str] = None) -> None:
+    def enter(self, rep: Replica, queued_tokens: int = 0, adapter: Optional[str] = None) -> Optional[TtftSample]:
         """A request goes to `rep`: one more in flight, its uncached prompt queued until its first token; one more
-        on its LoRA `adapter` there (Decision.adapter)."""
+        on its LoRA `adapter` there (Decision.adapter). With TTFT models, the sample `first_token` completes."""
+        sample = None
+        if self.ttft is not None:
+            sample = TtftSample(time.perf_counter(), rep.queued_tokens + queued_tokens,
+                                max(rep.in_flight, self.fleet.engine_load(rep.id)))
         rep.in_flight += 1
         if adapter is not None:
             self.fleet.adapters.sent(rep.id, adapter)
@@ -264,6 +284,12 @@ class Router:
         rep.sent += 1
         self.metrics.replica_in_flight.labels(rep.id).set(rep.in_flight)
         self.metrics.replica_queued_tokens.labels(rep.id).set(rep.queued_tokens - rep.replay_tokens)
+        return sample
+
+    def first_token(self, rep: Replica, sample: Optional[TtftSample]) -> None:
+        """A streamed answer's first bytes from `rep` (its first token): the sample of its TTFT model."""
+        if sample is not None and self.ttft is not None:
+            self.ttft.observe(rep.id, sample.prefill_tokens, sample.load, time.perf_counter() - sample.t_sent)
 
     def prefilled(self, rep: Replica, queued_tokens: int) -> None:
         """The request's prompt is no longer work queued ahead of others (first token, answer or failure)."""

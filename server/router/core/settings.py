@@ -67,6 +67,12 @@ class PolicyConfig:
     adapter_weight: float = field(default=64.0, metadata=opt(  # a resident LoRA adapter, in prompt tokens
         "--adapter-weight", "Prompt tokens a replica that has the request's LoRA adapter resident is worth (no load "
         "into a device slot); the bounded-load caps still spread a hot adapter to more replicas."))
+    # 0: off; else the samples (streamed first tokens) a fitted TTFT model needs before it replaces the fixed weights
+    ttft_model_samples: int = field(default=0, metadata=opt(
+        "--ttft-model-samples", "Score replicas by a predicted TTFT fitted online per replica (fixed cost, per "
+        "prefill token, per request of load; core/ttft.py) once the fleet's streamed requests gave this many first "
+        "tokens (a replica with fewer of its own uses the pooled fit); 0 (default): the fixed --load-weight and "
+        "queue weights. Bounded load still applies."))
 
     def __post_init__(self) -> None:
         if not 0 <= self.cpu_weight <= 1:
@@ -77,6 +83,8 @@ class PolicyConfig:
                              "--share-slack-tokens and --max-share-slack must be >= 0")
         if self.queue_weight < 0 or self.load_weight < 0 or (self.cold_queue_weight or 0) < 0:
             raise ValueError("--queue-weight, --cold-queue-weight and --load-weight must be >= 0")
+        if self.ttft_model_samples < 0:
+            raise ValueError("--ttft-model-samples must be >= 0")
         if self.adapter_weight < 0:
             raise ValueError("--adapter-weight must be >= 0")
         if self.encoder_weight < 0:

@@ -70,6 +70,7 @@ class Exchange:
         self.scanner: Optional[UsageScanner] = None
         self.status = 0
         self.t_pick = 0.0
+        self.sample = None  # Router.enter's TTFT sample (None without TTFT models)
         self.done = False
         self.answered = False  # the EPP answered the client itself (ImmediateResponse): the stream ends
 
@@ -179,7 +180,7 @@ class Exchange:
     def book(self, rep: Replica) -> None:
         self.rep = rep
         self.queued = self.routed.decision.uncached_for(rep.id) if self.routed is not None else 0
-        self.router.enter(rep, self.queued, self.adapter())
+        self.sample = self.router.enter(rep, self.queued, self.adapter())
         self.t_pick = time.perf_counter()
 
     def adapter(self) -> Optional[str]:
@@ -243,6 +244,8 @@ class Exchange:
         if not self.prefill_done and self.rep is not None:
             self.prefilled()
             self.door.metrics.ttft.observe(time.perf_counter() - self.t_pick)
+            if self.status == 200 and isinstance(self.body, dict) and self.body.get("stream") is True:
+                self.router.first_token(self.rep, self.sample)
         if self.scanner is not None:
             self.scanner.feed(b.body)
         out = [pb.ProcessingResponse(response_body=pb.BodyResponse(

@@ -25,7 +25,7 @@ from starlette.responses import Response, StreamingResponse
 from ...multimodal.url_hashes import HEADER as MEDIA_HEADER
 from ..core.policy import RETRY, Decision
 from ..core.registry import Replica
-from ..core.router import Router
+from ..core.router import Router, TtftSample
 from ..core.settings import ProxyConfig
 from ..core.usage import cached_tokens_in_events, cached_tokens_in_json, event_boundary
 from ..status import error_response
@@ -103,7 +103,7 @@ class Proxy:
         rid = rep.id
         queued = a.decision.uncached_for(rid)
         # queued prefill until the first token, the answer or a failure
-        self.router.enter(rep, queued, a.decision.adapter)
+        sample = self.router.enter(rep, queued, a.decision.adapter)
         released = False
         resp: Optional[UpstreamResponse] = None
         try:
@@ -115,7 +115,7 @@ class Proxy:
                 self.fleet.record_served(rid, a.hashes)
                 self.router.learn_media(a.body, resp.headers.get(MEDIA_HEADER))
             if a.stream and resp.status == 200:
-                out = await self._first_event(rep, resp, a, retried)
+                out = await self._first_event(rep, resp, a, retried, sample)
                 released = True  # from here the relay owns the in-flight count
                 return out
             content = await resp.read()
@@ -139,12 +139,14 @@ class Proxy:
             if not released:
                 self.router.leave(rep, a.decision.adapter)
 
-    async def _first_event(self, rep: Replica, resp: UpstreamResponse, a: _Attempt,
-                           retried: bool) -> StreamingResponse:
+    async def _first_event(self, rep: Replica, resp: UpstreamResponse, a: _Attempt, retried: bool,
+                           sample: Optional[TtftSample] = None) -> StreamingResponse:
         """Wait for a stream's first bytes (a replica sends them with the first token: TTFT), then relay the rest."""
         chunks = resp.chunks()
         first = await anext(chunks, b"")
         self.metrics.ttft.observe(time.perf_counter() - a.t_arrival)
+        if first:
+            self.router.first_token(rep, sample)
         return self._stream(rep, resp, chunks, first, a.decision, retried=retried)
 
     async def forward_plain(self, method: str, path: str, raw: bytes, client_headers: dict) -> Response:
