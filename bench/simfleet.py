@@ -449,9 +449,8 @@ class SimFleet:
                  slow: tuple[int, float] = (0, 1.0)):
         from warmfleet.server.tokenizer import Tokenizer
 
-        self.slow = slow  # (K, F): the last K of the n replicas are F times slower (a second, slower node pool)
-
         self.model, self.n, self.host = model, n, host
+        self.slow = slow  # (K, F): the last K of the n replicas are F times slower (a second, slower node pool)
         self.block_size, self.gpu_blocks, self.cpu_blocks, self.tm = block_size, gpu_blocks, cpu_blocks, tm
         self.events, self.max_model_len, self.calibration = events, max_model_len, calibration
         self.tokenizer = Tokenizer(model)
@@ -492,9 +491,14 @@ class SimFleet:
         self.servers.append(await loop.create_server(lambda: HttpConn(self, None), sock=sock))
         self._load_task = asyncio.create_task(self._load_loop())
 
-    def time_model(self, rid: str) -> TimeModel:
+    def slowdown(self, rid: str) -> float:
+        """How many times slower than the time model replica `rid` runs (1, or F in the slow pool)."""
         k, factor = self.slow
-        return self.tm.scaled(1.0 / factor) if k and self.n - k <= int(rid[1:]) < self.n else self.tm
+        return factor if k and self.n - k <= int(rid[1:]) < self.n else 1.0
+
+    def time_model(self, rid: str) -> TimeModel:
+        f = self.slowdown(rid)
+        return self.tm if f == 1.0 else self.tm.scaled(1.0 / f)
 
     def _replica(self, rid: str, events: Optional[str]) -> SimReplica:
         return SimReplica(rid, self.fingerprint, self.block_size, self.gpu_blocks, self.cpu_blocks,
@@ -578,7 +582,7 @@ class SimFleet:
 
     def describe(self) -> dict:
         return {"replicas": [{"id": r.rid, "url": u, "events": r.events_endpoint, "state": self.state.get(r.rid),
-                              "slowdown": self.slow[1] if self.time_model(r.rid) is not self.tm else 1.0}
+                              "slowdown": self.slowdown(r.rid)}
                              for r, u in zip(self.replicas, self.urls)],
                 "control": self.control_url, "model": self.model, "model_fingerprint": self.fingerprint,
                 "block_size": self.block_size, "gpu_blocks": self.gpu_blocks, "cpu_blocks": self.cpu_blocks,

@@ -69,10 +69,10 @@ class PolicyConfig:
         "into a device slot); the bounded-load caps still spread a hot adapter to more replicas."))
     # 0: off; else the samples (streamed first tokens) a fitted TTFT model needs before it replaces the fixed weights
     ttft_model_samples: int = field(default=0, metadata=opt(
-        "--ttft-model-samples", "Score replicas by a predicted TTFT fitted online per replica (fixed cost, per "
-        "prefill token, per request of load; core/ttft.py) once the fleet's streamed requests gave this many first "
-        "tokens (a replica with fewer of its own uses the pooled fit); 0 (default): the fixed --load-weight and "
-        "queue weights. Bounded load still applies."))
+        "--ttft-model-samples", "Score replicas by a predicted TTFT fitted online (one fleet shape: fixed cost, per "
+        "prefill token, per request of load; times a per-replica slowdown; core/ttft.py), with caps that follow "
+        "each replica's speed, once the fleet's streamed requests gave this many first tokens; 0 (default): the "
+        "fixed --load-weight and queue weights. Bounded load still applies."))
 
     def __post_init__(self) -> None:
         if not 0 <= self.cpu_weight <= 1:

@@ -244,7 +244,7 @@ class Exchange:
         if not self.prefill_done and self.rep is not None:
             self.prefilled()
             self.door.metrics.ttft.observe(time.perf_counter() - self.t_pick)
-            if self.status == 200 and isinstance(self.body, dict) and self.body.get("stream") is True:
+            if self.status == 200 and self.scanner is not None and self.scanner.stream:  # an SSE first token
                 self.router.first_token(self.rep, self.sample)
         if self.scanner is not None:
             self.scanner.feed(b.body)
