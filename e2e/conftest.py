@@ -243,6 +243,12 @@ class LocalOperator:
     def log(self) -> str:
         return self.proc.log(200) if self.proc else ""
 
+    def denials(self) -> list[str]:
+        """Log lines of requests the API server refused with 403, but for a namespace being deleted (another test's:
+        NamespaceTerminating refuses new objects with 403 too, which says nothing about RBAC)."""
+        return [ln for ln in self.log().splitlines()
+                if (" 403 " in ln or "status=403" in ln or "Forbidden" in ln) and "is being terminated" not in ln]
+
     def count(self, text: str) -> int:
         return self.proc.log_path.read_text(errors="replace").count(text) if self.proc else 0
 

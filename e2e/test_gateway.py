@@ -171,4 +171,5 @@ def test_gateway_mode_objects_are_accepted_and_status_says_pool_and_epp_ready(
                    and s["status"].get("observedGeneration") == s["metadata"]["generation"] and s, 120, "Ready in proxy mode")
     assert not {x["type"] for x in svc["status"]["conditions"]} & {"InferencePoolReady", "EndpointPickerReady", "HTTPRouteReady"}
     assert svc["status"]["endpoint"] == f"http://{NAME}.{namespace}.svc:8000/v1"
-    assert " 403 " not in local_operator.log() and "Forbidden" not in local_operator.log()
+    denied = local_operator.denials()  # pruning the gateway objects needs delete in the chart's RBAC
+    assert not denied, "\n".join(denied)

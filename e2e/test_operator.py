@@ -180,10 +180,7 @@ def test_operator_runs_under_the_charts_service_account(e2e_cluster: Cluster, re
     # patching pods (the deletion-cost annotation) is not patching their status ("pods/status" alone would name a pod)
     assert sa.kubectl("auth", "can-i", "patch", "pods", "--subresource=status", "--all-namespaces",
                       check=False).stdout.strip() == "no"
-    # a refusal of the chart's RBAC; a namespace another test is deleting refuses new objects with 403 too
-    # (NamespaceTerminating), which says nothing about RBAC
-    denied = [ln for ln in local_operator.log().splitlines()
-              if (" 403 " in ln or "Forbidden" in ln) and "is being terminated" not in ln]
+    denied = local_operator.denials()  # a refusal of the chart's RBAC
     assert not denied, "\n".join(denied)
 
 
