@@ -15,6 +15,7 @@ from warmfleet.server.router.core.engines.vllm import VllmDialect, none_hash, sh
 from warmfleet.server.router.core.engines.warmfleet import WarmfleetDialect
 from warmfleet.server.router.core.policy import (
     ADAPTER_HIT, COLD_HASH, LOAD_SPILL, Candidate, PolicyConfig, adapter_slot_first, choose, rendezvous_weight,
+    share_cap,
 )
 from warmfleet.server.router.core.prompt import HashConfig, Prompt
 from warmfleet.server.router.core.router import adapter_key
@@ -156,6 +157,22 @@ def test_a_hot_adapter_spills_over_the_caps_to_the_same_next_home_and_then_stays
     cs2 = [Candidate(c.replica, adapter_resident=c.adapter_resident, load=1 if c.replica == next_home else 0)
            for c in cs2]
     assert choose(cs2, block_size=B, num_prompt_tokens=40, cold_key=b"k", adapter_key=key).order[0] == "r0"
+
+
+def test_a_resident_adapter_stays_home_a_few_requests_over_the_share_cap_rather_than_load_elsewhere():
+    key, cfg = adapter_key("hot"), PolicyConfig(adapter_share_slack=2)
+    scap = share_cap([12.0, 6.0, 6.0], cfg.share_epsilon)  # r0 is over it, the others under
+
+    def target(resident, sent0=12.0, cfg=cfg):
+        cs = cands(3, adapter_resident=resident, sent=[sent0, 6.0, 6.0])
+        return choose(cs, block_size=B, num_prompt_tokens=40, cold_key=b"k", adapter_key=key, cfg=cfg).order[0]
+
+    assert scap < 12 + 1 <= scap + cfg.warm_slack + cfg.adapter_share_slack  # over the cap, within the slack
+    assert target([True, False, False]) == "r0"  # moving would load the adapter on r1 or r2 and evict another
+    assert target([True, True, False]) == "r1"  # another home under the caps has it: that one, no load anywhere
+    assert target([True, False, False], sent0=14.0) != "r0"  # beyond the slack the share cap holds
+    assert target([True, False, False], cfg=PolicyConfig(adapter_share_slack=0)) != "r0"  # slack off: spills
+    assert target([False, False, False]) != "r0"  # nothing resident: nothing to keep
 
 
 def test_never_over_max_loras_while_another_replica_has_a_slot():

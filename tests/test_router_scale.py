@@ -212,7 +212,7 @@ def adapter_fleets(draw):
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cands=adapter_fleets(), cfg=configs, adapter_weight=st.sampled_from([0.0, 64.0]),
+@given(cands=adapter_fleets(), cfg=configs, adapter_weight=st.sampled_from([0.0, 64.0, 256.0]),
        num_prompt_tokens=st.integers(1, 160), cold_key=st.one_of(st.none(), st.binary(min_size=1, max_size=32)),
        adapter=st.binary(min_size=1, max_size=16), shuffle=st.randoms(use_true_random=False))
 def test_choose_for_an_adapter_holds_its_invariants(cands, cfg, adapter_weight, num_prompt_tokens, cold_key, adapter,

@@ -69,8 +69,11 @@ LoRA adapters (`adapter_key` given: the request names one). A replica with the a
 prompt nobody holds, goes by rendezvous of the adapter's key, so each replica holds a stable subset of the
 cold adapters. Equal scores go by that rendezvous too, so a hot adapter that outgrows its replicas' caps
 (the same bounded-load rule) spills to the same next home each time and is resident on more replicas as its
-load grows. Last, `adapter_slot_first`: replicas that could take the adapter only by evicting one in use go
-after every replica that has it resident or a free slot (they stay as retry fallbacks).
+load grows. A replica with the adapter resident that is over the share cap keeps the request up to
+`adapter_share_slack` more requests when no replica under the caps has the adapter resident: a spill would load
+it there and evict an adapter that replica's own requests come back for (bench/adapters.py: most of the loads
+warmfleet made were those). Last, `adapter_slot_first`: replicas that could take the adapter only by evicting
+one in use go after every replica that has it resident or a free slot (they stay as retry fallbacks).
 """
 
 from __future__ import annotations
@@ -222,11 +225,15 @@ def warm_share_slack(advantage: int, cfg: PolicyConfig) -> int:
     return cfg.warm_slack
 
 
-def keeps_warm(best: Candidate, advantage: int, cap: float, scap: float, cfg: PolicyConfig) -> bool:
-    """Whether `best`, over a cap, keeps the request for the `advantage` tokens it holds over the best under them."""
-    return (advantage >= cfg.warm_min_tokens
+def keeps_warm(best: Candidate, advantage: int, cap: float, scap: float, cfg: PolicyConfig,
+               adapter_home: bool = False) -> bool:
+    """Whether `best`, over a cap, keeps the request for the `advantage` tokens it holds over the best under them;
+    `adapter_home`: it has the request's adapter resident and no replica under the caps has (a spill would load it
+    and evict another adapter there), worth `adapter_share_slack` more requests of share."""
+    adapter_slack = cfg.adapter_share_slack if adapter_home else 0
+    return ((advantage >= cfg.warm_min_tokens or adapter_slack > 0)
             and best.load + 1 <= cap + cfg.warm_slack + cfg.warm_inflight_slack + best.unseen
-            and best.sent + 1 <= scap + warm_share_slack(advantage, cfg))
+            and best.sent + 1 <= scap + warm_share_slack(advantage, cfg) + adapter_slack)
 
 
 def warm_order(cands: Sequence[Candidate], fits: list[Candidate], fit_ids: set, hits: dict[str, int], scores: dict,
@@ -247,7 +254,8 @@ def warm_order(cands: Sequence[Candidate], fits: list[Candidate], fit_ids: set, 
     advantage = hits[best.replica] - max((hits[c.replica] for c in fits), default=0)
     if caps is not None:
         cap, scap = caps[id(best)]
-    kept_warm = best_is_over and keeps_warm(best, advantage, cap, scap, cfg)
+    adapter_home = bool(home) and best.adapter_resident and not any(c.adapter_resident for c in fits)
+    kept_warm = best_is_over and keeps_warm(best, advantage, cap, scap, cfg, adapter_home)
     if kept_warm:
         ranked = [best] + [c for c in ranked if c is not best]
     target = ranked[0]

@@ -64,9 +64,13 @@ class PolicyConfig:
         "--encoder-weight", "Prefill tokens saved per image token whose vision-encoder output a replica has cached "
         "(outside the request's cached prefix): encode cost per image token over prefill cost per token, as "
         "bench/encode_cost.py measures it for a checkpoint (0: ignore encoder caches)."))
-    adapter_weight: float = field(default=64.0, metadata=opt(  # a resident LoRA adapter, in prompt tokens
+    adapter_weight: float = field(default=256.0, metadata=opt(  # a resident LoRA adapter, in prompt tokens
         "--adapter-weight", "Prompt tokens a replica that has the request's LoRA adapter resident is worth (no load "
         "into a device slot); the bounded-load caps still spread a hot adapter to more replicas."))
+    adapter_share_slack: int = field(default=2, metadata=opt(  # requests above the share cap to keep an adapter home
+        "--adapter-share-slack", "Beyond --warm-slack, requests above the share cap a replica with the request's LoRA adapter resident may "
+        "take when no replica under the caps has it resident (a spill there would load the adapter and evict "
+        "another); the in-flight bound's slack is --warm-slack's."))
     # 0: off; else the samples (streamed first tokens) a fitted TTFT model needs before it replaces the fixed weights
     ttft_model_samples: int = field(default=0, metadata=opt(
         "--ttft-model-samples", "Score replicas by a predicted TTFT fitted online (one fleet shape: fixed cost, per "
@@ -85,8 +89,8 @@ class PolicyConfig:
             raise ValueError("--queue-weight, --cold-queue-weight and --load-weight must be >= 0")
         if self.ttft_model_samples < 0:
             raise ValueError("--ttft-model-samples must be >= 0")
-        if self.adapter_weight < 0:
-            raise ValueError("--adapter-weight must be >= 0")
+        if self.adapter_weight < 0 or self.adapter_share_slack < 0:
+            raise ValueError("--adapter-weight and --adapter-share-slack must be >= 0")
         if self.encoder_weight < 0:
             raise ValueError("--encoder-weight must be >= 0")
         if self.epsilon < 0:
