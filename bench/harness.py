@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -42,6 +43,18 @@ def quantile(xs: Iterable[float | None], p: float) -> float | None:
     """The `p` quantile (nearest rank, rounded to 4 places) of the values that are not None; None if there are none."""
     ys = sorted(x for x in xs if x is not None)
     return round(ys[min(len(ys) - 1, int(p * len(ys)))], 4) if ys else None
+
+
+def quantile_ratio_interval(before: Sequence[float], after: Sequence[float], p: float, rounds: int = 1000,
+                            seed: int = 0) -> list[float] | None:
+    """The 90 % bootstrap interval of quantile(after, p) / quantile(before, p): how finely one run's pair of windows
+    can tell two quantiles apart (a p90 of ~120 requests is itself a sample). None if either side is empty."""
+    if not before or not after:
+        return None
+    rng = random.Random(seed)
+    ratios = sorted(quantile(rng.choices(after, k=len(after)), p) / max(quantile(rng.choices(before, k=len(before)), p), 1e-9)
+                    for _ in range(rounds))
+    return [round(ratios[int(0.05 * rounds)], 3), round(ratios[int(0.95 * rounds) - 1], 3)]
 
 
 def spread(counts: Sequence[float], num_replicas: int) -> float | None:

@@ -278,6 +278,22 @@ def window(rec: list[dict], t0: float, t1: float) -> dict:
             "from_s": round(t0, 2), "to_s": round(t1, 2)}
 
 
+def tail_of(rec: list[dict], win: dict, joiner: str) -> dict:
+    """The window's requests at or over its TTFT p90 (model): how many went to the joiner, their decision
+    reasons, and their cached share of the prompt (a cold prefill or a queue behind one)."""
+    p90 = win["ttft_p90_model_s"]
+    rows = [r for r in rec if win["from_s"] <= r["t"] < win["to_s"] and not r["error"]
+            and p90 is not None and (r.get("ttft_model_s") or 0) >= p90]
+    reasons: dict[str, int] = {}
+    for r in rows:
+        reason = (r.get("route") or "none").split(";")[0]
+        reasons[reason] = reasons.get(reason, 0) + 1
+    prompt = sum(r["prompt"] for r in rows)
+    return {"requests": len(rows), "on_joiner": sum(1 for r in rows if r["replica"] == joiner), "reasons": reasons,
+            "cached_ratio": round(sum(r["cached"] for r in rows) / prompt, 4) if prompt else None,
+            "mean_prompt_tokens": round(prompt / len(rows)) if rows else None}
+
+
 def summarize(run: Run, simlog: list[dict], window_s: float) -> dict:
     by_tag = {x["tag"]: x for x in simlog if x["tag"]}
     for r in run.rec:
@@ -288,6 +304,13 @@ def summarize(run: Run, simlog: list[dict], window_s: float) -> dict:
             "scale_out": window(run.rec, ev["scale_out"], ev["scale_out"] + window_s),
             "scale_in": window(run.rec, ev["scale_in"], ev["scale_in"] + window_s),
             "rolling_update": window(run.rec, ev["rolling_update"], ev["end"])}
+    for name in ("steady", "scale_out"):  # where each window's TTFT tail is: the requests at or over its p90
+        wins[name]["tail"] = tail_of(run.rec, wins[name], run.spare)
+    ttfts = {name: [r["ttft_model_s"] for r in run.rec if t0 <= r["t"] < t1 and not r["error"] and r["ttft_model_s"]]
+             for name, t0, t1 in (("steady", ev["steady"], ev["scale_out"]),
+                                  ("scale_out", ev["scale_out"], ev["scale_out"] + window_s))}
+    wins["scale_out"]["ttft_p90_over_steady_ci90"] = harness.quantile_ratio_interval(
+        ttfts["steady"], ttfts["scale_out"], 0.9)
     joiner = [r for r in sorted(run.rec, key=lambda r: r["t"]) if r["replica"] == run.spare and not r["error"]][:100]
     jp = sum(r["prompt"] for r in joiner)
     # warm-up gating, from the joiner's own log: normal requests that arrived before its last warm-up

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections import OrderedDict
 
 import pytest
@@ -74,3 +75,17 @@ def test_schedstat_sums_every_thread_of_the_tree_and_nothing_else(tmp_path):
     assert harness.schedstat_ns([10], tmp_path) == (158, 29)
     assert harness.sched_per_request((0, 0), (4_000_000, 6_000_000), 2) == {
         "router_cpu_ms_per_request": 2.0, "router_runq_wait_ms_per_request": 3.0, "router_runq_wait_over_cpu": 1.5}
+
+
+def test_quantile_ratio_interval_brackets_the_ratio_and_narrows_with_more_samples():
+    rng = random.Random(1)
+    small_a, small_b = ([rng.expovariate(20) for _ in range(120)] for _ in range(2))
+    big_a, big_b = ([rng.expovariate(20) for _ in range(4000)] for _ in range(2))
+    lo, hi = harness.quantile_ratio_interval(small_a, small_b, 0.9)
+    assert lo < 1.0 < hi  # the same distribution: the interval holds 1
+    blo, bhi = harness.quantile_ratio_interval(big_a, big_b, 0.9)
+    assert blo < 1.0 < bhi and bhi - blo < (hi - lo) / 3  # 33x the samples: a far narrower interval
+    slow = [2 * x for x in big_b]  # twice as slow: the interval holds 2, not 1
+    slo, shi = harness.quantile_ratio_interval(big_a, slow, 0.9)
+    assert 1.0 < slo < 2.0 < shi
+    assert harness.quantile_ratio_interval([], small_b, 0.9) is None
