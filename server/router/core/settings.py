@@ -68,9 +68,9 @@ class PolicyConfig:
         "--adapter-weight", "Prompt tokens a replica that has the request's LoRA adapter resident is worth (no load "
         "into a device slot); the bounded-load caps still spread a hot adapter to more replicas."))
     adapter_share_slack: int = field(default=2, metadata=opt(  # requests above the share cap to keep an adapter home
-        "--adapter-share-slack", "Beyond --warm-slack, requests above the share cap a replica with the request's LoRA adapter resident may "
-        "take when no replica under the caps has it resident (a spill there would load the adapter and evict "
-        "another); the in-flight bound's slack is --warm-slack's."))
+        "--adapter-share-slack", "Beyond --warm-slack, requests above the share cap a replica with the request's "
+        "LoRA adapter resident may take when no replica under the caps has it resident (a spill there would load "
+        "the adapter and evict another); the in-flight bound's slack is unchanged."))
     # 0: off; else the samples (streamed first tokens) a fitted TTFT model needs before it replaces the fixed weights
     ttft_model_samples: int = field(default=0, metadata=opt(
         "--ttft-model-samples", "Score replicas by a predicted TTFT fitted online (one fleet shape: fixed cost, per "
