@@ -278,12 +278,15 @@ def window(rec: list[dict], t0: float, t1: float) -> dict:
             "from_s": round(t0, 2), "to_s": round(t1, 2)}
 
 
-def tail_of(rec: list[dict], win: dict, joiner: str) -> dict:
-    """The window's requests at or over its TTFT p90 (model): how many went to the joiner, their decision
+def served(rec: list[dict], t0: float, t1: float) -> list[dict]:
+    """The requests that arrived in [t0, t1) and were answered."""
+    return [r for r in rec if t0 <= r["t"] < t1 and not r["error"]]
+
+
+def tail_of(ok: list[dict], p90: float | None, joiner: str) -> dict:
+    """A window's answered requests at or over its TTFT p90 (model): how many went to the joiner, their decision
     reasons, and their cached share of the prompt (a cold prefill or a queue behind one)."""
-    p90 = win["ttft_p90_model_s"]
-    rows = [r for r in rec if win["from_s"] <= r["t"] < win["to_s"] and not r["error"]
-            and p90 is not None and (r.get("ttft_model_s") or 0) >= p90]
+    rows = [r for r in ok if p90 is not None and (r.get("ttft_model_s") or 0) >= p90]
     reasons: dict[str, int] = {}
     for r in rows:
         reason = (r.get("route") or "none").split(";")[0]
@@ -300,15 +303,14 @@ def summarize(run: Run, simlog: list[dict], window_s: float) -> dict:
         x = by_tag.get(r["tag"])
         r["ttft_model_s"] = x["ttft_model_s"] if x else None
     ev = {e["event"]: e["t"] for e in run.events}
-    wins = {"steady": window(run.rec, ev["steady"], ev["scale_out"]),
-            "scale_out": window(run.rec, ev["scale_out"], ev["scale_out"] + window_s),
-            "scale_in": window(run.rec, ev["scale_in"], ev["scale_in"] + window_s),
-            "rolling_update": window(run.rec, ev["rolling_update"], ev["end"])}
+    bounds = {"steady": (ev["steady"], ev["scale_out"]), "scale_out": (ev["scale_out"], ev["scale_out"] + window_s),
+              "scale_in": (ev["scale_in"], ev["scale_in"] + window_s), "rolling_update": (ev["rolling_update"], ev["end"])}
+    wins = {name: window(run.rec, t0, t1) for name, (t0, t1) in bounds.items()}
+    ttfts = {}
     for name in ("steady", "scale_out"):  # where each window's TTFT tail is: the requests at or over its p90
-        wins[name]["tail"] = tail_of(run.rec, wins[name], run.spare)
-    ttfts = {name: [r["ttft_model_s"] for r in run.rec if t0 <= r["t"] < t1 and not r["error"] and r["ttft_model_s"]]
-             for name, t0, t1 in (("steady", ev["steady"], ev["scale_out"]),
-                                  ("scale_out", ev["scale_out"], ev["scale_out"] + window_s))}
+        ok = served(run.rec, *bounds[name])
+        wins[name]["tail"] = tail_of(ok, wins[name]["ttft_p90_model_s"], run.spare)
+        ttfts[name] = [r["ttft_model_s"] for r in ok if r["ttft_model_s"]]
     wins["scale_out"]["ttft_p90_over_steady_ci90"] = harness.quantile_ratio_interval(
         ttfts["steady"], ttfts["scale_out"], 0.9)
     joiner = [r for r in sorted(run.rec, key=lambda r: r["t"]) if r["replica"] == run.spare and not r["error"]][:100]
