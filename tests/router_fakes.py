@@ -24,6 +24,7 @@ from warmfleet.server.router.core.runtime import RouterRuntime
 from warmfleet.server.router.core.settings import RouterSettings
 from warmfleet.server.router.core.tenants import Tenants
 from warmfleet.server.router.http.app import build_app
+from warmfleet.server.router.http.hotpath import hot_protocol
 from warmfleet.server.tokenizer import Tokenizer
 
 BLOCK = 16
@@ -33,14 +34,14 @@ SYSTEM = "You are a meticulous assistant for the warmfleet project. " * 8
 class Served:
     """A uvicorn server for an app on a free loopback port, in the test's event loop."""
 
-    def __init__(self, app):
+    def __init__(self, app, http: object = "auto"):
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         # no log_config or log_level: uvicorn would detach its loggers from the root (or set their level) for the rest
         # of the session
-        self.server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_config=None))
+        self.server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_config=None, http=http))
         self.task: Optional[asyncio.Task] = None
 
     async def start(self) -> "Served":
@@ -190,11 +191,13 @@ class FakeReplica:
 
 
 class Fleet2:
-    """Two fake replicas behind a router, all on loopback."""
+    """Two fake replicas behind a router, all on loopback; the router served as `warmfleet route` serves it
+    (`protocol="hot"`: http/hotpath.py) or by uvicorn's own protocol ("asgi": every route through the ASGI app)."""
 
     def __init__(self, model_dir, *, failures: Optional[FakeSharedFailures] = None, tenants: Optional[Tenants] = None,
                  health_interval_s: float = 0.1, max_concurrent_per_client: int = 0, engine: str = "warmfleet",
-                 predicted_capacity_blocks: int = 16_384):
+                 predicted_capacity_blocks: int = 16_384, protocol: str = "hot"):
+        self.protocol = protocol
         self.tok = Tokenizer(model_dir)
         self.fp = model_fingerprint(model_dir)
         self.failures = failures or FakeSharedFailures()
@@ -219,7 +222,8 @@ class Fleet2:
                                     predicted_capacity_blocks=self.predicted_capacity_blocks),
         )
         self.app = build_app(runtime)
-        self.router = await Served(self.app).start()
+        http = hot_protocol(self.app.frontend) if self.protocol == "hot" else "auto"
+        self.router = await Served(self.app, http).start()
         self.fleet = self.app.state.fleet
         if self.engine == "fastdeploy":  # no events: nothing to sync
             await until(lambda: all(r.healthy for r in self.fleet.registry.replicas.values()), "health checks")

@@ -98,9 +98,10 @@ async def test_router_protocol_parses_with_httptools_and_coalesces_writes():
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     from uvicorn.server import ServerState
 
-    from warmfleet.server.router.http.transport import coalescing_protocol
+    from warmfleet.server.router.http.app import Frontend
+    from warmfleet.server.router.http.hotpath import hot_protocol
 
-    cls = coalescing_protocol()
+    cls = hot_protocol(Frontend.__new__(Frontend))
     assert issubclass(cls, HttpToolsProtocol)
     config = Config(app=lambda scope, receive, send: None)
     config.load()

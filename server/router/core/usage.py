@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Optional
 
 from .router import cached_tokens_of
@@ -14,8 +15,20 @@ def event_boundary(buf: bytes) -> int:
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
+# the key as JSON writes it (a quote inside a string value is escaped, so this only matches a key) and its integer
+_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)\s*[,}]')
+
+
 def cached_tokens_in_json(content: bytes) -> Optional[int]:
-    """Cached tokens of a whole (non-streamed) answer, None if it says none."""
+    """Cached tokens of a whole (non-streamed) answer, None if it says none.
+
+    An answer with the key once holds it at `usage.prompt_tokens_details` (OpenAI's shape has it nowhere else):
+    its integer is read off the bytes, as parsing the whole answer for it was ~4 % of the router's CPU per request."""
+    if b'"cached_tokens"' not in content:
+        return None
+    found = _CACHED_TOKENS.search(content)
+    if found is not None and content.count(b'"cached_tokens"') == 1:
+        return int(found.group(1))
     try:
         return cached_tokens_of(json.loads(content))
     except (ValueError, UnicodeDecodeError, RecursionError):

@@ -109,22 +109,34 @@ class Frontend:
             return await error_response(413, str(exc), "invalid_request_error")(scope, receive, send)
         if raw is None:  # the client left before its body arrived: nobody to answer
             return None
+        peer = scope.get("client")
+        resp, slot = await self.respond(scope["path"], kind, raw, auth, peer[0] if peer else "unknown")
+        try:
+            await resp(scope, receive, send)
+        finally:
+            if slot is not None:
+                self.limiter.release(slot)
+
+    async def respond(self, path: str, kind: str, raw: bytes, auth: Optional[str],
+                      host: str) -> tuple[Response, Optional[str]]:
+        """The answer to a cache-routed POST whose body has been read, and the client slot it holds (None: none
+        taken); the caller releases the slot once the answer's last byte is sent (`limiter.release`)."""
         parsed = parse_json_object(raw)
         if isinstance(parsed, Response):
-            return await parsed(scope, receive, send)
-        peer = scope.get("client")
-        client = self.enter(peer[0] if peer else "unknown", auth, parsed)
+            return parsed, None
+        client = self.enter(host, auth, parsed)
         if isinstance(client, Response):
-            return await client(scope, receive, send)
+            return client, None
         try:
             tenants = self.tenants.enabled
             # the client's bytes go upstream as they came unless the router rewrote the body (tenant salt)
-            resp = await self.state["proxy"].forward(scope["path"], kind, parsed,
+            resp = await self.state["proxy"].forward(path, kind, parsed,
                                                      {"authorization": auth} if auth and not tenants else {},
                                                      None if tenants else raw)
-            await resp(scope, receive, send)
-        finally:
+        except BaseException:
             self.limiter.release(client)
+            raise
+        return resp, client
 
     async def generate(self, request: Request, path: str, kind: str) -> Response:
         parsed = await json_body(request, self.max_request_bytes)
@@ -168,6 +180,8 @@ class FastPath:
     about 5% of the router's CPU per request under load (docs/scale.md), and Starlette's Request
     object (`Frontend.serve` reads the body and two headers straight from ASGI). Everything else, the
     lifespan included, goes to the FastAPI app, whose attributes (`state`, ...) it forwards.
+    Under `warmfleet route` most hot requests never reach it: hotpath.py serves them from the HTTP
+    protocol; those it leaves to ASGI (chunked bodies, `Expect`, a forwarded client) come here.
     """
 
     def __init__(self, inner, frontend: Frontend):

@@ -20,7 +20,7 @@ def run(args: argparse.Namespace) -> int:
     from ...logging_setup import setup_logging
     from ..core.runtime import runtime_from_settings, settings_from_args
     from .app import build_app
-    from .transport import coalescing_protocol
+    from .hotpath import hot_protocol
 
     settings = settings_from_args(args)
     setup_logging(settings.log_level)
@@ -28,5 +28,5 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("httpx").setLevel(logging.WARNING)
     app = build_app(replace(runtime_from_settings(settings), freeze_gc=True))
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False,
-                http=coalescing_protocol())
+                http=hot_protocol(app.frontend))
     return 0

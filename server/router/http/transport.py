@@ -1,4 +1,4 @@
-"""uvicorn's h11 protocol with writes coalesced per event-loop tick: one send() per response, not two.
+"""Writes coalesced per event-loop tick under the router's HTTP protocol (hotpath.py): one send() per response.
 
 Starlette sends `http.response.start` and `http.response.body` as two ASGI messages and uvicorn
 writes each to the socket at once, so a small answer costs two send() syscalls. On loopback each
@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
 class CoalescingTransport:
@@ -60,24 +59,3 @@ class CoalescingTransport:
 
     def __getattr__(self, name: str) -> Any:  # get_extra_info, is_closing, pause_reading, set_protocol, ...
         return getattr(self._t, name)
-
-
-class CoalescingH11Protocol(H11Protocol):
-    """`uvicorn.run(..., http=CoalescingH11Protocol)`."""
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(CoalescingTransport(transport))  # type: ignore[arg-type]
-
-
-def coalescing_protocol() -> type:
-    """The fastest HTTP/1.1 protocol uvicorn has here (httptools' C parser, else h11), with coalesced writes."""
-    try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-    except ImportError:
-        return CoalescingH11Protocol
-
-    class CoalescingHttpToolsProtocol(HttpToolsProtocol):
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(CoalescingTransport(transport))  # type: ignore[arg-type]
-
-    return CoalescingHttpToolsProtocol
