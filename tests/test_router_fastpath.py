@@ -1,5 +1,5 @@
-"""The router's hot POST routes on a started router, served by http/hotpath.py (as `warmfleet route` serves them) and
-in raw ASGI (app.FastPath / Frontend.serve): bodies, errors, slots, keep-alive, pipelining, streams the client leaves."""
+"""The router's hot POST routes on a started router, served by http/hotpath.py (as `warmfleet route` serves them)
+and in raw ASGI (app.FastPath / Frontend.serve): bodies, errors, slots, pipelining, streams the client leaves."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """The two cache-routed POST routes served straight from uvicorn's httptools protocol, without an ASGI cycle.
 
-    bytes ─▶ httptools parser ─┬─ POST /v1/chat/completions, /v1/completions, plain ─▶ HotRequest ─▶ Frontend.respond
-                               │      (Content-Length within the cap, no Expect, no X-Forwarded-For)   ─▶ bytes out
+    bytes ─▶ httptools parser ─┬─ POST /v1/chat/completions or /v1/completions ─▶ HotRequest
+                               │  (Content-Length within the cap, no Expect, no X-Forwarded-For)
+                               │      ─▶ Frontend.respond ─▶ status line, headers, body written at once
                                └─ anything else ─▶ uvicorn's RequestResponseCycle ─▶ the ASGI app (FastAPI)
 
 Per request, uvicorn's cycle builds an ASGI scope, an Event, ASGI message dicts for every send and
