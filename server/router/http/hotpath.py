@@ -38,13 +38,12 @@ _FALLBACK_HEADERS = (b"expect", b"x-forwarded-for", b"transfer-encoding", b"upgr
 class HotRequest:
     """One hot-route request on a connection: what uvicorn's protocol reads of a cycle, plus the parsed request."""
 
-    __slots__ = ("path", "kind", "auth", "body", "more_body", "keep_alive", "message_event", "disconnected",
+    __slots__ = ("path", "kind", "auth", "body", "keep_alive", "message_event", "disconnected",
                  "response_complete", "streaming")
 
     def __init__(self, path: str, kind: str, auth: Optional[str], keep_alive: bool):
         self.path, self.kind, self.auth, self.keep_alive = path, kind, auth, keep_alive
         self.body = bytearray()
-        self.more_body = True
         self.message_event = asyncio.Event()  # set by uvicorn's connection_lost
         self.disconnected = False
         self.response_complete = False
@@ -103,7 +102,6 @@ def hot_protocol(frontend: Frontend) -> type:
             hot = self.cycle
             if not isinstance(hot, HotRequest):
                 return super().on_message_complete()
-            hot.more_body = False
             task = self.loop.create_task(self._serve(hot))
             task.add_done_callback(self.tasks.discard)
             self.tasks.add(task)
