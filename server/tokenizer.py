@@ -128,15 +128,21 @@ class Tokenizer:
         """
         from jinja2.exceptions import TemplateError
 
-        msgs = [self._prepare_message(m) for m in messages]
-        special = {"bos_token": self.bos_token, "eos_token": self.eos_token, "pad_token": self.pad_token,
-                   "unk_token": self.unk_token, "additional_special_tokens": self.additional_special_tokens}
+        context = self.template_context(messages, add_generation_prompt, tools, **template_kwargs)
         try:
-            return self._compiled_template.render(messages=msgs, tools=tools, documents=None,
-                                                  add_generation_prompt=add_generation_prompt,
-                                                  **{**special, **template_kwargs})
+            return self._compiled_template.render(**context)
         except TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+    def template_context(self, messages: list[dict], add_generation_prompt: bool = True,
+                         tools: Optional[list[dict]] = None, **template_kwargs: Any) -> dict:
+        """The variables the chat template renders with (messages prepared as `apply_chat_template` says)."""
+        if not self.chat_template:
+            raise ChatTemplateError(f"{self.model_dir} has no chat template; use the completions API")
+        special = {"bos_token": self.bos_token, "eos_token": self.eos_token, "pad_token": self.pad_token,
+                   "unk_token": self.unk_token, "additional_special_tokens": self.additional_special_tokens}
+        return {"messages": [self._prepare_message(m) for m in messages], "tools": tools, "documents": None,
+                "add_generation_prompt": add_generation_prompt, **special, **template_kwargs}
 
     def _prepare_message(self, message: dict) -> dict:
         msg = dict(message)

@@ -1,8 +1,9 @@
 """Request → prompt token ids and image placeholders, rendered exactly as a replica renders them; no paddle.
 
-Chat requests go through the checkpoint's chat template (`warmfleet.server.tokenizer`), then
-`encode(add_special_tokens=False)`, as the replica does. Requests with images need the
-placeholder offsets the replica will compute; that is one function of the multimodal module,
+Chat requests go through the checkpoint's chat template (`warmfleet.server.tokenizer`; rendered by
+minijinja where it was shown to agree, core/template.py), then `encode(add_special_tokens=False)`, as
+the replica does. Requests with images need the placeholder offsets the replica will compute; that is
+one function of the multimodal module,
 `warmfleet.server.multimodal.prompt.render(tokenizer, messages, **kw) -> (token_ids, placeholders)`,
 which hashes data: URIs and cuts before images it cannot resolve without fetching.
 Without it, an image request is hashed only up to its first image (blocks wholly before
@@ -19,6 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from ... import rendering
 from ...hashing import AdapterId, MMPlaceholder, block_extra_keys, block_hashes, hash_block, root_hash
+from .template import FastChatTemplate
 from .url_memo import UrlHashMemo
 
 IMAGE_PAD_TOKENS = ("<|image_pad|>", "<image>")  # placeholder tokens a template emits per image, by model family
@@ -174,6 +176,7 @@ class PromptRenderer:
         self._processor_cfg: Any = None
         self._image_pad_ids = {i for i in (tokenizer.token_to_id(t) for t in IMAGE_PAD_TOKENS) if i is not None}
         self.segments = SegmentEncoder.for_tokenizer(tokenizer)
+        self.template = FastChatTemplate.for_tokenizer(tokenizer)  # None: every chat renders with Jinja2
         self._encode = ids_encoder(tokenizer)
         self.images = BoundedMemo(4096)  # data: URI -> ImageInfo (multimodal.prompt.render's memo)
         self.urls = urls or UrlHashMemo()  # http(s) image URL -> what a replica said it hashed to, per salt (url_memo.py)
@@ -191,7 +194,11 @@ class PromptRenderer:
         add_gen = bool(body.get("add_generation_prompt", True))
         if rendering.has_images(messages):
             return self._chat_with_images(messages, add_gen, body.get("cache_salt"))
-        ids = rendering.chat_ids(self.tokenizer, messages, add_gen, encode=self._encode_chat)
+        text = self.template.render(messages, add_gen) if self.template is not None else None
+        if text is not None:
+            ids = self._encode_chat(text)
+        else:
+            ids = rendering.chat_ids(self.tokenizer, messages, add_gen, encode=self._encode_chat)
         return Prompt(ids, [], len(ids))
 
     def _chat_with_images(self, messages: list, add_gen: bool, cache_salt: Optional[str] = None) -> Prompt:
