@@ -7,7 +7,6 @@ completions, images and image uuids are compared across every path.
 
 from __future__ import annotations
 
-import shutil
 
 import httpx
 import pytest
@@ -20,23 +19,7 @@ from warmfleet.server.config import EngineConfig
 from warmfleet.server.router.core.prompt import PromptRenderer
 from warmfleet.server.tokenizer import Tokenizer
 
-BOS = "<|endoftext|>"  # stands in for a BOS token: the test checkpoint's tokenizer prepends it to plain text
-
-
-@pytest.fixture(scope="module")
-def bos_model_dir(tiny_model_dir, tmp_path_factory):
-    """The tiny checkpoint with a tokenizer that adds BOS to plain text, as Llama's does."""
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import processors
-
-    out = tmp_path_factory.mktemp("bos") / "tiny-bos"
-    shutil.copytree(tiny_model_dir, out)
-    tok = HFTokenizer.from_file(str(out / "tokenizer.json"))
-    bos_id = tok.token_to_id(BOS)
-    tok.post_processor = processors.Sequence([processors.ByteLevel(trim_offsets=False),
-                                              processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, bos_id)])])
-    tok.save(str(out / "tokenizer.json"))
-    return out
+from conftest import BOS
 
 
 def cfg(model_dir) -> EngineConfig:

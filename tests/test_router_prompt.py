@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import random
 
+import pytest
+
 from warmfleet.server.hashing import MMPlaceholder, block_hashes, model_fingerprint
-from warmfleet.server.router.core.prompt import HashConfig, HashMemo, Prompt, PromptRenderer, SegmentEncoder, \
-    prompt_block_hashes
+from warmfleet.server.router.core.prompt import BoundedMemo, HashConfig, HashMemo, Prompt, PromptRenderer, \
+    SegmentEncoder, prompt_block_hashes
 from warmfleet.server.router.http.transport import CoalescingTransport
 from warmfleet.server.tokenizer import Tokenizer
 
@@ -35,6 +37,30 @@ def test_segment_encoder_equals_plain_encode(tiny_model_dir):
             assert seg.encode(text) == tok.encode(text, add_special_tokens=False)
             assert renderer.chat({"messages": msgs}).token_ids == tok.encode(text, add_special_tokens=False)
     assert seg.memo.hits > 0  # earlier turns were reused
+
+
+@pytest.mark.parametrize("model", ["tiny_model_dir", "bos_model_dir"])
+def test_completion_prompts_through_the_segment_memo_equal_plain_encode(model, request):
+    model_dir = request.getfixturevalue(model)
+    tok = Tokenizer(model_dir)
+    renderer = PromptRenderer(str(model_dir), tokenizer=tok)
+    before, after = renderer._completion_wrap
+    assert before == ([tok.token_to_id("<|endoftext|>")] if model == "bos_model_dir" else []) and after == []
+    texts = ["".join(m["content"] for m in msgs) for msgs in conversations(5, 8)]
+    for text in texts + texts:  # the second pass is served by the memo
+        assert renderer.completion({"prompt": text}).token_ids == tok.encode(text, add_special_tokens=True)
+    assert renderer.segments.memo.hits >= len(texts)
+
+
+def test_bounded_memo_keeps_its_character_budget():
+    memo = BoundedMemo(capacity=100, budget=10)
+    for key in ("aaaa", "bbbb", "cc"):
+        memo.put(key, key.upper())
+    assert memo.used == 10 and memo.get("aaaa") == "AAAA"
+    memo.put("ddd", "DDD")  # evicts the oldest until it fits
+    assert memo.get("aaaa") is None and memo.get("ddd") == "DDD" and memo.used == 9
+    memo.put("x" * 11, "too big")  # over the whole budget: not kept, nothing evicted
+    assert memo.get("x" * 11) is None and memo.used == 9 and len(memo.data) == 3
 
 
 def test_segment_encoder_refuses_tokenizers_it_cannot_split():

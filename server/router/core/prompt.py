@@ -78,10 +78,14 @@ def ids_encoder(tokenizer: Any) -> Callable[[str, bool], list[int]]:
 
 
 class BoundedMemo:
-    """A dict that forgets its oldest entries beyond `capacity` (FIFO; hot entries come straight back)."""
+    """A dict that forgets its oldest entries beyond `capacity` entries, or beyond `budget` of `size(key)` summed
+    (FIFO; hot entries come straight back); a key over the budget by itself is not kept."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, budget: Optional[int] = None, size: Callable[[Any], int] = len):
         self.capacity = capacity
+        self.budget = budget
+        self.size = size
+        self.used = 0  # sum of size(key) over the keys held (with a budget)
         self.data: dict = {}
         self.hits = self.misses = 0
 
@@ -94,9 +98,20 @@ class BoundedMemo:
         return v
 
     def put(self, key: Any, value: Any) -> None:
-        if len(self.data) >= self.capacity:
-            del self.data[next(iter(self.data))]
+        if self.budget is None:
+            if len(self.data) >= self.capacity:
+                del self.data[next(iter(self.data))]
+            self.data[key] = value
+            return
+        w = self.size(key)
+        if w > self.budget:
+            return
+        while self.data and (len(self.data) >= self.capacity or self.used + w > self.budget):
+            old = next(iter(self.data))
+            self.used -= self.size(old)
+            del self.data[old]
         self.data[key] = value
+        self.used += w
 
 
 class SegmentEncoder:
@@ -110,12 +125,13 @@ class SegmentEncoder:
     and the constructor checks itself against the plain encoder before it is used.
     """
 
-    def __init__(self, tokenizer: Any, specials: dict[str, int], capacity: int = 50_000):
+    def __init__(self, tokenizer: Any, specials: dict[str, int], capacity: int = 50_000,
+                 budget_chars: int = 32 << 20):
         self.tokenizer = tokenizer
         self._encode = ids_encoder(tokenizer)
         self.specials = specials
         self._split = re.compile("(" + "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)) + ")")
-        self.memo = BoundedMemo(capacity)
+        self.memo = BoundedMemo(capacity, budget_chars)  # pieces are whole messages and prompts: bounded in chars
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any) -> Optional["SegmentEncoder"]:
@@ -136,8 +152,23 @@ class SegmentEncoder:
         probe = "".join(f"{t}a b\n  {t}{t} ü x" for t in list(specials)[:8]) + " tail"
         if enc.encode(probe) != tokenizer.encode(probe, add_special_tokens=False):
             return None
-        enc.memo = BoundedMemo(enc.memo.capacity)
+        enc.memo = BoundedMemo(enc.memo.capacity, enc.memo.budget)
         return enc
+
+    def completion_wrap(self) -> Optional[tuple[list[int], list[int]]]:
+        """(before, after): the ids `encode(text, add_special_tokens=True)` puts around `encode(text)` (BOS, EOS),
+        the same for every probe; None when the tokenizer's post-processor does anything else."""
+        wrap = None
+        for probe in ("a", "Hello  world, 12345 ü\n", "x" + next(iter(self.specials)) + " y"):
+            full, bare = self.tokenizer.encode(probe, add_special_tokens=True), self.encode(probe)
+            at = next((i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare), None)
+            if at is None:
+                return None
+            got = (full[:at], full[at + len(bare):])
+            if wrap is not None and got != wrap:
+                return None
+            wrap = got
+        return wrap
 
     def encode(self, text: str) -> list[int]:
         out: list[int] = []
@@ -178,6 +209,9 @@ class PromptRenderer:
         self.segments = SegmentEncoder.for_tokenizer(tokenizer)
         self.template = FastChatTemplate.for_tokenizer(tokenizer)  # None: every chat renders with Jinja2
         self._encode = ids_encoder(tokenizer)
+        # a completion's text through the same segment memo (a repeated prompt, or one that embeds special tokens,
+        # is not tokenized again), wrapped in what the tokenizer's post-processor adds
+        self._completion_wrap = self.segments.completion_wrap() if self.segments is not None else None
         self.images = BoundedMemo(4096)  # data: URI -> ImageInfo (multimodal.prompt.render's memo)
         self.urls = urls or UrlHashMemo()  # http(s) image URL -> what a replica said it hashed to, per salt (url_memo.py)
 
@@ -221,7 +255,11 @@ class PromptRenderer:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
             prompt = prompt[0]  # a batch goes where its first prompt is warm
         if isinstance(prompt, str):
-            ids = self._encode(prompt, True)  # = rendering.completion_ids (encode with special tokens), faster
+            if self._completion_wrap is not None:  # = rendering.completion_ids (encode with special tokens)
+                before, after = self._completion_wrap
+                ids = before + self.segments.encode(prompt) + after  # type: ignore[union-attr]
+            else:
+                ids = self._encode(prompt, True)
         elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             ids = list(prompt)
         else:
