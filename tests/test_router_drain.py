@@ -234,6 +234,7 @@ def test_replays_are_queued_work_for_routing_but_not_in_the_queued_tokens_metric
     metrics = RouterMetrics()
     rep = Replica(ReplicaSpec("http://10.0.0.1:8000"))
     rep.queued_tokens = rep.replay_tokens = 300  # a hand-off replay under way on it
+    metrics.follow_replica(rep)  # as Fleet.set_members does when the replica joins
     router = Router(FakeFleet(rep), None, HashConfig(16, "fp"), metrics)
     router.enter(rep, queued_tokens=40)
     gauge = metrics.registry.get_sample_value("warmfleet_router_replica_queued_tokens", {"replica": rep.id})

@@ -1,5 +1,7 @@
 """KV index under stored/removed/cleared/gap/restart event sequences and snapshot resync."""
 
+import random
+
 from warmfleet.server.events import (
     CPU, GPU, AllBlocksCleared, BlockRemoved, BlockStored, EncoderRemoved, EncoderStored, EventBatch, Load, Snapshot,
 )
@@ -53,6 +55,42 @@ def test_match_is_per_replica_longest_prefix():
     idx.apply_batch("b", EventBatch("b", 1, [stored(1, 2, 3)]))
     got = idx.match([H(1), H(2), H(3), H(9)], ["a", "b", "c"])
     assert (got["a"].blocks, got["b"].blocks, got["c"].blocks) == (2, 3, 0)
+
+
+def reference_match(idx, hashes, replicas):
+    """Block by block, replica by replica: the longest prefix each holds, a block in both tiers counted GPU."""
+    out = {}
+    for r in replicas:
+        st, gpu, cpu = idx.replicas.get(r), 0, 0
+        for h in hashes:
+            if st is not None and h in st.gpu:
+                gpu += 1
+            elif st is not None and h in st.cpu:
+                cpu += 1
+            else:
+                break
+        out[r] = PrefixMatch(gpu, cpu)
+    return out
+
+
+def test_match_over_runs_of_blocks_held_alike_equals_the_block_by_block_answer():
+    rng = random.Random(7)
+    idx, seqs = KVIndex(), {}
+    rids = [f"r{i}" for i in range(6)]
+    for r in rids:
+        idx.apply_snapshot(r, snap(0))
+        seqs[r] = 0
+    for _ in range(300):  # shared prefixes, partial copies, tier moves and holes
+        r = rng.choice(rids)
+        start, n = rng.randrange(0, 20), rng.randrange(1, 12)
+        events = [stored(*range(start, start + n), medium=rng.choice([GPU, GPU, CPU]))]
+        if rng.random() < 0.3:
+            events.append(BlockRemoved([H(rng.randrange(0, 30))], rng.choice([GPU, CPU])))
+        seqs[r] += 1
+        assert idx.apply_batch(r, EventBatch(r, seqs[r], events)) is Applied.OK
+        hashes = [H(i) for i in range(rng.randrange(0, 3), 30)]
+        wanted = rng.sample(rids + ["gone"], rng.randrange(1, 7))
+        assert idx.match(hashes, wanted) == reference_match(idx, hashes, wanted)
 
 
 def test_gap_requests_resync_keeps_state_and_snapshot_restores():

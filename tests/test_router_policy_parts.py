@@ -71,14 +71,14 @@ def test_keeps_warm_needs_the_advantage_and_stays_within_each_slack():
 
 def _scores_and_hits(cands, tokens):
     """Each replica scored by, and holding, `tokens` (no load or queue in the score)."""
-    return {id(c): float(t) for c, t in zip(cands, tokens)}, {c.replica: t for c, t in zip(cands, tokens)}
+    return {c: float(t) for c, t in zip(cands, tokens)}, {c.replica: t for c, t in zip(cands, tokens)}
 
 
 def test_warm_order_ranks_under_the_caps_first_and_spills_the_best_over_them():
     cfg = PolicyConfig(warm_min_tokens=64, warm_slack=0, warm_inflight_slack=0)
     hot, a, b = Candidate("hot", load=5), Candidate("a", load=0), Candidate("b", load=1)
     scores, hits = _scores_and_hits([hot, a, b], [160, 32, 32])
-    ranked, reason = warm_order([hot, a, b], [a, b], {id(a), id(b)}, hits, scores, 2, 9, cfg)
+    ranked, reason = warm_order([hot, a, b], [a, b], {a, b}, hits, scores, 2, 9, cfg)
     assert [c.replica for c in ranked] == ["a", "b", "hot"] and reason == LOAD_SPILL  # equal scores: less load first
 
 
@@ -86,15 +86,15 @@ def test_warm_order_keeps_a_long_prefix_on_a_replica_over_the_cap():
     cfg = PolicyConfig(warm_min_tokens=64, warm_slack=1, warm_inflight_slack=0, share_slack_tokens=0)
     hot, a = Candidate("hot", load=2), Candidate("a", load=0)
     scores, hits = _scores_and_hits([hot, a], [160, 0])
-    ranked, reason = warm_order([hot, a], [a], {id(a)}, hits, scores, 2, 9, cfg)
+    ranked, reason = warm_order([hot, a], [a], {a}, hits, scores, 2, 9, cfg)
     assert [c.replica for c in ranked] == ["hot", "a"] and reason == PREFIX_HIT
 
 
 def test_warm_order_is_least_load_when_the_target_holds_nothing():
     cfg = PolicyConfig(warm_min_tokens=64, warm_slack=0, warm_inflight_slack=0)
     warm, idle = Candidate("warm", load=1), Candidate("idle")
-    scores, hits = {id(warm): -16.0, id(idle): 0.0}, {"warm": 16, "idle": 0}
-    ranked, reason = warm_order([warm, idle], [warm, idle], {id(warm), id(idle)}, hits, scores, 3, 9, cfg)
+    scores, hits = {warm: -16.0, idle: 0.0}, {"warm": 16, "idle": 0}
+    ranked, reason = warm_order([warm, idle], [warm, idle], {warm, idle}, hits, scores, 3, 9, cfg)
     assert ranked[0] is idle and reason == LEAST_LOAD
 
 
@@ -102,12 +102,12 @@ def test_cold_order_follows_the_rendezvous_weight_under_the_caps():
     cands = [Candidate(f"r{i}") for i in range(6)]
     key = b"k" * 32
     by_weight = sorted(cands, key=lambda c: -rendezvous_weight(key, c.replica))
-    scores = {id(c): 0.0 for c in cands}
-    ranked, reason = cold_order(cands, list(cands), {id(c) for c in cands}, scores, key)
+    scores = {c: 0.0 for c in cands}
+    ranked, reason = cold_order(cands, list(cands), set(cands), scores, key)
     assert ranked == by_weight and reason == COLD_HASH
     # the top replica over the caps: the next in rendezvous order takes it, the top one goes last
     fits = by_weight[1:]
-    ranked, reason = cold_order(cands, fits, {id(c) for c in fits}, scores, key)
+    ranked, reason = cold_order(cands, fits, set(fits), scores, key)
     assert ranked == by_weight[1:] + by_weight[:1] and reason == LOAD_SPILL
 
 

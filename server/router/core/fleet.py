@@ -137,6 +137,7 @@ class Fleet:
                     pass
             log.info("replica %s left the fleet", rid)
         for spec in added:
+            self.metrics.follow_replica(self.registry.replicas[spec.id])
             log.info("replica %s joined the fleet (events: %s)", spec.id, spec.events or "none")
             if spec.events:
                 self._subscribers[spec.id] = asyncio.create_task(self._subscribe(spec))

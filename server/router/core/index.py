@@ -288,26 +288,29 @@ class KVIndex:
         """
         replicas = list(replicas)
         counts: dict[str, list[int]] = {}
-        alive: Optional[list[str]] = None
+        alive: list[str] = []
+        run_owners: Optional[dict] = None  # owners of the current run of blocks held alike (a shared prefix: all)
+        run = 0
         for h in hashes:
             owners = self._where.get(h)
             if not owners:
                 break
-            if alive is None:
+            if owners == run_owners:  # the same replicas in the same tiers: one more block for each
+                run += 1
+                continue
+            if run_owners is None:
                 wanted = set(replicas)
                 alive = [r for r in owners if r in wanted]
                 for r in alive:
                     counts[r] = [0, 0]
             else:
+                _credit(counts, alive, run_owners, run)
                 alive = [r for r in alive if r in owners]
+            run_owners, run = owners, 1
             if not alive:
                 break
-            for r in alive:
-                bits = owners[r]
-                if bits & 1:
-                    counts[r][0] += 1
-                else:
-                    counts[r][1] += 1
+        if run_owners is not None and alive:
+            _credit(counts, alive, run_owners, run)
         return {r: (PrefixMatch(*counts[r]) if r in counts else NO_MATCH) for r in replicas}
 
     def encoder_hits(self, replica: str, mm_hashes: Iterable[str]) -> set:
@@ -317,3 +320,9 @@ class KVIndex:
     def num_blocks(self) -> int:
         """Distinct block hashes known anywhere in the fleet."""
         return len(self._where)
+
+
+def _credit(counts: dict[str, list[int]], alive: list[str], owners: dict, run: int) -> None:
+    """`run` blocks held by `owners` to each replica still `alive`: GPU where its bits have the GPU tier, else CPU."""
+    for r in alive:
+        counts[r][0 if owners[r] & 1 else 1] += run

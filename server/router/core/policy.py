@@ -95,9 +95,11 @@ ADAPTER_HIT = "adapter_hit"  # no cached prefix, but the request's LoRA adapter 
 RETRY = "retry"
 
 
-@dataclass(slots=True, unsafe_hash=True)  # equality and hash as frozen; not frozen: a frozen init costs 3x
+@dataclass(slots=True, eq=False)  # not frozen: a frozen init costs 3x
 class Candidate:
-    """One routable replica as the policy sees it (made per replica per request; treat as read-only)."""
+    """One routable replica as the policy sees it (made per replica per request; treat as read-only).
+
+    Equal and hashed by identity: the policy keys its per-request dicts by the candidates themselves."""
 
     replica: str
     gpu_blocks: int = 0  # leading blocks of the prompt cached in the primary pool
@@ -190,10 +192,10 @@ def common_prefix_level(values: Iterable[float], num_replicas: int, block_size: 
 
 def capacity_caps(cands: Sequence[Candidate], ttft: dict, epsilon: float, scap: float,
                   bounds: tuple[float, float] = (0.25, 4.0)) -> Optional[dict]:
-    """id(candidate) -> its (load cap, share cap) scaled to its prefill speed over the candidates' mean (fitted:
+    """candidate -> its (load cap, share cap) scaled to its prefill speed over the candidates' mean (fitted:
     1 / seconds per token, within `bounds`); None when all are alike (ttft.py reads a factor near 1 as 1): the
     fleet's caps then hold for all."""
-    speed = {id(c): 1.0 / ttft[c.replica].per_token_s for c in cands}
+    speed = {c: 1.0 / ttft[c.replica].per_token_s for c in cands}
     if max(speed.values()) == min(speed.values()):
         return None
     mean = math.fsum(speed.values()) / len(speed)
@@ -201,10 +203,10 @@ def capacity_caps(cands: Sequence[Candidate], ttft: dict, epsilon: float, scap: 
     load = (1.0 + epsilon) * (math.fsum(c.load for c in cands) + 1) / len(cands)  # load_cap before its ceil
     out = {}
     for c in cands:
-        w = min(hi, max(lo, speed[id(c)] / mean))
+        w = min(hi, max(lo, speed[c] / mean))
         if abs(w - 1.0) <= ALIKE:  # one fast outlier must not put every other replica a hair under the caps
             w = 1.0
-        out[id(c)] = (math.ceil(load * w), (scap - 1.0) * w + 1.0)
+        out[c] = (math.ceil(load * w), (scap - 1.0) * w + 1.0)
     return out
 
 
@@ -212,8 +214,8 @@ def under_caps(cands: Sequence[Candidate], cap: float, scap: float, caps: Option
     """The replicas under the load cap among those under the share cap (all of them if none is); `caps`: per
     replica ones (capacity_caps) instead of the fleet's."""
     if caps is not None:
-        in_share = [c for c in cands if c.sent + 1 <= caps[id(c)][1]] or cands
-        return [c for c in in_share if c.load + 1 <= caps[id(c)][0]]
+        in_share = [c for c in cands if c.sent + 1 <= caps[c][1]] or cands
+        return [c for c in in_share if c.load + 1 <= caps[c][0]]
     in_share = [c for c in cands if c.sent + 1 <= scap] or cands
     return [c for c in in_share if c.load + 1 <= cap]
 
@@ -244,22 +246,21 @@ def warm_order(cands: Sequence[Candidate], fits: list[Candidate], fit_ids: set, 
     `home`: replica -> rendezvous weight of the request's adapter, deciding equal scores (None: no adapter);
     `caps`: per replica caps (capacity_caps), None: the fleet's."""
     home = home or {}
+    keys = {c: (-scores[c], -home.get(c.replica, 0), c.load, c.sent + c.tie, c.replica) for c in cands}  # rank
 
-    def rank(c: Candidate) -> tuple:
-        return (-scores[id(c)], -home.get(c.replica, 0), c.load, c.sent + c.tie, c.replica)
-
-    ranked = sorted(fits, key=rank) + sorted([c for c in cands if id(c) not in fit_ids], key=rank)
+    rank = keys.__getitem__
+    ranked = sorted(fits, key=rank) + sorted([c for c in cands if c not in fit_ids], key=rank)
     best = min(cands, key=rank)  # replica names are unique: the same as sorted(cands, key=rank)[0]
-    best_is_over = id(best) not in fit_ids
+    best_is_over = best not in fit_ids
     advantage = hits[best.replica] - max((hits[c.replica] for c in fits), default=0)
     if caps is not None:
-        cap, scap = caps[id(best)]
+        cap, scap = caps[best]
     adapter_home = bool(home) and best.adapter_resident and not any(c.adapter_resident for c in fits)
     kept_warm = best_is_over and keeps_warm(best, advantage, cap, scap, cfg, adapter_home)
     if kept_warm:
         ranked = [best] + [c for c in ranked if c is not best]
     target = ranked[0]
-    if scores[id(best)] > scores[id(target)] and best_is_over and not kept_warm:
+    if scores[best] > scores[target] and best_is_over and not kept_warm:
         return ranked, LOAD_SPILL
     if hits[target.replica] > 0 or (target.warm_image_tokens > 0 and cfg.encoder_weight > 0):
         return ranked, PREFIX_HIT
@@ -272,9 +273,9 @@ def cold_order(cands: Sequence[Candidate], fits: list[Candidate], fit_ids: set, 
                cold_key: bytes) -> tuple[list[Candidate], str]:
     """A prefix nobody holds: rendezvous order of `cold_key` under the caps, then the rest by score; and why."""
     weight = {c.replica: rendezvous_weight(cold_key, c.replica) for c in cands}
-    over = [c for c in cands if id(c) not in fit_ids]
+    over = [c for c in cands if c not in fit_ids]
     ranked = (sorted(fits, key=lambda c: -weight[c.replica])
-              + sorted(over, key=lambda c: (-scores[id(c)], c.load, c.sent + c.tie, c.replica)))
+              + sorted(over, key=lambda c: (-scores[c], c.load, c.sent + c.tie, c.replica)))
     top_any = max(cands, key=lambda c: weight[c.replica])
     return ranked, COLD_HASH if ranked[0] is top_any else LOAD_SPILL
 
@@ -299,8 +300,8 @@ def ttft_scores(cands: Sequence[Candidate], ttft: dict, values: dict, common: fl
     out = {}
     for c in cands:
         k = ttft[c.replica]
-        own = limit - max(0.0, values[id(c)] - common)  # the common prefix counts as held, as in the fixed score
-        out[id(c)] = -(k.fixed_s + k.per_token_s * (queue_weight * c.queued_tokens + own)
+        own = limit - max(0.0, values[c] - common)  # the common prefix counts as held, as in the fixed score
+        out[c] = -(k.fixed_s + k.per_token_s * (queue_weight * c.queued_tokens + own)
                        + k.per_load_s * c.load) / ref
     return out
 
@@ -314,10 +315,15 @@ def choose(cands: Sequence[Candidate], *, block_size: int, num_prompt_tokens: in
     if not cands:
         raise ValueError("no routable replicas")
     limit = cacheable_tokens(num_prompt_tokens, block_size)
-    # tokens each replica should serve from cache: the Decision's `hits`, and whether the prompt is warm anywhere
-    hits = {c.replica: min(c.gpu_blocks * block_size + c.cpu_blocks * block_size, limit) for c in cands}
+    # tokens each replica should serve from cache (the Decision's `hits`, and whether the prompt is warm anywhere)
+    # and what they are worth (prefix_value), in one pass: this runs per replica per request
+    hits, values, cpu_weight = {}, {}, cfg.cpu_weight
+    for c in cands:
+        gpu, cpu = c.gpu_blocks * block_size, c.cpu_blocks * block_size
+        hits[c.replica] = min(gpu + cpu, limit)
+        gpu = min(gpu, limit)
+        values[c] = gpu + cpu_weight * min(cpu, limit - gpu)
     queue_weight = queue_weight_for(prefix_at_stake(hits.values(), cfg.warm_min_tokens), cfg)
-    values = {id(c): prefix_value(c, block_size, limit, cfg.cpu_weight) for c in cands}
     common = 0.0
     if cfg.common_prefix_free:
         common = common_prefix_level(values.values(), len(cands), block_size, cfg.warm_min_tokens)
@@ -326,19 +332,23 @@ def choose(cands: Sequence[Candidate], *, block_size: int, num_prompt_tokens: in
     # replicas, 4.4 ms at 128; docs/scale.md).
     adapter_weight = cfg.adapter_weight if adapter_key is not None else 0.0  # adapter fields count for adapters only
     if ttft is None:
-        scores = {id(c): (max(0.0, values[id(c)] - common) + cfg.encoder_weight * c.warm_image_tokens
-                          + adapter_weight * c.adapter_resident
-                          - queue_weight * c.queued_tokens - cfg.load_weight * c.load) for c in cands}
+        encoder_weight, load_weight = cfg.encoder_weight, cfg.load_weight
+        scores = {}
+        for c in cands:
+            held = values[c] - common
+            scores[c] = ((held if held > 0.0 else 0.0) + encoder_weight * c.warm_image_tokens
+                         + adapter_weight * c.adapter_resident - queue_weight * c.queued_tokens
+                         - load_weight * c.load)
     else:
         scores = ttft_scores(cands, ttft, values, common, limit, queue_weight)
         for c in cands:
-            scores[id(c)] += cfg.encoder_weight * c.warm_image_tokens + adapter_weight * c.adapter_resident
+            scores[c] += cfg.encoder_weight * c.warm_image_tokens + adapter_weight * c.adapter_resident
     cap = load_cap([c.load for c in cands], cfg.epsilon)
     scap = share_cap([c.sent for c in cands], cfg.share_epsilon)
     # with fitted TTFT models, a replica's caps follow its capacity: an even share would overload a slow pool
     caps = capacity_caps(cands, ttft, cfg.epsilon, scap) if ttft is not None else None
     fits = under_caps(cands, cap, scap, caps)
-    fit_ids = {id(c) for c in fits}
+    fit_ids = set(fits)
     home = {c.replica: rendezvous_weight(adapter_key, c.replica) for c in cands} if adapter_key is not None else None
     encoder_warm = cfg.encoder_weight > 0 and any(c.warm_image_tokens > 0 for c in cands)  # weight 0: ignored
     if encoder_warm or any(hits[c.replica] > 0 or (home and c.adapter_resident) for c in cands):

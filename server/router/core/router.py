@@ -282,8 +282,6 @@ class Router:
         for r in self.fleet.registry.replicas.values():  # recent share: counts decay over ~SHARE_WINDOW requests
             r.sent *= SHARE_DECAY
         rep.sent += 1
-        self.metrics.replica_in_flight.labels(rep.id).set(rep.in_flight)
-        self.metrics.replica_queued_tokens.labels(rep.id).set(rep.queued_tokens - rep.replay_tokens)
         return sample
 
     def first_token(self, rep: Replica, sample: Optional[TtftSample]) -> None:
@@ -294,14 +292,12 @@ class Router:
     def prefilled(self, rep: Replica, queued_tokens: int) -> None:
         """The request's prompt is no longer work queued ahead of others (first token, answer or failure)."""
         rep.queued_tokens -= queued_tokens
-        self.metrics.replica_queued_tokens.labels(rep.id).set(rep.queued_tokens - rep.replay_tokens)
 
     def leave(self, rep: Replica, adapter: Optional[str] = None) -> None:
         """The request's last byte has gone (or it failed): one fewer in flight on `rep` (and on its `adapter`)."""
         rep.in_flight -= 1
         if adapter is not None:
             self.fleet.adapters.done(rep.id, adapter)
-        self.metrics.replica_in_flight.labels(rep.id).set(rep.in_flight)
 
     def record_actual(self, decision: Decision, rid: str, actual: Optional[int]) -> None:
         """Actual vs predicted for the replica that answered (after a retry: that replica's own prediction)."""
