@@ -23,7 +23,12 @@ every step up to it sustained, which one noisy step below pulls down). Also repo
 stime of its process tree) and the rate one core of it would serve at that cost, a figure that
 holds on a machine shared with other work, where latency does not.
 
-Target (issue #11), under `targets`: warmfleet's sustained rate >= 0.5 x sglang-router's.
+Targets, under `targets`: warmfleet's sustained rate >= 0.5x sglang-router's (issue #11); issue #26's: >= 1.0x its
+sustained rate, CPU per request <= 1.5x its at every rate both sustained (medians over the repeats:
+`cpu_per_request_warmfleet_over_sglang`), added latency p50 <= 1 ms (router p50 - direct p50, median
+over the repeats) and p99 <= 3 ms at warmfleet's step nearest half its sustained rate. The bodies
+repeat (one per hey process), so warmfleet's segment memo serves their tokenization; a prompt it has
+not seen costs its tokenization on top (bench/tokenize_cost.py).
 Writes router_throughput.json and router_throughput.png (achieved rate, added p99, CPU per request).
 
 Requests: POST /v1/completions, non-streaming, max_tokens 1, a text prompt of --prompt-words
@@ -46,6 +51,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.append(str(Path(__file__).resolve().parent))  # bench/harness.py, after the stdlib
 import harness  # noqa: E402
@@ -166,9 +172,15 @@ def measure(kinds: list[str], args, model: Path, cwd: str, bodies: list[bytes], 
                 # the run with the median added p99 stands for the step (a failed run sorts last)
                 ranked = sorted(runs[kind], key=lambda r: (r["added_p99_ms"] is None, r["added_p99_ms"] or 0.0))
                 r = dict(ranked[(len(ranked) - 1) // 2])
+                # CPU per request and added p50 as the median over the repeats (a repeat's own stall moves its p99,
+                # not these)
+                r["router_cpu_ms_per_request_median"] = statistics.median(
+                    run["router_cpu_ms_per_request"] for run in runs[kind])
+                p50s = [run["added_p50_ms"] for run in runs[kind] if run["added_p50_ms"] is not None]
+                r["added_p50_ms_median"] = round(statistics.median(p50s), 3) if p50s else None
                 if args.repeats > 1:
-                    r["repeats"] = [{x: run[x] for x in ("achieved_rps", "errors", "p99_ms", "added_p99_ms",
-                                                          "router_cpu_ms_per_request", "sustained")}
+                    r["repeats"] = [{x: run[x] for x in ("achieved_rps", "errors", "p50_ms", "p99_ms", "added_p50_ms",
+                                                          "added_p99_ms", "router_cpu_ms_per_request", "sustained")}
                                     for run in runs[kind]]
                 out[kind]["steps"].append(r)
                 progress(f"{kind} @ {rate:g}/s: {r}")
@@ -208,18 +220,48 @@ def measure_one(router: tuple, bodies: list[bytes], rate: float, args, direct: d
     cpu = harness.tree_cpu_s(proc.pid) - c0
     r["router_cpu_s_per_s"] = round(cpu / args.duration, 3)
     r["router_cpu_ms_per_request"] = round(cpu / max(1, r["requests"]) * 1e3, 3)
-    r["direct_p99_ms"], r["direct_achieved_rps"] = direct["p99_ms"], direct["achieved_rps"]
+    r["direct_p50_ms"], r["direct_p99_ms"], r["direct_achieved_rps"] = (direct["p50_ms"], direct["p99_ms"],
+                                                                         direct["achieved_rps"])
+    r["added_p50_ms"] = round(r["p50_ms"] - direct["p50_ms"], 3) if r["p50_ms"] and direct["p50_ms"] else None
     r["added_p99_ms"] = round(r["p99_ms"] - direct["p99_ms"], 3) if r["p99_ms"] and direct["p99_ms"] else None
     r["sustained"] = (r["errors"] == 0 and r["achieved_rps"] >= 0.95 * rate
                       and r["added_p99_ms"] is not None and r["added_p99_ms"] < 10.0)
     return r
 
 
+def cpu_ratios(res: dict) -> dict:
+    """Rate -> warmfleet's over SGLang's CPU per request (medians over the repeats), at the rates both sustained."""
+    wf, sg = (res["routers"].get(k, {}).get("steps", []) for k in ("warmfleet", "sglang"))
+    sg_at = {s["offered_rps"]: s for s in sg if s["sustained"]}
+    return {str(s["offered_rps"]): round(s["router_cpu_ms_per_request_median"]
+                                         / sg_at[s["offered_rps"]]["router_cpu_ms_per_request_median"], 3)
+            for s in wf if s["sustained"] and s["offered_rps"] in sg_at}
+
+
+def half_rate_step(res: dict) -> Optional[dict]:
+    """warmfleet's step nearest half its sustained rate (the rate the added-latency targets are judged at)."""
+    o = res["routers"].get("warmfleet", {})
+    if not o.get("max_sustained_rps") or not o.get("steps"):
+        return None
+    half = o["max_sustained_rps"] / 2
+    return min(o["steps"], key=lambda s: (abs(s["offered_rps"] - half), s["offered_rps"]))
+
+
 def verdict(res: dict) -> dict:
-    """The issue's target as a boolean (None when a router is missing or sustained no rate at all)."""
+    """The issues' targets as booleans (None when a router is missing or sustained no rate at all).
+
+    Issue #11: sustained rate >= 0.5x sglang-router's. Issue #26: >= 1.0x its sustained rate; CPU per request
+    <= 1.5x its at every rate both sustained; added latency p50 <= 1 ms and p99 <= 3 ms at half the sustained rate."""
     wf, sg = (res["routers"].get(k, {}).get("max_sustained_rps") for k in ("warmfleet", "sglang"))
-    ok = None if not sg else bool(wf and wf >= 0.5 * sg)
-    return {"warmfleet_sustained_rate_ge_0.5x_sglang": ok}
+    ratios = cpu_ratios(res)
+    half = half_rate_step(res)
+    return {"warmfleet_sustained_rate_ge_0.5x_sglang": None if not sg else bool(wf and wf >= 0.5 * sg),
+            "warmfleet_sustained_rate_ge_1.0x_sglang": None if not sg else bool(wf and wf >= sg),
+            "warmfleet_cpu_per_request_le_1.5x_sglang": bool(max(ratios.values()) <= 1.5) if ratios else None,
+            "warmfleet_added_p50_le_1ms_at_half_rate": (None if half is None or half["added_p50_ms_median"] is None
+                                                        else bool(half["added_p50_ms_median"] <= 1.0)),
+            "warmfleet_added_p99_le_3ms_at_half_rate": (None if half is None or half["added_p99_ms"] is None
+                                                        else bool(half["added_p99_ms"] <= 3.0))}
 
 
 def chart(res: dict, path: Path) -> None:
@@ -253,10 +295,10 @@ def chart(res: dict, path: Path) -> None:
         a.set_xlabel("offered requests/s")
         a.legend(fontsize=8)
     t = res["targets"]
-    fig.suptitle(f"router throughput: {res['replicas']} simulated replicas, one router core "
-                 f"(taskset), repeats {res['repeats']}; ratio of sustained rates "
-                 f"{res.get('ratio_warmfleet_over_sglang_max_sustained_rps')}, target met: "
-                 f"{next(iter(t.values()))}", fontsize=10)
+    met = ", ".join(f"{k.removeprefix('warmfleet_')}: {v}" for k, v in t.items())
+    fig.suptitle(f"router throughput: {res['replicas']} simulated replicas, one router core (taskset), repeats "
+                 f"{res['repeats']}; CPU per request warmfleet/SGLang by rate "
+                 f"{res.get('cpu_per_request_warmfleet_over_sglang')}\n{met}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -302,6 +344,11 @@ def main() -> int:
                 "max_rps_with_p99_under_10ms"):
         a, b = wf.get(key), sg.get(key)
         res[f"ratio_warmfleet_over_sglang_{key}"] = round(a / b, 3) if a and b else None
+    res["cpu_per_request_warmfleet_over_sglang"] = cpu_ratios(res)  # by rate, medians over the repeats
+    half = half_rate_step(res)
+    res["added_latency_at_half_rate"] = None if half is None else {
+        "offered_rps": half["offered_rps"], "added_p50_ms_median": half["added_p50_ms_median"],
+        "added_p99_ms": half["added_p99_ms"], "direct_p99_ms": half["direct_p99_ms"]}
     res["loadavg_end"] = os.getloadavg()
     res["targets"] = verdict(res)
     shutil.rmtree(cwd, ignore_errors=True)
@@ -312,6 +359,8 @@ def main() -> int:
     summary = {k: {x: v[x] for x in ("max_sustained_rps", "max_sustained_rps_contiguous", "max_achieved_rps",
                                      "cpu_bound_rps_per_core", "max_rps_with_p99_under_10ms")}
                for k, v in res["routers"].items()}
+    summary["cpu_per_request_warmfleet_over_sglang"] = res["cpu_per_request_warmfleet_over_sglang"]
+    summary["added_latency_at_half_rate"] = res["added_latency_at_half_rate"]
     summary["targets"] = res["targets"]
     progress(f"{summary}; ratios {[(k, v) for k, v in res.items() if k.startswith('ratio_')]}")
     print(json.dumps(res) if args.json else json.dumps(summary))
