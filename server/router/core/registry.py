@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Optional
 from urllib.parse import urlsplit
 
@@ -80,10 +80,10 @@ class Replica:
     last_handoff: Optional[dict] = None  # figures of the hand-off of its hot prefixes when it began draining
     down_since: Optional[float] = None  # monotonic time it was marked down
     last_error: str = ""
+    id: str = field(init=False)  # spec.id, read many times a request (a property cost ~1% of the router's CPU)
 
-    @property
-    def id(self) -> str:
-        return self.spec.id
+    def __post_init__(self) -> None:
+        self.id = self.spec.id
 
 
 class Registry:
