@@ -170,6 +170,12 @@ def _parse_tool_call_arguments(tool_call: dict) -> dict:
     return tool_call
 
 
+def template_tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+                    sort_keys: bool = False) -> str:
+    """The chat templates' `tojson` filter as transformers defines it (no HTML escaping, Unicode kept)."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 def _jinja_env():
     """Sandboxed environment with Hugging Face's chat-template settings and helpers."""
     from jinja2 import nodes
@@ -192,11 +198,8 @@ def _jinja_env():
     def raise_exception(message):
         raise ChatTemplateError(message)
 
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols])
-    env.filters["tojson"] = tojson
+    env.filters["tojson"] = template_tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env

@@ -20,10 +20,11 @@ the replica computes), never a wrong answer: the replica renders its prompt itse
 
 from __future__ import annotations
 
-import json
 import logging
 from datetime import datetime
 from typing import Any, Optional, Sequence
+
+from ...tokenizer import template_tojson
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +69,6 @@ def probed_shape(messages: Sequence[Any]) -> bool:
     return True
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
 def _raise_exception(message: str) -> None:
     raise ValueError(message)
 
@@ -98,7 +94,7 @@ class FastChatTemplate:
         try:
             env = minijinja.Environment(templates={"chat": template}, trim_blocks=True, lstrip_blocks=True,
                                         keep_trailing_newline=False, debug=False)
-            env.add_filter("tojson", _tojson)
+            env.add_filter("tojson", template_tojson)
             env.add_global("raise_exception", _raise_exception)
             env.add_global("strftime_now", lambda fmt: datetime.now().strftime(fmt))
         except Exception as exc:  # a template minijinja cannot parse (e.g. `{% generation %}`)
