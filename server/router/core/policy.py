@@ -302,7 +302,7 @@ def ttft_scores(cands: Sequence[Candidate], ttft: dict, values: dict, common: fl
         k = ttft[c.replica]
         own = limit - max(0.0, values[c] - common)  # the common prefix counts as held, as in the fixed score
         out[c] = -(k.fixed_s + k.per_token_s * (queue_weight * c.queued_tokens + own)
-                       + k.per_load_s * c.load) / ref
+                   + k.per_load_s * c.load) / ref
     return out
 
 
