@@ -170,10 +170,23 @@ def _parse_tool_call_arguments(tool_call: dict) -> dict:
     return tool_call
 
 
-def template_tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-                    sort_keys: bool = False) -> str:
+def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
     """The chat templates' `tojson` filter as transformers defines it (no HTML escaping, Unicode kept)."""
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+# what Hugging Face gives chat templates besides Jinja's own, for every engine rendering them (core/template.py)
+TEMPLATE_FILTERS = {"tojson": _tojson}
+TEMPLATE_GLOBALS = {"raise_exception": _raise_exception, "strftime_now": _strftime_now}
 
 
 def _jinja_env():
@@ -195,13 +208,9 @@ def _jinja_env():
         def _render(self, caller):
             return caller()
 
-    def raise_exception(message):
-        raise ChatTemplateError(message)
-
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols])
-    env.filters["tojson"] = template_tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.filters.update(TEMPLATE_FILTERS)
+    env.globals.update(TEMPLATE_GLOBALS)
     return env
 
 

@@ -21,10 +21,9 @@ the replica computes), never a wrong answer: the replica renders its prompt itse
 from __future__ import annotations
 
 import logging
-from datetime import datetime
 from typing import Any, Optional, Sequence
 
-from ...tokenizer import template_tojson
+from ...tokenizer import TEMPLATE_FILTERS, TEMPLATE_GLOBALS
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +68,6 @@ def probed_shape(messages: Sequence[Any]) -> bool:
     return True
 
 
-def _raise_exception(message: str) -> None:
-    raise ValueError(message)
-
-
 class FastChatTemplate:
     """`render(messages, add_generation_prompt)`: the prompt text by minijinja, or None where Jinja2 must render."""
 
@@ -94,9 +89,10 @@ class FastChatTemplate:
         try:
             env = minijinja.Environment(templates={"chat": template}, trim_blocks=True, lstrip_blocks=True,
                                         keep_trailing_newline=False, debug=False)
-            env.add_filter("tojson", template_tojson)
-            env.add_global("raise_exception", _raise_exception)
-            env.add_global("strftime_now", lambda fmt: datetime.now().strftime(fmt))
+            for name, fn in TEMPLATE_FILTERS.items():
+                env.add_filter(name, fn)
+            for name, fn in TEMPLATE_GLOBALS.items():
+                env.add_global(name, fn)
         except Exception as exc:  # a template minijinja cannot parse (e.g. `{% generation %}`)
             log.info("chat template: minijinja cannot compile it (%s); rendering with Jinja2", exc)
             return None
