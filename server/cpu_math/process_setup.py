@@ -4,8 +4,9 @@ Call `configure` before the first matmul of the process:
 
 - MKL code path. Paddle's CPU wheel links MKL 2019 (mklml), which runs a generic, ~3x slower
   sgemm on CPUs whose vendor is not Intel; `MKL_DEBUG_CPU_TYPE=5` selects its AVX2 kernels
-  (docs/performance.md). MKL reads the variable at its first call, so setting it here, after
-  `import paddle`, still counts. A value set by the user is left alone.
+  (docs/performance.md) where the CPU has AVX2 (cpu_features.py: a guest may be shown AVX without
+  it). MKL reads the variable at its first call, so setting it here, after `import paddle`, still
+  counts. A value set by the user is left alone.
 - Math threads (MKL and OpenMP): `--engine-threads`, default 1, as Paddle's own default and as
   vLLM's CPU worker. The API process does no math and starts no math pool.
 - Projections: oneDNN's matmul on weights packed at load where Paddle's wheel ships it
@@ -27,6 +28,8 @@ import logging
 import os
 from pathlib import Path
 from typing import Optional
+
+from . import cpu_features
 
 log = logging.getLogger("warmfleet.engine")
 
@@ -50,7 +53,7 @@ def configure(threads: int = 1) -> dict:
     """Apply the settings above to this process; returns what was applied (for the start-up log)."""
     if threads < 1:
         raise ValueError(f"--engine-threads must be >= 1, got {threads}")
-    if "MKL_DEBUG_CPU_TYPE" not in os.environ and cpu_vendor() == "AuthenticAMD":
+    if "MKL_DEBUG_CPU_TYPE" not in os.environ and cpu_vendor() == "AuthenticAMD" and cpu_features.runs("avx2", "fma"):
         os.environ["MKL_DEBUG_CPU_TYPE"] = MKL_AVX2
     import paddle
 

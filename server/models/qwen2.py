@@ -27,9 +27,10 @@ from paddle import nn
 
 from ..config import DTYPES
 from ..attention.interface import AttentionBackend, AttentionMetadata, LayerCache
-from ..cpu_math import layout, onednn
+from ..cpu_math import cpu_features, layout, onednn
 
 log = logging.getLogger("warmfleet.engine")
+FUSED_RMS_NORM_ON_CPU = cpu_features.runs("avx512f")  # Paddle's CPU fused_rms_norm is AVX-512 code (cpu_features.py)
 
 
 def _param(layer: nn.Layer, shape: list[int], dtype: str) -> paddle.Tensor:
@@ -117,11 +118,12 @@ class ResidualRMSNorm(RMSNorm):
 
     forward(x, residual) -> (normed, new residual); a None residual starts the stream at x.
     The fused kernel is used for float32 only, where it equals HF's (fp32 throughout); other
-    dtypes keep HF's cast order.
+    dtypes keep HF's cast order. Paddle's CPU kernel of it is AVX-512 code: a CPU without AVX-512 takes
+    the unfused ops, in the same float32 order (cpu_features.py).
     """
 
     def forward(self, x: paddle.Tensor, residual: Optional[paddle.Tensor] = None):
-        if x.dtype == paddle.float32:
+        if x.dtype == paddle.float32 and (FUSED_RMS_NORM_ON_CPU or not x.place.is_cpu_place()):
             if residual is None:
                 return IF.fused_rms_norm(x, self.weight, None, self.eps, 1)[0], x
             return IF.fused_rms_norm(x, self.weight, None, self.eps, 1, residual=residual)
