@@ -43,7 +43,7 @@ STAGES = [
     ("KV events (zmq, index apply)", ("subscriber.py", "zmq", "libzmq", "msgpack", "apply_batch", "apply_snapshot",
                                       "server/events.py")),
     ("tokenize", ("tokenizers", "encode_batch_fast", "SegmentEncoder", "ids_encoder", "tokenizer.py:encode")),
-    ("chat template render", ("jinja2", "apply_chat_template", "_prepare_message", "<template>", "_as_replica_sees")),
+    ("chat template render", ("jinja2", "minijinja", "core/template.py", "apply_chat_template", "_prepare_message", "<template>", "_as_replica_sees")),
     ("hash", ("hashing.py", "HashMemo", "block_hashes", "blake3")),
     ("index match", ("index.py",)),
     ("policy choose", ("policy.py",)),

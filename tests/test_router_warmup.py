@@ -3,12 +3,15 @@
 import json
 
 import httpx
+from fastapi import FastAPI
 
 from warmfleet.server.router.core.fleet import Fleet
 from warmfleet.server.router.core.metrics import RouterMetrics
 from warmfleet.server.router.core.policy import rendezvous_weight
 from warmfleet.server.router.core.registry import ReplicaSpec
 from warmfleet.server.router.core.warmup import HotPrefixes, WarmupConfig
+
+from router_fakes import Served
 
 BS = 4
 
@@ -99,31 +102,36 @@ def test_a_prefix_under_an_adapter_is_replayed_only_where_that_adapter_is_served
 
 async def test_warm_up_reads_the_joiners_adapters_before_replaying_an_adapters_prefix():
     replayed: list[str] = []
+    listing = FastAPI()  # the joiner's /v1/models, read over loopback (the scrape's aiohttp session)
 
-    def replica(req: httpx.Request) -> httpx.Response:
-        if req.url.path == "/v1/models":  # the joiner lists "chat" but not "sql"
-            cards = [{"id": "tiny"}, {"id": "chat", "parent": "tiny", "lora_digest": "d"}]
-            return httpx.Response(200, json={"object": "list", "data": cards})
+    @listing.get("/v1/models")
+    async def models():  # the joiner lists "chat" but not "sql"
+        cards = [{"id": "tiny"}, {"id": "chat", "parent": "tiny", "lora_digest": "d"}]
+        return {"object": "list", "data": cards}
+
+    def replica(req: httpx.Request) -> httpx.Response:  # the replays (the warmer's httpx client)
         if req.url.path == "/v1/completions":
             replayed.append(json.loads(req.content)["model"])
             return httpx.Response(200, json={})
         return httpx.Response(404)
 
+    served = await Served(listing).start()
     async with httpx.AsyncClient(transport=httpx.MockTransport(replica)) as http:
         fleet = Fleet(http, RouterMetrics(), adapter_poll_s=None)
         fleet.warmer.http = http
-        await fleet.set_members([ReplicaSpec("http://old"), ReplicaSpec("http://new")])  # probes fail (aiohttp)
-        for rid in ("http://old", "http://new"):
+        await fleet.set_members([ReplicaSpec("http://old"), ReplicaSpec(served.url)])  # probes fail or are not made
+        for rid in ("http://old", served.url):
             fleet.registry.mark_up(rid)
         fleet.adapters.learn_served("http://old", {"sql": "s", "chat": "c"})  # another replica serves both
         for ids, model in (([1] * 8, "sql"), ([2] * 8, "chat"), ([3] * 8, "tiny")):
             fleet.warmer.hot.observe(ids, H(*ids), BS, None, model, b"k" + bytes(ids[:1]), 0.0)
-        joiner = fleet.registry.get("http://new")
+        joiner = fleet.registry.get(served.url)
         joiner.warming, fleet.registry.get("http://old").sent = True, 50.0
         try:
             await fleet.warmer._run(fleet, joiner)
         finally:
             await fleet.stop()
+            await served.stop()
     assert sorted(replayed) == ["chat", "tiny"]  # "sql" would have been a 404
     assert joiner.last_warmup["prefixes"] == 2
     assert joiner.sent == 50.0 and not joiner.warming  # routable at the others' mean share (Fleet.even_share)

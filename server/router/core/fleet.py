@@ -100,7 +100,7 @@ class Fleet:
             self._adapter_task = asyncio.create_task(self._every(self.adapter_poll_s, self.scrape_adapters,
                                                                  "adapter scrape"))
 
-    def _probe_session(self) -> aiohttp.ClientSession:
+    def probe_session(self) -> aiohttp.ClientSession:
         """The health checks' own pooled keep-alive session (made in the running loop, closed by stop())."""
         if self._probe is None or self._probe.closed:
             self._probe = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=None))
@@ -209,7 +209,8 @@ class Fleet:
         models = self._adapter_rounds % MODELS_EVERY == 0
         self._adapter_rounds += 1
         reps = self.registry.healthy()
-        await asyncio.gather(*(lora.scrape(self.adapters, r.id, r.spec.url, self.http, self.upstream_headers,
+        http = self.probe_session()
+        await asyncio.gather(*(lora.scrape(self.adapters, r.id, r.spec.url, http, self.upstream_headers,
                                            self.dialect, models or r.id not in self.adapters.replicas)
                                for r in reps))
 
@@ -268,7 +269,7 @@ class Fleet:
         # aiohttp, not httpx: ~0.13 ms of CPU per check against ~0.63 ms (bench/router_throughput.py,
         # docs/scale.md); with 64 replicas checked 5 times a second that is 4% of a core instead of 20%
         try:
-            async with self._probe_session().get(rep.spec.url + path, headers=self.upstream_headers,
+            async with self.probe_session().get(rep.spec.url + path, headers=self.upstream_headers,
                                                  timeout=aiohttp.ClientTimeout(total=self.health_timeout_s),
                                                  allow_redirects=False) as resp:
                 status = resp.status

@@ -257,8 +257,8 @@ class Warmer:
 
         try:
             if any(fleet.adapters.is_adapter(e.model) for e in self.hot.entries.values()):  # what the joiner lists
-                await lora.scrape(fleet.adapters, rep.id, rep.spec.url, self.http, self.headers, fleet.dialect,
-                                  models=True)
+                await lora.scrape(fleet.adapters, rep.id, rep.spec.url, fleet.probe_session(), self.headers,
+                                  fleet.dialect, models=True)
             chosen = self.hot.select(rep.id, members, self.cfg.budget_tokens, time.monotonic(), serves_of(fleet))
             await asyncio.gather(*(replay(e) for e in chosen))
         finally:
