@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
+from warmfleet.server.cpu_math import cpu_features
+
 Check = tuple[str, str, str]  # (status ok|warn|fail, name, detail)
 GIB = 1024**3
 
@@ -44,14 +46,15 @@ def check_paddle() -> Check:
 
 
 def check_cpu() -> Check:
-    try:
-        flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                         if line.startswith("flags")).split(":", 1)[1].split())
-    except (OSError, StopIteration):
+    flags = cpu_features.cpu_flags()
+    if not flags:
         return ("warn", "cpu", "cannot read /proc/cpuinfo")
     have = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
     status = "ok" if "avx2" in flags else "warn"
-    return (status, "cpu", f"{os.cpu_count()} cores; {', '.join(have) or 'no AVX2 (Paddle CPU kernels will be slow)'}")
+    detail = f"{os.cpu_count()} cores; {', '.join(have) or 'no AVX2 (Paddle CPU kernels will be slow)'}"
+    if "avx512f" not in flags:  # cpu_features.py: Paddle's CPU fused_rms_norm is AVX-512 code
+        detail += "; RMSNorm unfused (no AVX-512)"
+    return (status, "cpu", detail)
 
 
 def check_memory(args: argparse.Namespace) -> Check:
