@@ -294,5 +294,12 @@ def test_with_partition_tokens_a_cold_request_prefers_this_routers_own_replicas(
     for u in (urls[0], mine[0]):  # the same first block on a replica of each kind: equal scores but the partition
         fleet.index.add_blocks(u, hashes[:1])
     assert router.decide("completions", req, fleet.routable())[0].order[0] == mine[0]
+    for rep in fleet.routable():  # everyone has a recent share, the owned one a little more than the mean
+        rep.sent = 1.5 if rep.id == mine[0] else 1.0
+    assert pl.preferred({u: (0, 0, fleet.registry.get(u).sent) for u in urls}) == set(mine) - {mine[0]}
+    # under the share cap still, but no longer preferred: another preferred one, or the tie by the lower share
+    assert router.decide("completions", req, fleet.routable())[0].order[0] in (set(mine[1:]) or {urls[0]})
+    fleet.registry.get(mine[0]).sent = 1.0
+    assert router.decide("completions", req, fleet.routable())[0].order[0] == mine[0]
     pl.partition_tokens = 0
     assert router.decide("completions", req, fleet.routable())[0].order[0] == urls[0]  # the tie goes by name

@@ -182,7 +182,10 @@ class Router:
             hashes = next(iter(names.values()), [])
         view = self.fleet.adapters
         cands = []
-        combined = self.peers.combined if self.peers is not None else None
+        combined = None
+        if self.peers is not None:  # every router's load on each replica: ours exact, the peers' as of their report
+            combined = {r.id: self.peers.combined(r.id, r.in_flight, r.queued_tokens, r.sent) for r in replicas}
+            mine = self.peers.preferred(combined)
         # replica -> images not wholly inside its cached KV prefix whose encoder output it holds: the engine needs rows
         # of each (all of it, or the tail past the prefix), and the vision encoder runs on a whole image or not at all
         warm_images: dict[str, int] = {}
@@ -199,9 +202,9 @@ class Router:
                                        load=max(r.in_flight, self.fleet.engine_load(r.id)),
                                        queued_tokens=r.queued_tokens, sent=r.sent,
                                        adapter_resident=resident, adapter_slot=slot))
-            else:  # every router's load on it: ours exact, the peers' as of their last report (peers.py)
-                in_flight, queued, sent = combined(r.id, r.in_flight, r.queued_tokens, r.sent)
-                if self.peers.partition_tokens and not self.peers.owns(r.id):
+            else:
+                in_flight, queued, sent = combined[r.id]
+                if mine is not None and r.id not in mine:
                     queued += self.peers.partition_tokens
                 cands.append(Candidate(r.id, m.gpu_blocks, m.cpu_blocks, warm,
                                        load=max(in_flight, self.fleet.engine_load(r.id)),

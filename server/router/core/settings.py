@@ -228,10 +228,10 @@ class RouterSettings:
     peer_jitter: float = field(default=4.0, metadata=opt(  # tie-break noise in recent requests (peers.py: herding)
         "--peer-jitter", "With --peers: random tie-break noise between equally loaded replicas, in recent requests, "
         "so routers sharing one view do not all pick the same replica between two polls (0: off)."))
-    peer_partition_tokens: int = field(default=0, metadata=opt(  # peers.PeerLoad.owns: herding of simultaneous picks
+    peer_partition_tokens: int = field(default=256, metadata=opt(  # peers.PeerLoad.preferred: simultaneous picks
         "--peer-partition-tokens", "With --peers: replicas that are not this router's by rendezvous over the routers "
-        "count this many prompt tokens of queued work more when little is cached, so routers deciding at the same "
-        "moment prefer different replicas (0: off)."))
+        "(or are, but above the mean recent share) count this many prompt tokens of queued work more when little is "
+        "cached, so routers deciding at the same moment prefer different replicas (0: off)."))
     log_level: str = field(default="info", metadata=opt("--log-level", None, choices=LOG_LEVELS))
 
     def __post_init__(self) -> None:
