@@ -2,6 +2,7 @@
 
     python -P bench/router_throughput.py [--routers warmfleet,sglang] [--replicas 8] [--rates 100,200,...]
                                          [--duration 8] [--repeats 1] [--router-core 0] [--load-core 1]
+                                         [--unique-prompts]
                                          [--json] [--out DIR]
 
 Backends are `bench/simfleet.py` with the zero time model (answers as soon as the engine's real
@@ -27,8 +28,10 @@ Targets, under `targets`: warmfleet's sustained rate >= 0.5x sglang-router's (is
 sustained rate, CPU per request <= 1.5x its at every rate both sustained (medians over the repeats:
 `cpu_per_request_warmfleet_over_sglang`), added latency p50 <= 1 ms (router p50 - direct p50, median
 over the repeats) and p99 <= 3 ms at warmfleet's step nearest half its sustained rate. The bodies
-repeat (one per hey process), so warmfleet's segment memo serves their tokenization; a prompt it has
-not seen costs its tokenization on top (bench/tokenize_cost.py).
+repeat (one per hey process), so warmfleet's segment memo serves their tokenization. `--unique-prompts`
+sends every request a prompt never sent before instead (the shared first block, then random words), from
+vegeta (`go install github.com/tsenart/vegeta/v12@v12.13.0`; open rate, at most --concurrency in flight),
+so each router pays for every prompt what a production stream of new prompts costs it.
 Writes router_throughput.json and router_throughput.png (achieved rate, added p99, CPU per request).
 
 Requests: POST /v1/completions, non-streaming, max_tokens 1, a text prompt of --prompt-words
@@ -40,10 +43,12 @@ single-token words (several full blocks), one of --distinct-prompts prompts that
 from __future__ import annotations
 
 import argparse
+import base64
 import csv
 import io
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -111,6 +116,57 @@ def run_hey(url: str, bodies: list[bytes], rate: float, duration: float, core: s
             "p50_ms": q(0.5), "p90_ms": q(0.9), "p99_ms": q(0.99)}
 
 
+def vegeta_path() -> str:
+    found = shutil.which("vegeta") or str(Path.home() / "go" / "bin" / "vegeta")
+    if not Path(found).exists():
+        raise FileNotFoundError("vegeta not found: go install github.com/tsenart/vegeta/v12@v12.13.0")
+    return found
+
+
+def run_vegeta(url: str, bodies: list[bytes], rate: float, duration: float, core: str, workers: int) -> dict:
+    """Offered `rate` for `duration` from vegeta (open rate, at most `workers` requests in flight), one body each from
+    `bodies` in order (as many as it sends, so none repeats); the same figures as run_hey."""
+    tmp = Path(tempfile.mkdtemp(prefix="wf-vegeta-"))
+    targets = tmp / "targets.jsonl"
+    with targets.open("w") as f:
+        for b in bodies:
+            f.write(json.dumps({"method": "POST", "url": url, "body": base64.b64encode(b).decode(),
+                                "header": {"Content-Type": ["application/json"]}}) + "\n")
+    attack = subprocess.run(["taskset", "-c", core, vegeta_path(), "attack", "-format=json", f"-targets={targets}",
+                             f"-rate={rate:g}/1s", f"-duration={duration}s", f"-workers={workers}",
+                             f"-max-workers={workers}", "-timeout=30s", f"-output={tmp / 'results.bin'}"],
+                            capture_output=True, text=True, timeout=duration + 120)
+    if attack.returncode != 0:
+        raise RuntimeError(f"vegeta attack failed: {attack.stderr.strip()[-300:]}")
+    rep = json.loads(subprocess.run([vegeta_path(), "report", "-type=json", str(tmp / "results.bin")],
+                                    capture_output=True, text=True, check=True, timeout=120).stdout)
+    shutil.rmtree(tmp, ignore_errors=True)
+    n = rep["requests"]
+    ok = rep.get("status_codes", {}).get("200", 0)
+    lat = rep["latencies"]
+
+    def q(key):  # vegeta reports nanoseconds, over every request (failed ones too)
+        return round(lat[key] / 1e6, 3) if n else None
+
+    return {"offered_rps": rate, "achieved_rps": round(ok / duration, 1), "requests": n, "errors": n - ok,
+            "p50_ms": q("50th"), "p90_ms": q("90th"), "p99_ms": q("99th")}
+
+
+class UniqueBodies:
+    """Completion bodies nobody sent before: the throughput bench's shared first block, then `n_words` - 16 words
+    drawn at random per body (so every tokenization and radix-tree insert is a miss)."""
+
+    def __init__(self, words, n_words: int, seed: int = 1):
+        self.words, self.n_words, self.shared = words, n_words, [words.words[i][0] for i in words.run(10**9)]
+        self.rng = random.Random(seed)
+
+    def take(self, n: int) -> list[bytes]:
+        rest = self.n_words - len(self.shared)
+        vocab = [w for w, _ in self.words.words]
+        return [json.dumps({"model": "bench", "prompt": "".join(self.shared + self.rng.choices(vocab, k=rest)),
+                            "max_tokens": 1}).encode() for _ in range(n)]
+
+
 def bodies_for(words, n_words: int, distinct: int) -> list[bytes]:
     shared = [words.words[i][0] for i in words.run(10**9)][: n_words // 2]
     out = []
@@ -142,7 +198,17 @@ def make_bodies(kind: str, words, n_words: int, distinct: int) -> list[bytes]:
     return (chat_bodies_for if kind == "chat" else bodies_for)(words, n_words, distinct)
 
 
-def measure(kinds: list[str], args, model: Path, cwd: str, bodies: list[bytes], rates: list[float]) -> dict:
+def sender(args, bodies: list[bytes], unique: Optional[UniqueBodies]):
+    """send(url, rate, duration) -> run figures: hey over the repeating `bodies`, or vegeta over never-sent ones."""
+    def send(url: str, rate: float, duration: float) -> dict:
+        if unique is None:
+            return run_hey(url, bodies, rate, duration, args.load_core, args.concurrency)
+        return run_vegeta(url, unique.take(int(rate * duration * 1.05) + 10), rate, duration, args.load_core,
+                          args.concurrency)
+    return send
+
+
+def measure(kinds: list[str], args, model: Path, cwd: str, send, rates: list[float]) -> dict:
     """Every router against the same simulated fleet, interleaved at each rate (same machine load)."""
     sim_cmd = ["taskset", "-c", args.load_core, sys.executable, "-P", str(HERE / "simfleet.py"), "--model",
                str(model), "--replicas", str(args.replicas), "--time-model", "zero",
@@ -164,10 +230,9 @@ def measure(kinds: list[str], args, model: Path, cwd: str, bodies: list[bytes], 
                 break
             runs: dict = {k: [] for k in live}
             for _ in range(args.repeats):
-                d = run_hey(direct + "/v1/completions", bodies, rate, args.duration / 2, args.load_core,
-                            args.concurrency)
+                d = send(direct + "/v1/completions", rate, args.duration / 2)
                 for kind in live:
-                    runs[kind].append(measure_one(routers[kind], bodies, rate, args, d))
+                    runs[kind].append(measure_one(routers[kind], send, rate, args, d))
             for kind in live:
                 # the run with the median added p99 stands for the step (a failed run sorts last)
                 ranked = sorted(runs[kind], key=lambda r: (r["added_p99_ms"] is None, r["added_p99_ms"] or 0.0))
@@ -211,12 +276,12 @@ def measure(kinds: list[str], args, model: Path, cwd: str, bodies: list[bytes], 
         harness.stop(sim)
 
 
-def measure_one(router: tuple, bodies: list[bytes], rate: float, args, direct: dict) -> dict:
+def measure_one(router: tuple, send, rate: float, args, direct: dict) -> dict:
     """One warmed-up run of a router at `rate`: latencies, CPU per request, added p99 against `direct`."""
     base, proc = router
-    run_hey(base + "/v1/completions", bodies, rate, 1.5, args.load_core, args.concurrency)  # warm
+    send(base + "/v1/completions", rate, 1.5)  # warm
     c0 = harness.tree_cpu_s(proc.pid)
-    r = run_hey(base + "/v1/completions", bodies, rate, args.duration, args.load_core, args.concurrency)
+    r = send(base + "/v1/completions", rate, args.duration)
     cpu = harness.tree_cpu_s(proc.pid) - c0
     r["router_cpu_s_per_s"] = round(cpu / args.duration, 3)
     r["router_cpu_ms_per_request"] = round(cpu / max(1, r["requests"]) * 1e3, 3)
@@ -316,6 +381,8 @@ def main() -> int:
                     help="hey processes of one worker each (their phases spread over the rate's period).")
     ap.add_argument("--prompt-words", type=int, default=96, help="Prompt length in tokens (one word = one token).")
     ap.add_argument("--distinct-prompts", type=int, default=4)
+    ap.add_argument("--unique-prompts", action="store_true",
+                    help="Every request a prompt never sent before (vegeta, not hey): tokenizing is never a memo hit.")
     ap.add_argument("--router-core", default="0")
     ap.add_argument("--load-core", default="1")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS")
@@ -327,18 +394,22 @@ def main() -> int:
     model = trace.tiny_model()
     words = trace.Words(Tokenizer(str(model)), 16)
     bodies = bodies_for(words, args.prompt_words, args.distinct_prompts)
+    unique = UniqueBodies(words, args.prompt_words) if args.unique_prompts else None
     rates = [float(x) for x in args.rates.split(",")]
     cwd = tempfile.mkdtemp(prefix="wf-tput-")
-    hey_v = subprocess.run(["go", "version", "-m", hey_path()], capture_output=True, text=True).stdout.split("\n")
+    tool, path, install = (("vegeta", vegeta_path(), "go install github.com/tsenart/vegeta/v12@v12.13.0") if unique
+                           else ("hey", hey_path(), "go install github.com/rakyll/hey@latest"))
+    tool_v = subprocess.run(["go", "version", "-m", path], capture_output=True, text=True).stdout.split("\n")
     res = {"command": " ".join([Path(sys.executable).name] + sys.argv),
-           "load_generator": {"tool": "hey", "path": hey_path(), "install": "go install github.com/rakyll/hey@latest",
-                              "module": next((x.strip() for x in hey_v if x.strip().startswith("mod")), None)},
+           "load_generator": {"tool": tool, "path": path, "install": install,
+                              "module": next((x.strip() for x in tool_v if x.strip().startswith("mod")), None)},
+           "prompts": "unique (never sent before)" if unique else f"{args.distinct_prompts} repeating bodies",
            "pinning": {"router": f"taskset -c {args.router_core}",
                        "simulator_and_hey": f"taskset -c {args.load_core}",
                        "note": "other processes on the machine are not excluded from these cores"},
            "replicas": args.replicas, "prompt_tokens": args.prompt_words, "duration_s": args.duration,
            "concurrency": args.concurrency, "repeats": args.repeats, "loadavg_start": os.getloadavg(), "routers": {}}
-    res["routers"] = measure(args.routers.split(","), args, model, cwd, bodies, rates)
+    res["routers"] = measure(args.routers.split(","), args, model, cwd, sender(args, bodies, unique), rates)
     wf, sg = (res["routers"].get(k, {}) for k in ("warmfleet", "sglang"))
     for key in ("max_sustained_rps", "max_sustained_rps_contiguous", "max_achieved_rps", "cpu_bound_rps_per_core",
                 "max_rps_with_p99_under_10ms"):

@@ -46,3 +46,20 @@ def test_no_sustained_rate_leaves_the_targets_undecided():
     t = rt.verdict(res)
     assert t["warmfleet_cpu_per_request_le_1.5x_sglang"] is None and t["warmfleet_added_p50_le_1ms_at_half_rate"] is None
     assert t["warmfleet_sustained_rate_ge_1.0x_sglang"] is None
+
+
+def test_unique_bodies_never_repeat_and_share_only_the_first_block(tiny_model_dir):
+    import json
+
+    from warmfleet.server.tokenizer import Tokenizer
+
+    tok = Tokenizer(str(tiny_model_dir))
+    words = rt.trace.Words(tok, 16)
+    unique = rt.UniqueBodies(words, 96)
+    prompts = [json.loads(b)["prompt"] for b in unique.take(200) + unique.take(200)]  # two takes: no overlap either
+    assert len(set(prompts)) == 400
+    shared = "".join(unique.shared)
+    assert all(p.startswith(shared) for p in prompts)
+    ids = [tok.encode(p, add_special_tokens=False) for p in prompts[:20]]
+    assert all(len(i) == 96 for i in ids)  # one word, one token
+    assert len({tuple(i[16:32]) for i in ids}) == 20  # the second block differs between every two prompts
