@@ -105,7 +105,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rate", type=float, default=600.0)
     ap.add_argument("--duration", type=float, default=20.0)
-    ap.add_argument("--body", choices=("chat", "completion"), default="chat")
+    ap.add_argument("--body", choices=("chat", "completion", "unique"), default="chat",
+                    help="unique: completions whose every prompt is new (router_throughput.UniqueBodies, vegeta)")
     ap.add_argument("--native", action="store_true", help="py-spy --native (C frames of extensions too)")
     ap.add_argument("--speedscope", default=None, help="also write a speedscope profile here (second recording)")
     ap.add_argument("--json", action="store_true")
@@ -117,7 +118,17 @@ def main() -> int:
     if spy is None:
         raise FileNotFoundError("py-spy not found: pip install py-spy")
     model = trace.tiny_model()
-    bodies = rt.make_bodies(args.body, trace.Words(Tokenizer(str(model)), 16), 96, 4)
+    words = trace.Words(Tokenizer(str(model)), 16)
+    if args.body == "unique":
+        unique = rt.UniqueBodies(words, 96)
+
+        def send(url: str, rate: float, duration: float) -> dict:
+            return rt.run_vegeta(url, unique.take(int(rate * duration * 1.05) + 10), rate, duration, "1", 16)
+    else:
+        bodies = rt.make_bodies(args.body, words, 96, 4)
+
+        def send(url: str, rate: float, duration: float) -> dict:
+            return rt.run_hey(url, bodies, rate, duration, "1", 16)
     cwd = tempfile.mkdtemp(prefix="wf-profile-")
     path = "/v1/chat/completions" if args.body == "chat" else "/v1/completions"
     sim = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-P", str(HERE / "simfleet.py"), "--model",
@@ -131,7 +142,7 @@ def main() -> int:
         trace.wait_for(lambda: (Path(cwd) / "sim.json").exists(), "simulator", sim, 60)
         desc = json.loads((Path(cwd) / "sim.json").read_text())
         base, router = trace.start_router("warmfleet", model, desc, 16, cwd, [], taskset="0")
-        rt.run_hey(base + path, bodies, args.rate, 2.0, "1", 16)  # warm
+        send(base + path, args.rate, 2.0)  # warm
         formats = [("raw", out / "router_profile.txt")]
         if args.speedscope:
             formats.append(("speedscope", Path(args.speedscope)))
@@ -143,7 +154,7 @@ def main() -> int:
             rec = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             time.sleep(1.0)
             c0 = harness.tree_cpu_s(router.pid)
-            r = rt.run_hey(base + path, bodies, args.rate, args.duration - 2, "1", 16)
+            r = send(base + path, args.rate, args.duration - 2)
             r["router_cpu_ms_per_request"] = round((harness.tree_cpu_s(router.pid) - c0) / max(1, r["requests"])
                                                    * 1e3, 3)
             err = rec.communicate(timeout=args.duration + 60)[1]

@@ -7,12 +7,12 @@ import logging
 from typing import Callable
 
 import zmq
-import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from ...events import EventBatch
 
 log = logging.getLogger(__name__)
+DRAIN_BATCH = 64  # messages one reader callback handles before it yields to the loop (and continues after)
 
 
 class EventSubscriber:
@@ -26,9 +26,13 @@ class EventSubscriber:
         self._reconnect_ivl_ms = reconnect_ivl_ms
 
     async def run(self) -> None:
-        """Receive until cancelled."""
-        ctx = zmq.asyncio.Context.instance()
-        sock = ctx.socket(zmq.SUB)
+        """Receive until cancelled.
+
+        The sockets are plain (not zmq.asyncio) and read from the loop's own reader callback on their file
+        descriptors: a replica publishes a batch per engine step, and zmq.asyncio's poll and recv futures per
+        message cost more than decoding it (~10 % of the router's CPU on a stream of new prompts). ZMQ's descriptor
+        is edge-triggered, so every wake drains the socket until EAGAIN, DRAIN_BATCH messages per loop turn."""
+        sock = zmq.Context.instance().socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 100_000)
         sock.setsockopt(zmq.RECONNECT_IVL, self._reconnect_ivl_ms)
@@ -36,31 +40,43 @@ class EventSubscriber:
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED)
         sock.connect(self.endpoint)
-        poller = zmq.asyncio.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
+        loop = asyncio.get_running_loop()
+
+        def drain(s: zmq.Socket) -> None:
+            for _ in range(DRAIN_BATCH):
+                try:
+                    frames = s.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    return
+                if s is monitor:
+                    if parse_monitor_message(frames)["event"] == zmq.EVENT_CONNECTED:
+                        self._on_connect()
+                else:
+                    self._handle(frames)
+            loop.call_soon(drain, s)  # more may wait, and the descriptor will not signal them again
+
+        for s in (sock, monitor):
+            loop.add_reader(s.FD, drain, s)
+            drain(s)  # what arrived before the reader was added
         try:
-            while True:
-                for s, _ in await poller.poll():
-                    if s is monitor:
-                        event = parse_monitor_message(await monitor.recv_multipart())
-                        if event["event"] == zmq.EVENT_CONNECTED:
-                            self._on_connect()
-                    else:
-                        frames = await sock.recv_multipart()
-                        try:
-                            batch = self.decode(frames)
-                        except Exception as exc:  # decode raises ValueError; anything else is a bug, not fatal
-                            self._on_bad(exc)
-                            continue
-                        try:
-                            self._on_batch(batch)
-                        except Exception:  # a bug in one batch's handling must not stop the feed
-                            log.exception("applying KV events from %s failed", self.endpoint)
+            await asyncio.Future()  # until cancelled
         finally:
+            for s in (sock, monitor):
+                loop.remove_reader(s.FD)
             sock.disable_monitor()
             monitor.close(0)
             sock.close(0)
+
+    def _handle(self, frames: list[bytes]) -> None:
+        try:
+            batch = self.decode(frames)
+        except Exception as exc:  # decode raises ValueError; anything else is a bug, not fatal
+            self._on_bad(exc)
+            return
+        try:
+            self._on_batch(batch)
+        except Exception:  # a bug in one batch's handling must not stop the feed
+            log.exception("applying KV events from %s failed", self.endpoint)
 
 
 async def cancel(task: asyncio.Task) -> None:
