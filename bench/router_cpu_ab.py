@@ -1,7 +1,7 @@
 """Router CPU per request, this checkout against an earlier commit, side by side at fixed request rates.
 
     python -P bench/router_cpu_ab.py --baseline COMMIT [--rates 800,1600] [--rounds 3] [--duration 5]
-                                     [--body completion|chat] [--replicas 8] [--json]
+                                     [--body completion|chat|unique] [--replicas 8] [--json]
 
 Both routers (`warmfleet route`, the baseline's code from `git archive COMMIT` on PYTHONPATH) run at
 once against one `bench/simfleet.py` (--replicas, default 8; zero time model) with the setup and pinning of
@@ -10,7 +10,8 @@ measured in turn, `--rounds` times, and the median CPU ms per request (utime + s
 router's process tree over the run / requests answered) is reported for each. CPU per request is
 the figure that survives a machine shared with other work; latency is reported, not judged.
 Bodies: router_throughput's 96-token text completions, or with `--body chat` its multi-turn chats
-on one shared system prompt (/v1/chat/completions: template render, tokenize, hash, choose).
+on one shared system prompt (/v1/chat/completions: template render, tokenize, hash, choose), or with
+`--body unique` completions whose every prompt is new (vegeta; each router gets its own new prompts).
 Writes router_cpu_ab.json and router_cpu_ab.png in --out.
 """
 
@@ -85,7 +86,8 @@ def main() -> int:
     ap.add_argument("--rates", default="800,1600")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--duration", type=float, default=5.0)
-    ap.add_argument("--body", choices=("completion", "chat"), default="completion")
+    ap.add_argument("--body", choices=("completion", "chat", "unique"), default="completion",
+                    help="unique: completions whose every prompt is new (router_throughput.UniqueBodies, vegeta)")
     ap.add_argument("--replicas", type=int, default=8)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default="bench/results")
@@ -93,7 +95,7 @@ def main() -> int:
     from warmfleet.server.tokenizer import Tokenizer
 
     model = trace.tiny_model()
-    bodies = rt.make_bodies(args.body, trace.Words(Tokenizer(str(model)), 16), 96, 4)
+    send = rt.load_sender(args.body, trace.Words(Tokenizer(str(model)), 16), "1", 16)
     path = "/v1/chat/completions" if args.body == "chat" else "/v1/completions"
     rates = [float(x) for x in args.rates.split(",")]
     cwd = tempfile.mkdtemp(prefix="wf-cpu-ab-")
@@ -114,9 +116,9 @@ def main() -> int:
         for rnd in range(args.rounds):
             for rate in rates:
                 for name, (base, proc) in routers.items():
-                    rt.run_hey(base + path, bodies, rate, 1.0, "1", 16)  # warm
+                    send(base + path, rate, 1.0)  # warm
                     c0 = harness.tree_cpu_s(proc.pid)
-                    r = rt.run_hey(base + path, bodies, rate, args.duration, "1", 16)
+                    r = send(base + path, rate, args.duration)
                     r["router_cpu_ms_per_request"] = round((harness.tree_cpu_s(proc.pid) - c0)
                                                            / max(1, r["requests"]) * 1e3, 3)
                     r["loadavg_1m"] = os.getloadavg()[0]

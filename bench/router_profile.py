@@ -1,12 +1,13 @@
 """Where one router process's CPU goes: py-spy on `warmfleet route` under a fixed rate from `hey`, samples by stage.
 
-    python -P bench/router_profile.py [--rate 600] [--duration 20] [--body chat|completion] [--native]
+    python -P bench/router_profile.py [--rate 600] [--duration 20] [--body chat|completion|unique] [--native]
                                       [--speedscope FILE] [--json] [--out DIR]
 
 Setup and pinning as bench/router_throughput.py (router on core 0; bench/simfleet.py with the zero
 time model, 8 replicas, and hey on core 1; non-streaming requests, max_tokens 1). `--body chat`
 sends multi-turn chat bodies on one shared system prompt (router_throughput.chat_bodies_for),
-`completion` the throughput bench's text prompts. py-spy (`pip install py-spy`; needs ptrace)
+`completion` the throughput bench's text prompts, `unique` completions whose every prompt is new (from vegeta,
+router_throughput.load_sender). py-spy (`pip install py-spy`; needs ptrace)
 records the router's non-idle samples (`record --format raw`, 200 Hz; `--nonblocking` unless
 `--native`, which needs the process stopped per sample); a sample whose innermost frame is epoll is
 a thread woken and not yet on a core (with --native; counted apart, not CPU). Each other
@@ -118,17 +119,7 @@ def main() -> int:
     if spy is None:
         raise FileNotFoundError("py-spy not found: pip install py-spy")
     model = trace.tiny_model()
-    words = trace.Words(Tokenizer(str(model)), 16)
-    if args.body == "unique":
-        unique = rt.UniqueBodies(words, 96)
-
-        def send(url: str, rate: float, duration: float) -> dict:
-            return rt.run_vegeta(url, unique.take(int(rate * duration * 1.05) + 10), rate, duration, "1", 16)
-    else:
-        bodies = rt.make_bodies(args.body, words, 96, 4)
-
-        def send(url: str, rate: float, duration: float) -> dict:
-            return rt.run_hey(url, bodies, rate, duration, "1", 16)
+    send = rt.load_sender(args.body, trace.Words(Tokenizer(str(model)), 16), "1", 16)
     cwd = tempfile.mkdtemp(prefix="wf-profile-")
     path = "/v1/chat/completions" if args.body == "chat" else "/v1/completions"
     sim = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-P", str(HERE / "simfleet.py"), "--model",

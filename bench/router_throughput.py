@@ -198,14 +198,15 @@ def make_bodies(kind: str, words, n_words: int, distinct: int) -> list[bytes]:
     return (chat_bodies_for if kind == "chat" else bodies_for)(words, n_words, distinct)
 
 
-def sender(args, bodies: list[bytes], unique: Optional[UniqueBodies]):
-    """send(url, rate, duration) -> run figures: hey over the repeating `bodies`, or vegeta over never-sent ones."""
-    def send(url: str, rate: float, duration: float) -> dict:
-        if unique is None:
-            return run_hey(url, bodies, rate, duration, args.load_core, args.concurrency)
-        return run_vegeta(url, unique.take(int(rate * duration * 1.05) + 10), rate, duration, args.load_core,
-                          args.concurrency)
-    return send
+def load_sender(kind: str, words, core: str, concurrency: int, n_words: int = 96, distinct: int = 4):
+    """send(url, rate, duration) -> run figures, on `core`: hey over repeating bodies ("completion", "chat"), or
+    vegeta over never-sent ones ("unique")."""
+    if kind == "unique":
+        unique = UniqueBodies(words, n_words)
+        return lambda url, rate, duration: run_vegeta(url, unique.take(int(rate * duration * 1.05) + 10), rate,
+                                                      duration, core, concurrency)
+    bodies = make_bodies(kind, words, n_words, distinct)
+    return lambda url, rate, duration: run_hey(url, bodies, rate, duration, core, concurrency)
 
 
 def measure(kinds: list[str], args, model: Path, cwd: str, send, rates: list[float]) -> dict:
@@ -393,8 +394,9 @@ def main() -> int:
 
     model = trace.tiny_model()
     words = trace.Words(Tokenizer(str(model)), 16)
-    bodies = bodies_for(words, args.prompt_words, args.distinct_prompts)
-    unique = UniqueBodies(words, args.prompt_words) if args.unique_prompts else None
+    unique = args.unique_prompts
+    send = load_sender("unique" if unique else "completion", words, args.load_core, args.concurrency,
+                       args.prompt_words, args.distinct_prompts)
     rates = [float(x) for x in args.rates.split(",")]
     cwd = tempfile.mkdtemp(prefix="wf-tput-")
     tool, path, install = (("vegeta", vegeta_path(), "go install github.com/tsenart/vegeta/v12@v12.13.0") if unique
@@ -409,7 +411,7 @@ def main() -> int:
                        "note": "other processes on the machine are not excluded from these cores"},
            "replicas": args.replicas, "prompt_tokens": args.prompt_words, "duration_s": args.duration,
            "concurrency": args.concurrency, "repeats": args.repeats, "loadavg_start": os.getloadavg(), "routers": {}}
-    res["routers"] = measure(args.routers.split(","), args, model, cwd, sender(args, bodies, unique), rates)
+    res["routers"] = measure(args.routers.split(","), args, model, cwd, send, rates)
     wf, sg = (res["routers"].get(k, {}) for k in ("warmfleet", "sglang"))
     for key in ("max_sustained_rps", "max_sustained_rps_contiguous", "max_achieved_rps", "cpu_bound_rps_per_core",
                 "max_rps_with_p99_under_10ms"):
