@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from ... import rendering
 from ...hashing import AdapterId, MMPlaceholder, block_extra_keys, block_hashes, hash_block, root_hash
+from . import bpe
 from .template import FastChatTemplate
 from .url_memo import UrlHashMemo
 
@@ -53,13 +54,26 @@ def _as_replica_sees(message: Any) -> Any:
     return out
 
 
+@functools.lru_cache(maxsize=8)  # one per tokenizer object: the segment encoder and the renderer share it
 def ids_encoder(tokenizer: Any) -> Callable[[str, bool], list[int]]:
-    """`encode(text, add_special_tokens)` of the tokenizer, through HF tokenizers' `encode_batch_fast` when it has it.
+    """`encode(text, add_special_tokens)` of the tokenizer: without special tokens through tiktoken where it was shown
+    to give the same ids (bpe.py, ~7x faster), else and with them through HF tokenizers' `encode_batch_fast`.
 
     The fast path computes no character offsets: ~25% less CPU per request on 2,000-character
     prompts (0.65 -> 0.50 ms; docs/scale.md). The ids are the same by construction; a probe checks it
     and any surprise falls back to the plain encoder.
     """
+    hf = _hf_ids_encoder(tokenizer)
+    tk = bpe.tiktoken_encoder(tokenizer)
+    if tk is None:
+        return hf
+
+    def encode(text: str, add_special_tokens: bool = False) -> list[int]:
+        return hf(text, True) if add_special_tokens else tk(text)
+    return encode
+
+
+def _hf_ids_encoder(tokenizer: Any) -> Callable[[str, bool], list[int]]:
     plain = tokenizer.encode
     raw = getattr(tokenizer, "_tok", None)
     batch_fast = getattr(raw, "encode_batch_fast", None)
