@@ -18,7 +18,8 @@ def texts(tok: Tokenizer, n: int = 300, seed: int = 1) -> list[str]:
     words = [w[1:] for w in vocab if w[:1] == "Ġ" and w[1:].isalpha()]
     specials = [t.content for t in tok._tok.get_added_tokens_decoder().values()]
     rng = random.Random(seed)
-    pieces = words + specials + ["  ", "\n", "\t", "123", "4,5", "'s", "ü", "é", "日本", "😀", "\r\n", "!?", "  \n "]
+    pieces = words + specials + ["  ", "\n", "\t", "123", "4,5", "'s", "ü", "é", "日本", "😀", "\r\n", "!?",
+                                 "  \n "]
     return ["".join(rng.choice([" ", "", "\n"]) + rng.choice(pieces) for _ in range(rng.randrange(1, 80)))
             for _ in range(n)]
 

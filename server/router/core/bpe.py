@@ -76,7 +76,8 @@ def _encoding(spec: dict):
     special = {}
     for tok in spec.get("added_tokens") or []:
         content = tok["content"]
-        if tok.get("lstrip") or tok.get("rstrip") or tok.get("single_word") or unicodedata.normalize("NFC", content) != content:
+        if (tok.get("lstrip") or tok.get("rstrip") or tok.get("single_word")
+                or unicodedata.normalize("NFC", content) != content):
             return None
         special[content] = tok["id"]
     to_byte = _unicode_to_byte()
@@ -87,8 +88,7 @@ def _encoding(spec: dict):
         return None
     import tiktoken
 
-    return tiktoken.Encoding("warmfleet-router", pat_str=pattern, mergeable_ranks=ranks, special_tokens=special,
-                             explicit_n_vocab=None)
+    return tiktoken.Encoding("warmfleet-router", pat_str=pattern, mergeable_ranks=ranks, special_tokens=special)
 
 
 def _probes(spec: dict) -> list[str]:
