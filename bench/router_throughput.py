@@ -2,7 +2,7 @@
 
     python -P bench/router_throughput.py [--routers warmfleet,sglang] [--replicas 8] [--rates 100,200,...]
                                          [--duration 8] [--repeats 1] [--router-core 0] [--load-core 1]
-                                         [--unique-prompts]
+                                         [--unique-prompts] [--load-generator hey|vegeta]
                                          [--json] [--out DIR]
 
 Backends are `bench/simfleet.py` with the zero time model (answers as soon as the engine's real
@@ -31,7 +31,9 @@ over the repeats) and p99 <= 3 ms at warmfleet's step nearest half its sustained
 repeat (one per hey process), so warmfleet's segment memo serves their tokenization. `--unique-prompts`
 sends every request a prompt never sent before instead (the shared first block, then random words), from
 vegeta (`go install github.com/tsenart/vegeta/v12@v12.13.0`; open rate, at most --concurrency in flight),
-so each router pays for every prompt what a production stream of new prompts costs it.
+so each router pays for every prompt what a production stream of new prompts costs it. `--load-generator
+vegeta` sends the repeating bodies from vegeta too: its own p99 is lower than hey's (1.5 against 8.6-19.5 ms
+direct at 600/s here), which is what lets the added-latency targets be read.
 Writes router_throughput.json and router_throughput.png (achieved rate, added p99, CPU per request).
 
 Requests: POST /v1/completions, non-streaming, max_tokens 1, a text prompt of --prompt-words
@@ -198,15 +200,17 @@ def make_bodies(kind: str, words, n_words: int, distinct: int) -> list[bytes]:
     return (chat_bodies_for if kind == "chat" else bodies_for)(words, n_words, distinct)
 
 
-def load_sender(kind: str, words, core: str, concurrency: int, n_words: int = 96, distinct: int = 4):
-    """send(url, rate, duration) -> run figures, on `core`: hey over repeating bodies ("completion", "chat"), or
-    vegeta over never-sent ones ("unique")."""
+def load_sender(kind: str, words, core: str, concurrency: int, n_words: int = 96, distinct: int = 4,
+                tool: str = "hey"):
+    """send(url, rate, duration) -> run figures, on `core`: repeating bodies ("completion", "chat") from `tool` (hey
+    or vegeta, which cycles over them), or never-sent ones ("unique", always vegeta)."""
     if kind == "unique":
         unique = UniqueBodies(words, n_words)
         return lambda url, rate, duration: run_vegeta(url, unique.take(int(rate * duration * 1.05) + 10), rate,
                                                       duration, core, concurrency)
     bodies = make_bodies(kind, words, n_words, distinct)
-    return lambda url, rate, duration: run_hey(url, bodies, rate, duration, core, concurrency)
+    run = run_vegeta if tool == "vegeta" else run_hey
+    return lambda url, rate, duration: run(url, bodies, rate, duration, core, concurrency)
 
 
 def measure(kinds: list[str], args, model: Path, cwd: str, send, rates: list[float]) -> dict:
@@ -382,6 +386,9 @@ def main() -> int:
                     help="hey processes of one worker each (their phases spread over the rate's period).")
     ap.add_argument("--prompt-words", type=int, default=96, help="Prompt length in tokens (one word = one token).")
     ap.add_argument("--distinct-prompts", type=int, default=4)
+    ap.add_argument("--load-generator", choices=("hey", "vegeta"), default="hey",
+                    help="For the repeating bodies: hey (closed-loop processes) or vegeta (open rate; its own p99 is a "
+                         "few ms lower, so added latency can be read).")
     ap.add_argument("--unique-prompts", action="store_true",
                     help="Every request a prompt never sent before (vegeta, not hey): tokenizing is never a memo hit.")
     ap.add_argument("--router-core", default="0")
@@ -395,12 +402,13 @@ def main() -> int:
     model = trace.tiny_model()
     words = trace.Words(Tokenizer(str(model)), 16)
     unique = args.unique_prompts
+    tool = "vegeta" if unique else args.load_generator
     send = load_sender("unique" if unique else "completion", words, args.load_core, args.concurrency,
-                       args.prompt_words, args.distinct_prompts)
+                       args.prompt_words, args.distinct_prompts, tool)
     rates = [float(x) for x in args.rates.split(",")]
     cwd = tempfile.mkdtemp(prefix="wf-tput-")
-    tool, path, install = (("vegeta", vegeta_path(), "go install github.com/tsenart/vegeta/v12@v12.13.0") if unique
-                           else ("hey", hey_path(), "go install github.com/rakyll/hey@latest"))
+    path, install = ((vegeta_path(), "go install github.com/tsenart/vegeta/v12@v12.13.0") if tool == "vegeta"
+                     else (hey_path(), "go install github.com/rakyll/hey@latest"))
     tool_v = subprocess.run(["go", "version", "-m", path], capture_output=True, text=True).stdout.split("\n")
     res = {"command": " ".join([Path(sys.executable).name] + sys.argv),
            "load_generator": {"tool": tool, "path": path, "install": install,
