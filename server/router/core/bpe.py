@@ -64,7 +64,7 @@ def _pattern(spec: dict) -> Optional[str]:
 
 
 def _encoding(spec: dict):
-    """A tiktoken Encoding equivalent by construction to tokenizer.json `spec`, or None (why is logged)."""
+    """A tiktoken Encoding equivalent by construction to tokenizer.json `spec`, or None for any other shape."""
     model, norm = spec.get("model") or {}, spec.get("normalizer")
     if model.get("type") != "BPE" or model.get("dropout") or model.get("byte_fallback") or model.get("unk_token"):
         return None
