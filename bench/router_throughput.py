@@ -7,12 +7,14 @@
 
 Backends are `bench/simfleet.py` with the zero time model (answers as soon as the engine's real
 scheduler and block pool have run the request: contract-1 hashing, KV events published, usage
-with cached_tokens), so the router under test is the bottleneck. The load generator is `hey`
-(compiled Go; `go install github.com/rakyll/hey@latest`, found on PATH or in ~/go/bin), open
-rate per step: C hey processes (`hey -z D -c 1 -q R/C`), started 1/R apart so the arrivals are
-spread evenly (one process with C workers sends synchronized bursts of C).
+with cached_tokens), so the router under test is the bottleneck. The load generator is vegeta
+(compiled Go; `go install github.com/tsenart/vegeta/v12@v12.13.0`, found on PATH or in ~/go/bin): an
+open rate with at most C requests in flight. Its own p99 is a few ms lower than hey's, which is what
+lets the added-latency targets be read. `--load-generator hey` runs the earlier rig
+(`go install github.com/rakyll/hey@latest`): C hey processes (`hey -z D -c 1 -q R/C`), started 1/R
+apart so the arrivals are spread evenly (one process with C workers sends synchronized bursts of C).
 
-Pinning (taskset): every router process (all its threads) on --router-core, the simulator and hey
+Pinning (taskset): every router process (all its threads) on --router-core, the simulator and the load generator
 on --load-core. All routers run at once against the same simulator and are measured in turn at
 each rate, after one direct run against a replica at that rate (so they share the machine's
 load); added latency = router p99 - direct p99. A rate is sustained when the achieved rate is
@@ -28,17 +30,15 @@ Targets, under `targets`: warmfleet's sustained rate >= 0.5x sglang-router's (is
 sustained rate, CPU per request <= 1.5x its at every rate both sustained (medians over the repeats:
 `cpu_per_request_warmfleet_over_sglang`), added latency p50 <= 1 ms (router p50 - direct p50, median
 over the repeats) and p99 <= 3 ms at warmfleet's step nearest half its sustained rate. The bodies
-repeat (one per hey process), so warmfleet's segment memo serves their tokenization. `--unique-prompts`
+repeat (a few bodies, cycled), so warmfleet's segment memo serves their tokenization. `--unique-prompts`
 sends every request a prompt never sent before instead (the shared first block, then random words), from
 vegeta (`go install github.com/tsenart/vegeta/v12@v12.13.0`; open rate, at most --concurrency in flight),
-so each router pays for every prompt what a production stream of new prompts costs it. `--load-generator
-vegeta` sends the repeating bodies from vegeta too: its own p99 is lower than hey's (1.5 against 8.6-19.5 ms
-direct at 600/s here), which is what lets the added-latency targets be read.
+so each router pays for every prompt what a production stream of new prompts costs it (always from vegeta).
 Writes router_throughput.json and router_throughput.png (achieved rate, added p99, CPU per request).
 
 Requests: POST /v1/completions, non-streaming, max_tokens 1, a text prompt of --prompt-words
 single-token words (several full blocks), one of --distinct-prompts prompts that share a prefix
-(hey sends one body per process; the processes cycle over them). Text because sglang-router
+(vegeta cycles over them; hey sends one body per process). Text because sglang-router
 0.3.2 refuses token-id prompts.
 """
 
@@ -383,10 +383,11 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=1,
                     help="Runs per step (direct and every router, interleaved); the median added p99 run counts.")
     ap.add_argument("--concurrency", type=int, default=16,
-                    help="hey processes of one worker each (their phases spread over the rate's period).")
+                    help="Requests in flight at most (vegeta's workers), or hey processes of one worker each (their "
+                         "phases spread over the rate's period).")
     ap.add_argument("--prompt-words", type=int, default=96, help="Prompt length in tokens (one word = one token).")
     ap.add_argument("--distinct-prompts", type=int, default=4)
-    ap.add_argument("--load-generator", choices=("hey", "vegeta"), default="hey",
+    ap.add_argument("--load-generator", choices=("hey", "vegeta"), default="vegeta",
                     help="For the repeating bodies: hey (closed-loop processes) or vegeta (open rate; its own p99 is a "
                          "few ms lower, so added latency can be read).")
     ap.add_argument("--unique-prompts", action="store_true",
@@ -415,7 +416,7 @@ def main() -> int:
                               "module": next((x.strip() for x in tool_v if x.strip().startswith("mod")), None)},
            "prompts": "unique (never sent before)" if unique else f"{args.distinct_prompts} repeating bodies",
            "pinning": {"router": f"taskset -c {args.router_core}",
-                       "simulator_and_hey": f"taskset -c {args.load_core}",
+                       "simulator_and_load": f"taskset -c {args.load_core}",
                        "note": "other processes on the machine are not excluded from these cores"},
            "replicas": args.replicas, "prompt_tokens": args.prompt_words, "duration_s": args.duration,
            "concurrency": args.concurrency, "repeats": args.repeats, "loadavg_start": os.getloadavg(), "routers": {}}
