@@ -72,10 +72,15 @@ progress = harness.reporter("throughput")
 trace = harness.sibling("trace")
 
 
-def hey_path() -> str:
-    found = shutil.which("hey") or str(Path.home() / "go" / "bin" / "hey")
+GO_TOOLS = {"hey": "go install github.com/rakyll/hey@latest",
+            "vegeta": "go install github.com/tsenart/vegeta/v12@v12.13.0"}  # load generators: how to install
+
+
+def go_tool(name: str) -> str:
+    """The path of load generator `name` (GO_TOOLS), on PATH or in ~/go/bin."""
+    found = shutil.which(name) or str(Path.home() / "go" / "bin" / name)
     if not Path(found).exists():
-        raise FileNotFoundError("hey not found: go install github.com/rakyll/hey@latest")
+        raise FileNotFoundError(f"{name} not found: {GO_TOOLS[name]}")
     return found
 
 
@@ -95,7 +100,7 @@ def run_hey(url: str, bodies: list[bytes], rate: float, duration: float, core: s
         files.append(f)
     running = []
     for k in range(procs):
-        cmd = ["taskset", "-c", core, hey_path(), "-z", f"{duration}s", "-c", "1", "-q", f"{rate / procs:.4f}",
+        cmd = ["taskset", "-c", core, go_tool("hey"), "-z", f"{duration}s", "-c", "1", "-q", f"{rate / procs:.4f}",
                "-m", "POST", "-T", "application/json", "-D", str(files[k % len(files)]), "-o", "csv", url]
         running.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         time.sleep(1.0 / rate)
@@ -118,13 +123,6 @@ def run_hey(url: str, bodies: list[bytes], rate: float, duration: float, core: s
             "p50_ms": q(0.5), "p90_ms": q(0.9), "p99_ms": q(0.99)}
 
 
-def vegeta_path() -> str:
-    found = shutil.which("vegeta") or str(Path.home() / "go" / "bin" / "vegeta")
-    if not Path(found).exists():
-        raise FileNotFoundError("vegeta not found: go install github.com/tsenart/vegeta/v12@v12.13.0")
-    return found
-
-
 def run_vegeta(url: str, bodies: list[bytes], rate: float, duration: float, core: str, workers: int) -> dict:
     """Offered `rate` for `duration` from vegeta (open rate, at most `workers` requests in flight), one body each from
     `bodies` in order (as many as it sends, so none repeats); the same figures as run_hey."""
@@ -134,13 +132,13 @@ def run_vegeta(url: str, bodies: list[bytes], rate: float, duration: float, core
         for b in bodies:
             f.write(json.dumps({"method": "POST", "url": url, "body": base64.b64encode(b).decode(),
                                 "header": {"Content-Type": ["application/json"]}}) + "\n")
-    attack = subprocess.run(["taskset", "-c", core, vegeta_path(), "attack", "-format=json", f"-targets={targets}",
+    attack = subprocess.run(["taskset", "-c", core, go_tool("vegeta"), "attack", "-format=json", f"-targets={targets}",
                              f"-rate={rate:g}/1s", f"-duration={duration}s", f"-workers={workers}",
                              f"-max-workers={workers}", "-timeout=30s", f"-output={tmp / 'results.bin'}"],
                             capture_output=True, text=True, timeout=duration + 120)
     if attack.returncode != 0:
         raise RuntimeError(f"vegeta attack failed: {attack.stderr.strip()[-300:]}")
-    rep = json.loads(subprocess.run([vegeta_path(), "report", "-type=json", str(tmp / "results.bin")],
+    rep = json.loads(subprocess.run([go_tool("vegeta"), "report", "-type=json", str(tmp / "results.bin")],
                                     capture_output=True, text=True, check=True, timeout=120).stdout)
     shutil.rmtree(tmp, ignore_errors=True)
     n = rep["requests"]
@@ -408,8 +406,7 @@ def main() -> int:
                        args.prompt_words, args.distinct_prompts, tool)
     rates = [float(x) for x in args.rates.split(",")]
     cwd = tempfile.mkdtemp(prefix="wf-tput-")
-    path, install = ((vegeta_path(), "go install github.com/tsenart/vegeta/v12@v12.13.0") if tool == "vegeta"
-                     else (hey_path(), "go install github.com/rakyll/hey@latest"))
+    path, install = go_tool(tool), GO_TOOLS[tool]
     tool_v = subprocess.run(["go", "version", "-m", path], capture_output=True, text=True).stdout.split("\n")
     res = {"command": " ".join([Path(sys.executable).name] + sys.argv),
            "load_generator": {"tool": tool, "path": path, "install": install,
