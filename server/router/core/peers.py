@@ -31,9 +31,10 @@ Simultaneous decisions: requests that reach several routers in the same instant 
 a load balancer) are placed before any report, polled or pushed, could tell one router of the
 others' picks, so they herd on the same least-loaded replicas; neither a faster poll (0.02 s) nor
 pushed deltas changed that (docs/scale.md). `--peer-partition-tokens N` (default 256) gives each
-router a preference instead: the replicas it owns by rendezvous over the fresh routers' ids (`owns`;
-the same partition in every router's view) count N fewer queued tokens than the others, so
-simultaneous picks of different routers land on different replicas unless the load says otherwise.
+router a preference instead: the replicas it owns (`owned`: rendezvous over the fresh routers' ids, balanced
+so that each owns an equal part; the same partition in every router's view) count N fewer queued tokens
+than the others, so simultaneous picks of different routers land on different replicas unless the load
+says otherwise.
 An owned replica above the mean recent share loses its preference (`preferred`): without that rule
 each router filled its own third up to the share cap, and spread rose from 1.17 to 1.39 at 64
 replicas.
@@ -70,7 +71,7 @@ import socket
 import time
 import urllib.parse
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import aiohttp
 
@@ -85,6 +86,31 @@ ZERO = (0, 0, 0.0)
 def client_digest(client: str) -> str:
     """A client's name as peers see it: API keys and addresses never leave the router in clear."""
     return hashlib.blake2b(client.encode(), digest_size=12).hexdigest()
+
+
+def balanced_owners(replicas: Iterable[str], routers: Sequence[str]) -> dict[str, str]:
+    """replica -> the router that owns it: rendezvous with room, each of K routers owning floor(N/K) or
+    ceil(N/K) of the N replicas.
+
+    Plain rendezvous is as likely to split 16 replicas over 3 routers 3/5/8 as 5/5/6; the router owning 3 then
+    gets a third of the traffic for under a fifth of the fleet, its replicas pass the mean share and lose their
+    preference, and its picks land on the others' parts again. Here (replica, router) pairs are taken by
+    weight, highest first, and a pair binds when the replica is still free and the router has room, so every
+    router draws the same partition from the same sets, and most replicas keep their plain rendezvous owner.
+    """
+    reps = set(replicas)
+    pairs = sorted(((rendezvous_weight(rid.encode(), r), rid, r) for rid in reps for r in routers), reverse=True)
+    base, extra = divmod(len(reps), len(routers))
+    counts = dict.fromkeys(routers, 0)
+    out: dict[str, str] = {}
+    for _, rid, router in pairs:
+        n = counts[router]
+        if rid in out or not (n < base or (n == base and extra)):
+            continue
+        extra -= n == base
+        counts[router] = n + 1
+        out[rid] = router
+    return out
 
 
 def parse_peers(text: Optional[str]) -> list[str]:
@@ -132,7 +158,7 @@ class PeerLoad:
         self._clients: dict[str, int] = {}
         self.fresh = 0  # peers (not itself) heard from within stale_s at the last recompute
         self._routers: list[str] = [self.router_id]  # ids of this router and its fresh peers, sorted
-        self._owned: dict[str, bool] = {}  # replica -> whether this router owns it (see `owns`)
+        self._owned: dict[frozenset, frozenset] = {}  # replica set -> the part this router owns (see `owned`)
         self._session: Optional[aiohttp.ClientSession] = None
         self.headers = headers or {}  # sent with every poll: the admin key, when the routers have one
 
@@ -146,23 +172,28 @@ class PeerLoad:
         p_in, p_queued, p_sent = self._replicas.get(rid, ZERO)
         return in_flight + p_in, queued_tokens + p_queued, (sent + p_sent) / (1 + self.fresh)
 
-    def owns(self, rid: str) -> bool:
-        """Whether replica `rid` is this router's by rendezvous over the fresh routers' ids: every router draws the
-        same partition, so routers deciding at the same moment prefer different replicas (--peer-partition-tokens)."""
-        got = self._owned.get(rid)
+    def owned(self, replicas: Iterable[str]) -> frozenset:
+        """The replicas of `replicas` this router owns (`balanced_owners` over the fresh routers' ids): every router
+        draws the same partition of the same set, so routers deciding at the same moment prefer different replicas
+        (--peer-partition-tokens). Memoised per replica set (a request's candidates: the fleet, or an adapter's)."""
+        key = replicas if isinstance(replicas, frozenset) else frozenset(replicas)
+        got = self._owned.get(key)
         if got is None:
-            key = rid.encode()
-            got = self._owned[rid] = max(self._routers, key=lambda r: rendezvous_weight(key, r)) == self.router_id
+            if len(self._owned) >= 64:
+                self._owned.clear()
+            owners = balanced_owners(key, self._routers)
+            got = self._owned[key] = frozenset(rid for rid, r in owners.items() if r == self.router_id)
         return got
 
     def preferred(self, combined: dict[str, tuple[int, int, float]]) -> Optional[set]:
         """The replicas this router prefers (`combined`: replica -> its combined figures): those it owns and whose
-        recent share is at most the mean, so the preference parts simultaneous picks without loading its own third
+        recent share is at most the mean, so the preference parts simultaneous picks without loading its own part
         past the others (None: no partition, --peer-partition-tokens 0)."""
         if not self.partition_tokens or not combined:
             return None
         mean = math.fsum(f[2] for f in combined.values()) / len(combined)
-        return {rid for rid, f in combined.items() if f[2] <= mean and self.owns(rid)}
+        owned = self.owned(combined)
+        return {rid for rid, f in combined.items() if f[2] <= mean and rid in owned}
 
     def client_open(self, client: str) -> int:
         """Requests `client` has open on fresh peers."""
