@@ -2,7 +2,8 @@
 
     python -P bench/trace.py [--trace FILE] [--replicas 16,64] [--time-scale X] [--requests N]
                              [--routers rr,sglang,vllm,warmfleet] [--gpu-blocks 512] [--cpu-blocks 512]
-                             [--engine-speedup S] [--prompt-format text|tokens] [--quick] [--json] [--out DIR]
+                             [--engine-speedup S] [--prompt-format text|tokens] [--spread-arrivals] [--quick] [--json]
+                             [--out DIR]
 
 The replicas are `bench/simfleet.py` (one process, N replicas, the engine's real scheduler and
 block pool, a time model calibrated on the real engine, real KV events), the routers are the
@@ -145,6 +146,20 @@ def build_requests(trace: list[dict], words: Words, block: int, output_scale: fl
         reqs.append({"i": i, "t": r["timestamp"] / 1000.0, "ids": ids, "text": text,
                      "max_tokens": scaled(r["output_length"], block, output_scale)})
     return reqs
+
+
+def spread_arrivals(reqs: list[dict]) -> None:
+    """Requests that share a timestamp spread evenly up to the next timestamp (the last group over the median gap),
+    order kept: Mooncake's conversation trace rounds its timestamps to 3 s, so 4-16 requests arrive in one instant."""
+    times = sorted({r["t"] for r in reqs})
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    nxt = dict(zip(times, gaps + [statistics.median(gaps) if gaps else 0.0]))
+    groups: dict[float, list[dict]] = {}
+    for r in reqs:
+        groups.setdefault(r["t"], []).append(r)
+    for t, group in groups.items():
+        for k, r in enumerate(group):
+            r["t"] = t + nxt[t] * k / len(group)
 
 
 def check_tokenization(tokenizer, reqs: list[dict], k: int = 20) -> None:
@@ -598,6 +613,8 @@ def main() -> int:
     ap.add_argument("--output-scale", type=float, default=None,
                     help="Output tokens per trace output token (default: the prompt's, block / 512).")
     ap.add_argument("--prompt-format", choices=("text", "tokens"), default="text")
+    ap.add_argument("--spread-arrivals", action="store_true",
+                    help="Spread requests that share a timestamp evenly up to the next one (the trace rounds to 3 s).")
     ap.add_argument("--idle-s", type=float, default=3.0, help="Seconds of router idle CPU measured before a replay.")
     ap.add_argument("--quick", action="store_true", help="The committed excerpt, 16 replicas, 600 requests.")
     ap.add_argument("--json", action="store_true")
@@ -623,6 +640,8 @@ def main() -> int:
     words = Words(tok, args.block_size)
     trace = read_trace(trace_path, limit)
     reqs = build_requests(trace, words, args.block_size, args.output_scale)
+    if args.spread_arrivals:
+        spread_arrivals(reqs)
     if args.prompt_format == "text":
         check_tokenization(tok, reqs)
     fp = model_fingerprint(model)
@@ -635,7 +654,7 @@ def main() -> int:
         "command": " ".join([Path(sys.executable).name] + sys.argv), "trace": str(trace_path),
         "trace_name": trace_path.name, "requests": len(reqs), "trace_span_s": round(reqs[-1]["t"] - reqs[0]["t"], 1),
         "time_scale": args.time_scale, "replay_span_s": round((reqs[-1]["t"] - reqs[0]["t"]) / args.time_scale, 1),
-        "prompt_format": args.prompt_format, "block_size": args.block_size,
+        "prompt_format": args.prompt_format, "block_size": args.block_size, "spread_arrivals": args.spread_arrivals,
         "scaling": f"one engine block of {args.block_size} tokens per 512-token trace block (x{args.block_size}/512); "
                    f"output x{args.output_scale or args.block_size / TRACE_BLOCK:g}",
         "mean_prompt_tokens": round(statistics.mean(len(r["ids"]) for r in reqs), 1),

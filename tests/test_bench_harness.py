@@ -89,3 +89,10 @@ def test_quantile_ratio_interval_brackets_the_ratio_and_narrows_with_more_sample
     slo, shi = harness.quantile_ratio_interval(big_a, slow, 0.9)
     assert 1.0 < slo < 2.0 < shi
     assert harness.quantile_ratio_interval([], small_b, 0.9) is None
+
+
+def test_trace_spread_arrivals_fills_each_timestamp_gap_in_order():
+    reqs = [{"i": i, "t": t} for i, t in enumerate([0.0, 0.0, 0.0, 3.0, 3.0, 9.0, 9.0])]
+    load_bench("trace.py").spread_arrivals(reqs)
+    assert [r["t"] for r in reqs] == [0.0, 1.0, 2.0, 3.0, 6.0, 9.0, 11.25]  # the last group: the median gap, 4.5
+    assert [r["i"] for r in sorted(reqs, key=lambda r: r["t"])] == list(range(7))
