@@ -96,3 +96,17 @@ def test_trace_spread_arrivals_fills_each_timestamp_gap_in_order():
     load_bench("trace.py").spread_arrivals(reqs)
     assert [r["t"] for r in reqs] == [0.0, 1.0, 2.0, 3.0, 6.0, 9.0, 11.25]  # the last group: the median gap, 4.5
     assert [r["i"] for r in sorted(reqs, key=lambda r: r["t"])] == list(range(7))
+
+
+def test_trace_verdict_holds_three_routers_to_issue_26s_bounds():
+    verdict = load_bench("trace.py").verdict
+
+    def run(ratio, p90, spread=1.0):
+        return {"cached_ratio": ratio, "ttft_p90_s": p90, "spread": spread, "errors": 0}
+
+    t = verdict({"warmfleet": run(0.30, 0.40), "warmfleet@3": run(0.295, 0.43)}, fleet_lru=0.31)
+    assert t["ratio_ok_fleet_lru"] and not t["ratio_ge_0.97_fleet_lru"]  # 0.968 x the bound
+    assert t["active_active_3_within_0.01"] and t["active_active_3_ttft_p90_le_1.1x"]  # 1.075x
+    t = verdict({"warmfleet": run(0.30, 0.40), "warmfleet@3": run(0.285, 0.45)}, fleet_lru=0.30)
+    assert t["ratio_ge_0.97_fleet_lru"] and t["active_active_3_within_0.02"]
+    assert not t["active_active_3_within_0.01"] and not t["active_active_3_ttft_p90_le_1.1x"]  # 0.015 apart, 1.125x
