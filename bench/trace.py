@@ -41,9 +41,10 @@ Active-active: `warmfleet@K` runs K router processes in front of the same fleet,
 URLs with --peers (they share in-flight load and client limits), `warmfleet@K-nopeers` the same
 without; the client spreads requests over them round-robin as a plain L4 balancer would
 (`--active-active K` adds both). Router CPU is then the sum over the K processes. Targets: K routers'
-cached ratio within 0.02 of one router's (and within 0.01), their simulated TTFT p90 at most 1.1x one router's. Mooncake's conversation trace rounds its timestamps to 3 s, so 4-16
-requests arrive in the same instant and K routers place them before any could learn of the others' picks;
-`--spread-arrivals` spreads each such group evenly up to the next timestamp (order kept).
+cached ratio within 0.02 of one router's (and within 0.01), their simulated TTFT p90 at most 1.1x one
+router's. Mooncake's conversation trace rounds its timestamps to 3 s, so 4-16 requests arrive in the
+same instant and K routers place them before any could learn of the others' picks; `--spread-arrivals`
+spreads each such group evenly up to the next timestamp (order kept).
 
 --quick: the committed 600-request excerpt (bench/traces/), 16 replicas, time scale 10, under 5
 minutes. Writes trace.json and trace.png to --out; progress on stderr; with --json the last
