@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import base64
 import copy
+import fcntl
 import io
 import json
 import warnings
@@ -380,6 +381,35 @@ def test_fetch_adapters_fetches_each_remote_adapter_once_and_survives_failures(t
     calls.clear()
     fetch_mod.fetch_adapters(args, done, fetch_one)
     assert [c[0] for c in calls] == ["b"]  # a is done; b is tried again on the next pass
+
+
+def test_the_sidecar_deletes_an_adapter_directory_only_after_it_has_been_unlisted_for_the_grace(tmp_path):
+    root = tmp_path / "root"
+    for name in ("keep-1", "old-1", "busy-1", "gone-1"):
+        (root / name / fetch_mod.META_DIR).mkdir(parents=True)
+        (root / name / "adapter_model.safetensors").write_bytes(b"x")
+    (root / "mounted").mkdir()  # not made by fetch: never touched
+    unlisted: dict[str, float] = {}
+    assert fetch_mod.sweep_adapters(root, {"keep-1", "busy-1", "gone-1"}, unlisted, 100.0, 60.0) == []
+    assert unlisted == {"old-1": 100.0}  # first seen unlisted now: kept through the grace
+    assert fetch_mod.sweep_adapters(root, {"keep-1", "old-1", "busy-1"}, unlisted, 130.0, 60.0) == []
+    assert unlisted == {"gone-1": 130.0}  # old-1 is listed again (a newer list): its clock is reset
+    with (root / "busy-1" / fetch_mod.META_DIR / "lock").open("a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)  # a fetch of busy-1 in progress (another pod's newer list names it)
+        assert fetch_mod.sweep_adapters(root, {"keep-1"}, unlisted, 190.0, 60.0) == ["gone-1"]
+        assert fetch_mod.sweep_adapters(root, {"keep-1"}, unlisted, 300.0, 60.0) == ["old-1"]
+    assert fetch_mod.sweep_adapters(root, {"keep-1"}, unlisted, 300.0, 60.0) == ["busy-1"]
+    assert sorted(p.name for p in root.iterdir()) == ["keep-1", "mounted"] and unlisted == {}
+
+
+def test_an_adapters_list_that_is_not_a_list_of_objects_is_unreadable_not_empty(tmp_path):
+    listing = tmp_path / "adapters.json"
+    for text in ('{"a": 1}', '["a"]'):
+        listing.write_text(text)
+        with pytest.raises(ValueError, match="not a JSON list of objects"):
+            fetch_mod.read_adapters(listing)
+    listing.write_text("")
+    assert fetch_mod.read_adapters(listing) == []
 
 
 def test_fetch_requires_the_adapter_config_in_adapter_mode(tmp_path):

@@ -7,7 +7,8 @@ several pods at once (an flock per model directory). Also reads config.json summ
 operator. Needs the `fetch` extra (huggingface_hub, boto3), imported lazily; no paddle, no kopf.
 
 `warmfleet fetch-model --adapters FILE --adapters-dir DIR [--watch-s SECONDS]` fetches the LoRA adapters the
-operator lists (docs/lora.md "On Kubernetes") the same way, one directory each, adapter_config.json required.
+operator lists (docs/lora.md "On Kubernetes") the same way, one directory each, adapter_config.json required; with
+--watch-s it also deletes the directories the list has not named for --gc-after-s.
 
 Directory layout under DEST (the model directory the server is started on):
 
@@ -690,6 +691,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapters-dir", metavar="DIR", help="With --adapters: the directory holding one directory per adapter.")
     p.add_argument("--watch-s", type=float, default=None, metavar="SECONDS",
                    help="With --adapters: never exit; read FILE again every SECONDS and fetch adapters not fetched yet.")
+    p.add_argument("--gc-after-s", type=float, default=900.0, metavar="SECONDS",
+                   help="With --watch-s: delete a fetched adapter's directory once FILE has not named it for SECONDS "
+                        "(a removed adapter, or an old source's copy); 0 keeps every directory.")
     p.add_argument("--tokenizer-only", action="store_true",
                    help="Configs, tokenizer files and chat templates only, no weights (what the router reads).")
     p.add_argument("--allow", action="append", metavar="PATTERN",
@@ -752,8 +756,10 @@ def read_adapters(path: Path) -> list[tuple[str, str]]:
     """(directory, source) of each hf:// or s3:// adapter in an adapters file ({name, source, dir}; dir defaults to
     name); other sources are mounted, not fetched."""
     entries = json.loads(Path(path).read_text() or "[]")
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise ValueError(f"{path}: not a JSON list of objects")
     out = []
-    for e in entries if isinstance(entries, list) else []:
+    for e in entries:
         name, source = str(e.get("dir") or e.get("name") or ""), str(e.get("source") or "")
         if name and "/" not in name and name not in (".", "..") and source.startswith(("hf://", "s3://")):
             out.append((name, source))
@@ -789,15 +795,53 @@ def fetch_adapters(args: argparse.Namespace, done: dict[str, str],
     return failed
 
 
+def sweep_adapters(root: Path, wanted: set[str], unlisted: dict[str, float], now: float, after_s: float) -> list[str]:
+    """Delete the fetched adapter directories under `root` that the list has not named for `after_s` seconds
+    (`unlisted`: directory -> when this process first saw it unlisted), so a removed adapter or an old source's
+    directory does not stay on the node for ever. Only directories `fetch` made (they hold .warmfleet/) and whose
+    lock no fetch holds. The grace outlasts the kubelet's ConfigMap refresh, so a pod whose list is a minute
+    older than another's never deletes what the other has just fetched. Returns the directories removed."""
+    removed = []
+    present = {d.name for d in root.iterdir() if d.is_dir() and (d / META_DIR).is_dir()} - wanted
+    for name in list(unlisted):
+        if name not in present:
+            del unlisted[name]
+    for name in sorted(present):
+        since = unlisted.setdefault(name, now)
+        if now - since < after_s:
+            continue
+        lock = root / name / META_DIR / "lock"
+        with lock.open("a+") as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # being fetched right now: the list names it again somewhere
+            trash = root / f".removed-{name}-{os.getpid()}"
+            os.replace(root / name, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+        del unlisted[name]
+        removed.append(name)
+        log.info("adapter files removed", extra={"fields": {"dir": name, "unlisted_s": round(now - since)}})
+    return removed
+
+
 def run_adapters(args: argparse.Namespace) -> int:
     """--adapters: one pass (the init step: exits 0 even if an adapter failed, so one bad adapter never keeps a replica
-    from starting; the operator reports adapters it cannot load), or with --watch-s a pass every SECONDS (the sidecar)."""
+    from starting; the operator reports adapters it cannot load), or with --watch-s a pass every SECONDS (the sidecar),
+    which also deletes directories unlisted for --gc-after-s."""
     if not args.adapters_dir:
         print("warmfleet fetch-model: error: --adapters needs --adapters-dir", file=sys.stderr, flush=True)
         return 2
     done: dict[str, str] = {}
+    unlisted: dict[str, float] = {}
     while True:
         fetch_adapters(args, done)
         if args.watch_s is None:
             return 0
+        if args.gc_after_s > 0:
+            try:  # an unreadable list says nothing is unlisted
+                wanted = {name for name, _ in read_adapters(Path(args.adapters))}
+                sweep_adapters(Path(args.adapters_dir), wanted, unlisted, time.monotonic(), args.gc_after_s)
+            except (OSError, ValueError) as exc:
+                log.error("adapter files not swept", extra={"fields": {"dir": args.adapters_dir, "error": str(exc)}})
         time.sleep(args.watch_s)
