@@ -53,7 +53,7 @@ def test_the_encoder_warm_replica_wins_when_no_kv_prefix_exists_anywhere(router)
     router.fleet.index.apply_batch(warm, EventBatch(warm, 1, [EncoderStored([h])]))
     d = decide(router, second)
     assert d.order[0] == warm and d.reason == PREFIX_HIT and d.predicted_cached_tokens == 0
-    assert router.metrics.predicted_encoder_hits._value.get() == 1
+    assert router.metrics.predicted_encoder_hits.value == 1
     # evicted there: back to the cold placement
     router.fleet.index.apply_batch(warm, EventBatch(warm, 2, [EncoderRemoved([h])]))
     assert decide(router, second).order[0] == cold.order[0]
@@ -82,7 +82,7 @@ def test_a_kv_prefix_holding_the_image_outweighs_an_encoder_hit(router, weight):
     router.fleet.index.apply_batch(B, EventBatch(B, 1, [EncoderStored([prompt.mm_items[0].mm_hash])]))
     d = decide(router, b)
     assert d.order[0] == A and d.predicted_cached_tokens > 0
-    assert router.metrics.predicted_encoder_hits._value.get() == 0  # A holds the image as KV: no encoder hit needed
+    assert router.metrics.predicted_encoder_hits.value == 0  # A holds the image as KV: no encoder hit needed
 
 
 def test_encoder_state_comes_back_with_a_snapshot_after_a_purge(router):
@@ -114,4 +114,4 @@ def test_an_image_straddling_the_cached_prefix_counts_as_an_encode_saved(router)
         router.fleet.index.apply_batch(rid, EventBatch(rid, 1, events))
     d = decide(router, b)
     assert d.order[0] == A and d.predicted_cached_tokens == inside * 16
-    assert router.metrics.predicted_encoder_hits._value.get() == 1
+    assert router.metrics.predicted_encoder_hits.value == 1

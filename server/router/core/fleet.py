@@ -196,10 +196,10 @@ class Fleet:
         serving = [r for r in healthy if not r.draining]
         return [r for r in serving if not r.warming] or serving or healthy
 
-    def engine_load(self, rid: str, max_age_s: float = 2.0) -> int:
-        """Running + waiting requests from the replica's latest Load event, if fresh."""
+    def engine_load(self, rid: str, max_age_s: float = 2.0, now: Optional[float] = None) -> int:
+        """Running + waiting requests from the replica's latest Load event, if fresh (at `now`, monotonic)."""
         st = self.index.replicas.get(rid)
-        if st is None or st.load is None or time.monotonic() - st.load_time > max_age_s:
+        if st is None or st.load is None or (time.monotonic() if now is None else now) - st.load_time > max_age_s:
             return 0
         return st.load.num_running + st.load.num_waiting
 

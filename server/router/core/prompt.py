@@ -320,18 +320,22 @@ class HashMemo:
             if len(self._roots) > 10_000:
                 self._roots.clear()
             prev = self._roots[root_key] = root_hash(cfg.model_fingerprint, cache_salt, cfg.algo, adapter)
-        items = sorted(mm_items, key=lambda m: m.offset)
-        bs = cfg.block_size
+        items = sorted(mm_items, key=lambda m: m.offset) if mm_items else ()
+        bs, memo = cfg.block_size, self.memo
+        known = memo.data.get  # per block: one lookup (BoundedMemo.get's counting is done once, below)
         out: list[bytes] = []
-        for i in range(len(token_ids) // bs):
-            s, e = i * bs, (i + 1) * bs
-            block = tuple(token_ids[s:e])
-            extra = tuple(block_extra_keys(s, e, items)) if items else ()
+        misses = 0
+        for s in range(0, len(token_ids) // bs * bs, bs):
+            block = tuple(token_ids[s:s + bs])
+            extra = tuple(block_extra_keys(s, s + bs, items)) if items else ()
             key = (prev, block, extra)
-            h = self.memo.get(key)
+            h = known(key)
             if h is None:
+                misses += 1
                 h = hash_block(prev, block, extra, cfg.algo)
-                self.memo.put(key, h)
+                memo.put(key, h)
             out.append(h)
             prev = h
+        memo.hits += len(out) - misses
+        memo.misses += misses
         return out

@@ -183,6 +183,7 @@ class Router:
         view = self.fleet.adapters
         cands = []
         combined = None
+        now = time.monotonic()
         if self.peers is not None:  # every router's load on each replica: ours exact, the peers' as of their report
             combined = {r.id: self.peers.combined(r.id, r.in_flight, r.queued_tokens, r.sent) for r in replicas}
             mine = self.peers.preferred(combined)
@@ -199,7 +200,7 @@ class Router:
             resident, slot = (view.resident(r.id, adapter), view.has_slot(r.id, adapter)) if adapter else (False, True)
             if combined is None:
                 cands.append(Candidate(r.id, m.gpu_blocks, m.cpu_blocks, warm,
-                                       load=max(r.in_flight, self.fleet.engine_load(r.id)),
+                                       load=max(r.in_flight, self.fleet.engine_load(r.id, now=now)),
                                        queued_tokens=r.queued_tokens, sent=r.sent,
                                        adapter_resident=resident, adapter_slot=slot))
             else:
@@ -207,7 +208,7 @@ class Router:
                 if mine is not None and r.id not in mine:
                     queued += self.peers.partition_tokens
                 cands.append(Candidate(r.id, m.gpu_blocks, m.cpu_blocks, warm,
-                                       load=max(in_flight, self.fleet.engine_load(r.id)),
+                                       load=max(in_flight, self.fleet.engine_load(r.id, now=now)),
                                        queued_tokens=queued, sent=sent, tie=random.random() * self.peers.jitter,
                                        unseen=self.peers.fresh, adapter_resident=resident, adapter_slot=slot))
         cold_key = hashes[min(len(hashes), self.cold_key_blocks) - 1] if hashes else None
@@ -230,7 +231,7 @@ class Router:
             # placed as the policy places it cold: an adapter's prefixes by the adapter's rendezvous
             place = adapter_key(adapter) if adapter is not None else cold_key
             self.fleet.warmer.hot.observe(prompt.token_ids, hashes, bs, body.get("cache_salt"), body.get("model"),
-                                          place, time.monotonic())
+                                          place, now)
         if warm_images and decision.order and warm_images.get(decision.order[0]):
             self.metrics.predicted_encoder_hits.inc(warm_images[decision.order[0]])
         self.metrics.route_seconds.observe(time.perf_counter() - t0)

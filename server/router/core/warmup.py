@@ -73,12 +73,14 @@ class HotPrefixes:
             return
         key = hashes[-1]
         old = self.entries.get(key)
-        if old is None:  # a conversation's next turn replaces the entry of the turn before (a prefix of it)
-            prior = next((hashes[i] for i in range(len(hashes) - 2, -1, -1) if hashes[i] in self.entries), None)
-            old = self._drop(prior) if prior is not None else None
+        if old is not None:  # the same prefix again (its chain hash names its tokens and salt): counted in place
+            old.hits = old.score(now, self.cfg.half_life_s) + 1.0
+            old.last, old.salt, old.model, old.cold_key = now, salt, model, cold_key
+            return
+        # a conversation's next turn replaces the entry of the turn before (a prefix of it)
+        prior = next((hashes[i] for i in range(len(hashes) - 2, -1, -1) if hashes[i] in self.entries), None)
+        old = self._drop(prior) if prior is not None else None
         hits = (old.score(now, self.cfg.half_life_s) if old else 0.0) + 1.0
-        if key in self.entries:
-            self._drop(key)
         entry = HotPrefix(key, list(token_ids[:len(hashes) * block_size]), salt, model, cold_key, hits, now)
         self.entries[key] = entry
         self.num_tokens += len(entry.token_ids)

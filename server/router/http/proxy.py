@@ -53,7 +53,21 @@ def upstream_session(cfg: ProxyConfig = ProxyConfig()) -> Upstream:
     return Upstream(cfg.connect_timeout_s, cfg.read_timeout_s)
 
 
-@dataclass(frozen=True)
+class RelayedResponse(Response):
+    """A replica's whole answer as Starlette's Response would send it, its raw headers built in one pass.
+
+    Response's own __init__ renders, lower-cases and re-checks each header (a few us a request); here the
+    names are lower-case already (upstream.py and the router's own) and the body is bytes."""
+
+    def __init__(self, content: bytes, status_code: int, headers: dict):
+        self.status_code, self.body, self.background = status_code, content, None
+        raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        if not (status_code < 200 or status_code in (204, 304)):  # as Response: no length on bodiless statuses
+            raw.append((b"content-length", str(len(content)).encode()))
+        self.raw_headers = raw
+
+
+@dataclass(slots=True, eq=False)  # not frozen: a frozen init costs ~3x (treat as read-only)
 class _Attempt:
     """What every replica's try of one request sends and accounts against."""
 
@@ -121,7 +135,8 @@ class Proxy:
             content = await resp.read()
             resp.release()
             self._observe_usage(a.decision, content, rid)
-            return self._count(Response(content, resp.status, self._reply_headers(resp, rep, a.decision, retried)))
+            headers = self._reply_headers(resp, rep, a.decision, retried)
+            return self._count(RelayedResponse(content, resp.status, headers))
         except CONNECT_TIMEOUT:
             self.fleet.report_timeout(rid, f"{rid}: ConnectTimeout")
             return f"{rid}: ConnectTimeout"
