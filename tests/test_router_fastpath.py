@@ -99,6 +99,21 @@ async def test_requests_pipelined_on_one_connection_are_answered_in_order(tiny_m
 
 
 @PROTOCOLS
+async def test_request_targets_with_a_query_or_in_absolute_form_are_routed(tiny_model_dir, protocol):
+    async with Fleet2(tiny_model_dir, protocol=protocol) as f:
+        reader, writer = await asyncio.open_connection("127.0.0.1", f.router.port)
+        targets = ["/v1/completions?trace=1", "http://router/v1/completions", "/v1/completions/", "/v1/completion"]
+        for target in targets:
+            writer.write(post(target, completion(f"to {target}")))
+        answers = [await asyncio.wait_for(read_answer(reader), 10) for _ in targets]
+        writer.close()
+        # the first two name the route; the other two are other paths (FastAPI's 307 redirect and 404)
+        assert [a[0] for a in answers][:2] == [200, 200] and all(a[0] != 200 for a in answers[2:]), answers
+        prompts = [body["prompt"] for rep in f.replicas for body in rep.received]
+        assert sorted(prompts) == sorted(f"to {t}" for t in targets[:2])
+
+
+@PROTOCOLS
 async def test_a_client_that_leaves_a_stream_frees_its_replica_and_slot(tiny_model_dir, protocol):
     async with Fleet2(tiny_model_dir, failures=FakeSharedFailures(1, "hold"), max_concurrent_per_client=1,
                       protocol=protocol) as f:

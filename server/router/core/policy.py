@@ -115,7 +115,7 @@ class Candidate:
     adapter_slot: bool = True  # it can take the adapter without evicting one in use (AdapterView.has_slot)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen (made once a request; treat as read-only)
 class Decision:
     order: list[str]  # replicas best first: order[0] is the target, the rest are retry fallbacks
     reason: str  # PREFIX_HIT | COLD_HASH | LOAD_SPILL | LEAST_LOAD

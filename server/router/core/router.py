@@ -199,10 +199,9 @@ class Router:
                     warm_images[r.id] = n
             resident, slot = (view.resident(r.id, adapter), view.has_slot(r.id, adapter)) if adapter else (False, True)
             if combined is None:
-                cands.append(Candidate(r.id, m.gpu_blocks, m.cpu_blocks, warm,
-                                       load=max(r.in_flight, self.fleet.engine_load(r.id, now=now)),
-                                       queued_tokens=r.queued_tokens, sent=r.sent,
-                                       adapter_resident=resident, adapter_slot=slot))
+                cands.append(Candidate(r.id, m.gpu_blocks, m.cpu_blocks, warm,  # positional: a keyword call costs more
+                                       max(r.in_flight, self.fleet.engine_load(r.id, now=now)), r.queued_tokens,
+                                       r.sent, 0.0, 0, resident, slot))
             else:
                 in_flight, queued, sent = combined[r.id]
                 if mine is not None and r.id not in mine:

@@ -32,7 +32,8 @@ from .transport import CoalescingTransport
 
 log = logging.getLogger(__name__)
 
-_FALLBACK_HEADERS = (b"expect", b"x-forwarded-for", b"transfer-encoding", b"upgrade")
+_FALLBACK_HEADERS = frozenset((b"expect", b"x-forwarded-for", b"transfer-encoding", b"upgrade"))
+_HOT_TARGETS = {path.encode(): (path, kind) for path, kind in FAST_PATHS.items()}  # raw request path -> route
 
 
 class _NoWaiters:
@@ -87,10 +88,11 @@ def hot_protocol(frontend: Frontend) -> type:
                 return None
             if self.cycle is not None and not self.cycle.response_complete:  # pipelined: uvicorn queues it
                 return None
-            path = httptools.parse_url(self.url).path.decode("ascii", "replace")
-            kind = FAST_PATHS.get(path)
-            if kind is None:
+            url = self.url  # origin form ("/path?query") as clients send it; anything else through the URL parser
+            target = _HOT_TARGETS.get(url.partition(b"?")[0] if url[:1] == b"/" else httptools.parse_url(url).path)
+            if target is None:
                 return None
+            path, kind = target
             auth, length = None, None
             for name, value in self.headers:  # lower-cased by on_header
                 if name in _FALLBACK_HEADERS:
