@@ -44,10 +44,12 @@ async def test_bad_bodies_get_openai_errors_and_hold_no_slot(tiny_model_dir, pro
             (b"[1, 2]", {}, 400, "must be a JSON object"),
             # not JSON by RFC 8259, though Python's json module reads them: NaN, an overflowing number, a lone
             # surrogate (no UTF-8 for the tokenizer), bytes that are not UTF-8
-            (b'{"prompt": "x", "temperature": NaN}', {}, 400, "not valid JSON"),
-            (b'{"prompt": "x", "temperature": 1e999}', {}, 400, "not valid JSON"),
-            (b'{"prompt": "\\ud800"}', {}, 400, "not valid JSON"),
+            (b'{"prompt": "x", "temperature": NaN}', {}, 400, "NaN, Infinity"),
+            (b'{"prompt": "x", "temperature": 1e999}', {}, 400, "numbers beyond a double"),
+            (b'{"prompt": "\\ud800"}', {}, 400, "not valid Unicode text"),
             (b'{"prompt": "\xff"}', {}, 400, "not valid JSON"),
+            ('{"prompt": "x"}'.encode("utf-16"), {}, 400, "JSON is UTF-8"),
+            (b"\xef\xbb\xbf" + b'{"prompt": "x"}', {}, 400, "byte-order mark"),
         ]
         for path in ("/v1/chat/completions", "/v1/completions"):
             for content, headers, status, message in cases:

@@ -34,7 +34,30 @@ def parse_json_object(raw: bytes) -> dict | Refusal:
     try:
         body = _decode(raw)
     except (msgspec.DecodeError, RecursionError):  # RecursionError: nesting too deep
-        return Refusal(400, "request body is not valid JSON", "invalid_request_error")
+        return Refusal(400, _why_not_json(raw), "invalid_request_error")
     if not isinstance(body, dict):
         return Refusal(400, "request body must be a JSON object", "invalid_request_error")
     return body
+
+
+def _why_not_json(raw: bytes) -> str:
+    """The 400's message for a body strict JSON refuses: what Python's lenient parser reads is named."""
+    try:
+        lenient = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return "request body is not valid JSON"
+    if raw.startswith(b"\xef\xbb\xbf") or _not_utf8(raw):  # json.loads also reads UTF-16/32 and a BOM
+        return "request body is not valid JSON (JSON is UTF-8, without a byte-order mark)"
+    try:
+        json.dumps(lenient, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return "request body is not valid Unicode text (a lone surrogate escape such as \\ud800)"
+    return "request body is not valid JSON (NaN, Infinity and numbers beyond a double are not JSON numbers)"
+
+
+def _not_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False
