@@ -46,18 +46,15 @@ def _why_not_json(raw: bytes) -> str:
         lenient = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):
         return "request body is not valid JSON"
-    if raw.startswith(b"\xef\xbb\xbf") or _not_utf8(raw):  # json.loads also reads UTF-16/32 and a BOM
+    try:  # json.loads also reads UTF-16 and UTF-32, and a byte-order mark
+        raw.decode("utf-8")
+        utf8 = not raw.startswith(b"\xef\xbb\xbf")
+    except UnicodeDecodeError:
+        utf8 = False
+    if not utf8:
         return "request body is not valid JSON (JSON is UTF-8, without a byte-order mark)"
     try:
         json.dumps(lenient, ensure_ascii=False).encode()
     except UnicodeEncodeError:
         return "request body is not valid Unicode text (a lone surrogate escape such as \\ud800)"
     return "request body is not valid JSON (NaN, Infinity and numbers beyond a double are not JSON numbers)"
-
-
-def _not_utf8(raw: bytes) -> bool:
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return True
-    return False

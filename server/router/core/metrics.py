@@ -125,29 +125,32 @@ class RouterMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         p = "warmfleet_router_"
-        self.decisions = LoopCounter(p + "decisions_total", "Routing decisions by reason.", ["reason"], registry=r)
+        self.decisions = LoopCounter(p + "decisions_total", "Routing decisions by reason.", ["reason"],
+                                     registry=r)
         self.predicted_decisions = LoopCounter(
             p + "predicted_decisions_total", "Decisions made on a predicted index (engines without KV events), "
             "by reason; a subset of decisions_total.", ["reason"], registry=r)
-        self.requests = LoopCounter(p + "requests_total", "Requests answered, by HTTP status class.", ["status"], registry=r)
+        self.requests = LoopCounter(p + "requests_total", "Requests answered, by HTTP status class.", ["status"],
+                                    registry=r)
         self.retries = LoopCounter(p + "retries_total", "Attempts moved to the next replica before the first byte.",
-                               registry=r)
+                                   registry=r)
         self.stream_breaks = LoopCounter(p + "stream_breaks_total", "Streams cut by a replica after the first byte.",
-                                     registry=r)
+                                         registry=r)
         self.predicted_cached_tokens = LoopCounter(
             p + "predicted_cached_tokens_total", "Prompt tokens the router predicted the target would serve from cache "
             "(counted only for requests whose replica reported usage).", registry=r)
         self.actual_cached_tokens = LoopCounter(
             p + "actual_cached_tokens_total", "Prompt tokens replicas reported as cached (usage.cached_tokens).",
             registry=r)
-        self.prompt_tokens = LoopCounter(p + "prompt_tokens_total", "Prompt tokens of routed requests (router's count).",
-                                     registry=r)
+        self.prompt_tokens = LoopCounter(p + "prompt_tokens_total",
+                                         "Prompt tokens of routed requests (router's count).", registry=r)
         self.usage_prompt_tokens = LoopCounter(
             p + "usage_prompt_tokens_total", "Prompt tokens (router's count) of the requests whose replica reported "
             "usage: the denominator of actual_cached_tokens_total for the cached-token ratio.", registry=r)
-        self.ttft = LoopHistogram(p + "ttft_seconds", "Time from a streamed request's arrival to the replica's first byte "
-                              "(the operator's autoscaler reads its p90).",
-                              buckets=(0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 5, 7.5, 10, 20, 40), registry=r)
+        self.ttft = LoopHistogram(p + "ttft_seconds", "Time from a streamed request's arrival to the replica's first "
+                                  "byte (the operator's autoscaler reads its p90).",
+                                  buckets=(0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 5, 7.5, 10, 20, 40),
+                                  registry=r)
         self.prediction_error = LoopHistogram(
             p + "prediction_error_tokens", "actual - predicted cached tokens per request.",
             buckets=(-4096, -1024, -256, -64, -1, 0, 64, 256, 1024, 4096), registry=r)
@@ -195,8 +198,9 @@ class RouterMetrics:
         self.media_urls_learned = LoopCounter(
             p + "media_urls_learned_total", "http(s) image URLs whose mm_hash a replica reported (x-warmfleet-media).",
             registry=r)
-        self.route_seconds = LoopHistogram(p + "route_seconds", "Time to render, tokenize, hash and score one request.",
-                                       buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05), registry=r)
+        self.route_seconds = LoopHistogram(p + "route_seconds",
+                                           "Time to render, tokenize, hash and score one request.",
+                                           buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05), registry=r)
 
     def follow_replica(self, rep: Any) -> None:
         """The per-replica load gauges of `rep` (a registry.Replica) read its counters when scraped, so the
