@@ -51,3 +51,33 @@ def test_router_metrics_register_each_family_once():
     for name in ("warmfleet_router_decisions_total", "warmfleet_router_route_seconds_bucket",
                  "warmfleet_router_prompt_tokens_total"):
         assert name in text
+
+
+async def test_index_gauges_read_the_index_when_scraped_and_leave_with_the_replica():
+    import httpx
+
+    from warmfleet.server.events import BlockStored, EventBatch, Snapshot
+    from warmfleet.server.router.core.fleet import Fleet
+    from warmfleet.server.router.core.registry import ReplicaSpec
+
+    metrics = RouterMetrics()
+    async with httpx.AsyncClient() as http:
+        fleet = Fleet(http, metrics, adapter_poll_s=None)
+        await fleet.set_members([ReplicaSpec("http://a:1"), ReplicaSpec("http://b:1")])
+        blocks = [bytes([k]) * 32 for k in range(5)]
+        for rid in ("http://a:1", "http://b:1"):
+            fleet.index.apply_snapshot(rid, Snapshot(rid, 0, 16, "fp", [], [], []))
+        fleet._on_batch("http://a:1", EventBatch("http://a:1", 1, [BlockStored(blocks, None, [], 16)]))
+        fleet._on_batch("http://b:1", EventBatch("http://b:1", 1, [BlockStored(blocks[:2], None, [], 16)]))
+
+        def value(name: str, **labels) -> float:
+            return metrics.registry.get_sample_value(name, labels)
+
+        assert value("warmfleet_router_replica_index_blocks", replica="http://a:1", tier="gpu") == 5
+        assert value("warmfleet_router_replica_index_blocks", replica="http://b:1", tier="gpu") == 2
+        assert value("warmfleet_router_index_blocks") == 5  # distinct blocks: b's two are a's too
+        assert value("warmfleet_router_event_lag_seconds_count") == 2
+        await fleet.set_members([ReplicaSpec("http://b:1")])
+        assert value("warmfleet_router_replica_index_blocks", replica="http://a:1", tier="gpu") is None
+        assert value("warmfleet_router_index_blocks") == 2
+        await fleet.stop()

@@ -71,6 +71,7 @@ class Fleet:
         self.dialect = dialect or WarmfleetDialect()  # how this fleet's engine names blocks, speaks events, resyncs
         self.metrics = metrics
         self.index = KVIndex(index_max_blocks)  # None: unbounded (mirrors the replicas' pools)
+        metrics.index_blocks.set_function(self.index.num_blocks)  # index gauges are read when scraped
         self.registry = Registry(on_down=self._on_down, on_up=self._on_up)
         self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
         self.health_failures = max(1, health_failures)
@@ -130,14 +131,17 @@ class Fleet:
             self.index.remove(rid)
             self.adapters.forget(rid)
             m = self.metrics
-            for gauge in (m.replica_healthy, m.replica_in_flight, m.replica_queued_tokens, m.replica_draining):
+            for gauge, labels in ((m.replica_healthy, (rid,)), (m.replica_in_flight, (rid,)),
+                                  (m.replica_queued_tokens, (rid,)), (m.replica_draining, (rid,)),
+                                  (m.replica_blocks, (rid, "gpu")), (m.replica_blocks, (rid, "cpu"))):
                 try:
-                    gauge.remove(rid)
+                    gauge.remove(*labels)
                 except KeyError:
                     pass
             log.info("replica %s left the fleet", rid)
         for spec in added:
             self.metrics.follow_replica(self.registry.replicas[spec.id])
+            self._follow_index(spec.id)
             log.info("replica %s joined the fleet (events: %s)", spec.id, spec.events or "none")
             if spec.events:
                 self._subscribers[spec.id] = asyncio.create_task(self._subscribe(spec))
@@ -307,8 +311,6 @@ class Fleet:
         if rep is not None:
             rep.answered_at = time.monotonic()
         self.dialect.served(self.index, rid, hashes)
-        if self.dialect.contract == "predicted":
-            self._update_index_metrics(rid)
 
     def report_failure(self, rid: str, error: str) -> None:
         """Passive detection: a request's connection was refused or reset (the process is gone)."""
@@ -367,7 +369,6 @@ class Fleet:
             self.request_resync(rid, cause)
         elif result is Applied.BUFFERED and rid not in self._resyncs:
             self.request_resync(rid, "unsynced")  # an earlier resync gave up; events prove the replica is back
-        self._update_index_metrics(rid)
 
     def request_resync(self, rid: str, cause: str) -> None:
         rep = self.registry.get(rid)
@@ -392,7 +393,6 @@ class Fleet:
                     await asyncio.sleep(min(0.05 * 2 ** attempt, 1.0))
                     continue
                 result = self.index.apply_snapshot(rid, snap, seq_at_request)
-                self._update_index_metrics(rid)
                 if result is Applied.OK and rid not in self._resync_again:
                     return
                 await asyncio.sleep(RESYNC_MIN_INTERVAL_S)  # a flood of bad frames costs a few fetches a second, no more
@@ -413,9 +413,11 @@ class Fleet:
             log.error("replica %s uses block size %d, the router %d: set the router's --block-size to match",
                       rid, snap.block_size, self.block_size)
 
-    def _update_index_metrics(self, rid: str) -> None:
-        st = self.index.replicas.get(rid)
-        if st is not None:
-            self.metrics.replica_blocks.labels(rid, "gpu").set(len(st.gpu))
-            self.metrics.replica_blocks.labels(rid, "cpu").set(len(st.cpu))
-        self.metrics.index_blocks.set(self.index.num_blocks())
+    def _follow_index(self, rid: str) -> None:
+        """`replica_index_blocks{rid, tier}` read the index when scraped (set per event batch, they were a few % of
+        the router's CPU on new prompts, whose every request brings events)."""
+        def size(tier: str):
+            return lambda: len(getattr(self.index.replicas[rid], tier)) if rid in self.index.replicas else 0
+
+        for tier in ("gpu", "cpu"):
+            self.metrics.replica_blocks.labels(rid, tier).set_function(size(tier))

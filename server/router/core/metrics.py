@@ -167,8 +167,8 @@ class RouterMetrics:
             p + "health_probes_skipped_total", "Health checks not sent because the replica had just answered a "
             "routed request (passive health, --health-passive-max-s).", registry=r)
         self.replica_healthy = Gauge(p + "replica_healthy", "1 if the replica is routable.", ["replica"], registry=r)
-        self.event_lag = Histogram(p + "event_lag_seconds", "Publish-to-apply delay of KV-event batches.",
-                                   buckets=(0.001, 0.005, 0.02, 0.1, 0.5, 2, 10), registry=r)
+        self.event_lag = LoopHistogram(p + "event_lag_seconds", "Publish-to-apply delay of KV-event batches.",
+                                       buckets=(0.001, 0.005, 0.02, 0.1, 0.5, 2, 10), registry=r)
         self.bad_events = Counter(p + "bad_event_messages_total", "Undecodable KV-event messages skipped.",
                                   ["replica"], registry=r)
         self.index_blocks = Gauge(p + "index_blocks", "Distinct block hashes in the index.", registry=r)
