@@ -77,7 +77,9 @@ async def test_index_gauges_read_the_index_when_scraped_and_leave_with_the_repli
         assert value("warmfleet_router_replica_index_blocks", replica="http://b:1", tier="gpu") == 2
         assert value("warmfleet_router_index_blocks") == 5  # distinct blocks: b's two are a's too
         assert value("warmfleet_router_event_lag_seconds_count") == 2
+        metrics.replica_engine_queue.labels("http://a:1").set(3)
         await fleet.set_members([ReplicaSpec("http://b:1")])
         assert value("warmfleet_router_replica_index_blocks", replica="http://a:1", tier="gpu") is None
+        assert value("warmfleet_router_replica_engine_requests", replica="http://a:1") is None
         assert value("warmfleet_router_index_blocks") == 2
         await fleet.stop()

@@ -133,6 +133,7 @@ class Fleet:
             m = self.metrics
             for gauge, labels in ((m.replica_healthy, (rid,)), (m.replica_in_flight, (rid,)),
                                   (m.replica_queued_tokens, (rid,)), (m.replica_draining, (rid,)),
+                                  (m.replica_engine_queue, (rid,)), (m.replica_warming, (rid,)),
                                   (m.replica_blocks, (rid, "gpu")), (m.replica_blocks, (rid, "cpu"))):
                 try:
                     gauge.remove(*labels)
