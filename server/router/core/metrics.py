@@ -70,8 +70,7 @@ class LoopCounter(_Count):
         if child is None:
             if len(values) != len(self.labelnames):
                 raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {values}")
-            key = tuple(str(v) for v in values)
-            child = self.children.get(key) or self.children.setdefault(key, _Count())
+            child = self.children.setdefault(tuple(str(v) for v in values), _Count())
         return child
 
     def describe(self) -> list:
