@@ -1,7 +1,8 @@
 """What every bench script shares: progress lines, quantiles, the spread, checkpoints, the LRU bound, routers, sibling scripts.
 
-bench/ is no package, and the scripts run as `python -P bench/X.py` (bench/ off sys.path, so bench/trace.py
-never shadows the stdlib's trace). Each script appends its own folder and imports this module:
+bench/ is no package; the scripts run as `python bench/X.py` (or `python -P`), and none is named after a
+standard-library module (tests/test_bench_harness.py checks), so bench/ on sys.path shadows nothing. Each script
+appends its own folder and imports this module:
 
     sys.path.append(str(Path(__file__).resolve().parent))  # bench/harness.py, after the stdlib
     import harness
@@ -362,7 +363,7 @@ def sched_per_request(before: tuple[int, int], after: tuple[int, int], requests:
 
 def sibling(script: str) -> ModuleType:
     """bench/`script`.py as module `wf_bench_<script>`, loaded once per process and shared by every importer
-    (by location: `trace` is a stdlib name)."""
+    (by location, so a test and the scripts it drives hold the same module whatever sys.path holds)."""
     name = f"wf_bench_{script}"
     if name in sys.modules:
         return sys.modules[name]

@@ -33,7 +33,7 @@ import harness  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 rt = harness.sibling("router_throughput")
-trace = harness.sibling("trace")
+trace = harness.sibling("trace_replay")
 
 
 def checkout(commit: str, dest: Path) -> Path:

@@ -34,7 +34,7 @@ import harness  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 rt = harness.sibling("router_throughput")
-trace = harness.sibling("trace")
+trace = harness.sibling("trace_replay")
 progress = harness.reporter("profile")
 
 # stage -> substrings of a py-spy frame ("function (file:line)"); the innermost frame that matches one decides

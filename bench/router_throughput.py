@@ -69,7 +69,7 @@ HERE = Path(__file__).resolve().parent
 progress = harness.reporter("throughput")
 
 
-trace = harness.sibling("trace")
+trace = harness.sibling("trace_replay")
 
 
 GO_TOOLS = {"hey": "go install github.com/rakyll/hey@latest",

@@ -64,14 +64,14 @@ import harness  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 BLOCK = 16
-SPEEDUP = 10.0  # the calibrated engine x10, as bench/trace.py
+SPEEDUP = 10.0  # the calibrated engine x10, as bench/trace_replay.py
 PRESTOP_S = 1.0  # time between the router's drain notice and the replica's SIGTERM (a preStop sleep)
 
 
 progress = harness.reporter("scaleout")
 
 
-trace = harness.sibling("trace")
+trace = harness.sibling("trace_replay")
 
 
 # --- workload ---------------------------------------------------------------------------------
@@ -119,7 +119,7 @@ def start_sim(model: Path, n: int, spares: int, gpu_blocks: int, cwd: str):
 
 
 def start_router(model: Path, sim: dict, extra: list[str], cwd: str):
-    """warmfleet's router in front of `sim` (as bench/trace.py runs it), up once in sync with the serving replicas."""
+    """warmfleet's router in front of `sim` (as bench/trace_replay.py runs it), up once in sync with the serving replicas."""
     port = free_port()
     cmd, env = trace.router_command("warmfleet", model, sim, port, BLOCK, extra)
     serving = {r["url"] for r in sim["replicas"] if r["state"] == "serving"}

@@ -2,7 +2,7 @@
 
     python -P bench/tokenize_cost.py [--requests 300] [--rounds 4] [--json]
 
-Prompts are bench/trace.py's (the committed Mooncake excerpt, tiny checkpoint, ~2,200 characters
+Prompts are bench/trace_replay.py's (the committed Mooncake excerpt, tiny checkpoint, ~2,200 characters
 each). CPU is process time (not wall clock), interleaved rounds, medians reported; the ids of both
 paths are compared for every prompt. With --json the last stdout line is one JSON object whose
 `targets` say whether the fast path is cheaper and gives the same ids.
@@ -29,7 +29,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    trace = harness.sibling("trace")
+    trace = harness.sibling("trace_replay")
     from warmfleet.server.router.core.prompt import ids_encoder
     from warmfleet.server.tokenizer import Tokenizer
 

@@ -1,8 +1,8 @@
 """bench/ scripts as modules, for the tests that drive them: the one way tests reach into bench/.
 
-bench/ is no package and bench/trace.py has a stdlib name, so its folder goes last on sys.path and the
-scripts load through bench/harness.py's `sibling`: one module per script per process, the same one the
-benches themselves share (a test's `trace` is scaleout's `trace`).
+bench/ is no package, so its folder goes last on sys.path and the scripts load through bench/harness.py's
+`sibling`: one module per script per process, the same one the benches themselves share (a test's
+`trace_replay` is scaleout's).
 """
 
 from __future__ import annotations

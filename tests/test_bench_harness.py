@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import sys
 from collections import OrderedDict
 
 import pytest
@@ -93,13 +94,13 @@ def test_quantile_ratio_interval_brackets_the_ratio_and_narrows_with_more_sample
 
 def test_trace_spread_arrivals_fills_each_timestamp_gap_in_order():
     reqs = [{"i": i, "t": t} for i, t in enumerate([0.0, 0.0, 0.0, 3.0, 3.0, 9.0, 9.0])]
-    load_bench("trace.py").spread_arrivals(reqs)
+    load_bench("trace_replay.py").spread_arrivals(reqs)
     assert [r["t"] for r in reqs] == [0.0, 1.0, 2.0, 3.0, 6.0, 9.0, 11.25]  # the last group: the median gap, 4.5
     assert [r["i"] for r in sorted(reqs, key=lambda r: r["t"])] == list(range(7))
 
 
 def test_trace_verdict_holds_three_routers_to_issue_26s_bounds():
-    verdict = load_bench("trace.py").verdict
+    verdict = load_bench("trace_replay.py").verdict
 
     def run(ratio, p90, spread=1.0):
         return {"cached_ratio": ratio, "ttft_p90_s": p90, "spread": spread, "errors": 0}
@@ -110,3 +111,10 @@ def test_trace_verdict_holds_three_routers_to_issue_26s_bounds():
     t = verdict({"warmfleet": run(0.30, 0.40), "warmfleet@3": run(0.285, 0.45)}, fleet_lru=0.30)
     assert t["ratio_ge_0.97_fleet_lru"] and t["active_active_3_within_0.02"]
     assert not t["active_active_3_within_0.01"] and not t["active_active_3_ttft_p90_le_1.1x"]  # 0.015 apart, 1.125x
+
+
+def test_no_bench_script_takes_a_standard_library_modules_name():
+    """bench/ goes on sys.path when a script runs: a script named after a stdlib module would shadow it."""
+    scripts = {p.stem for p in harness.BENCH.glob("*.py")} | {p.name for p in harness.BENCH.iterdir() if p.is_dir()}
+    assert "harness" in scripts and "trace_replay" in scripts  # the folder this test reads is bench/
+    assert sorted(scripts & sys.stdlib_module_names) == []

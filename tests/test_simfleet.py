@@ -1,4 +1,4 @@
-"""The replica simulator (bench/simfleet.py) and the trace replay's helpers (bench/trace.py).
+"""The replica simulator (bench/simfleet.py) and the trace replay's helpers (bench/trace_replay.py).
 
 The simulator runs the engine's own scheduler, KV cache manager and block pool with the model
 replaced by a time model. These tests check its cache model against the real engine on the same
@@ -25,7 +25,7 @@ BLOCK = 16
 
 
 sim = load_bench("simfleet.py")
-trace = load_bench("trace.py")
+trace = load_bench("trace_replay.py")
 harness = load_bench("harness.py")
 
 

@@ -1,6 +1,6 @@
 """Trace replay: a production trace (Mooncake) through each router into a simulated fleet of 16-128 replicas.
 
-    python -P bench/trace.py [--trace FILE] [--replicas 16,64] [--time-scale X] [--requests N]
+    python -P bench/trace_replay.py [--trace FILE] [--replicas 16,64] [--time-scale X] [--requests N]
                              [--routers rr,sglang,vllm,warmfleet] [--gpu-blocks 512] [--cpu-blocks 512]
                              [--engine-speedup S] [--prompt-format text|tokens] [--spread-arrivals] [--quick] [--json]
                              [--out DIR]
