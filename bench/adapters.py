@@ -37,7 +37,9 @@ import httpx
 sys.path.append(str(Path(__file__).resolve().parent))  # bench/harness.py, after the stdlib
 import harness  # noqa: E402
 
-routing = harness.sibling("routing")
+routing_fleet = harness.sibling("routing_fleet")
+routing_report = harness.sibling("routing_report")
+routing_runners = harness.sibling("routing_runners")
 progress = harness.reporter("adapters")
 LOADS = re.compile(r"^warmfleet:lora_device_loads_total\{[^}]*\} ([0-9.eE+-]+)$", re.M)
 WORDS = ("cache", "adapter", "router", "replica", "block", "prefix", "tenant", "slot", "rank", "batch", "token",
@@ -107,15 +109,15 @@ def run_router(kind: str, make_fleet, model: Path, n: int, gpu_blocks: int, cwd:
     with make_fleet(model, n, gpu_blocks, cwd) as fleet:
         progress(f"{kind}: {n} replicas up in {time.monotonic() - t_start:.0f} s")
         urls = [u for u, _, _ in fleet.replicas]
-        base, proc = routing.start_router(kind, fleet, cwd, extra)
+        base, proc = routing_fleet.start_router(kind, fleet, cwd, extra)
         try:
             before = device_loads(urls)
-            rec = asyncio.run(routing.drive([base] if base else urls, trace, rate, seed, models=models))
+            rec = asyncio.run(routing_runners.drive([base] if base else urls, trace, rate, seed, models=models))
             loads = device_loads(urls) - before
         finally:
             if proc is not None:
                 harness.stop(proc)
-    summ = routing.summarize(rec, n)
+    summ = routing_report.summarize(rec, n)
     summ["adapter_loads_per_1000"] = round(1000.0 * loads / len(rec), 1)
     summ["modeled_loads_by_reason"] = modeled_loads(rec, models, max_loras)
     return summ
@@ -197,7 +199,7 @@ def main() -> int:
     for r, why in skipped.items():
         progress(f"skipping router {r}: {why}")
     cwd = tempfile.mkdtemp(prefix="wf-bench-adapters-")
-    model = routing.model_dir(args.model, args.quick)
+    model = routing_fleet.model_dir(args.model, args.quick)
     adapters = make_adapters(model, num_adapters, Path(cwd) / "adapters")
     serve_args = ["--lora-modules", *(f"{k}={v}" for k, v in adapters.items()), "--max-loras", str(args.max_loras),
                   "--max-cpu-loras", str(num_adapters)]
@@ -210,7 +212,7 @@ def main() -> int:
                      "load_average_1_5_15_min": {"before": os.getloadavg()}}
     variants = harness.variants(args.variant)
     results["variants"] = variants
-    make_fleet = routing.fleet_with(*serve_args)
+    make_fleet = routing_fleet.fleet_with(*serve_args)
     res = {}
     try:
         for kind in routers:

@@ -44,7 +44,7 @@ def run(model: Path, images: int, seed: int = 0) -> dict:
     """The figures for the checkpoint at `model`."""
     from warmfleet import LLM, SamplingParams
 
-    photo_uri = harness.sibling("routing").photo_uri
+    photo_uri = harness.sibling("routing_workload").photo_uri
     rng = random.Random(seed)
     llm = LLM(str(model), enable_prefix_caching=False, max_encoder_cache=1 << 20, max_processor_cache=0)
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

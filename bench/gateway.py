@@ -74,13 +74,16 @@ import harness  # noqa: E402
 from warmfleet.livefleet import Envoy  # noqa: E402
 from warmfleet.localprocs import free_port  # noqa: E402
 
-routing = harness.sibling("routing")
+routing_fleet = harness.sibling("routing_fleet")
+routing_report = harness.sibling("routing_report")
+routing_runners = harness.sibling("routing_runners")
+routing_workload = harness.sibling("routing_workload")
 progress = harness.reporter("gateway")
 
 REPO = harness.BENCH.parent
 EPP_FRONTS = ("epp", "lwepp")  # pickers behind Envoy
 ENVOY_FRONTS = (*EPP_FRONTS, "gateway-proxy")  # fronts that need the Envoy binary
-FRONTS = ("proxy", *EPP_FRONTS, "gateway-proxy", *routing.PEERS)
+FRONTS = ("proxy", *EPP_FRONTS, "gateway-proxy", *routing_report.PEERS)
 COLORS = {"proxy": harness.ROUTER_COLORS["warmfleet"], "epp": "#1b6b3a", "lwepp": "#8c564b"}
 TARGETS = ("EPP cached ratio within 0.02 of the proxy's and ahead of lwepp and every peer; "
            "EPP TTFT p90 <= the proxy's; EPP routing-tier CPU per request < the proxy's")
@@ -144,8 +147,8 @@ def script_output(script: str) -> str:
 def envoy_binary(arg: Optional[str]) -> str:
     """--envoy, else routing.py's (which the epp front runs too): $WARMFLEET_ENVOY or scripts/envoy-env.sh's."""
     if arg:
-        os.environ["WARMFLEET_ENVOY"] = arg  # routing.start_gateway reads it
-    return routing.envoy_path()
+        os.environ["WARMFLEET_ENVOY"] = arg  # routing_fleet.start_gateway reads it
+    return routing_fleet.envoy_path()
 
 
 def lwepp_binary(arg: Optional[str]) -> str:
@@ -278,7 +281,7 @@ def for_gateway_proxy(boot: dict) -> None:
 
 
 def start_envoy(envoy: str, epp_port: int, endpoints: list[str], cwd: str) -> tuple[str, subprocess.Popen]:
-    """lwepp's Envoy: the product generator's bootstrap (as routing.start_gateway builds it for `warmfleet epp`)
+    """lwepp's Envoy: the product generator's bootstrap (as routing_fleet.start_gateway builds it for `warmfleet epp`)
     with `for_lwepp`'s changes, the pool `endpoints`; Envoy started with the same flags as there."""
     from warmfleet.server.router.epp.envoy_bootstrap import GatewayConfig
 
@@ -327,15 +330,15 @@ class Front:
 
 def start_front(kind: str, fleet, cwd: str, tools: dict, kube: Optional[KubePool]) -> Front:
     if kind == "proxy":
-        base, p = routing.start_router("warmfleet", fleet, cwd)
+        base, p = routing_fleet.start_router("warmfleet", fleet, cwd)
         return Front(base, {"router": p})
-    if kind in routing.PEERS:
-        base, p = routing.start_router(kind, fleet, cwd)
+    if kind in routing_report.PEERS:
+        base, p = routing_fleet.start_router(kind, fleet, cwd)
         return Front(base, {"router": p} if p is not None else {})
     if kind == "gateway-proxy":
         from warmfleet.server.router.epp.envoy_bootstrap import GatewayConfig
 
-        router_base, p = routing.start_router("warmfleet", fleet, cwd)
+        router_base, p = routing_fleet.start_router("warmfleet", fleet, cwd)
         try:
             envoy = Envoy(tools["envoy"], GatewayConfig(endpoints=[router_base.removeprefix("http://")]), Path(cwd),
                           name=f"envoy-proxy-{free_port()}", edit=for_gateway_proxy).start()
@@ -345,7 +348,7 @@ def start_front(kind: str, fleet, cwd: str, tools: dict, kube: Optional[KubePool
             raise
         return Front(envoy.url, {"envoy": envoy.popen, "router": p})
     if kind == "epp":  # routing.py's front: `warmfleet epp` (route's flags) behind Envoy from the generator
-        base, gw = routing.start_router("epp", fleet, cwd)
+        base, gw = routing_fleet.start_router("epp", fleet, cwd)
         front = Front(base, {"envoy": gw.envoy, "epp": gw.epp})
     elif kind == "lwepp":
         assert kube is not None
@@ -377,16 +380,16 @@ def run(model: Path, fronts: list[str], n: int, gpu_blocks: int, rates: list[flo
         cwd: str, tools: dict, kube: Optional[KubePool], idle_s: float = 5.0) -> dict:
     """Every front on fresh replicas per (rate, seed), fronts interleaved; each front's idle CPU is measured
     for `idle_s` before its run, so `cpu_s_per_1000_requests_net_of_idle` is the marginal cost of requests."""
-    traces = {seed: routing.workload(seed, nreq) for seed in seeds}
-    oracles = {seed: routing.oracle_hits(model, traces[seed]) for seed in seeds}
+    traces = {seed: routing_workload.workload(seed, nreq) for seed in seeds}
+    oracles = {seed: routing_workload.oracle_hits(model, traces[seed]) for seed in seeds}
     oracle = statistics.mean(sum(c for c, _ in o) / sum(t for _, t in o) for o in oracles.values())
     runs: dict = {k: [] for k in fronts}
     for rate in rates:
         for seed in seeds:
             for kind in fronts:
                 t_start = time.monotonic()
-                with routing.Fleet(model, n, gpu_blocks, cwd) as fleet:
-                    fleet.warm_up(routing.workload(10_000 + seed, 1)[0])
+                with routing_fleet.Fleet(model, n, gpu_blocks, cwd) as fleet:
+                    fleet.warm_up(routing_workload.workload(10_000 + seed, 1)[0])
                     front = start_front(kind, fleet, cwd, tools, kube)
                     progress(f"{kind}: {n} replicas and the front up in {time.monotonic() - t_start:.0f} s")
                     try:
@@ -395,10 +398,10 @@ def run(model: Path, fronts: list[str], n: int, gpu_blocks: int, rates: list[flo
                             time.sleep(idle_s)
                             idle = total(front.cpu_s()) - total(idle)
                         cpu0, t0 = front.cpu_s(), time.monotonic()
-                        rec = asyncio.run(routing.drive([front.base] if front.base else
+                        rec = asyncio.run(routing_runners.drive([front.base] if front.base else
                                                         [u for u, _, _ in fleet.replicas], traces[seed], rate, seed))
                         cpu1, run_s = front.cpu_s(), time.monotonic() - t0
-                        summ = routing.summarize(rec, n, oracles[seed])
+                        summ = routing_report.summarize(rec, n, oracles[seed])
                         summ.pop("reasons", None)
                         by_role = None if cpu0 is None else {k: round(cpu1[k] - cpu0[k], 3) for k in cpu0}
                         cpu = None if by_role is None else sum(by_role.values())
@@ -413,16 +416,16 @@ def run(model: Path, fronts: list[str], n: int, gpu_blocks: int, rates: list[flo
                     finally:
                         front.stop()
     res = {k: summary(v) for k, v in runs.items() if v}
-    return {"model": str(model), "block_size": routing.BLOCK, "gpu_blocks_per_replica": gpu_blocks,
+    return {"model": str(model), "block_size": routing_workload.BLOCK, "gpu_blocks_per_replica": gpu_blocks,
             "requests": nreq, "rates": rates, "seeds": seeds, "oracle_cached_ratio": round(oracle, 4),
             "fronts": res, "runs": runs, "targets": verdict(res)}
 
 
 # --- the tier at a gateway's rates (--sim-rates) -------------------------------------------------------
 class SimFleet:
-    """bench/simfleet.py's replicas (zero time model) in routing.Fleet's shape, as start_front uses it."""
+    """bench/simfleet.py's replicas (zero time model) in routing_fleet.Fleet's shape, as start_front uses it."""
 
-    engine, block = "warmfleet", routing.BLOCK
+    engine, block = "warmfleet", routing_workload.BLOCK
 
     def __init__(self, model: Path, n: int, cwd: str):
         self.model, self.n, self.cwd = model, n, cwd
@@ -455,7 +458,7 @@ def sim_bodies(model: Path) -> list[bytes]:
     """router_throughput.py's chat bodies (shared system prompt, a conversation each), streamed with usage."""
     from warmfleet.server.tokenizer import Tokenizer
 
-    words = harness.sibling("trace_replay").Words(Tokenizer(str(model)), routing.BLOCK)
+    words = harness.sibling("trace_replay").Words(Tokenizer(str(model)), routing_workload.BLOCK)
     out = []
     for b in harness.sibling("router_throughput").chat_bodies_for(words, 96, 4):
         body = dict(json.loads(b), max_tokens=4, stream=True, stream_options={"include_usage": True})
@@ -563,8 +566,8 @@ def sim_chart(results: dict, path: Path) -> None:
 
 
 def summary(runs: list[dict]) -> dict:
-    """routing.mean_of over one front's runs, plus the mean CPU seconds per process role."""
-    out = routing.mean_of([{k: v for k, v in r.items() if k != "cpu_s_by_process"} for r in runs])
+    """routing_report.mean_of over one front's runs, plus the mean CPU seconds per process role."""
+    out = routing_report.mean_of([{k: v for k, v in r.items() if k != "cpu_s_by_process"} for r in runs])
     roles = [r["cpu_s_by_process"] for r in runs if r.get("cpu_s_by_process")]
     if roles:
         out["cpu_s_by_process"] = {k: round(statistics.mean(r[k] for r in roles), 3) for k in roles[0]}
@@ -657,7 +660,7 @@ def main() -> int:
                      "envoy_flags": "--disable-hot-restart (default --concurrency: one worker per core)",
                      "cpu_note": "routing tier = router process, or Envoy + EPP processes (descendants included); "
                                  "lwepp's kwok control plane is not counted"}
-    model = routing.model_dir(args.model, args.quick)
+    model = routing_fleet.model_dir(args.model, args.quick)
     if args.sim_rates:
         return main_sim(args, fronts, n, model, cwd, tools, results)
     if "lwepp" in fronts:
@@ -681,7 +684,7 @@ def main() -> int:
 
 def main_sim(args, fronts: list[str], n: int, model: Path, cwd: str, tools: dict, results: dict) -> int:
     """--sim-rates: the tier's CPU at a gateway's rates (gateway_sim.json and .png)."""
-    fronts = [f for f in fronts if f not in routing.PEERS]  # rr has no tier; peers: router_throughput.py's business
+    fronts = [f for f in fronts if f not in routing_report.PEERS]  # rr has no tier; peers: router_throughput.py's business
     rates = [float(x) for x in args.sim_rates.split(",")]
     for k in ("rates", "seeds"):
         results.pop(k)

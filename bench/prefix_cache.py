@@ -146,7 +146,7 @@ ENGINE_FLAGS = ["--max-num-batched-tokens", "4096", "--max-num-seqs", str(max(DE
 
 def bench_helpers():
     """bench/routing.py's process helpers."""
-    return harness.sibling("routing")
+    return harness.sibling("routing_fleet")
 
 
 class Server:

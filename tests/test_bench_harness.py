@@ -25,7 +25,7 @@ def test_spread_is_over_every_replica_of_the_fleet():
 def test_routing_and_trace_report_the_same_spread():
     rec = [{"i": i, "error": None, "ttft": 0.1, "cached": 0, "prompt": 10, "replica": "b0", "route": None}
            for i in range(8)]
-    assert load_bench("routing.py").summarize(rec, 4)["spread"] == 4.0
+    assert load_bench("routing_report.py").summarize(rec, 4)["spread"] == 4.0
 
 
 def test_quantile_skips_missing_values():
