@@ -92,6 +92,18 @@ class SchedulerConfig:
         default=2048, metadata=opt("--max-num-batched-tokens", "Token budget of one engine step (prefill chunks + decodes).")
     )
     max_num_seqs: int = field(default=64, metadata=opt("--max-num-seqs", "Most requests running at once."))
+    max_choices_per_request: Optional[int] = field(
+        default=None,
+        metadata=opt("--max-choices-per-request", "Most engine requests one API request may start (prompts x n in "
+                     "/v1/completions, n in chat); more is a 400 before any tokenizing. Default: 4 x --max-num-seqs, "
+                     "because choices beyond a few batches' worth only queue in the engine while each holds a task, a "
+                     "detokenizer and a queue in the API process; this bounds what one body can allocate."),
+    )
+
+    @property
+    def choice_limit(self) -> int:
+        """--max-choices-per-request, or its default of 4 x --max-num-seqs."""
+        return self.max_choices_per_request if self.max_choices_per_request is not None else 4 * self.max_num_seqs
 
 
 @dataclass
@@ -212,6 +224,8 @@ class EngineConfig:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {c.gpu_memory_utilization}")
         if s.max_num_batched_tokens < 1 or s.max_num_seqs < 1:
             raise ValueError("--max-num-batched-tokens and --max-num-seqs must be >= 1")
+        if s.choice_limit < 1:
+            raise ValueError(f"--max-choices-per-request must be >= 1, got {s.choice_limit}")
         if self.model.engine_threads < 1:
             raise ValueError(f"--engine-threads must be >= 1, got {self.model.engine_threads}")
         if self.model.engine_cpus is not None:

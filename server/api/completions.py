@@ -32,6 +32,7 @@ from ..tokenizer import ChatTemplateError, IncrementalDetokenizer
 from ..bodies import BodyTooLarge, read_capped
 from .errors import APIError, bad_request, error_body, validation_error
 from .generation import Choice, stream_choices
+from .limits import check_fanout, num_prompts
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from .state import ServerState
 
@@ -250,6 +251,7 @@ def engine_failure(exc: EngineError) -> APIError:
 # ---- chat ---------------------------------------------------------------------------------------
 async def chat_completions(request: Request, state: ServerState) -> Response:
     body = await parse_body(request, ChatCompletionRequest, state)
+    check_fanout(1, body.n, state.cfg.scheduler.choice_limit)
     model = state.check_model(body.model)
     state.require_engine()
     check_supported(body)
@@ -439,6 +441,7 @@ async def _chat_stream(state: ServerState, choices: list[Choice], meta: dict, to
 # ---- completions --------------------------------------------------------------------------------
 async def completions(request: Request, state: ServerState) -> Response:
     body = await parse_body(request, CompletionRequest, state)
+    check_fanout(num_prompts(body.prompt), body.n, state.cfg.scheduler.choice_limit)
     model = state.check_model(body.model)
     state.require_engine()
     check_supported(body)
