@@ -1,8 +1,8 @@
 """A fleet of simulated replicas in one process, for benchmarks and tests (not a serving mode).
 
     python -P bench/simfleet.py --model DIR --replicas 64 [--block-size 16] [--gpu-blocks 1024]
-                                [--cpu-blocks 0] [--time-model calibrated|zero|FILE.json] [--ready-file PATH]
-                                [--spares 0]
+                                [--cpu-blocks 0] [--time-model calibrated|h200|zero|FILE.json] [--ready-file PATH]
+                                [--spares 0] [--replicas-per-node 8 --node-tier-blocks M]
 
 Each simulated replica speaks the HTTP surface of `warmfleet serve` that a router uses
 (POST /v1/completions and /v1/chat/completions, with SSE streaming and
@@ -24,6 +24,9 @@ What is real and what is modelled:
   Constants come from the real engine (`calibrate`, from bench/prefix_cache.py's figures);
   `--time-model zero` answers as fast as the process can (router throughput tests).
 * sampled tokens are deterministic pseudo-random ids; text is one word per token.
+* the node tier (`--node-tier-blocks M`, bench/simfleet_node.py): one host-memory LRU of M blocks per node of
+  `--replicas-per-node` replicas, taking the place of the per-replica swap tier; its hits and copies are priced
+  like swaps. Time models: `calibrated` (this machine's CPU engine), `h200` (bench/sim_h200.json).
 
 One asyncio (uvloop) process serves every replica: one listening socket per replica on a small
 HTTP/1.1 server over httptools (keep-alive, chunked SSE, headers sent with the first token as
@@ -71,8 +74,14 @@ from warmfleet.server.engine.scheduler import Scheduler, SchedulerOutput
 from warmfleet.server.events import EventPublisher, Load, Snapshot
 from warmfleet.server.hashing import model_fingerprint
 
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/harness.py, after the stdlib
+import harness  # noqa: E402
+
+simfleet_node = harness.sibling("simfleet_node")
+
 HERE = Path(__file__).resolve().parent
 CALIBRATION = HERE / "sim_calibration.json"
+TIME_MODELS = {"calibrated": CALIBRATION, "h200": HERE / "sim_h200.json"}  # named time models (files in bench/)
 MODEL_NAME = "bench"
 LOAD_PUBLISH_INTERVAL_S = 0.25  # as server/engine/core_proc.py; unchanged load is re-sent every 1 s
 LAG_TOLERANCE_S = 0.05  # a step loop woken later than this restarts the model clock at "now"
@@ -119,10 +128,11 @@ class TimeModel:
 
     @classmethod
     def load(cls, spec: str) -> "TimeModel":
-        """'zero', 'calibrated' (bench/sim_calibration.json) or a JSON file with a 'time_model' object."""
+        """'zero', 'calibrated' (bench/sim_calibration.json: this machine's CPU engine), 'h200' (bench/sim_h200.json:
+        Qwen2.5-7B shapes on one H200) or a JSON file with a 'time_model' object."""
         if spec == "zero":
             return cls()
-        path = CALIBRATION if spec == "calibrated" else Path(spec)
+        path = TIME_MODELS.get(spec) or Path(spec)
         d = json.loads(path.read_text())
         d = d.get("time_model", d)
         return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
@@ -172,9 +182,13 @@ class SimReplica:
 
     def __init__(self, rid: str, fingerprint: str, block_size: int, gpu_blocks: int, cpu_blocks: int,
                  tm: TimeModel, vocab: int, events_endpoint: Optional[str] = None, max_model_len: int = 1 << 20,
-                 hash_algo: str = "blake3"):
+                 hash_algo: str = "blake3", node: Any = None):
         self.rid, self.fingerprint, self.block_size, self.tm, self.vocab = rid, fingerprint, block_size, tm, vocab
-        self.pool = BlockPool(gpu_blocks, cpu_blocks, True, block_size)
+        self.node = node  # its node's simfleet_node.NodeTier (then it has no swap tier of its own), or None
+        if node is not None and cpu_blocks:
+            raise ValueError("the node tier takes the place of the per-replica swap tier: cpu_blocks must be 0")
+        self.pool = (simfleet_node.NodePool(rid, gpu_blocks, node, block_size) if node is not None
+                     else BlockPool(gpu_blocks, cpu_blocks, True, block_size))
         self.kv = KVCacheManager(self.pool, block_size, fingerprint, hash_algo)
         self.sched = Scheduler(SchedulerConfig(tm.max_num_batched_tokens, tm.max_num_seqs), self.kv, max_model_len)
         self.publisher = EventPublisher(rid, events_endpoint) if events_endpoint else None
@@ -261,13 +275,18 @@ class SimReplica:
                                      "ttft_model_s": round(max(end if h.first_time is None else h.first_time,
                                                                h.arrival) - h.arrival, 6),
                                      "e2e_model_s": round(end - h.arrival, 6), "prompt": h.prompt_tokens,
-                                     "cached": h.cached_tokens, "cached_cpu": h.cached_tokens_cpu,
-                                     "output": len(h.tokens)})
+                                     "cached": h.cached_tokens, **self._host_hits(h), "output": len(h.tokens)})
                     if not h.first.done():
                         h.first.set_result(end)
                     if not h.done.done():
                         h.done.set_result(end)
             prev_end = end if self.sched.has_work else None
+
+    def _host_hits(self, h: SimRequest) -> dict:
+        """Cached tokens copied from host memory: the replica's swap tier, or its node tier when it has one."""
+        if self.node is None:
+            return {"cached_cpu": h.cached_tokens_cpu}
+        return {"cached_cpu": 0, "cached_node": h.cached_tokens_cpu}
 
     def _token(self, req: Request) -> int:
         """A deterministic pseudo-random output token (never special: ids 10 .. vocab-10)."""
@@ -310,7 +329,15 @@ class SimReplica:
                 "gpu_cached_blocks": len(self.pool.cached),
                 "cpu_cached_blocks": self.pool.cpu.num_used if self.pool.cpu else 0,
                 "max_loop_lag_s": round(self.max_lag_s, 4), "lag_restarts": self.lag_restarts,
-                "events_seq": self.publisher.seq if self.publisher else 0}
+                "events_seq": self.publisher.seq if self.publisher else 0, **self._node_stats()}
+
+    def _node_stats(self) -> dict:
+        if self.node is None:
+            return {}
+        return {"node": self.node.node_id, "node_hit_blocks": self.pool.node_hit_blocks,
+                "node_hit_tokens": self.pool.node_hit_blocks * self.block_size,
+                "cached_tokens_node": sum(r.get("cached_node", 0) for r in self.log),
+                "node_stored_blocks": self.pool.node_stored_blocks}
 
 
 # --- a small HTTP/1.1 server (httptools) ------------------------------------------------------
@@ -446,7 +473,7 @@ class SimFleet:
     def __init__(self, model: str, n: int, *, block_size: int = 16, gpu_blocks: int = 1024, cpu_blocks: int = 0,
                  tm: TimeModel = TimeModel(), host: str = "127.0.0.1", events: bool = True,
                  max_model_len: int = 1 << 20, calibration: Optional[dict] = None, spares: int = 0,
-                 slow: tuple[int, float] = (0, 1.0)):
+                 slow: tuple[int, float] = (0, 1.0), replicas_per_node: int = 8, node_tier_blocks: int = 0):
         from warmfleet.server.tokenizer import Tokenizer
 
         self.model, self.n, self.host = model, n, host
@@ -456,6 +483,8 @@ class SimFleet:
         self.tokenizer = Tokenizer(model)
         self.vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
         self.fingerprint = model_fingerprint(model)
+        self.replicas_per_node, self.node_tier_blocks = replicas_per_node, node_tier_blocks
+        self.nodes = simfleet_node.nodes_for(n + spares, replicas_per_node, node_tier_blocks)  # slot i: i // K
         self.replicas: list[SimReplica] = []
         self.urls: list[str] = []
         self.servers: list[asyncio.AbstractServer] = []  # the control port's
@@ -501,8 +530,9 @@ class SimFleet:
         return self.tm if f == 1.0 else self.tm.scaled(1.0 / f)
 
     def _replica(self, rid: str, events: Optional[str]) -> SimReplica:
+        node = self.nodes[int(rid[1:]) // self.replicas_per_node] if self.nodes else None
         return SimReplica(rid, self.fingerprint, self.block_size, self.gpu_blocks, self.cpu_blocks,
-                          self.time_model(rid), self.vocab, events, self.max_model_len)
+                          self.time_model(rid), self.vocab, events, self.max_model_len, node=node)
 
     async def start_replica(self, i: int, events: Optional[str] = None) -> None:
         """Start slot i as a fresh, cold replica on its address (a new pod there); it must not be serving."""
@@ -586,11 +616,18 @@ class SimFleet:
                              for r, u in zip(self.replicas, self.urls)],
                 "control": self.control_url, "model": self.model, "model_fingerprint": self.fingerprint,
                 "block_size": self.block_size, "gpu_blocks": self.gpu_blocks, "cpu_blocks": self.cpu_blocks,
+                "replicas_per_node": self.replicas_per_node, "node_tier_blocks": self.node_tier_blocks,
                 "time_model": asdict(self.tm), "pid": os.getpid()}
 
     def stats(self) -> dict:
-        return {**self.describe(), "per_replica": [r.stats() for r in self.replicas],
+        return {**self.describe(), "per_replica": [r.stats() for r in self.replicas], "per_node": self.node_stats(),
                 "calibration": self.calibration, "cpu_s": round(sum(os.times()[:2]), 3)}
+
+    def node_stats(self) -> list[dict]:
+        """Each node tier's size, use and hits (blocks and tokens served from it), with the replicas it serves."""
+        k = self.replicas_per_node
+        return [t.stats(self.block_size, [r.rid for r in self.replicas[j * k:(j + 1) * k]])
+                for j, t in enumerate(self.nodes)]
 
     # --- HTTP ----------------------------------------------------------------------------------
     async def handle(self, rep: Optional[SimReplica], method: str, path: str, body: bytes, headers: dict,
@@ -810,7 +847,8 @@ async def serve(args) -> None:
     cal = json.loads(CALIBRATION.read_text()) if CALIBRATION.exists() and args.time_model == "calibrated" else None
     fleet = SimFleet(args.model, args.replicas, block_size=args.block_size, gpu_blocks=args.gpu_blocks,
                      cpu_blocks=args.cpu_blocks, tm=tm, events=not args.no_events, calibration=cal, spares=args.spares,
-                     slow=parse_slow(args.slow_replicas, args.replicas))
+                     slow=parse_slow(args.slow_replicas, args.replicas), replicas_per_node=args.replicas_per_node,
+                     node_tier_blocks=args.node_tier_blocks)
     await fleet.start()
     desc = json.dumps(fleet.describe())
     if args.ready_file:
@@ -838,7 +876,11 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--gpu-blocks", type=int, default=1024, help="Primary KV pool per replica, in blocks.")
     ap.add_argument("--cpu-blocks", type=int, default=0, help="CPU swap tier per replica, in blocks.")
-    ap.add_argument("--time-model", default="calibrated", help="'calibrated', 'zero' or a JSON file.")
+    ap.add_argument("--time-model", default="calibrated",
+                    help="'calibrated' (this machine's CPU engine), 'h200' (Qwen2.5-7B on one H200), 'zero' or a JSON file.")
+    ap.add_argument("--replicas-per-node", type=int, default=8, help="Replicas per node (slot i on node i // K).")
+    ap.add_argument("--node-tier-blocks", type=int, default=0,
+                    help="One shared host-memory KV tier of this many blocks per node (0: none); needs --cpu-blocks 0.")
     ap.add_argument("--slow-replicas", default=None, metavar="K:F",
                     help="The last K replicas are F times slower (a fleet over two node pools).")
     ap.add_argument("--engine-speedup", type=float, default=1.0,
@@ -854,6 +896,10 @@ def main() -> int:
         return 0
     if not args.model:
         ap.error("--model is required")
+    if args.replicas_per_node < 1:
+        ap.error("--replicas-per-node must be at least 1")
+    if args.node_tier_blocks < 0 or (args.node_tier_blocks and args.cpu_blocks):
+        ap.error("--node-tier-blocks takes the place of the per-replica swap tier: give it with --cpu-blocks 0")
     try:
         import uvloop
 

@@ -254,6 +254,8 @@ def start_sim(model: Path, n: int, args, cwd: str, time_model: str) -> tuple[sub
            "--block-size", str(args.block_size), "--gpu-blocks", str(args.gpu_blocks),
            "--cpu-blocks", str(args.cpu_blocks), "--time-model", time_model,
            "--engine-speedup", str(args.engine_speedup), "--ready-file", str(ready)]
+    if getattr(args, "node_tier_blocks", 0):  # one shared host tier per node of K replicas
+        cmd += ["--replicas-per-node", str(args.replicas_per_node), "--node-tier-blocks", str(args.node_tier_blocks)]
     if getattr(args, "slow_pool", None):  # other benches start the fleet with their own flags
         frac, factor = args.slow_pool
         cmd += ["--slow-replicas", f"{round(frac * n)}:{factor}"]
@@ -401,6 +403,7 @@ def summarize(rec: list[dict], simlog: list[dict], n: int, cpu_s: float | None, 
     out = {"requests": len(rec), "errors": len(rec) - len(ok),
            "cached_ratio": round(sum(x["cached"] for x in sim) / prompt, 4) if prompt else None,
            "cpu_tier_share": round(sum(x["cached_cpu"] for x in sim) / max(1, sum(x["cached"] for x in sim)), 4),
+           "node_tier_share": round(sum(x.get("cached_node", 0) for x in sim) / max(1, sum(x["cached"] for x in sim)), 4),
            "ttft_p50_s": quantile([x["ttft_model_s"] for x in sim], 0.5),
            "ttft_p90_s": quantile([x["ttft_model_s"] for x in sim], 0.9),
            "ttft_client_p50_s": quantile([r["ttft_client_s"] for r in ok], 0.5),
@@ -521,6 +524,8 @@ def run_one(kind: str, n: int, reqs: list[dict], model: Path, args, cwd: str, ex
                    sim_busy_mean=round(statistics.mean(busy) / wall, 3), sim_busy_max=round(max(busy) / wall, 3),
                    sim_max_loop_lag_s=max(r["max_loop_lag_s"] for r in stats["per_replica"]),
                    preemptions=sum(r["preemptions"] for r in stats["per_replica"]))
+        if stats.get("per_node"):
+            out["node_tier"] = node_tier_hits(stats)
         if kind.startswith("warmfleet"):  # the first router's fitted TTFT models (--ttft-model-samples), if any
             view = httpx.get(bases[0] + "/v1/router/replicas", timeout=30).json()["replicas"]
             slow = {r["url"]: r.get("slowdown", 1.0) for r in sim["replicas"]}
@@ -535,6 +540,15 @@ def run_one(kind: str, n: int, reqs: list[dict], model: Path, args, cwd: str, ex
         for p in procs:
             harness.stop(p)
         harness.stop(sim_proc)
+
+
+def node_tier_hits(stats: dict) -> dict:
+    """The node tiers' hits (blocks and tokens served from them) over the fleet, per node and per replica."""
+    nodes = stats["per_node"]
+    return {"hit_blocks": sum(x["hit_blocks"] for x in nodes), "hit_tokens": sum(x["hit_tokens"] for x in nodes),
+            "per_node": nodes,
+            "per_replica": [{k: r[k] for k in ("id", "node", "node_hit_blocks", "node_hit_tokens", "cached_tokens_node",
+                                                "node_stored_blocks")} for r in stats["per_replica"] if "node" in r]}
 
 
 # --- verdict and chart --------------------------------------------------------------------------
@@ -613,7 +627,12 @@ def main() -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--gpu-blocks", type=int, default=512, help="Primary KV pool per simulated replica (blocks).")
     ap.add_argument("--cpu-blocks", type=int, default=512, help="CPU tier per simulated replica (blocks).")
-    ap.add_argument("--time-model", default="calibrated", help="'calibrated' (bench/sim_calibration.json), 'zero', or a file.")
+    ap.add_argument("--time-model", default="calibrated",
+                    help="'calibrated' (bench/sim_calibration.json), 'h200' (bench/sim_h200.json), 'zero', or a file.")
+    ap.add_argument("--replicas-per-node", type=int, default=8, help="Simulated replicas per node (with the node tier).")
+    ap.add_argument("--node-tier-blocks", type=int, default=0,
+                    help="One shared host-memory KV tier of this many blocks per node (needs --cpu-blocks 0; equal host "
+                         "memory to --cpu-blocks C is K x C).")
     ap.add_argument("--slow-pool", type=slow_pool, default=None, metavar="FRAC:F",
                     help="A fraction FRAC of the replicas F times slower (two node pools, e.g. 0.5:3).")
     ap.add_argument("--engine-speedup", type=float, default=10.0,
@@ -629,6 +648,10 @@ def main() -> int:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--logs", default=None, help="Keep simulator and router logs here.")
     args = ap.parse_args()
+    if args.replicas_per_node < 1:
+        ap.error("--replicas-per-node must be at least 1")
+    if args.node_tier_blocks < 0 or (args.node_tier_blocks and args.cpu_blocks):
+        ap.error("--node-tier-blocks takes the place of the per-replica swap tier: give it with --cpu-blocks 0")
     trace_path = Path(args.trace) if args.trace else EXCERPT
     sizes = [int(x) for x in (args.replicas or ("16" if args.quick else "16,64")).split(",")]
     args.time_scale = args.time_scale or 10.0
@@ -668,6 +691,8 @@ def main() -> int:
         "mean_prompt_tokens": round(statistics.mean(len(r["ids"]) for r in reqs), 1),
         "mean_output_tokens": round(statistics.mean(r["max_tokens"] for r in reqs), 1),
         "gpu_blocks_per_replica": args.gpu_blocks, "cpu_blocks_per_replica": args.cpu_blocks,
+        "replicas_per_node": args.replicas_per_node, "node_tier_blocks_per_node": args.node_tier_blocks,
+        "time_model": args.time_model,
         "time_model_calibrated": vars(tm) if hasattr(tm, "__dict__") else None,
         "engine_speedup": args.engine_speedup,
         "slow_pool": args.slow_pool,
@@ -682,9 +707,10 @@ def main() -> int:
         Path(args.logs).mkdir(parents=True, exist_ok=True)
     cwd = tempfile.mkdtemp(prefix="wf-trace-", dir=args.logs)
     for n in sizes:
-        cap = n * (args.gpu_blocks + args.cpu_blocks)
+        nodes = -(-n // args.replicas_per_node) if args.node_tier_blocks else 0
+        cap = n * (args.gpu_blocks + args.cpu_blocks) + nodes * args.node_tier_blocks  # every block of the fleet
         lru = ratio(bound_hits(reqs, args.block_size, fp, cap, hashes))
-        aff, aff_spread = affinity_hits(reqs, args.block_size, n, args.gpu_blocks + args.cpu_blocks, hashes)
+        aff, aff_spread = affinity_hits(reqs, args.block_size, n, cap // n, hashes)
         fleet = {"replicas": n, "oracle_cached_ratio": oracle, "fleet_lru_cached_ratio": lru,
                  "fleet_lru_capacity_blocks": cap, "affinity_lru_cached_ratio": ratio(aff),
                  "affinity_lru_spread": aff_spread, "routers": {}}

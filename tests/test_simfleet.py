@@ -359,3 +359,71 @@ def test_a_slow_pool_is_the_last_k_replicas_f_times_slower(tiny_model_dir):
     for bad in ("2", "x:3", "5:2", "2:0"):
         with pytest.raises(SystemExit, match="--slow-replicas"):
             sim.parse_slow(bad, 4)
+
+
+# --- the node tier (bench/simfleet_node.py) ---------------------------------------------------------
+node_tier = load_bench("simfleet_node.py")
+
+
+def finish_all(rep) -> list[float]:
+    """Step `rep`'s scheduler until it has no work (no event loop, no clock); each step's modelled seconds."""
+    costs = []
+    while rep.sched.has_work:
+        out = rep.sched.schedule()
+        costs.append(rep.tm.step_seconds(out))
+        sampled = {s.request.request_id: 11 for s in out.scheduled
+                   if s.num_computed_before + s.num_tokens == s.request.num_tokens}
+        for r in rep.sched.update(out, sampled):
+            h = rep.live.get(r.request_id)
+            if h is not None and (r.new_token_ids or r.finished) and not h.first.done():
+                h.cached_tokens, h.cached_tokens_cpu = r.num_cached_tokens, r.num_cached_tokens_cpu
+                h.first.set_result(0.0)
+    return costs
+
+
+def test_node_tier_lru_never_exceeds_its_size():
+    tier = node_tier.NodeTier("n0", 4)
+    for i in range(10):
+        tier.store(f"h{i}")
+        assert len(tier) <= 4
+    assert list(tier.lru) == ["h6", "h7", "h8", "h9"] and tier.evicted_blocks == 6
+    assert tier.store("h7") is False and list(tier.lru)[-1] == "h7"  # held already: refreshed, not copied
+    with pytest.raises(ValueError):
+        node_tier.NodeTier("n1", 0)
+
+
+def test_a_prefix_evicted_by_one_replica_is_hit_by_another_on_its_node_only():
+    async def go():
+        n0, n1 = node_tier.nodes_for(3, 2, 6)  # slots 0, 1 on n0; slot 2 on n1; 6 blocks each
+        tm = sim.TimeModel(prefill_s_per_token=0.001, swap_s_per_block=0.25)
+        a, b, c = (sim.SimReplica(f"s{i}", "fp", BLOCK, 8, 0, tm, 1024, node=n) for i, n in enumerate((n0, n0, n1)))
+        prefix = ids(0, 40)  # two full blocks cacheable
+        a.submit(prefix, 1, None, "a0")
+        finish_all(a)
+        a.submit(ids(100, 120), 1, None, "a1")  # takes all 8 of a's blocks: the prefix goes to n0
+        finish_all(a)
+        assert all(len(t) <= t.capacity for t in (n0, n1)) and len(n1) == 0
+        hb = b.submit(prefix, 1, None, "b0")
+        costs = finish_all(b)
+        hc = c.submit(prefix, 1, None, "c0")
+        costs_c = finish_all(c)
+        return n0, a, b, hb, costs, hc, costs_c
+
+    n0, a, b, hb, costs, hc, costs_c = run(go())
+    assert (hb.cached_tokens, hb.cached_tokens_cpu) == (32, 32)  # from the node tier, copied into b's pool
+    assert hc.cached_tokens == 0  # another node: cold
+    assert costs[0] == pytest.approx(8 * 0.001 + 2 * 0.25)  # 8 tokens prefilled, 2 blocks copied back
+    assert costs_c[0] == pytest.approx(40 * 0.001)
+    assert b.pool.node_hit_blocks == 2 and n0.hit_blocks_by_replica == {"s1": 2}
+    assert a.pool.node_stored_blocks >= 2 and b.pool.node_stored_blocks == 0
+    assert b.stats()["node_hit_tokens"] == 32 and b.stats()["node"] == "n0"
+
+
+def test_the_node_tier_replaces_the_swap_tier():
+    with pytest.raises(ValueError):
+        sim.SimReplica("s0", "fp", BLOCK, 8, 4, sim.TimeModel(), 1024, node=node_tier.NodeTier("n0", 8))
+
+
+def test_the_h200_time_model_is_in_the_repo():
+    tm = sim.TimeModel.load("h200")
+    assert tm.swap_s_per_block == pytest.approx(1.7e-05) and tm.prefill_s_per_token > 0 and "H200" in tm.source

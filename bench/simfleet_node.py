@@ -1,0 +1,123 @@
+"""The simulator's node tier: one host-memory LRU of KV blocks per node, shared by the replicas on that node.
+
+With `--node-tier-blocks M`, replicas are grouped K per node (`--replicas-per-node K`) and each node has one
+`NodeTier` of M blocks, keyed by the replicas' own block hashes (contract 1: model, adapter and salt in the
+chain's root, so only what a replica on the node could hit itself is ever shared). A replica's pool is then a
+`NodePool`: the engine's `BlockPool` with no swap tier of its own, whose host tier is the node's:
+
+* a hashed block evicted from the replica's primary pool is copied to the node tier (a swap-out, priced by the
+  time model's `swap_s_per_block`), unless the node tier holds it already (then it is only refreshed);
+* a prefix lookup that misses the primary pool goes on in the node tier (the KV cache manager's host tier), and
+  the blocks found there are copied into fresh primary blocks before prefill (swap-ins, priced the same), while
+  the node tier keeps them for the other replicas.
+
+The engine's KV cache manager and scheduler are unchanged: they see a host tier and the copies it costs. The
+replica's KV events stay those of its primary pool (the node tier's content is not the replica's own).
+Imports only the engine's block pool (no HTTP, no asyncio).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Optional
+
+from warmfleet.server.engine.block_pool import BlockPool
+from warmfleet.server.events import CPU, GPU
+from warmfleet.server.hashing import BlockHash
+
+NO_HOST_BLOCK = -1  # the host side of a node-tier copy in a SwapPlan (the simulator executes no copies)
+
+
+class NodeTier:
+    """One node's shared host-memory cache: block hash -> None, least recently used first, never over capacity."""
+
+    def __init__(self, node_id: str, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"node tier {node_id}: capacity must be at least one block, got {capacity}")
+        self.node_id, self.capacity = node_id, capacity
+        self.lru: OrderedDict[BlockHash, None] = OrderedDict()
+        self.stored_blocks = 0  # copies in (a block no replica of the node had put there yet)
+        self.refreshed_blocks = 0  # evictions of a block the tier held already: no copy
+        self.evicted_blocks = 0
+        self.hit_blocks = 0  # copies out to a replica's primary pool
+        self.hit_blocks_by_replica: dict[str, int] = {}
+
+    def __contains__(self, h: BlockHash) -> bool:
+        return h in self.lru
+
+    def __len__(self) -> int:
+        return len(self.lru)
+
+    def store(self, h: BlockHash) -> bool:
+        """Put `h` in as the most recent entry, evicting the least recent past capacity; True if it was copied in."""
+        if h in self.lru:
+            self.lru.move_to_end(h)
+            self.refreshed_blocks += 1
+            return False
+        self.lru[h] = None
+        self.stored_blocks += 1
+        while len(self.lru) > self.capacity:
+            self.lru.popitem(last=False)
+            self.evicted_blocks += 1
+        return True
+
+    def hit(self, h: BlockHash, replica: str) -> None:
+        """Replica `replica` copies `h` out: it becomes the most recent entry (the tier keeps it)."""
+        if h in self.lru:
+            self.lru.move_to_end(h)
+        self.hit_blocks += 1
+        self.hit_blocks_by_replica[replica] = self.hit_blocks_by_replica.get(replica, 0) + 1
+
+    def stats(self, block_size: int, replicas: list[str]) -> dict:
+        return {"id": self.node_id, "replicas": replicas, "capacity_blocks": self.capacity,
+                "used_blocks": len(self.lru), "hit_blocks": self.hit_blocks, "hit_tokens": self.hit_blocks * block_size,
+                "stored_blocks": self.stored_blocks, "refreshed_blocks": self.refreshed_blocks,
+                "evicted_blocks": self.evicted_blocks}
+
+
+class NodePool(BlockPool):
+    """A replica's block pool whose host tier is its node's `NodeTier` (it has no swap tier of its own)."""
+
+    def __init__(self, rid: str, num_gpu_blocks: int, node: NodeTier, block_size: int):
+        super().__init__(num_gpu_blocks, 0, True, block_size)
+        self.rid, self.node = rid, node
+        self.node_hit_blocks = 0
+        self.node_stored_blocks = 0
+
+    def lookup(self, h: BlockHash) -> Optional[str]:
+        """GPU if the primary pool holds `h`, CPU (the manager's host tier, copied in before prefill) if the node does."""
+        if h in self.cached:
+            return GPU
+        return CPU if h in self.node else None
+
+    def swap_in(self, hashes: list[BlockHash]) -> list[int]:
+        """Copy `hashes` from the node tier into fresh primary blocks (one reference each); the node keeps them.
+
+        They become the node's most recent entries first, so the evictions made to find room (which go to the
+        node tier) cannot push out a block of this same batch."""
+        for h in hashes:
+            self.node.hit(h, self.rid)
+        bids = self.allocate(len(hashes))
+        for h, bid in zip(hashes, bids):
+            self.plan.swap_in.append((NO_HOST_BLOCK, bid))
+            self.counters.swap_in_blocks += 1
+            self.node_hit_blocks += 1
+            self._register(bid, h, parent=None, token_ids=[])
+        return bids
+
+    def _evict_gpu(self, bid: int) -> None:
+        h = self.block_hash[bid]
+        super()._evict_gpu(bid)
+        if h is not None and self.node.store(h):
+            self.plan.swap_out.append((bid, NO_HOST_BLOCK))
+            self.counters.swap_out_blocks += 1
+            self.node_stored_blocks += 1
+
+
+def nodes_for(num_slots: int, per_node: int, blocks: int) -> list[NodeTier]:
+    """One node tier of `blocks` for every `per_node` replica slots (none when `blocks` is 0)."""
+    if blocks <= 0:
+        return []
+    if per_node < 1:
+        raise ValueError(f"replicas per node must be at least 1, got {per_node}")
+    return [NodeTier(f"n{j}", blocks) for j in range(-(-num_slots // per_node))]
