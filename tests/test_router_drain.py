@@ -21,9 +21,11 @@ from bench_scripts import load_bench
 import waiting
 from warmfleet.localprocs import free_port
 from warmfleet.server.hashing import model_fingerprint
+from warmfleet.server.router.core.booking import Booking
 from warmfleet.server.router.core.discovery import replicas_from_slices
 from warmfleet.server.router.core.fleet import Fleet
 from warmfleet.server.router.core.metrics import RouterMetrics
+from warmfleet.server.router.core.policy import Decision
 from warmfleet.server.router.core.prompt import HashConfig, PromptRenderer
 from warmfleet.server.router.core.registry import ReplicaSpec
 from warmfleet.server.router.core.runtime import RouterRuntime
@@ -213,13 +215,13 @@ def test_the_server_pods_grace_period_covers_the_engines_own_sigterm_drain():
     what `warmfleet serve` gives in-flight requests after SIGTERM by default, or the kubelet kills it mid-drain."""
     import argparse
 
-    from warmfleet.operator import manifests
+    from warmfleet.operator.planning import server_pool
     from warmfleet.server.api.main import add_arguments
 
     p = argparse.ArgumentParser()
     add_arguments(p)
     default_drain_s = getattr(p.parse_args(["--model", "m"]), "serve.drain_timeout_s")
-    assert manifests.ENGINE_SIGTERM_DRAIN_S >= default_drain_s > 0
+    assert server_pool.ENGINE_SIGTERM_DRAIN_S >= default_drain_s > 0
 
 
 def test_replays_are_queued_work_for_routing_but_not_in_the_queued_tokens_metric():
@@ -236,8 +238,9 @@ def test_replays_are_queued_work_for_routing_but_not_in_the_queued_tokens_metric
     rep.queued_tokens = rep.replay_tokens = 300  # a hand-off replay under way on it
     metrics.follow_replica(rep)  # as Fleet.set_members does when the replica joins
     router = Router(FakeFleet(rep), None, HashConfig(16, "fp"), metrics)
-    router.enter(rep, queued_tokens=40)
+    booking = Booking(router, Decision([rep.id], "cold_hash", 0, num_prompt_tokens=40))
+    booking.enter(rep)
     gauge = metrics.registry.get_sample_value("warmfleet_router_replica_queued_tokens", {"replica": rep.id})
     assert rep.queued_tokens == 340 and gauge == 40
-    router.prefilled(rep, 40)
+    booking.prefilled()
     assert metrics.registry.get_sample_value("warmfleet_router_replica_queued_tokens", {"replica": rep.id}) == 0

@@ -10,7 +10,8 @@ import pytest
 from router_fakes import static_router
 from warmfleet.server import hashing
 from warmfleet.server.hashing import AdapterId
-from warmfleet.server.router.core import adapters as lora
+from warmfleet.server.router.core import lora
+from warmfleet.server.router.core.booking import Booking
 from warmfleet.server.router.core.engines.vllm import VllmDialect, none_hash, sha256_cbor, vllm_block_digests
 from warmfleet.server.router.core.engines.warmfleet import WarmfleetDialect
 from warmfleet.server.router.core.policy import (
@@ -242,9 +243,10 @@ def test_router_books_adapter_load_per_replica_and_keeps_a_burst_together(router
     fleet = rt.fleet
     first, _, _ = rt.decide("chat", body("sql"), fleet.routable())
     rep = fleet.registry.get(first.order[0])
-    rt.enter(rep, 0, first.adapter)
+    booking = Booking(rt, first)
+    booking.enter(rep)
     assert fleet.adapters.replicas[rep.id].in_flight == {"sql": 1} and fleet.adapters.resident(rep.id, "sql")
     second, _, _ = rt.decide("chat", body("sql"), fleet.routable())
     assert second.order[0] == rep.id  # resident there now: before any scrape says so
-    rt.leave(rep, first.adapter)
+    booking.leave()
     assert fleet.adapters.replicas[rep.id].in_flight == {}

@@ -5,7 +5,8 @@ import random
 import pytest
 
 from router_fakes import static_router
-from warmfleet.server.router.core.policy import Candidate, choose
+from warmfleet.server.router.core.booking import Booking
+from warmfleet.server.router.core.policy import Candidate, Decision, choose
 from warmfleet.server.router.core.settings import PolicyConfig
 from warmfleet.server.router.core.ttft import OWN_SAMPLES, Coefficients, TtftModels
 
@@ -142,11 +143,12 @@ async def test_the_router_feeds_the_models_from_first_tokens_and_scores_by_them_
     assert router.decide("completion", body, [fast, slow])[0].order[0] == slow.id
     for i in range(40):  # samples as the proxy makes them: enter, then the first token some time later
         for rep, k in ((fast, 1.0), (slow, 12.0)):
-            sample = router.enter(rep, 100 + 50 * i)
-            router.prefilled(rep, 100 + 50 * i)
-            router.leave(rep)
-            sample = sample._replace(t_sent=sample.t_sent - k * (0.002 + 5e-6 * sample.prefill_tokens))
-            router.first_token(rep, sample)
+            booking = Booking(router, Decision([rep.id], "cold_hash", 0, num_prompt_tokens=100 + 50 * i))
+            booking.enter(rep)
+            t_sent, prefill, load = booking.sample
+            booking.sample = (t_sent - k * (0.002 + 5e-6 * prefill), prefill, load)
+            booking.first_token()
+            booking.leave()
     assert router.ttft.describe(slow.id)["slowdown"] > 5 and router.ttft.describe(fast.id)["slowdown"] == 1.0
     # fast: 2 ms + 5 us x (2,000 queued + ~400 own) = 14 ms; slow: 12 x (2 ms + 5 us x ~400) = 48 ms
     assert router.decide("completion", body, [fast, slow])[0].order[0] == fast.id
@@ -155,6 +157,8 @@ async def test_the_router_feeds_the_models_from_first_tokens_and_scores_by_them_
 def test_the_router_has_no_models_unless_asked(tiny_model_dir):
     router = static_router(tiny_model_dir, ["http://a:1"])
     assert router.ttft is None
-    assert router.enter(router.fleet.registry.get("http://a:1"), 10) is None  # nothing timed, nothing learnt
+    booking = Booking(router)
+    booking.enter(router.fleet.registry.get("http://a:1"))
+    assert booking.sample is None  # nothing timed, nothing learnt
     with pytest.raises(ValueError, match="ttft-model-samples"):
         PolicyConfig(ttft_model_samples=-1)

@@ -6,8 +6,7 @@ import json
 
 import pytest
 
-from warmfleet.server.router.core.router import cached_tokens_of
-from warmfleet.server.router.core.usage import UsageScanner, cached_tokens_in_json
+from warmfleet.server.router.core.usage import UsageScanner, cached_tokens_in_json, cached_tokens_of
 
 
 def answer(usage, text: str = "hi") -> bytes:

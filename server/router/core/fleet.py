@@ -43,7 +43,7 @@ import aiohttp
 import httpx
 
 from ...events import EventBatch, Snapshot
-from . import adapters as lora
+from . import lora
 from .engines.warmfleet import WarmfleetDialect
 from .index import Applied, KVIndex
 from .metrics import RouterMetrics
@@ -87,7 +87,7 @@ class Fleet:
         self._health_task: Optional[asyncio.Task] = None
         self._probe: Optional[aiohttp.ClientSession] = None  # health checks (see _check)
         self.warmer = Warmer(warmup, http, metrics, self.upstream_headers)  # replays hot prefixes into joiners
-        self.adapters = lora.AdapterView()  # LoRA adapters each replica serves and holds (adapters.py)
+        self.adapters = lora.AdapterView()  # LoRA adapters each replica serves and holds (lora.py)
         self.adapter_poll_s = adapter_poll_s  # None: never scraped (no adapter affinity)
         self._adapter_task: Optional[asyncio.Task] = None
         self._adapter_rounds = 0

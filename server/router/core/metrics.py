@@ -121,9 +121,18 @@ class LoopHistogram:
 
 
 class RouterMetrics:
+    """Every metric of one router process: the request path's (loop-only, read when scraped), the fleet's and the
+    replicas' lifecycle (warm-up, drain, hand-off)."""
+
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
-        p = "warmfleet_router_"
+        self.registry = CollectorRegistry()
+        self._request_metrics(self.registry, "warmfleet_router_")
+        self._replica_metrics(self.registry, "warmfleet_router_")
+        self._lifecycle_metrics(self.registry, "warmfleet_router_")
+        self._media_metrics(self.registry, "warmfleet_router_")  # last: the order /metrics lists them in
+
+    def _request_metrics(self, r: CollectorRegistry, p: str) -> None:
+        """Bumped per request by the event loop: decisions, answers, cached-token accounting, timings."""
         self.decisions = LoopCounter(p + "decisions_total", "Routing decisions by reason.", ["reason"],
                                      registry=r)
         self.predicted_decisions = LoopCounter(
@@ -153,6 +162,9 @@ class RouterMetrics:
         self.prediction_error = LoopHistogram(
             p + "prediction_error_tokens", "actual - predicted cached tokens per request.",
             buckets=(-4096, -1024, -256, -64, -1, 0, 64, 256, 1024, 4096), registry=r)
+
+    def _replica_metrics(self, r: CollectorRegistry, p: str) -> None:
+        """Per replica and of the fleet's KV index: load, health, events."""
         self.replica_in_flight = Gauge(p + "replica_in_flight", "Requests this router has open per replica.",
                                        ["replica"], registry=r)
         self.replica_queued_tokens = Gauge(p + "replica_queued_tokens", "Uncached prompt tokens this router sent "
@@ -176,6 +188,9 @@ class RouterMetrics:
         self.resyncs = Counter(p + "resyncs_total", "Snapshot resyncs by cause.", ["replica", "cause"], registry=r)
         self.replica_warming = Gauge(p + "replica_warming", "1 while hot prefixes are replayed into the replica "
                                      "(it takes no traffic meanwhile).", ["replica"], registry=r)
+
+    def _lifecycle_metrics(self, r: CollectorRegistry, p: str) -> None:
+        """Replicas joining (warm-up), going away (drain) and handing their hot prefixes over."""
         self.warmup_seconds = Histogram(p + "warmup_seconds", "Duration of replica warm-ups.",
                                         buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60), registry=r)
         self.warmup_prefixes = Counter(p + "warmup_prefixes_total", "Hot prefixes replayed into joining replicas.",
@@ -190,6 +205,9 @@ class RouterMetrics:
                                         "into their new owners.", registry=r)
         self.handoff_tokens = Counter(p + "handoff_tokens_total", "Prompt tokens of those hand-off replays.",
                                       registry=r)
+
+    def _media_metrics(self, r: CollectorRegistry, p: str) -> None:
+        """What the router predicted of images and learnt of image URLs, and what deciding costs (per request)."""
         self.predicted_encoder_hits = LoopCounter(
             p + "predicted_encoder_hits_total", "Images outside the predicted KV prefix whose encoder output the router "
             "predicted cached on the replica it chose (compare with the replicas' warmfleet:encoder_cache_hits).",

@@ -285,24 +285,49 @@ def adapter_slot_first(ranked: list[Candidate]) -> list[Candidate]:
     return [c for c in ranked if c.adapter_slot] + [c for c in ranked if not c.adapter_slot]
 
 
+def least_loaded(replicas: Iterable, limit: int) -> list:
+    """A request without cache affinity (models, tokenize): the replicas (registry.Replica) with the fewest requests
+    in flight first, then by name; at most `limit`."""
+    return sorted(replicas, key=_in_flight_then_id)[:limit]
+
+
+def _in_flight_then_id(rep) -> tuple:
+    return rep.in_flight, rep.id
+
+
 def spread_order(cands: Sequence[Candidate]) -> list[Candidate]:
     """A prompt shorter than one block (nothing to cache): least load first, then fewest sent."""
     return sorted(cands, key=lambda c: (c.load, c.sent + c.tie, c.replica))
 
 
+def fixed_scores(cands: Sequence[Candidate], values: dict, common: float, queue_weight: float,
+                 adapter_weight: float, cfg: PolicyConfig) -> dict:
+    """The fixed weights' score of each replica (the formula at the top), in prompt tokens saved."""
+    encoder_weight, load_weight = cfg.encoder_weight, cfg.load_weight
+    scores = {}
+    for c in cands:
+        held = values[c] - common
+        scores[c] = ((held if held > 0.0 else 0.0) + encoder_weight * c.warm_image_tokens
+                     + adapter_weight * c.adapter_resident - queue_weight * c.queued_tokens
+                     - load_weight * c.load)
+    return scores
+
+
 def ttft_scores(cands: Sequence[Candidate], ttft: dict, values: dict, common: float, limit: int,
-                queue_weight: float) -> dict:
+                queue_weight: float, adapter_weight: float, cfg: PolicyConfig) -> dict:
     """Each replica's predicted TTFT for this request, negated and in tokens of the fleet's median prefill speed
     (so the warm-prefix rules keep their token thresholds): its fixed cost, the prefill it waits for (queued
-    tokens at `queue_weight`, then the prompt past what it holds) at its own speed, its load at its own cost."""
+    tokens at `queue_weight`, then the prompt past what it holds) at its own speed, its load at its own cost; the
+    encoder and adapter credits as in fixed_scores."""
     speeds = sorted(ttft[c.replica].per_token_s for c in cands)
     ref = speeds[len(speeds) // 2]
     out = {}
     for c in cands:
         k = ttft[c.replica]
         own = limit - max(0.0, values[c] - common)  # the common prefix counts as held, as in the fixed score
-        out[c] = -(k.fixed_s + k.per_token_s * (queue_weight * c.queued_tokens + own)
-                   + k.per_load_s * c.load) / ref
+        predicted = -(k.fixed_s + k.per_token_s * (queue_weight * c.queued_tokens + own)
+                      + k.per_load_s * c.load) / ref
+        out[c] = predicted + (cfg.encoder_weight * c.warm_image_tokens + adapter_weight * c.adapter_resident)
     return out
 
 
@@ -331,18 +356,8 @@ def choose(cands: Sequence[Candidate], *, block_size: int, num_prompt_tokens: in
     # computed once (list membership compared dataclasses field by field: 1.2 ms a request at 64
     # replicas, 4.4 ms at 128; docs/scale.md).
     adapter_weight = cfg.adapter_weight if adapter_key is not None else 0.0  # adapter fields count for adapters only
-    if ttft is None:
-        encoder_weight, load_weight = cfg.encoder_weight, cfg.load_weight
-        scores = {}
-        for c in cands:
-            held = values[c] - common
-            scores[c] = ((held if held > 0.0 else 0.0) + encoder_weight * c.warm_image_tokens
-                         + adapter_weight * c.adapter_resident - queue_weight * c.queued_tokens
-                         - load_weight * c.load)
-    else:
-        scores = ttft_scores(cands, ttft, values, common, limit, queue_weight)
-        for c in cands:
-            scores[c] += cfg.encoder_weight * c.warm_image_tokens + adapter_weight * c.adapter_resident
+    scores = (fixed_scores(cands, values, common, queue_weight, adapter_weight, cfg) if ttft is None
+              else ttft_scores(cands, ttft, values, common, limit, queue_weight, adapter_weight, cfg))
     cap = load_cap([c.load for c in cands], cfg.epsilon)
     scap = share_cap([c.sent for c in cands], cfg.share_epsilon)
     # with fitted TTFT models, a replica's caps follow its capacity: an even share would overload a slow pool

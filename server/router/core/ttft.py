@@ -25,7 +25,7 @@ term of their own: their placeholder tokens are prefill like any other (the enco
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Optional
 
 NUM_FEATURES = 3  # 1, prefill tokens / TOKEN_UNIT, load
 TOKEN_UNIT = 1000.0  # prefill tokens enter the fit in thousands (features of like scale condition it)
@@ -154,6 +154,13 @@ class TtftModels:
             out = Coefficients(c.fixed_s * k, c.per_token_s * k, c.per_load_s * k)
         self._cache[rid] = out
         return out
+
+    def fitted(self, rids: Iterable[str]) -> Optional[dict]:
+        """The scorer's seam: rid -> its model for every replica of a decision (policy.choose scores by predicted
+        TTFT with them); None while the shape has too few samples (the policy's fixed weights then)."""
+        if self.shape.n < self.min_samples:
+            return None
+        return {rid: self.coefficients(rid) for rid in rids}
 
     def describe(self, rid: str) -> Optional[dict]:
         """The replicas view's entry: the model used for `rid`, its slowdown against the median replica and the

@@ -1,4 +1,4 @@
-"""What a replica's answer says it used (`usage.prompt_tokens_details.cached_tokens`), read from JSON or SSE bytes."""
+"""What a replica's answer says it cached (`usage...cached_tokens`) in JSON or SSE bytes; imports no router module."""
 
 from __future__ import annotations
 
@@ -6,7 +6,13 @@ import json
 import re
 from typing import Optional
 
-from .router import cached_tokens_of
+
+def cached_tokens_of(body: dict) -> Optional[int]:
+    """`usage.prompt_tokens_details.cached_tokens` of an OpenAI answer (or stream event), None if it has none."""
+    usage = body.get("usage") if isinstance(body, dict) else None
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    value = details.get("cached_tokens") if isinstance(details, dict) else None
+    return value if isinstance(value, int) else None
 
 
 def event_boundary(buf: bytes) -> int:

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence
 
-from . import adapters as lora
+from . import lora
 from .policy import rendezvous_weight
 from .settings import WarmupConfig
 

@@ -3,15 +3,15 @@
 One gRPC stream per HTTP request, FULL_DUPLEX_STREAMED (what GIE gateways configure):
 
     Envoy ─ request_headers ──────────▶  held: nothing is answered until the body is whole
-          ─ request_body … (eos) ─────▶  Router.route → enter(primary)
+          ─ request_body … (eos) ─────▶  Router.route → its Booking: enter(primary)
           ◀──────── headers response ─   destination header + envoy.lb metadata, clear_route_cache
           ◀──── streamed body chunks ─   the body as hashed (rewritten if the router changed it)
-          ─ response_headers ─────────▶  served endpoint: the load moves there if the gateway retried;
-                                         the replica's media header (URL image hashes) learned, removed
+          ─ response_headers ─────────▶  served endpoint: the load moves there if the gateway retried
+                                         (enter again); served: the media header (URL image hashes) removed
           ◀───────── headers response ─
-          ─ response_body chunk ──────▶  first one: prefilled; each one handed back at once
+          ─ response_body chunk ──────▶  first one: first_token (prefilled); each one handed back at once
           ◀───────── streamed chunk ───
-          ─ … eos / trailers ─────────▶  record_actual (usage.cached_tokens) + leave
+          ─ … eos / trailers ─────────▶  usage (usage.cached_tokens) + leave
     a stream that ends any other way (Envoy cancels it) still leaves and frees the client's slot.
 
 BUFFERED request bodies are answered in the body response instead (headers pass at once: Envoy holds them until
@@ -32,10 +32,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from ...multimodal.url_hashes import HEADER as MEDIA_HEADER
+from ..core.booking import Booking
 from ..core.errors import NO_REPLICA, Refusal, parse_json_object
-from ..core.policy import RETRY
+from ..core.policy import least_loaded
 from ..core.registry import Replica
-from ..core.router import Router, Routed
+from ..core.router import Router
 from ..core.runtime import RouterRuntime, upstream_headers
 from ..core.tenants import ConcurrencyLimiter, admit_client
 from ..core.usage import UsageScanner
@@ -61,16 +62,11 @@ class Exchange:
         self.chunks: list[bytes] = []
         self.size = 0
         self.picked = False  # the pick (or an immediate answer) has been sent
-        self.routed: Optional[Routed] = None
-        self.body: Optional[dict] = None  # the request as routed (its cache_salt files what the media header teaches)
-        self.rep: Optional[Replica] = None  # where this request's load is booked (after the served report: there)
-        self.queued = 0  # its uncached prompt tokens, queued on `rep` until the first response byte
+        self.booking: Optional[Booking] = None  # the decision and its load (after the served report: there)
         self.client: Optional[str] = None  # the per-client slot held
-        self.prefill_done = False
-        self.scanner: Optional[UsageScanner] = None
+        self.scanner: Optional[UsageScanner] = None  # routed by cache: reads the answer's usage
         self.status = 0
         self.t_pick = 0.0
-        self.sample = None  # Router.enter's TTFT sample (None without TTFT models)
         self.done = False
         self.answered = False  # the EPP answered the client itself (ImmediateResponse): the stream ends
 
@@ -130,15 +126,15 @@ class Exchange:
         if isinstance(client, Refusal):
             return [self.refuse(client)]
         self.client = client
-        routed = await self.router.route(self.kind, body, self.eligible())
-        if routed is None:
+        booking = await self.router.route(self.kind, body, self.eligible())
+        if booking is None:
             return [self.refuse(NO_REPLICA if self.subset is None else NO_SUBSET_ENDPOINT)]
-        reps = self.door.endpoints(routed.decision.order)
+        reps = list(booking.replicas(self.door.max_attempts))  # primary, then the fallbacks a gateway retry walks
         if not reps:  # every replica of the order went unhealthy while the request was rendered
             return [self.refuse(NO_REPLICA if self.subset is None else NO_SUBSET_ENDPOINT)]
-        changed = routed.body_changed or self.door.rt.tenants.enabled  # a dialect rewrite or the tenant's salt
+        changed = booking.body_changed or self.door.rt.tenants.enabled  # a dialect rewrite or the tenant's salt
         out_body = json.dumps(body).encode() if changed else raw
-        self.routed, self.scanner, self.body = routed, UsageScanner(bool(body.get("stream"))), body
+        self.booking, self.scanner = booking, UsageScanner(bool(body.get("stream")))
         self.book(reps[0])
         value = pick.destination(pick.endpoint_of(r) for r in reps)
         self.picked = True
@@ -161,10 +157,11 @@ class Exchange:
             return self.refuse(client)
         self.client = client
         eligible = self.eligible()
-        reps = sorted((r for r in self.router.fleet.routable() if eligible is None or eligible(r)),
-                      key=lambda r: (r.in_flight, r.id))[:self.door.max_attempts]
+        reps = least_loaded((r for r in self.router.fleet.routable() if eligible is None or eligible(r)),
+                            self.door.max_attempts)
         if not reps:
             return self.refuse(NO_REPLICA if self.subset is None else NO_SUBSET_ENDPOINT)
+        self.booking = Booking(self.router)  # routed by load: nothing predicted, nothing learnt from the answer
         self.book(reps[0])
         self.picked = True
         value = pick.destination(pick.endpoint_of(r) for r in reps)
@@ -178,41 +175,25 @@ class Exchange:
 
     # --- load -----------------------------------------------------------------------------------
     def book(self, rep: Replica) -> None:
-        self.rep = rep
-        self.queued = self.routed.decision.uncached_for(rep.id) if self.routed is not None else 0
-        self.sample = self.router.enter(rep, self.queued, self.adapter())
+        """The request's load goes to `rep` (moved there from the pick when the gateway served another)."""
+        self.booking.enter(rep)
         self.t_pick = time.perf_counter()
-
-    def adapter(self) -> Optional[str]:
-        """The LoRA adapter the routed request names (its in-flight count per replica), None: base model or unrouted."""
-        return self.routed.decision.adapter if self.routed is not None else None
-
-    def prefilled(self) -> None:
-        if self.rep is not None and not self.prefill_done:
-            self.prefill_done = True
-            self.router.prefilled(self.rep, self.queued)
 
     def settle_served(self, served: Optional[str]) -> None:
         """The gateway says who served: after a retry, the load moves from the pick to that endpoint."""
-        if self.rep is None or served is None or served == pick.endpoint_of(self.rep):
+        b = self.booking
+        if b is None or b.rep is None or served is None or served == pick.endpoint_of(b.rep):
             return
         rep = self.door.replica_at(served)
         if rep is None:
             log.warning("the gateway reports endpoint %s, which is not in this pool", served)
             return
-        self.prefilled()
-        self.router.leave(self.rep, self.adapter())
-        self.door.metrics.retries.inc()
-        self.door.metrics.decisions.labels(RETRY).inc()
-        self.prefill_done = False  # the served replica's own prompt share is queued there until the first byte
         self.book(rep)
 
     def close(self) -> None:
-        """Release what this request holds (idempotent): its queued prefill, its in-flight count, its client slot."""
-        if self.rep is not None:
-            self.prefilled()
-            self.router.leave(self.rep, self.adapter())
-            self.rep = None
+        """Release what this request holds (idempotent): its booked load and its client slot."""
+        if self.booking is not None:
+            self.booking.leave()
         if self.client is not None:
             self.door.limiter.release(self.client)
             self.client = None
@@ -224,9 +205,8 @@ class Exchange:
         status = pick.header_value(h, ":status")
         self.status = int(status) if status and status.isdigit() else 0
         media = pick.header_value(h, MEDIA_HEADER)
-        if self.status == 200 and self.rep is not None and self.routed is not None:
-            self.router.fleet.record_served(self.rep.id, self.routed.hashes)
-            self.router.learn_media(self.body, media)
+        if self.status == 200 and self.booking is not None:
+            self.booking.served(media)
         if self.scanner is not None and "text/event-stream" not in (pick.header_value(h, "content-type") or ""):
             self.scanner.stream = False
         common = pb.CommonResponse()
@@ -241,11 +221,13 @@ class Exchange:
 
     async def on_response_body(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         b = req.response_body
-        if not self.prefill_done and self.rep is not None:
-            self.prefilled()
+        booking = self.booking
+        if booking is not None and booking.prefilling:  # the answer's first bytes
             self.door.metrics.ttft.observe(time.perf_counter() - self.t_pick)
             if self.status == 200 and self.scanner is not None and self.scanner.stream:  # an SSE first token
-                self.router.first_token(self.rep, self.sample)
+                booking.first_token()
+            else:
+                booking.prefilled()
         if self.scanner is not None:
             self.scanner.feed(b.body)
         out = [pb.ProcessingResponse(response_body=pb.BodyResponse(
@@ -266,8 +248,8 @@ class Exchange:
         self.done = True
         if self.status:
             self.door.metrics.requests.labels(f"{self.status // 100}xx").inc()
-        if self.routed is not None and self.rep is not None and self.scanner is not None:
-            self.router.record_actual(self.routed.decision, self.rep.id, self.scanner.finish())
+        if self.scanner is not None:
+            self.booking.usage(self.scanner.finish())
         self.close()
 
     async def handle(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
@@ -302,18 +284,9 @@ class EppDoor:
                     body: Optional[bytes] = None) -> pb.CommonResponse:
         return pick.pick_common(value, body_len, body, self.upstream, self.remove)
 
-    def endpoints(self, order: list[str]) -> list[Replica]:
-        """The decision's replicas still healthy, in order, at most --max-attempts: primary then fallbacks."""
-        reg = self.router.fleet.registry
-        reps = [reg.get(rid) for rid in order]
-        return [r for r in reps if r is not None and r.healthy][:self.max_attempts]
-
     def replica_at(self, endpoint: str) -> Optional[Replica]:
         return next((r for r in self.router.fleet.registry.replicas.values() if pick.endpoint_of(r) == endpoint),
                     None)
-
-    def in_flight(self) -> int:
-        return sum(r.in_flight for r in self.router.fleet.registry.replicas.values())
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):

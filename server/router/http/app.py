@@ -26,16 +26,6 @@ def parse_json_object(raw: bytes) -> dict | Response:
     return refusal_response(body) if isinstance(body, Refusal) else body
 
 
-async def json_body(request: Request, max_bytes: int) -> tuple[dict, bytes] | Response:
-    """The request's JSON object and raw bytes, or the 4xx to answer (413 before buffering past the cap)."""
-    try:
-        raw = await read_capped(request, max_bytes)
-    except BodyTooLarge as exc:
-        return error_response(413, str(exc), "invalid_request_error")
-    body = parse_json_object(raw)
-    return body if isinstance(body, Response) else (body, raw)
-
-
 async def receive_capped(receive, declared: Optional[bytes], limit: int) -> Optional[bytes]:
     """`bodies.read_capped` on raw ASGI: the body, None if the client disconnected, BodyTooLarge past `limit`."""
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -73,10 +63,11 @@ class Frontend:
         client = admit_client(self.tenants, self.limiter, host, auth, body)
         return refusal_response(client) if isinstance(client, Refusal) else client
 
-    async def admit(self, request: Request, body: Optional[dict], call: Callable[[], Awaitable[Response]]) -> Response:
-        """`enter`, then the answer of `call`, holding the client's slot until its last byte is sent."""
+    async def admit(self, request: Request, call: Callable[[], Awaitable[Response]]) -> Response:
+        """`enter` (no body to salt), then the answer of `call`, holding the client's slot until its last byte is
+        sent."""
         client = self.enter(request.client.host if request.client else "unknown",
-                            request.headers.get("authorization"), body)
+                            request.headers.get("authorization"), None)
         if isinstance(client, Response):
             return client
         limiter = self.limiter
@@ -95,8 +86,8 @@ class Frontend:
         return resp
 
     async def serve(self, scope: dict, receive, send, kind: str) -> None:
-        """A cache-routed POST in raw ASGI: what `generate` + `admit` do, without Starlette's Request object or a
-        background task (the slot is released when the response has been sent, streams included)."""
+        """A cache-routed POST in raw ASGI: `respond` holding the client's slot (as `admit` does) until the response
+        has been sent, streams included, without Starlette's Request object or a background task."""
         auth = declared = None
         for name, value in scope["headers"]:  # ASGI header names are lower-case
             if name == b"authorization":
@@ -124,29 +115,22 @@ class Frontend:
         parsed = parse_json_object(raw)
         if isinstance(parsed, Response):
             return parsed, None
+        proxy = self.state.get("proxy")
+        if proxy is None:  # the app's lifespan has not started the core: nothing to route with
+            return error_response(503, "the router has not started", "service_unavailable"), None
         client = self.enter(host, auth, parsed)
         if isinstance(client, Response):
             return client, None
         try:
             tenants = self.tenants.enabled
             # the client's bytes go upstream as they came unless the router rewrote the body (tenant salt)
-            resp = await self.state["proxy"].forward(path, kind, parsed,
+            resp = await proxy.forward(path, kind, parsed,
                                                      {"authorization": auth} if auth and not tenants else {},
                                                      None if tenants else raw)
         except BaseException:
             self.limiter.release(client)
             raise
         return resp, client
-
-    async def generate(self, request: Request, path: str, kind: str) -> Response:
-        parsed = await json_body(request, self.max_request_bytes)
-        if isinstance(parsed, Response):
-            return parsed
-        body, raw = parsed
-        # the client's bytes go upstream as they came unless the router rewrote the body (tenant salt)
-        fwd_raw = None if self.tenants.enabled else raw
-        return await self.admit(request, body, lambda: self.state["proxy"].forward(
-            path, kind, body, self.client_headers(request), fwd_raw))
 
     async def plain(self, request: Request, method: str, path: str) -> Response:
         """Forward a request the router does not route by cache (models, tokenize) to any healthy replica."""
@@ -156,12 +140,12 @@ class Frontend:
                 raw = await read_capped(request, self.max_request_bytes)
             except BodyTooLarge as exc:
                 return error_response(413, str(exc), "invalid_request_error")
-        return await self.admit(request, None, lambda: self.state["proxy"].forward_plain(
+        return await self.admit(request, lambda: self.state["proxy"].forward_plain(
             method, path, raw, self.client_headers(request)))
 
 
-# route name → (method, path, request kind): chat and completions are routed by cache (FastPath serves them
-# first), the others go to any healthy replica (kind None)
+# route name → (method, path, request kind): chat and completions are routed by cache (FastPath serves them; the
+# FastAPI app has no route for them), the others go to any healthy replica (kind None)
 OPENAI_ROUTES = {
     "chat": ("POST", "/v1/chat/completions", "chat"),
     "completions": ("POST", "/v1/completions", "completion"),
@@ -181,7 +165,8 @@ class FastPath:
     object (`Frontend.serve` reads the body and two headers straight from ASGI). Everything else, the
     lifespan included, goes to the FastAPI app, whose attributes (`state`, ...) it forwards.
     Under `warmfleet route` most hot requests never reach it: hotpath.py serves them from the HTTP
-    protocol; those it leaves to ASGI (chunked bodies, `Expect`, a forwarded client) come here.
+    protocol; those it leaves to ASGI (chunked bodies, `Expect`, a forwarded client) come here. Other
+    methods on the two paths are answered 405 here.
     """
 
     def __init__(self, inner, frontend: Frontend):
@@ -192,25 +177,23 @@ class FastPath:
 
     async def __call__(self, scope, receive, send):
         kind = FAST_PATHS.get(scope.get("path", "")) if scope["type"] == "http" else None
-        if kind is None or scope.get("method") != "POST" or "proxy" not in self.frontend.state:
+        if kind is None:
             return await self.inner(scope, receive, send)
+        if scope.get("method") != "POST":
+            return await error_response(405, f"{scope.get('method')} {scope['path']}: only POST is served here",
+                                        "invalid_request_error")(scope, receive, send)
         await self.frontend.serve(scope, receive, send, kind)
 
 
 def _add_openai_routes(app: FastAPI, front: Frontend) -> None:
-    """The OpenAI routes of OPENAI_ROUTES, each handed to the frontend."""
+    """The OpenAI routes of OPENAI_ROUTES not routed by cache, each handed to the frontend (FastPath serves the
+    others)."""
     for name, (method, path, kind) in OPENAI_ROUTES.items():
-        app.add_api_route(path, _openai_endpoint(front, method, path, kind), methods=[method], name=name)
+        if kind is None:
+            app.add_api_route(path, _plain_endpoint(front, method, path), methods=[method], name=name)
 
 
-def _openai_endpoint(front: Frontend, method: str, path: str,
-                     kind: Optional[str]) -> Callable[[Request], Awaitable[Response]]:
-    if kind is not None:
-        async def generate(request: Request) -> Response:
-            return await front.generate(request, path, kind)
-
-        return generate
-
+def _plain_endpoint(front: Frontend, method: str, path: str) -> Callable[[Request], Awaitable[Response]]:
     async def plain(request: Request) -> Response:
         return await front.plain(request, method, path)
 

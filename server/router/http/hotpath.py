@@ -63,126 +63,130 @@ class HotRequest:
         self.streaming: Optional[asyncio.Task] = None  # the task relaying a stream: cancelled if the client leaves
 
 
-def hot_protocol(frontend: Frontend) -> type:
+class HotPathProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with coalesced writes, serving the hot routes itself through `frontend`."""
 
-    class HotPathProtocol(HttpToolsProtocol):
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(CoalescingTransport(transport))  # type: ignore[arg-type]
+    frontend: Frontend  # set by hot_protocol on a subclass per app
 
-        def connection_lost(self, exc: Optional[Exception]) -> None:
-            hot = self.cycle
-            super().connection_lost(exc)
-            if isinstance(hot, HotRequest) and hot.streaming is not None and not hot.response_complete:
-                hot.streaming.cancel()  # as Starlette does on http.disconnect: the relay's finally frees the replica
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(CoalescingTransport(transport))  # type: ignore[arg-type]
 
-        def on_headers_complete(self) -> None:
-            hot = self._hot_request()
-            if hot is None:
-                return super().on_headers_complete()
-            self.cycle = hot  # type: ignore[assignment]  # what on_body / connection_lost / shutdown read
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        hot = self.cycle
+        super().connection_lost(exc)
+        if isinstance(hot, HotRequest) and hot.streaming is not None and not hot.response_complete:
+            hot.streaming.cancel()  # as Starlette does on http.disconnect: the relay's finally frees the replica
 
-        def _hot_request(self) -> Optional[HotRequest]:
-            """The request as a HotRequest when this path serves it exactly as the ASGI path would, else None."""
-            if self.parser.get_method() != b"POST" or "proxy" not in frontend.state:
+    def on_headers_complete(self) -> None:
+        hot = self._hot_request()
+        if hot is None:
+            return super().on_headers_complete()
+        self.cycle = hot  # type: ignore[assignment]  # what on_body / connection_lost / shutdown read
+
+    def _hot_request(self) -> Optional[HotRequest]:
+        """The request as a HotRequest when this path serves it exactly as the ASGI path would, else None."""
+        if self.parser.get_method() != b"POST":
+            return None
+        if self.cycle is not None and not self.cycle.response_complete:  # pipelined: uvicorn queues it
+            return None
+        url = self.url  # origin form ("/path?query") as clients send it; anything else through the URL parser
+        target = _HOT_TARGETS.get(url.partition(b"?")[0] if url[:1] == b"/" else httptools.parse_url(url).path)
+        if target is None:
+            return None
+        path, kind = target
+        auth, length = None, None
+        for name, value in self.headers:  # lower-cased by on_header
+            if name in _FALLBACK_HEADERS:
                 return None
-            if self.cycle is not None and not self.cycle.response_complete:  # pipelined: uvicorn queues it
-                return None
-            url = self.url  # origin form ("/path?query") as clients send it; anything else through the URL parser
-            target = _HOT_TARGETS.get(url.partition(b"?")[0] if url[:1] == b"/" else httptools.parse_url(url).path)
-            if target is None:
-                return None
-            path, kind = target
-            auth, length = None, None
-            for name, value in self.headers:  # lower-cased by on_header
-                if name in _FALLBACK_HEADERS:
-                    return None
-                if name == b"authorization" and auth is None:
-                    auth = value.decode("latin-1")
-                elif name == b"content-length" and length is None:
-                    length = value
-            if length is None or not length.isdigit() or int(length) > frontend.max_request_bytes:
-                return None  # the ASGI path answers 411-less bodies and the 413 before buffering
-            keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
-            return HotRequest(path, kind, auth, keep_alive)
+            if name == b"authorization" and auth is None:
+                auth = value.decode("latin-1")
+            elif name == b"content-length" and length is None:
+                length = value
+        if length is None or not length.isdigit() or int(length) > self.frontend.max_request_bytes:
+            return None  # the ASGI path answers 411-less bodies and the 413 before buffering
+        keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
+        return HotRequest(path, kind, auth, keep_alive)
 
-        def on_body(self, body: bytes) -> None:
-            hot = self.cycle
-            if not isinstance(hot, HotRequest):
-                return super().on_body(body)
-            hot.body += body  # bounded: its declared length is within the cap (_hot_request)
+    def on_body(self, body: bytes) -> None:
+        hot = self.cycle
+        if not isinstance(hot, HotRequest):
+            return super().on_body(body)
+        hot.body += body  # bounded: its declared length is within the cap (_hot_request)
 
-        def on_message_complete(self) -> None:
-            hot = self.cycle
-            if not isinstance(hot, HotRequest):
-                return super().on_message_complete()
-            task = self.loop.create_task(self._serve(hot))
-            task.add_done_callback(self.tasks.discard)
-            self.tasks.add(task)
+    def on_message_complete(self) -> None:
+        hot = self.cycle
+        if not isinstance(hot, HotRequest):
+            return super().on_message_complete()
+        task = self.loop.create_task(self._serve(hot))
+        task.add_done_callback(self.tasks.discard)
+        self.tasks.add(task)
 
-        async def _serve(self, hot: HotRequest) -> None:
-            client_addr = self.client[0] if self.client else "unknown"
-            started = False
+    async def _serve(self, hot: HotRequest) -> None:
+        client_addr = self.client[0] if self.client else "unknown"
+        started = False
+        try:
+            resp, slot = await self.frontend.respond(hot.path, hot.kind, bytes(hot.body), hot.auth, client_addr)
             try:
-                resp, slot = await frontend.respond(hot.path, hot.kind, bytes(hot.body), hot.auth, client_addr)
-                try:
-                    started = True
-                    await self._write(hot, resp)
-                    if resp.background is not None:
-                        await resp.background()
-                finally:
-                    if slot is not None:
-                        frontend.limiter.release(slot)
-            except Exception:
-                log.exception("router request failed")
-                if not started and not hot.disconnected:
-                    self._write_head(hot, 500, [(b"content-type", b"text/plain; charset=utf-8"),
-                                                (b"content-length", b"21")], close=True)
-                    self.transport.write(b"Internal Server Error")
-                self.transport.close()
-                return
-            self._complete(hot)
+                started = True
+                await self._write(hot, resp)
+                if resp.background is not None:
+                    await resp.background()
+            finally:
+                if slot is not None:
+                    self.frontend.limiter.release(slot)
+        except Exception:
+            log.exception("router request failed")
+            if not started and not hot.disconnected:
+                self._write_head(hot, 500, [(b"content-type", b"text/plain; charset=utf-8"),
+                                            (b"content-length", b"21")], close=True)
+                self.transport.write(b"Internal Server Error")
+            self.transport.close()
+            return
+        self._complete(hot)
 
-        def _write_head(self, hot: HotRequest, status: int, headers: list, close: bool = False) -> None:
-            out = [STATUS_LINE[status]]
-            for name, value in self.server_state.default_headers:
-                out += (name, b": ", value, b"\r\n")
-            for name, value in headers:
-                out += (name, b": ", value, b"\r\n")
-            if close or not hot.keep_alive:
-                hot.keep_alive = False
-                out.append(b"connection: close\r\n")
-            out.append(b"\r\n")
-            self.transport.write(b"".join(out))
+    def _write_head(self, hot: HotRequest, status: int, headers: list, close: bool = False) -> None:
+        out = [STATUS_LINE[status]]
+        for name, value in self.server_state.default_headers:
+            out += (name, b": ", value, b"\r\n")
+        for name, value in headers:
+            out += (name, b": ", value, b"\r\n")
+        if close or not hot.keep_alive:
+            hot.keep_alive = False
+            out.append(b"connection: close\r\n")
+        out.append(b"\r\n")
+        self.transport.write(b"".join(out))
 
-        async def _write(self, hot: HotRequest, resp) -> None:
-            if not isinstance(resp, StreamingResponse):
-                if not hot.disconnected:
-                    self._write_head(hot, resp.status_code, resp.raw_headers)
-                    self.transport.write(resp.body)
-                return
-            # a stream is started even if the client has gone (a closing transport drops the bytes): closing a
-            # relay that never started would skip its finally, which gives the replica's in-flight count back
-            self._write_head(hot, resp.status_code, [*resp.raw_headers, (b"transfer-encoding", b"chunked")])
-            hot.streaming = asyncio.current_task()
-            async with contextlib.aclosing(resp.body_iterator) as chunks:
-                async for chunk in chunks:
-                    if hot.disconnected:
-                        return
-                    if chunk:
-                        data = chunk if isinstance(chunk, bytes) else chunk.encode()
-                        self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
-                    if self.flow.write_paused:
-                        await self.flow.drain()
+    async def _write(self, hot: HotRequest, resp) -> None:
+        if not isinstance(resp, StreamingResponse):
             if not hot.disconnected:
-                self.transport.write(b"0\r\n\r\n")
+                self._write_head(hot, resp.status_code, resp.raw_headers)
+                self.transport.write(resp.body)
+            return
+        # a stream is started even if the client has gone (a closing transport drops the bytes): closing a
+        # relay that never started would skip its finally, which gives the replica's in-flight count back
+        self._write_head(hot, resp.status_code, [*resp.raw_headers, (b"transfer-encoding", b"chunked")])
+        hot.streaming = asyncio.current_task()
+        async with contextlib.aclosing(resp.body_iterator) as chunks:
+            async for chunk in chunks:
+                if hot.disconnected:
+                    return
+                if chunk:
+                    data = chunk if isinstance(chunk, bytes) else chunk.encode()
+                    self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+                if self.flow.write_paused:
+                    await self.flow.drain()
+        if not hot.disconnected:
+            self.transport.write(b"0\r\n\r\n")
 
-        def _complete(self, hot: HotRequest) -> None:
-            hot.response_complete = True
-            if hot.disconnected:
-                return
-            if not hot.keep_alive:
-                self.transport.close()
-            self.on_response_complete()  # uvicorn: resume reading, start a queued request, arm keep-alive
+    def _complete(self, hot: HotRequest) -> None:
+        hot.response_complete = True
+        if hot.disconnected:
+            return
+        if not hot.keep_alive:
+            self.transport.close()
+        self.on_response_complete()  # uvicorn: resume reading, start a queued request, arm keep-alive
 
-    return HotPathProtocol
+
+def hot_protocol(frontend: Frontend) -> type:
+    """HotPathProtocol serving through `frontend` (uvicorn makes one protocol instance per connection)."""
+    return type("HotPathProtocol", (HotPathProtocol,), {"frontend": frontend})

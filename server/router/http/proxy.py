@@ -23,9 +23,10 @@ import httpx
 from starlette.responses import Response, StreamingResponse
 
 from ...multimodal.url_hashes import HEADER as MEDIA_HEADER
-from ..core.policy import RETRY, Decision
+from ..core.booking import Booking
+from ..core.policy import RETRY, least_loaded
 from ..core.registry import Replica
-from ..core.router import Router, TtftSample
+from ..core.router import Router
 from ..core.settings import ProxyConfig
 from ..core.usage import cached_tokens_in_events, cached_tokens_in_json, event_boundary
 from ..status import error_response
@@ -69,16 +70,14 @@ class RelayedResponse(Response):
 
 @dataclass(slots=True, eq=False)  # not frozen: a frozen init costs ~3x (treat as read-only)
 class _Attempt:
-    """What every replica's try of one request sends and accounts against."""
+    """What every replica's try of one request sends, and the booking it accounts against."""
 
     path: str
     raw: bytes  # the body sent upstream
     headers: dict
     stream: bool
-    decision: Decision
-    hashes: list[bytes]  # the prompt's block names (recorded as served by the replica that answers 200)
+    booking: Booking  # the decision, and the load booked on the replica tried now
     t_arrival: float  # perf_counter() when the request arrived (TTFT)
-    body: dict  # the request as routed (its cache_salt scopes what the answer's media header teaches)
 
 
 class Proxy:
@@ -96,29 +95,27 @@ class Proxy:
                       raw: Optional[bytes] = None) -> Response:
         """Route and relay; `raw` is the client's body when `body` is still exactly it (no re-serialising)."""
         t_arrival = time.perf_counter()
-        routed = await self.router.route(kind, body)
-        if routed is None:
+        booking = await self.router.route(kind, body)
+        if booking is None:
             return self._count(error_response(503, "no healthy replica", "service_unavailable"))
-        if routed.body_changed:
+        if booking.body_changed:
             raw = None  # the engine needs what the router computed (e.g. vLLM: image uuids)
         attempt = _Attempt(path, raw if raw is not None else json.dumps(body).encode(),
                            {"content-type": "application/json", **client_headers, **self.upstream_headers},
-                           bool(body.get("stream")), routed.decision, routed.hashes, t_arrival, body)
+                           bool(body.get("stream")), booking, t_arrival)
         last_error = "no replica accepted the request"
-        for tried, rep in enumerate(self.router.retry_order(routed.decision, self.cfg.max_attempts), 1):
-            outcome = await self._try(rep, attempt, retried=tried > 1)
+        for rep in booking.replicas(self.cfg.max_attempts):
+            outcome = await self._try(rep, attempt)
             if isinstance(outcome, Response):
                 return outcome
             last_error = outcome
         return self._count(error_response(502, last_error, "upstream_error"))
 
-    async def _try(self, rep: Replica, a: _Attempt, retried: bool) -> Response | str:
+    async def _try(self, rep: Replica, a: _Attempt) -> Response | str:
         """One replica's try: the answer for the client, or why the next replica should be tried."""
-        rid = rep.id
-        queued = a.decision.uncached_for(rid)
-        # queued prefill until the first token, the answer or a failure
-        sample = self.router.enter(rep, queued, a.decision.adapter)
-        released = False
+        rid, booking = rep.id, a.booking
+        booking.enter(rep)  # queued prefill until the first token, the answer or a failure
+        relayed = False
         resp: Optional[UpstreamResponse] = None
         try:
             resp = await self._send(rep, a.path, a.raw, a.headers)
@@ -126,19 +123,17 @@ class Proxy:
                 resp.release()
                 return f"{rid} answered {resp.status}"
             if resp.status == 200:
-                self.fleet.record_served(rid, a.hashes)
-                self.router.learn_media(a.body, resp.headers.get(MEDIA_HEADER))
+                booking.served(resp.headers.get(MEDIA_HEADER))
             if a.stream and resp.status == 200:
-                out = await self._first_event(rep, resp, a, retried, sample)
-                released = True  # from here the relay owns the in-flight count
+                out = await self._first_event(rep, resp, a)
+                relayed = True  # from here the relay holds the booking until the stream's last byte
                 return out
             content = await resp.read()
             resp.release()
-            self._observe_usage(a.decision, content, rid)
-            headers = self._reply_headers(resp, rep, a.decision, retried)
-            return self._count(RelayedResponse(content, resp.status, headers))
+            booking.usage(cached_tokens_in_json(content))
+            return self._count(RelayedResponse(content, resp.status, self._reply_headers(resp, rep, booking)))
         except CONNECT_TIMEOUT:
-            self.fleet.report_timeout(rid, f"{rid}: ConnectTimeout")
+            booking.failed(f"{rid}: ConnectTimeout", timeout=True)
             return f"{rid}: ConnectTimeout"
         except asyncio.TimeoutError:
             if resp is not None:
@@ -147,22 +142,21 @@ class Proxy:
         except UPSTREAM_FAILURES as exc:
             if resp is not None:
                 resp.close()
-            self.fleet.report_failure(rid, f"{rid}: {type(exc).__name__}")
+            booking.failed(f"{rid}: {type(exc).__name__}")
             return f"{rid}: {type(exc).__name__}"
         finally:
-            self.router.prefilled(rep, queued)
-            if not released:
-                self.router.leave(rep, a.decision.adapter)
+            booking.prefilled()
+            if not relayed:
+                booking.leave()
 
-    async def _first_event(self, rep: Replica, resp: UpstreamResponse, a: _Attempt, retried: bool,
-                           sample: Optional[TtftSample] = None) -> StreamingResponse:
+    async def _first_event(self, rep: Replica, resp: UpstreamResponse, a: _Attempt) -> StreamingResponse:
         """Wait for a stream's first bytes (a replica sends them with the first token: TTFT), then relay the rest."""
         chunks = resp.chunks()
         first = await anext(chunks, b"")
         self.metrics.ttft.observe(time.perf_counter() - a.t_arrival)
         if first:
-            self.router.first_token(rep, sample)
-        return self._stream(rep, resp, chunks, first, a.decision, retried=retried)
+            a.booking.first_token()
+        return self._stream(rep, resp, chunks, first, a.booking)
 
     async def forward_plain(self, method: str, path: str, raw: bytes, client_headers: dict) -> Response:
         """A request without cache affinity (/v1/models, /tokenize): least-loaded replica, retried the same way."""
@@ -170,7 +164,7 @@ class Proxy:
         if raw:
             headers.setdefault("content-type", "application/json")
         last_error = "no healthy replica"
-        for rep in sorted(self.fleet.routable(), key=lambda r: (r.in_flight, r.id))[: self.cfg.max_attempts]:
+        for rep in least_loaded(self.fleet.routable(), self.cfg.max_attempts):
             try:
                 resp = await self.fleet.http.request(method, rep.spec.url + path, content=raw or None,
                                                      headers=headers, timeout=self.timeout)
@@ -192,7 +186,7 @@ class Proxy:
         return await self.session.post(rep.spec.url, path, raw, headers)
 
     def _stream(self, rep: Replica, resp: UpstreamResponse, chunks: AsyncIterator[bytes], first: bytes,
-                decision: Decision, retried: bool = False) -> StreamingResponse:
+                booking: Booking) -> StreamingResponse:
         async def relay() -> AsyncIterator[bytes]:
             buf = first
             try:
@@ -201,7 +195,7 @@ class Proxy:
                     if cut:
                         out, buf = buf[:cut], buf[cut:]
                         if b'"cached_tokens"' in out:
-                            self._observe_sse_usage(decision, out, rep.id)
+                            booking.usage(cached_tokens_in_events(out))
                         yield out
                     chunk = await anext(chunks, None)
                     if chunk is None:
@@ -215,25 +209,20 @@ class Proxy:
                 yield (b"\n\n" if buf else b"") + sse_error(f"replica {rep.id} failed mid-stream ({type(exc).__name__})")
             finally:
                 resp.close() if not resp.at_eof() else resp.release()
-                self.router.leave(rep, decision.adapter)
+                booking.leave()
 
-        return self._count(StreamingResponse(relay(), resp.status, self._reply_headers(resp, rep, decision, retried)))
+        return self._count(StreamingResponse(relay(), resp.status, self._reply_headers(resp, rep, booking)))
 
-    # --- bookkeeping ------------------------------------------------------------------------
-    def _reply_headers(self, resp, rep: Replica, decision: Optional[Decision], retried: bool = False) -> dict:
+    # --- replies ----------------------------------------------------------------------------
+    def _reply_headers(self, resp, rep: Replica, booking: Optional[Booking]) -> dict:
         out = {k: resp.headers[k] for k in PASSTHROUGH_HEADERS if k in resp.headers}
         out.setdefault("x-warmfleet-replica", rep.id)
-        if decision is not None:
-            reason = RETRY if retried else decision.reason
-            out["x-warmfleet-route"] = f"{reason}; predicted_cached_tokens={decision.predicted_for(rep.id)}"
+        if booking is not None:
+            d = booking.decision
+            reason = RETRY if booking.tries > 1 else d.reason
+            out["x-warmfleet-route"] = f"{reason}; predicted_cached_tokens={d.predicted_for(rep.id)}"
         return out
 
     def _count(self, resp: Response) -> Response:
         self.metrics.requests.labels(f"{resp.status_code // 100}xx").inc()
         return resp
-
-    def _observe_usage(self, decision: Decision, content: bytes, rid: str) -> None:
-        self.router.record_actual(decision, rid, cached_tokens_in_json(content))
-
-    def _observe_sse_usage(self, decision: Decision, events: bytes, rid: str) -> None:
-        self.router.record_actual(decision, rid, cached_tokens_in_events(events))
