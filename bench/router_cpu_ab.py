@@ -43,7 +43,9 @@ def checkout(commit: str, dest: Path) -> Path:
                              check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
     (dest / "server").rename(dest / "warmfleet" / "server")
-    (dest / "operator").rename(dest / "warmfleet" / "operator")
+    (dest / "warmfleet" / "operator").mkdir(exist_ok=True)
+    for part in (dest / "operator").iterdir():  # the operator's rooms (an older commit: its flat modules)
+        part.rename(dest / "warmfleet" / "operator" / part.name)
     return dest
 
 

@@ -396,7 +396,7 @@ def in_flight(text: str) -> float:
 def autoscaling_cfg(variant: str, lo: int, hi: int, target: float, window_s: int, up_s: int, down_s: int):
     """The operator's own spec.autoscaling: queued prefill tokens for cache_aware, the same field fed with
     in-flight requests (HPA-like: desired = ceil(requests / target)) for queue_only."""
-    from warmfleet.operator.spec import Autoscaling
+    from warmfleet.operator.spec.inference_service import Autoscaling
 
     return Autoscaling(min_replicas=lo, max_replicas=hi, target_queued_prefill_tokens=max(1, round(target)),
                        protect_hit_ratio=AUTOSCALERS[variant]["protect_hit_ratio"], metrics_window_seconds=window_s,
@@ -464,8 +464,8 @@ class AutoRun(Run):
     async def autoscale_loop(self) -> None:
         import httpx
 
-        from warmfleet.operator import autoscale_pass
-        from warmfleet.operator import autoscale_policy as a
+        from warmfleet.operator.passes import autoscale_pass
+        from warmfleet.operator.planning import autoscale_policy as a
 
         hist = a.History()
         cfg = self.cfg

@@ -106,7 +106,7 @@ class Fleet:
 def tiny_vl(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny-vl") / "model"
     work = out.parent
-    from warmfleet.operator.main import ENGINE_REPOSITORY
+    from warmfleet.operator.wiring.command import ENGINE_REPOSITORY
 
     proc = LocalProcess("make-tiny-model", [*warmfleet_command(ENGINE_REPOSITORY), "make-tiny-model", str(out), "--arch", "qwen2_vl"],
                         env=dict(os.environ), cwd=work, log_path=work / "make-tiny-model.log")

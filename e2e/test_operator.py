@@ -19,7 +19,7 @@ import yaml
 
 from conftest import (CHART, CRD_NAME, EXAMPLE, SERVING_LABEL, Example, LocalOperator, Release, is_ready, model_store)
 from e2e_support import Cluster, wait_for
-from warmfleet.operator.kube import is_subset
+from warmfleet.kube import is_subset
 
 REPO = Path(__file__).resolve().parent.parent
 SERVICE_LABEL = "serving.warmfleet.io/service"
@@ -525,10 +525,10 @@ def peer_service(kind: str, namespace: str) -> dict[str, Any]:
 @pytest.mark.parametrize("kind", ["vllm", "fastdeploy"])
 def test_peer_engines_reconcile_to_ready_with_their_rendered_flags(e2e_cluster: Cluster, local_operator: LocalOperator,
                                                                    namespace: str, kind: str) -> None:
-    from warmfleet.operator import engines
-    from warmfleet.operator.manifests import Images
-    from warmfleet.operator.nodes import node_info
-    from warmfleet.operator.reconcile import render
+    from warmfleet.operator.passes.reconcile import render
+    from warmfleet.operator.planning import engine_descriptions
+    from warmfleet.operator.planning.nodes import node_info
+    from warmfleet.operator.planning.objects import Images
 
     c = e2e_cluster
     obj = peer_service(kind, namespace)
@@ -560,7 +560,7 @@ def test_peer_engines_reconcile_to_ready_with_their_rendered_flags(e2e_cluster: 
         assert ctr["args"] == wctr["args"], name
         args = ctr["args"]
         assert args[args.index("--tensor-parallel-size") + 1] == str(gpr)
-        assert set(engines.render_flags(args)) - set(obj["spec"]["engine"].get("extraArgs", [])) <= set(engines.ENGINES[kind].flags)
+        assert set(engine_descriptions.render_flags(args)) - set(obj["spec"]["engine"].get("extraArgs", [])) <= set(engine_descriptions.ENGINES[kind].flags)
         assert quantity(ctr["resources"]["limits"]["nvidia.com/gpu"]) == gpr
         pool = next(p for p in st["pools"] if name.endswith(p["name"]))
         swap_flag = "--kv-offloading-size" if kind == "vllm" else "--swap-space"
@@ -666,9 +666,9 @@ def test_hf_source_reconciles_with_the_fetch_init_container_and_learns_config_js
     import base64
     import json as json_
 
-    from warmfleet.operator.nodes import node_info
-    from warmfleet.operator.manifests import Images
-    from warmfleet.operator.reconcile import render
+    from warmfleet.operator.passes.reconcile import render
+    from warmfleet.operator.planning.nodes import node_info
+    from warmfleet.operator.planning.objects import Images
 
     c = e2e_cluster
     config = {"architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl", "hidden_size": 3584,

@@ -11,8 +11,8 @@ import inspect
 import httpx
 import pytest
 
-from warmfleet.operator.crd import crd
-from warmfleet.operator.engines import ENGINES
+from warmfleet.operator.planning.engine_descriptions import ENGINES
+from warmfleet.operator.spec.crd import crd
 from warmfleet.server import engine_kinds
 from warmfleet.server.events import EventBatch, Snapshot
 from warmfleet.server.router.core.engines import Dialect, dialect_for

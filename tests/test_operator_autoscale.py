@@ -16,9 +16,9 @@ from operator_fixtures.kmock_apply import FakeVersionedEmulator
 from operator_fixtures.running import InProcessOperator, run_operator
 from operator_fixtures.shapes import h200, l4, service
 from waiting import poll, until
-from warmfleet.operator import autoscale_policy as a
-from warmfleet.operator.sizing import assign_replicas
-from warmfleet.operator.spec import Autoscaling, parse_spec
+from warmfleet.operator.planning import autoscale_policy as a
+from warmfleet.operator.planning.sizing import assign_replicas
+from warmfleet.operator.spec.inference_service import Autoscaling, parse_spec
 from warmfleet.server.router.core.metrics import RouterMetrics
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from warmfleet.operator import autoscale_policy as a
-from warmfleet.operator.spec import Autoscaling, parse_spec
+from warmfleet.operator.planning import autoscale_policy as a
+from warmfleet.operator.spec.inference_service import Autoscaling, parse_spec
 
 
 def autoscaling(**kw: Any) -> Autoscaling:

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from warmfleet.operator.crd import crd
-from warmfleet.operator.kube import RESOURCES
-from warmfleet.operator.reconcile import GATEWAY_KINDS, PRUNED_KINDS
-from warmfleet.operator.nodes import parse_quantity
+from warmfleet.operator.passes.kube_client import RESOURCES
+from warmfleet.operator.passes.reconcile import GATEWAY_KINDS, PRUNED_KINDS
+from warmfleet.operator.planning.nodes import parse_quantity
+from warmfleet.operator.spec.crd import crd
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "warmfleet"
@@ -179,7 +179,7 @@ def test_notes_tell_the_next_command(helm):
     # the inline example is a valid InferenceService
     doc = proc.stdout.split("cat <<'YAML' | kubectl apply -f -\n", 1)[1].split("  YAML\n", 1)[0]
     svc = yaml.safe_load("\n".join(line[2:] for line in doc.splitlines()))
-    from warmfleet.operator.spec import parse_spec
+    from warmfleet.operator.spec.inference_service import parse_spec
 
     assert svc["kind"] == "InferenceService" and parse_spec(svc["spec"]).replicas == 2
 
@@ -228,10 +228,10 @@ def test_service_monitor_scrapes_every_metrics_port(helm):
     """No ServiceMonitor schema offline (kubeconform skips the kind): its selector matches the Services the operator
     renders, and its endpoints are every port that serves /metrics, FastDeploy's separate one included."""
     from operator_fixtures.shapes import l4, service
-    from warmfleet.operator import engines
-    from warmfleet.operator.nodes import node_info
-    from warmfleet.operator.manifests import Images
-    from warmfleet.operator.reconcile import render
+    from warmfleet.operator.passes.reconcile import render
+    from warmfleet.operator.planning import engine_descriptions
+    from warmfleet.operator.planning.nodes import node_info
+    from warmfleet.operator.planning.objects import Images
 
     assert not [d for d in template(helm) if d["kind"] == "ServiceMonitor"]
     (sm,) = [d for d in template(helm, "metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.interval=15s")
@@ -248,10 +248,10 @@ def test_service_monitor_scrapes_every_metrics_port(helm):
             labels = svc["metadata"]["labels"]
             assert all(labels.get(k) == v for k, v in sm["spec"]["selector"]["matchLabels"].items()), svc["metadata"]
         replicas = next(s for s in svcs if s["metadata"]["name"].endswith("-replicas"))
-        load = engines.ENGINES[kind].load
+        load = engine_descriptions.ENGINES[kind].load
         metrics_port = load.port if load.via == "prometheus" else "http"  # where the engine serves /metrics
         assert metrics_port in scraped and metrics_port in {p["name"] for p in replicas["spec"]["ports"]}, (kind, load)
-    assert engines.ENGINES["fastdeploy"].load.port == "metrics"
+    assert engine_descriptions.ENGINES["fastdeploy"].load.port == "metrics"
 
 
 def test_alerts_use_only_metrics_the_router_and_replicas_export(helm):

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from warmfleet.operator.chartcrd import chart_crd_template
-from warmfleet.operator.crd import CRD_FILE, crd, crd_yaml
-from warmfleet.operator.schema import SpecError
-from warmfleet.operator.engines import ENGINES
-from warmfleet.operator.spec import EngineKind, InferenceServiceSpec, parse_spec
+from warmfleet.operator.planning.engine_descriptions import ENGINES
+from warmfleet.operator.spec.chart_crd import chart_crd_template
+from warmfleet.operator.spec.crd import CRD_FILE, crd, crd_yaml
+from warmfleet.operator.spec.inference_service import EngineKind, InferenceServiceSpec, parse_spec
+from warmfleet.operator.spec.schema import SpecError
 
 REPO = Path(__file__).resolve().parents[1]
 REGEN = "regenerate with `warmfleet operator crd --write .`"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from warmfleet.operator.diagnose import Diagnosis, claims_to_check, diagnose, pod_finding, slim_pod
-from warmfleet.operator.status import warnings
+from warmfleet.operator.planning.diagnose import Diagnosis, claims_to_check, diagnose, pod_finding, slim_pod
+from warmfleet.operator.planning.service_status import warnings
 
 T = "2026-11-30T11:56:41Z"
 PVC_SCHED = ('0/4 nodes are available: persistentvolumeclaim "model-store" not found. not found')  # kube-scheduler 1.37, seen on kwok

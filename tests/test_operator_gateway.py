@@ -9,19 +9,20 @@ import pytest
 
 from operator_fixtures.shapes import h200, l4, service
 from operator_fixtures.memory import MemoryKube
-from warmfleet.operator import gateway as g
-from warmfleet.operator import manifests as m
-from warmfleet.operator.crd import crd
-from warmfleet.operator.nodes import node_info
-from warmfleet.operator.reconcile import _apply_and_prune, owned, plan_for, render
-from warmfleet.operator.schema import SpecError
-from warmfleet.operator.spec import parse_spec
-from warmfleet.operator.status import healthy_status
+from warmfleet.operator.passes.reconcile import _apply_and_prune, owned, plan_for, render
+from warmfleet.operator.planning import engine_descriptions, model_volumes, objects, router_objects
+from warmfleet.operator.planning import gateway as g
+from warmfleet.operator.planning.nodes import node_info
+from warmfleet.operator.planning.service_status import healthy_status
+from warmfleet.operator.spec import constants
+from warmfleet.operator.spec.crd import crd
+from warmfleet.operator.spec.inference_service import parse_spec
+from warmfleet.operator.spec.schema import SpecError
 from warmfleet.server import flagfields
-from warmfleet.server.router.epp.settings import GRPC_PORT, EppSettings
+from warmfleet.server.router.epp.settings import EppSettings, GRPC_PORT
 from warmfleet.server.router.epp.settings import HTTP_PORT as EPP_HTTP_PORT
 
-IMAGES = m.Images(engine="engine:1", router="slim:1")
+IMAGES = objects.Images(engine="engine:1", router="slim:1")
 NODES = [node_info(h200("h1")), node_info(l4("l1"))]
 GATEWAY = {"name": "inference-gateway", "namespace": "gateway-system", "sectionName": "http"}
 
@@ -57,15 +58,15 @@ def test_inference_pool_selects_every_pools_server_pods_and_names_the_epp():
     pool = one(items, "InferencePool")
     assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
     sel = pool["spec"]["selector"]["matchLabels"]
-    servers = [d for d in items if d["kind"] == "Deployment" and d["metadata"]["labels"][m.COMPONENT_LABEL] == "server"]
+    servers = [d for d in items if d["kind"] == "Deployment" and d["metadata"]["labels"][constants.COMPONENT_LABEL] == "server"]
     assert len(servers) == 2  # one per node pool: the pool's selector covers both
     for dep in servers:
         assert sel.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
     epp = one(items, "Deployment", "qwen-epp")
     assert not sel.items() <= epp["spec"]["template"]["metadata"]["labels"].items()  # not the EPP's own pods
-    assert pool["spec"]["targetPorts"] == [{"number": m.HTTP_PORT}]
+    assert pool["spec"]["targetPorts"] == [{"number": engine_descriptions.HTTP_PORT}]
     server_ports = {p["containerPort"] for p in servers[0]["spec"]["template"]["spec"]["containers"][0]["ports"] if p["name"] == "http"}
-    assert server_ports == {m.HTTP_PORT}
+    assert server_ports == {engine_descriptions.HTTP_PORT}
     assert pool["spec"]["endpointPickerRef"] == {"kind": "Service", "name": "qwen-epp", "port": {"number": GRPC_PORT},
                                                  "failureMode": "FailOpen"}
     svc = one(items, "Service", "qwen-epp")
@@ -128,7 +129,7 @@ def test_epp_args_parse_with_epp_settings_and_render_back_the_same():
     assert got.peers is None
     assert flagfields.to_args(got, g.EPP_FIELDS) == args[1:]  # args → settings → args: the same pod spec
     # the same routing values as the router: one source, two front doors
-    router = m.router_settings(m.Owner("qwen", "default"), parse_spec(body["spec"]))
+    router = router_objects.router_settings(objects.Owner("qwen", "default"), parse_spec(body["spec"]))
     for f in ("discover_service", "host", "model", "engine", "block_size"):
         assert getattr(router, f) == getattr(got, f), f
     assert router.policy.epsilon == got.policy.epsilon
@@ -156,7 +157,7 @@ def test_one_epp_replica_gets_no_pdb():
     assert ("PodDisruptionBudget", "qwen-epp") not in kinds(items)
     assert one(items, "Deployment", "qwen-epp")["spec"]["replicas"] == 1
     pdb = one(render(gw_service({"replicas": 3}), NODES, IMAGES), "PodDisruptionBudget", "qwen-epp")
-    assert pdb["spec"]["maxUnavailable"] == 1 and pdb["spec"]["selector"]["matchLabels"] == m.routing_selector(m.Owner("qwen", "default"), "epp")
+    assert pdb["spec"]["maxUnavailable"] == 1 and pdb["spec"]["selector"]["matchLabels"] == router_objects.front_door_selector(objects.Owner("qwen", "default"), "epp")
 
 
 def test_gateway_only_with_mode_gateway():
@@ -265,7 +266,7 @@ def test_route_verdict_and_gateway_address_reach_status():
 def test_back_to_proxy_mode_removes_the_gateway_conditions():
     _, gst, _ = _status(gw_service({"gateway": GATEWAY}), epp_ready=1)
     owner, spec, plan = plan_for(service(spec={"replicas": 3}), NODES, IMAGES)
-    st = healthy_status(plan=plan, generation=2, model="qwen", endpoint=m.endpoint_url(owner, spec), selector="s",
+    st = healthy_status(plan=plan, generation=2, model="qwen", endpoint=objects.endpoint_url(owner, spec), selector="s",
                         ready_by_pool={}, router_ready=0, previous=gst, now="t2")
     assert not {c["type"] for c in st["conditions"]} & set(g.CONDITION_TYPES)
     _, st, _ = _status(gw_service(), epp_ready=1, previous=gst)  # no gateway any more: only HTTPRouteReady goes
@@ -286,17 +287,17 @@ def test_the_gateway_example_renders():
 
 def test_autoscaler_scrapes_the_endpoint_pickers_in_gateway_mode():
     """The EPP's HTTP side serves the routers' /metrics and /v1/router/replicas: the autoscaler reads those pods."""
-    from warmfleet.operator.autoscale_pass import router_urls
+    from warmfleet.operator.passes.autoscale_pass import router_urls
 
-    owner = m.Owner("qwen", "ml")
+    owner = objects.Owner("qwen", "ml")
     ready = {"status": {"podIP": "10.0.0.5", "conditions": [{"type": "Ready", "status": "True"}]}}
     assert router_urls(None, owner, EPP_HTTP_PORT, [ready], pod_port=EPP_HTTP_PORT, service="qwen-epp") == ["http://10.0.0.5:9090"]
     assert router_urls(None, owner, EPP_HTTP_PORT, [], pod_port=EPP_HTTP_PORT, service="qwen-epp") == ["http://qwen-epp.ml.svc:9090"]
-    assert router_urls(None, owner, 8000, [ready]) == [f"http://10.0.0.5:{m.HTTP_PORT}"]
+    assert router_urls(None, owner, 8000, [ready]) == [f"http://10.0.0.5:{engine_descriptions.HTTP_PORT}"]
 
 
 def test_missing_crd_retries_back_off_and_cap():
-    from warmfleet.operator.handlers import missing_crd_delay
+    from warmfleet.operator.wiring.handlers import missing_crd_delay
 
     delays = [missing_crd_delay(r) for r in range(10)]
     assert delays[:6] == [10, 20, 40, 80, 160, 300] and set(delays[6:]) == {300}
@@ -307,6 +308,6 @@ def test_epp_of_a_downloaded_model_fetches_only_the_tokenizer_like_the_router():
     body = gw_service(model={"source": "hf://acme/tiny-vl@main", "hiddenSize": 1536, "dtype": "bfloat16"})
     pod = one(render(body, NODES, IMAGES), "Deployment", "qwen-epp")["spec"]["template"]["spec"]
     (init,) = pod["initContainers"]
-    assert init["name"] == m.FETCH_CONTAINER and "--tokenizer-only" in init["args"]
+    assert init["name"] == model_volumes.FETCH_CONTAINER and "--tokenizer-only" in init["args"]
     args = pod["containers"][0]["args"]
     assert args[args.index("--model") + 1] == init["args"][init["args"].index("--dest") + 1]

@@ -10,7 +10,7 @@ import kmock
 
 from operator_fixtures.cluster import DEPLOY, ISVC, condition, eventually, obj, operator, seed, status
 from operator_fixtures.shapes import h200, service
-from warmfleet.operator import handlers
+from warmfleet.operator.wiring import handlers
 
 POOLS = "inference.networking.k8s.io/v1/inferencepools"
 ROUTES = "gateway.networking.k8s.io/v1/httproutes"

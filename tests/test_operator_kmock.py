@@ -10,7 +10,7 @@ from fakehub import FakeHub
 from operator_fixtures.cluster import (DEPLOY, ISVC, NODES, condition, eventually, obj, operator, seed, server_deployments,
                                        status, writes)
 from operator_fixtures.shapes import GiB, TiB, a100, h200, l4, service
-from warmfleet.operator.manifests import SIZING_HASH_ANNOTATION
+from warmfleet.operator.spec.constants import SIZING_HASH_ANNOTATION
 
 
 async def test_create_builds_children_and_status(cluster):

@@ -21,20 +21,21 @@ import yaml
 from operator_fixtures.memory import MemoryKube
 from operator_fixtures.shapes import a100, l4, service
 from warmfleet import fetch as fetch_mod
-from warmfleet.operator import adapters_pass, engines, lora
-from warmfleet.operator import manifests as m
-from warmfleet.operator import modelconfig as mc
-from warmfleet.operator.nodes import GiB, MiB, node_info
-from warmfleet.operator.reconcile import OperatorState, plan_for, render
-from warmfleet.operator.schema import SpecError
-from warmfleet.operator.sizing import LORA_GPU_SHARE
-from warmfleet.operator.spec import parse_spec
+from warmfleet.operator.passes import adapters_pass
+from warmfleet.operator.passes import model_config as mc
+from warmfleet.operator.passes.reconcile import OperatorState, plan_for, render
+from warmfleet.operator.planning import adapter_objects, engine_descriptions, lora_plan, objects
+from warmfleet.operator.planning.nodes import GiB, MiB, node_info
+from warmfleet.operator.planning.sizing import LORA_GPU_SHARE
+from warmfleet.operator.spec import constants
+from warmfleet.operator.spec.inference_service import parse_spec
+from warmfleet.operator.spec.schema import SpecError
 from warmfleet.server import config as server_config
 from warmfleet.server.config import LoraConfig, flag_of
 from warmfleet.source import ConfigSummary, summarize_config
 
 REPO = Path(__file__).resolve().parents[1]
-IMAGES = m.Images(engine="engine:1", router="slim:1")
+IMAGES = objects.Images(engine="engine:1", router="slim:1")
 VLLM = {"kind": "vllm", "image": "vllm/vllm-openai:v0.32.0"}
 # Qwen2.5-0.5B's language model
 SHAPE = {"numLayers": 24, "intermediateSize": 4864, "numAttentionHeads": 14, "numKeyValueHeads": 2}
@@ -53,7 +54,7 @@ def objs(body, nodes=(a100(),)):
 
 
 def servers(items):
-    return [d for d in items if d["kind"] == "Deployment" and d["metadata"]["labels"][m.COMPONENT_LABEL] == "server"]
+    return [d for d in items if d["kind"] == "Deployment" and d["metadata"]["labels"][constants.COMPONENT_LABEL] == "server"]
 
 
 def pod_spec(dep):
@@ -90,7 +91,7 @@ def test_warmfleet_renders_the_lora_limits_with_the_servers_own_flags_and_no_ada
     assert cfg.lora.lora_modules == []  # adapters are loaded at run time, never in the arguments
     for fname in ("enable_lora", "max_loras", "max_cpu_loras", "max_lora_rank"):
         assert flag_of(LoraConfig, fname) in args
-    assert set(engines.render_flags(args)) <= set(engines.WARMFLEET_FLAGS)
+    assert set(engine_descriptions.render_flags(args)) <= set(engine_descriptions.WARMFLEET_FLAGS)
 
 
 def test_warmfleet_renders_even_default_limits_explicitly():
@@ -118,20 +119,20 @@ def test_vllm_renders_its_own_lora_flags_and_runtime_updating():
     assert (flag_value(args, "--max-loras"), flag_value(args, "--max-lora-rank"), flag_value(args, "--max-cpu-loras")) == \
         ("2", "16", "6")
     assert "--lora-modules" not in args
-    assert set(engines.render_flags(args)) <= set(engines.VLLM_FLAGS)
+    assert set(engine_descriptions.render_flags(args)) <= set(engine_descriptions.VLLM_FLAGS)
     env = {e["name"]: e.get("value") for e in c["env"]}
-    assert env[engines.VLLM_RUNTIME_LORA_ENV] == "True"
+    assert env[engine_descriptions.VLLM_RUNTIME_LORA_ENV] == "True"
 
 
 def test_vllm_lora_flag_table():
     expected = {"--enable-lora", "--max-loras", "--max-lora-rank", "--max-cpu-loras"}
-    assert expected <= set(engines.VLLM_FLAGS)
+    assert expected <= set(engine_descriptions.VLLM_FLAGS)
     for flag in expected:
-        assert "vllm/engine/arg_utils.py" in engines.VLLM_FLAGS[flag].source
+        assert "vllm/engine/arg_utils.py" in engine_descriptions.VLLM_FLAGS[flag].source
 
 
 def test_vllm_takes_only_its_own_rank_choices():
-    assert engines.VLLM_LORA_RANKS == (1, 8, 16, 32, 64, 128, 256, 320, 512)
+    assert engine_descriptions.VLLM_LORA_RANKS == (1, 8, 16, 32, 64, 128, 256, 320, 512)
     with pytest.raises(SpecError, match="vLLM's --max-lora-rank takes one of 1, 8, 16"):
         objs(lora_service(engine=VLLM, lora_spec={**LORA, "maxLoraRank": 24}))
     (dep,) = servers(objs(lora_service(engine=VLLM, lora_spec={**LORA, "maxLoraRank": 320})))
@@ -186,7 +187,7 @@ def test_invalid_specs_say_what_is_wrong(change, message):
 
 
 def test_invalid_adapters_become_invalid_spec_status_and_event():
-    from warmfleet.operator.reconcile import reconcile
+    from warmfleet.operator.passes.reconcile import reconcile
 
     body = lora_service(adapters=[{"name": "qwen", "source": "/a"}])
     kube = MemoryKube()
@@ -309,8 +310,8 @@ def test_fetch_steps_read_the_adapters_config_map_with_fetch_models_own_flags():
                                    "s3": {"endpoint": "https://minio.example", "region": "eu-1"}})
     (dep,) = servers(objs(body))
     ps = pod_spec(dep)
-    (init,) = [c for c in ps["initContainers"] if c["name"] == m.ADAPTER_FETCH_CONTAINER]
-    (side,) = [c for c in ps["containers"] if c["name"] == m.ADAPTER_WATCH_CONTAINER]
+    (init,) = [c for c in ps["initContainers"] if c["name"] == adapter_objects.ADAPTER_FETCH_CONTAINER]
+    (side,) = [c for c in ps["containers"] if c["name"] == adapter_objects.ADAPTER_WATCH_CONTAINER]
     parser = argparse.ArgumentParser()
     fetch_mod.add_arguments(parser)
     for c, watch in ((init, None), (side, 30.0)):
@@ -325,7 +326,7 @@ def test_fetch_steps_read_the_adapters_config_map_with_fetch_models_own_flags():
     vols = {v["name"]: v for v in ps["volumes"]}
     assert vols["adapters-list"]["configMap"]["name"] == "qwen-adapters"
     assert vols["model-cache"]["hostPath"]["path"] == "/var/cache/warmfleet/models"
-    mount = next(x for x in server_container(dep)["volumeMounts"] if x["mountPath"] == lora.ADAPTERS_MOUNT)
+    mount = next(x for x in server_container(dep)["volumeMounts"] if x["mountPath"] == lora_plan.ADAPTERS_MOUNT)
     assert (mount["subPath"], mount["readOnly"]) == ("lora/default/qwen", True)
 
 
@@ -339,9 +340,9 @@ def test_with_an_hf_model_the_adapters_share_its_cache_volume():
 
 
 def test_fetched_adapter_paths_follow_their_source():
-    a = lora.adapter_path(parse_spec(lora_service()["spec"]), parse_spec(lora_service()["spec"]).adapters[0])
+    a = lora_plan.adapter_path(parse_spec(lora_service()["spec"]), parse_spec(lora_service()["spec"]).adapters[0])
     moved = lora_service(adapters=[{**SQL, "source": "hf://org/sql-lora@v2"}])
-    b = lora.adapter_path(parse_spec(moved["spec"]), parse_spec(moved["spec"]).adapters[0])
+    b = lora_plan.adapter_path(parse_spec(moved["spec"]), parse_spec(moved["spec"]).adapters[0])
     assert a.startswith("/adapters/sql-") and b.startswith("/adapters/sql-") and a != b
 
 
@@ -466,7 +467,7 @@ class SecretKube(MemoryKube):
 
 
 def server_pod(name, ip, ready=True):
-    labels = {**m.labels(m.Owner("qwen", "default"), "server", "p")}
+    labels = {**objects.labels(objects.Owner("qwen", "default"), "server", "p")}
     return {"kind": "Pod", "metadata": {"name": name, "labels": labels},
             "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
 
@@ -485,7 +486,7 @@ def run_pass(body, fakes, kube):
 
 def paths(body):
     spec = parse_spec(body["spec"])
-    return {a.name: lora.adapter_path(spec, a) for a in spec.adapters}
+    return {a.name: lora_plan.adapter_path(spec, a) for a in spec.adapters}
 
 
 def test_pass_loads_missing_unloads_extra_and_reports_per_adapter():

@@ -15,10 +15,11 @@ import pytest
 
 from operator_fixtures.shapes import a100, service
 from serve_replica import START_TIMEOUT_S, Replica
-from warmfleet.operator import adapters_pass
-from warmfleet.operator import manifests as m
-from warmfleet.operator.nodes import node_info
-from warmfleet.operator.reconcile import render
+from warmfleet.operator.passes import adapters_pass
+from warmfleet.operator.passes.reconcile import render
+from warmfleet.operator.planning import objects
+from warmfleet.operator.planning.nodes import node_info
+from warmfleet.operator.spec import constants
 from warmfleet.server.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
@@ -35,8 +36,8 @@ def rendered_server() -> dict:
                                   "modelShape": {"numLayers": 2, "intermediateSize": 128},
                                   "adminKeySecret": {"name": "admin", "key": "k"}},
                          "router": {"apiKeySecret": {"name": "keys", "key": "api-key"}}, "replicas": 1})
-    (dep,) = [o for o in render(body, [node_info(a100())], m.Images("e", "r")) if o["kind"] == "Deployment"
-              and o["metadata"]["labels"][m.COMPONENT_LABEL] == "server"]
+    (dep,) = [o for o in render(body, [node_info(a100())], objects.Images("e", "r")) if o["kind"] == "Deployment"
+              and o["metadata"]["labels"][constants.COMPONENT_LABEL] == "server"]
     return next(c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == "server")
 
 

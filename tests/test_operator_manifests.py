@@ -12,16 +12,16 @@ import pytest
 import yaml
 
 from operator_fixtures.shapes import GiB, TiB, a100, h200, l4, node, service
-from warmfleet.operator import engines
-from warmfleet.operator import manifests as m
-from warmfleet.operator.nodes import node_info, parse_quantity
-from warmfleet.operator.reconcile import render
-from warmfleet.operator.schema import SpecError
-from warmfleet.operator.spec import parse_spec
-from warmfleet.server import config as server_config
+from warmfleet.operator.passes.reconcile import render
+from warmfleet.operator.planning import engine_descriptions, objects, router_objects
+from warmfleet.operator.planning.nodes import node_info, parse_quantity
+from warmfleet.operator.spec import constants
+from warmfleet.operator.spec.inference_service import parse_spec
+from warmfleet.operator.spec.schema import SpecError
 from warmfleet.server import flagfields
+from warmfleet.server import config as server_config
 
-IMAGES = m.Images(engine="engine:1", router="slim:1")  # the operator's --default-image and --router-image
+IMAGES = objects.Images(engine="engine:1", router="slim:1")  # the operator's --default-image and --router-image
 
 REPO = Path(__file__).resolve().parents[1]
 NODES = [h200("h200-a"), h200("h200-b"), a100("a100-a"), l4("l4-a"), node("cpu-a")]
@@ -36,7 +36,7 @@ def by_kind(items, kind):
 
 
 def servers(items):
-    return [d for d in by_kind(items, "Deployment") if d["metadata"]["labels"][m.COMPONENT_LABEL] == "server"]
+    return [d for d in by_kind(items, "Deployment") if d["metadata"]["labels"][constants.COMPONENT_LABEL] == "server"]
 
 
 def container(dep):
@@ -71,14 +71,14 @@ def test_server_args_parse_with_the_servers_own_argparse():
         c = container(dep)
         cfg = parse_server_args(c["args"])
         report = yaml.safe_load(by_kind(items, "ConfigMap")[0]["data"]["sizing.json"])
-        pool = next(p for p in report["pools"] if p["name"] == dep["metadata"]["labels"][m.POOL_LABEL])
+        pool = next(p for p in report["pools"] if p["name"] == dep["metadata"]["labels"][constants.POOL_LABEL])
         assert cfg.cache.swap_space == pool["sizes"]["swapSpaceGib"]
         assert cfg.cache.max_encoder_cache == pool["sizes"]["encoderCacheTokens"]
         assert cfg.cache.max_processor_cache == pool["sizes"]["processorCacheGib"]
         assert (cfg.cache.block_size, cfg.cache.enable_prefix_caching) == (128, False)
         assert cfg.scheduler.max_num_seqs == 32
         assert (cfg.model.model, cfg.model.served_model_name) == ("/models/qwen", "qwen")
-        assert (cfg.server.host, cfg.server.port, cfg.server.kv_events_port) == ("0.0.0.0", m.HTTP_PORT, m.KV_EVENTS_PORT)
+        assert (cfg.server.host, cfg.server.port, cfg.server.kv_events_port) == ("0.0.0.0", engine_descriptions.HTTP_PORT, engine_descriptions.KV_EVENTS_PORT)
         assert cfg.server.replica_id == "$(POD_NAME)"
 
 
@@ -110,7 +110,7 @@ def test_server_pod_resources_shm_probes_and_security():
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert c["securityContext"]["allowPrivilegeEscalation"] is False
-    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": m.HTTP_PORT, "kv-events": m.KV_EVENTS_PORT}
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": engine_descriptions.HTTP_PORT, "kv-events": engine_descriptions.KV_EVENTS_PORT}
     spread = pod["topologySpreadConstraints"][0]
     assert spread["topologyKey"] == "kubernetes.io/hostname"
     assert spread["labelSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
@@ -127,11 +127,11 @@ def test_node_affinity_pins_the_pool_shape():
 
 def test_replicas_split_across_pools_and_pdb():
     items = objs()
-    replicas = {d["metadata"]["labels"][m.POOL_LABEL].split("-")[0]: d["spec"]["replicas"] for d in servers(items)}
+    replicas = {d["metadata"]["labels"][constants.POOL_LABEL].split("-")[0]: d["spec"]["replicas"] for d in servers(items)}
     assert replicas == {"a100": 3, "h200": 7, "l4": 2}
     pdb, router_pdb = by_kind(items, "PodDisruptionBudget")
     assert pdb["spec"]["maxUnavailable"] == 1
-    assert pdb["spec"]["selector"]["matchLabels"] == m.server_selector(m.Owner("qwen", "default"))
+    assert pdb["spec"]["selector"]["matchLabels"] == objects.server_selector(objects.Owner("qwen", "default"))
     # the routers have their own: a node drain never evicts every router at once (kube-score's
     # deployment-has-poddisruptionbudget; docs/security.md)
     router = next(d for d in by_kind(items, "Deployment") if d["metadata"]["name"] == "qwen-router")
@@ -153,7 +153,7 @@ def test_changed_allocatable_rolls_only_that_pool():
     assert len(changed) == 1 and "h200" in changed.pop()
     for name, tpl in after.items():
         if "h200" in name:
-            assert tpl["metadata"]["annotations"][m.SIZING_HASH_ANNOTATION] != before[name]["metadata"]["annotations"][m.SIZING_HASH_ANNOTATION]
+            assert tpl["metadata"]["annotations"][constants.SIZING_HASH_ANNOTATION] != before[name]["metadata"]["annotations"][constants.SIZING_HASH_ANNOTATION]
 
 
 def test_headless_service_router_and_rbac():
@@ -171,7 +171,7 @@ def test_headless_service_router_and_rbac():
     assert rc["args"][rc["args"].index("--discover-service") + 1] == "default/qwen-replicas"
     assert rc["args"][rc["args"].index("--model") + 1] == "/models/qwen"
     assert rc["args"][rc["args"].index("--host") + 1] == "0.0.0.0"
-    assert rc["args"][rc["args"].index("--peers") + 1] == f"http://qwen-router-peers.default.svc:{m.HTTP_PORT}"
+    assert rc["args"][rc["args"].index("--peers") + 1] == f"http://qwen-router-peers.default.svc:{engine_descriptions.HTTP_PORT}"
     assert router["spec"]["replicas"] == 3
     assert router["spec"]["template"]["spec"]["serviceAccountName"] == "qwen-router"
     env = {e["name"]: e for e in rc["env"]}
@@ -193,10 +193,10 @@ def test_router_args_parse_with_the_routers_own_argparse():
     parser = argparse.ArgumentParser()
     main.add_arguments(parser)
     got = runtime.settings_from_args(parser.parse_args(args[1:]))
-    assert (got.discover_service, got.host, got.port, got.model) == ("default/qwen-replicas", "0.0.0.0", m.HTTP_PORT, "/models/qwen")
+    assert (got.discover_service, got.host, got.port, got.model) == ("default/qwen-replicas", "0.0.0.0", engine_descriptions.HTTP_PORT, "/models/qwen")
     assert got.policy.epsilon == 0.5 and got.block_size == 32
-    assert got.peers == f"http://qwen-router-peers.default.svc:{m.HTTP_PORT}"
-    assert flagfields.to_args(got, m.ROUTER_FIELDS) == args[1:]  # args → settings → args: the same pod spec
+    assert got.peers == f"http://qwen-router-peers.default.svc:{engine_descriptions.HTTP_PORT}"
+    assert flagfields.to_args(got, router_objects.ROUTER_FIELDS) == args[1:]  # args → settings → args: the same pod spec
 
 
 def test_pvc_is_mounted_read_only():
@@ -300,7 +300,7 @@ def flag_value(args, flag):
 
 def report_pool(items, dep):
     report = yaml.safe_load(by_kind(items, "ConfigMap")[0]["data"]["sizing.json"])
-    return next(p for p in report["pools"] if p["name"] == dep["metadata"]["labels"][m.POOL_LABEL])
+    return next(p for p in report["pools"] if p["name"] == dep["metadata"]["labels"][constants.POOL_LABEL])
 
 
 def test_vllm_args_carry_sizes_in_its_own_flags_and_units():
@@ -312,7 +312,7 @@ def test_vllm_args_carry_sizes_in_its_own_flags_and_units():
         assert c["image"] == VLLM["image"]
         assert c["command"] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
         assert (flag_value(args, "--model"), flag_value(args, "--served-model-name")) == ("/models/q", "qwen")
-        assert (flag_value(args, "--host"), flag_value(args, "--port")) == ("0.0.0.0", str(m.HTTP_PORT))
+        assert (flag_value(args, "--host"), flag_value(args, "--port")) == ("0.0.0.0", str(engine_descriptions.HTTP_PORT))
         assert flag_value(args, "--block-size") == "64" and "--enable-prefix-caching" in args
         assert flag_value(args, "--prefix-caching-hash-algo") == "sha256_cbor"
         assert float(flag_value(args, "--kv-offloading-size")) == pool["sizes"]["swapSpaceGib"] > 0
@@ -324,8 +324,8 @@ def test_vllm_args_carry_sizes_in_its_own_flags_and_units():
         # no encoder-cache size: vLLM has no such flag and sizes it from max_num_batched_tokens
         assert "encoderCacheTokens" not in pool["sizes"] and not any("encoder" in a for a in args if a.startswith("--"))
         events = json.loads(flag_value(args, "--kv-events-config"))
-        assert events == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{engines.KV_EVENTS_PORT}",
-                          "replay_endpoint": f"tcp://*:{engines.KV_REPLAY_PORT}", "topic": "kv-events"}
+        assert events == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{engine_descriptions.KV_EVENTS_PORT}",
+                          "replay_endpoint": f"tcp://*:{engine_descriptions.KV_REPLAY_PORT}", "topic": "kv-events"}
         env = {e["name"]: e.get("value") for e in c["env"]}
         assert env["PYTHONHASHSEED"] == "0" and "POD_NAME" not in env
         shm = next(v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "dshm")["emptyDir"]
@@ -338,7 +338,7 @@ def test_fastdeploy_args_carry_sizes_in_its_own_flags_and_units():
         c, pool = container(dep), report_pool(items, dep)
         args = c["args"]
         assert c["command"] == ["python3", "-m", "fastdeploy.entrypoints.openai.api_server"]
-        assert flag_value(args, "--metrics-port") == str(engines.METRICS_PORT)
+        assert flag_value(args, "--metrics-port") == str(engine_descriptions.METRICS_PORT)
         assert "--no-enable-prefix-caching" in args and "--enable-prefix-caching" not in args
         # GiB as is: FastDeploy's source multiplies --swap-space by 1024**3 (its docs say GB)
         assert float(flag_value(args, "--swap-space")) == pool["sizes"]["swapSpaceGib"] > 0
@@ -359,7 +359,7 @@ def test_a_cpu_tier_of_zero_is_left_out_not_passed_as_zero():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_rendered_flag_is_in_the_engines_flag_table(kind):
-    engine = engines.ENGINES[kind]
+    engine = engine_descriptions.ENGINES[kind]
     variants = [{}, {"cache": {"prefixCaching": False, "swapSpace": {"mode": "Fixed", "size": 0}}},
                 {"model": {"path": "/m", "maxModelLen": 4096}, "cache": {"processorCache": {"mode": "Fixed", "size": 0}}}]
     if engine.tensor_parallel:
@@ -367,7 +367,7 @@ def test_every_rendered_flag_is_in_the_engines_flag_table(kind):
     seen = set()
     for extra in variants:
         for dep in servers(objs(engine_service(kind, **extra))):
-            flags = engines.render_flags(container(dep)["args"])
+            flags = engine_descriptions.render_flags(container(dep)["args"])
             assert flags and set(flags) <= set(engine.flags), set(flags) - set(engine.flags)
             seen |= set(flags)
     sized = {"warmfleet": {"--swap-space", "--max-encoder-cache", "--max-processor-cache"},
@@ -382,7 +382,7 @@ def test_warmfleet_flag_table_is_the_servers_own_config():
     parser = argparse.ArgumentParser()
     server_config.add_arguments(parser)
     accepted = {s for a in parser._actions for s in a.option_strings}
-    assert set(engines.WARMFLEET_FLAGS) <= accepted
+    assert set(engine_descriptions.WARMFLEET_FLAGS) <= accepted
 
 
 def test_extra_args_come_last_so_they_override():
@@ -401,7 +401,7 @@ def test_gpus_per_replica_is_tensor_parallelism_for_peer_engines(kind):
         c = container(dep)
         assert flag_value(c["args"], "--tensor-parallel-size") == "2"
         assert c["resources"]["requests"]["nvidia.com/gpu"] == c["resources"]["limits"]["nvidia.com/gpu"] == "2"
-        assert report_pool(items, dep)["sizes"]["replicasPerNode"] == {"h200": 4, "a100": 4, "l4": 2}[dep["metadata"]["labels"][m.POOL_LABEL].split("-")[0]]
+        assert report_pool(items, dep)["sizes"]["replicasPerNode"] == {"h200": 4, "a100": 4, "l4": 2}[dep["metadata"]["labels"][constants.POOL_LABEL].split("-")[0]]
 
 
 def test_warmfleet_with_several_gpus_per_replica_is_an_invalid_spec():
@@ -432,7 +432,7 @@ def test_ports_per_engine_on_pods_and_the_headless_service(kind, ports):
     assert {p["name"]: p["containerPort"] for p in container(dep)["ports"]} == ports
     headless = next(s for s in by_kind(items, "Service") if s["metadata"]["name"] == "qwen-replicas")
     assert {p["name"]: (p["port"], p["targetPort"]) for p in headless["spec"]["ports"]} == {n: (v, n) for n, v in ports.items()}
-    load = engines.ENGINES[kind].load
+    load = engine_descriptions.ENGINES[kind].load
     assert load.port in ports  # where the router reads load is a port the Service exposes
 
 
@@ -508,13 +508,13 @@ def test_render_command_shows_all_three_engines():
 
 
 def test_pool_status_names_the_engine():
-    from warmfleet.operator.plan import make_plan
-    from warmfleet.operator.status import healthy_status
+    from warmfleet.operator.planning.plan import make_plan
+    from warmfleet.operator.planning.service_status import healthy_status
 
     for kind in KINDS:
         body = engine_service(kind)
         spec = parse_spec(body["spec"])
-        plan = make_plan(m.Owner("qwen", "default"), spec, [node_info(h200())], m.images_for(spec, IMAGES))
+        plan = make_plan(objects.Owner("qwen", "default"), spec, [node_info(h200())], objects.images_for(spec, IMAGES))
         st = healthy_status(plan=plan, generation=1, model="qwen", endpoint="", selector="", ready_by_pool={},
                             router_ready=0, previous={}, now="2026-01-01T00:00:00Z")
         assert [p["engine"] for p in st["pools"]] == [kind]
@@ -527,14 +527,14 @@ def test_pool_status_names_the_engine():
 def test_every_container_runs_as_the_images_user_with_bounded_ephemeral_storage(kind, source):
     model = {"source": source, "hiddenSize": 1536, "dtype": "bfloat16"} if source else {"path": "/models/qwen"}
     deps = by_kind(objs(engine_service(kind, model=model), [l4()]), "Deployment")
-    assert sorted(d["metadata"]["labels"][m.COMPONENT_LABEL] for d in deps) == ["router", "server"]
+    assert sorted(d["metadata"]["labels"][constants.COMPONENT_LABEL] for d in deps) == ["router", "server"]
     for dep in deps:
         pod = dep["spec"]["template"]["spec"]
         sec = pod["securityContext"]
         # the images' own user (Dockerfile: useradd --uid 10001), above 10000: no node account shares it
         assert (sec["runAsUser"], sec["runAsGroup"], sec["fsGroup"], sec["runAsNonRoot"]) == (10001, 10001, 10001, True)
         disk = [v["emptyDir"] for v in pod["volumes"] if "emptyDir" in v and v["emptyDir"].get("medium") != "Memory"]
-        want = sum(parse_quantity(e["sizeLimit"]) for e in disk) + m.LOG_MIB * 2**20
+        want = sum(parse_quantity(e["sizeLimit"]) for e in disk) + objects.LOG_MIB * 2**20
         containers = pod["containers"] + pod.get("initContainers", [])
         assert len(containers) == (2 if source else 1)
         for c in containers:
@@ -542,17 +542,17 @@ def test_every_container_runs_as_the_images_user_with_bounded_ephemeral_storage(
             got = {parse_quantity(res["requests"]["ephemeral-storage"]), parse_quantity(res["limits"]["ephemeral-storage"])}
             assert got == {want}, (dep["metadata"]["name"], c["name"], res)
             assert res["limits"]["memory"] and res["limits"]["cpu"]  # every container is bounded
-    server = next(d for d in deps if d["metadata"]["labels"][m.COMPONENT_LABEL] == "server")
-    router = next(d for d in deps if d["metadata"]["labels"][m.COMPONENT_LABEL] == "router")
+    server = next(d for d in deps if d["metadata"]["labels"][constants.COMPONENT_LABEL] == "server")
+    router = next(d for d in deps if d["metadata"]["labels"][constants.COMPONENT_LABEL] == "router")
     # engines never call the API server; routers do (EndpointSlices), with their own ServiceAccount
     assert server["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
     assert "automountServiceAccountToken" not in router["spec"]["template"]["spec"]
     assert router["spec"]["template"]["spec"]["serviceAccountName"] == "qwen-router"
     tmp = next(v for v in server["spec"]["template"]["spec"]["volumes"] if v["name"] == "tmp")["emptyDir"]
-    assert parse_quantity(tmp["sizeLimit"]) == engines.ENGINES[kind].tmp_gib * GiB
+    assert parse_quantity(tmp["sizeLimit"]) == engine_descriptions.ENGINES[kind].tmp_gib * GiB
     # spelled as the API server spells it back (the e2e suite compares live objects with rendered ones)
-    assert m.pod_ephemeral_storage([{"name": "t", "emptyDir": {"sizeLimit": "768Mi"}}]) == {"ephemeral-storage": "1Gi"}
-    assert m.pod_ephemeral_storage([{"name": "t", "emptyDir": {"sizeLimit": "1Gi"}},
+    assert objects.pod_ephemeral_storage([{"name": "t", "emptyDir": {"sizeLimit": "768Mi"}}]) == {"ephemeral-storage": "1Gi"}
+    assert objects.pod_ephemeral_storage([{"name": "t", "emptyDir": {"sizeLimit": "1Gi"}},
                                     {"name": "s", "emptyDir": {"medium": "Memory", "sizeLimit": "5Gi"}}]) == {"ephemeral-storage": "1280Mi"}
 
 

@@ -17,12 +17,13 @@ from fakehub import FakeHub
 from operator_fixtures.cluster import DEPLOY, ISVC, condition, eventually, obj, operator, seed, server_deployments, status
 from operator_fixtures.shapes import h200, l4, service
 from warmfleet import fetch
-from warmfleet.operator import manifests as m
-from warmfleet.operator import modelconfig as mc
-from warmfleet.operator.nodes import node_info
-from warmfleet.operator.reconcile import render
-from warmfleet.operator.schema import SpecError
-from warmfleet.operator.spec import parse_spec
+from warmfleet.operator.passes import model_config as mc
+from warmfleet.operator.passes.reconcile import render
+from warmfleet.operator.planning import objects
+from warmfleet.operator.planning.nodes import node_info
+from warmfleet.operator.spec import constants
+from warmfleet.operator.spec.inference_service import parse_spec
+from warmfleet.operator.spec.schema import SpecError
 from warmfleet.source import ConfigSummary
 
 SECRETS = "v1/secrets"
@@ -235,12 +236,12 @@ def test_the_cache_keeps_reads_fresh_and_retries_failures_sooner():
 def rendered(model: dict, engine: dict | None = None, nodes=(l4(),)) -> list[dict]:
     spec = {"model": model, **({"engine": engine} if engine else {})}
     body = service(spec=spec)
-    return render(body, [node_info(n) for n in nodes], m.Images(engine="engine:1", router="slim:1"),
+    return render(body, [node_info(n) for n in nodes], objects.Images(engine="engine:1", router="slim:1"),
                   learned=mc.Learned(model.get("source", ""), ConfigSummary("A", "t", 1536, "bfloat16", True, None), "c"))
 
 
 def pods(items: list[dict]) -> dict[str, dict]:
-    return {d["metadata"]["labels"][m.COMPONENT_LABEL]: d["spec"]["template"]["spec"] for d in items if d["kind"] == "Deployment"}
+    return {d["metadata"]["labels"][constants.COMPONENT_LABEL]: d["spec"]["template"]["spec"] for d in items if d["kind"] == "Deployment"}
 
 
 def test_hf_source_renders_a_fetch_init_container_and_the_cache_volume():
@@ -369,7 +370,7 @@ def test_render_reads_config_json_and_says_when_it_cannot(hub, tmp_path, capsys,
 
 
 def test_a_status_patch_removes_what_model_config_lost():
-    from warmfleet.operator.status import status_patch
+    from warmfleet.operator.planning.service_status import status_patch
 
     old = {"modelConfig": {"source": "hf://a/b", "configJson": {"hiddenSize": 1}, "message": ""}, "ready": "True"}
     new = {"modelConfig": {"source": "/m", "message": ""}, "ready": "True"}

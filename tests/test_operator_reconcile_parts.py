@@ -7,13 +7,20 @@ from typing import Any
 
 from operator_fixtures.memory import MemoryKube
 from operator_fixtures.shapes import h200, service
-from warmfleet.operator import manifests as m
-from warmfleet.operator.nodes import node_info
-from warmfleet.operator.reconcile import (
-    OperatorState, _apply_and_prune, _post_new_warnings, _report_invalid_spec, owned, plan_for, ready_replicas,
+from warmfleet.operator.passes.reconcile import (
+    OperatorState,
+    _apply_and_prune,
+    _post_new_warnings,
+    _report_invalid_spec,
+    owned,
+    plan_for,
+    ready_replicas,
 )
+from warmfleet.operator.planning import objects
+from warmfleet.operator.planning.nodes import node_info
+from warmfleet.operator.spec import constants
 
-IMAGES = m.Images(engine="engine:1", router="slim:1")
+IMAGES = objects.Images(engine="engine:1", router="slim:1")
 
 
 class Events(list):
@@ -24,7 +31,7 @@ class Events(list):
 def stale_pool(body: dict[str, Any], name: str, owner_uid: str) -> dict[str, Any]:
     """A server Deployment of a pool the plan no longer has."""
     return {"kind": "Deployment", "metadata": {"name": name, "ownerReferences": [{"uid": owner_uid}],
-            "labels": {m.SERVICE_LABEL: body["metadata"]["name"], m.COMPONENT_LABEL: "server", **m.MANAGED_BY}}}
+            "labels": {constants.SERVICE_LABEL: body["metadata"]["name"], constants.COMPONENT_LABEL: "server", **constants.MANAGED_BY}}}
 
 
 async def test_apply_and_prune_applies_every_child_and_deletes_only_owned_stale_pools():
@@ -44,8 +51,8 @@ def test_ready_replicas_reads_each_pool_and_the_router_from_the_applied_objects(
     body = service(spec={"replicas": 2})
     owner, _, plan = plan_for(body, [node_info(h200())], IMAGES)
     pool = plan.pools[0].pool.name
-    live = {("Deployment", m.k8s_name("qwen", pool)): {"status": {"readyReplicas": 2}},
-            ("Deployment", m.names(owner)["router"]): {"status": {"readyReplicas": 1}}}
+    live = {("Deployment", objects.k8s_name("qwen", pool)): {"status": {"readyReplicas": 2}},
+            ("Deployment", objects.names(owner)["router"]): {"status": {"readyReplicas": 1}}}
     assert ready_replicas(plan, live, "qwen", owner) == ({pool: 2}, 1)
     assert ready_replicas(plan, {}, "qwen", owner) == ({pool: 0}, 0)  # not applied yet / no status
 

@@ -7,10 +7,10 @@ import itertools
 import pytest
 
 from operator_fixtures.shapes import GiB, TiB, a100, h200, l4, node
-from warmfleet.operator.nodes import derive_pools, format_bytes, node_info, parse_quantity
-from warmfleet.operator.engines import VLLM_OFFLOAD_HOST_OVERHEAD, engine_of
-from warmfleet.operator.sizing import assign_replicas, size_pool, sizes_hash
-from warmfleet.operator.spec import parse_spec
+from warmfleet.operator.planning.engine_descriptions import VLLM_OFFLOAD_HOST_OVERHEAD, engine_of
+from warmfleet.operator.planning.nodes import derive_pools, format_bytes, node_info, parse_quantity
+from warmfleet.operator.planning.sizing import assign_replicas, size_pool, sizes_hash
+from warmfleet.operator.spec.inference_service import parse_spec
 
 MiB = 1 << 20
 
@@ -301,7 +301,7 @@ def test_assign_replicas_invariants():
 def test_replica_split_is_monotone_proportional_and_capped():
     import itertools
 
-    from warmfleet.operator.sizing import assign_replicas
+    from warmfleet.operator.planning.sizing import assign_replicas
 
     assert assign_replicas(3, [1, 3, 3]) == [1, 1, 1] and assign_replicas(4, [1, 3, 3]) == [1, 2, 1]
     for caps in itertools.product(range(0, 5), repeat=3):

@@ -3,10 +3,15 @@ does not fit (pure)."""
 
 from __future__ import annotations
 
-from warmfleet.operator.engines import engine_of
-from warmfleet.operator.nodes import GiB
-from warmfleet.operator.sizing import MIN_GPU_MEMORY_UTILIZATION, _processor_cache_gib, _swap_space_gib, why_unfit
-from warmfleet.operator.spec import PoolInputs, PoolSizes, parse_spec
+from warmfleet.operator.planning.engine_descriptions import engine_of
+from warmfleet.operator.planning.nodes import GiB
+from warmfleet.operator.planning.sizing import (
+    MIN_GPU_MEMORY_UTILIZATION,
+    _processor_cache_gib,
+    _swap_space_gib,
+    why_unfit,
+)
+from warmfleet.operator.spec.inference_service import PoolInputs, PoolSizes, parse_spec
 
 
 def cache(**kw):

@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator
 import kmock
 import kopf
 
-from warmfleet.operator.handlers import make_registry
+from warmfleet.operator.wiring.handlers import make_registry
 
 _numbers = itertools.count(1)
 

@@ -26,8 +26,8 @@ from typing import Callable, Iterator, Optional
 import httpx
 import pytest
 
-from warmfleet.localprocs import free_port
 from warmfleet.livefleet import wait_for
+from warmfleet.localprocs import free_port
 
 BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
 STARTUP_S = 300.0
@@ -60,9 +60,9 @@ L4_NODE = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "l4-a", "lab
 
 def rendered_containers() -> tuple[dict, dict]:
     """The server and router containers the operator renders for SPEC on one L4 node."""
-    from warmfleet.operator.manifests import Images
-    from warmfleet.operator.nodes import node_info
-    from warmfleet.operator.reconcile import render
+    from warmfleet.operator.passes.reconcile import render
+    from warmfleet.operator.planning.nodes import node_info
+    from warmfleet.operator.planning.objects import Images
 
     svc = {"apiVersion": "serving.warmfleet.io/v1alpha1", "kind": "InferenceService",
            "metadata": {"name": "vllm-it", "namespace": "default"}, "spec": SPEC}

@@ -7,9 +7,9 @@ import json
 import os
 import subprocess
 
-from warmfleet.operator.manifests import Images
-from warmfleet.operator.nodes import node_info
-from warmfleet.operator.reconcile import render
+from warmfleet.operator.passes.reconcile import render
+from warmfleet.operator.planning.nodes import node_info
+from warmfleet.operator.planning.objects import Images
 
 from .conftest import L4_NODE
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from warmfleet.livefleet import wait_for
-from warmfleet.operator import adapters_pass
+from warmfleet.operator.passes import adapters_pass
 from warmfleet.server.tiny_checkpoints.lora import make_tiny_adapter
 
 from .conftest import routed_fleet

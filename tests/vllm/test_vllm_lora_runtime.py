@@ -14,10 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from warmfleet.operator import adapters_pass
-from warmfleet.operator.manifests import Images
-from warmfleet.operator.nodes import node_info
-from warmfleet.operator.reconcile import render
+from warmfleet.operator.passes import adapters_pass
+from warmfleet.operator.passes.reconcile import render
+from warmfleet.operator.planning.nodes import node_info
+from warmfleet.operator.planning.objects import Images
 from warmfleet.server.tiny_checkpoints.lora import make_tiny_adapter
 
 from .conftest import L4_NODE, SPEC, VllmReplica, substitute

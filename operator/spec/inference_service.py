@@ -3,19 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, ClassVar, Literal, Optional
 
-from warmfleet.operator.schema import Rule, from_dict, prop
+from warmfleet.operator.spec.schema import Rule, from_dict, prop
 from warmfleet.server import engine_kinds
-from warmfleet.source import DOTDOT_PATTERN, SOURCE_FORMS, SOURCE_PATTERN, check_source
-
-GROUP = "serving.warmfleet.io"
-VERSION = "v1alpha1"
-KIND = "InferenceService"
-PLURAL = "inferenceservices"
-SINGULAR = "inferenceservice"
-SHORT_NAMES = ["wfis"]  # not `isvc`: KServe owns that one
-CATEGORIES = ["warmfleet"]
+from warmfleet.source import DOTDOT_PATTERN, ModelSource, SOURCE_FORMS, SOURCE_PATTERN, check_source, parse_source
 
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 Mode = Literal["Auto", "Fixed"]
@@ -162,6 +155,11 @@ class ModelSpec:
         ("!has(self.s3) || (has(self.source) && self.source.startsWith('s3://'))", "s3 applies to s3:// sources only",
          lambda m: m.s3 is None or (m.source or "").startswith("s3://")),
     ]
+
+    @cached_property
+    def parsed_source(self) -> ModelSource | None:
+        """`source` parsed once (every builder of the children reads it); None for the older path (+ pvc) form."""
+        return parse_source(self.source) if self.source else None
 
 
 @dataclass(kw_only=True)

@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from warmfleet.operator import manifests as m
-from warmfleet.operator.engines import HTTP_PORT
-from warmfleet.operator.spec import InferenceServiceSpec
+from warmfleet.operator.planning import objects, router_objects
+from warmfleet.operator.planning.engine_descriptions import HTTP_PORT
+from warmfleet.operator.spec.inference_service import InferenceServiceSpec
 from warmfleet.server.flagfields import to_args
-from warmfleet.server.router.epp.settings import GRPC_PORT, EppSettings
+from warmfleet.server.router.epp.settings import EppSettings, GRPC_PORT
 from warmfleet.server.router.epp.settings import HTTP_PORT as EPP_HTTP_PORT
 
 # The kinds gateway mode writes, and the CRDs that serve them (a cluster may lack either: reconcile.py asks discovery)
@@ -37,25 +37,25 @@ EPP_FIELDS = ("discover_service", "host", "port", "http_port", "model", "policy.
 ROUTE_REQUEST_TIMEOUT = "600s"
 
 
-def names(owner: m.Owner) -> dict[str, str]:
+def names(owner: objects.Owner) -> dict[str, str]:
     """Names of the gateway-mode children: the pool and route carry the service's name, the EPP's objects `-epp`."""
-    return {"pool": m.k8s_name(owner.name), "route": m.k8s_name(owner.name), "epp": m.k8s_name(owner.name, "epp")}
+    return {"pool": objects.k8s_name(owner.name), "route": objects.k8s_name(owner.name), "epp": objects.k8s_name(owner.name, "epp")}
 
 
-def epp_settings(owner: m.Owner, spec: InferenceServiceSpec) -> EppSettings:
+def epp_settings(owner: objects.Owner, spec: InferenceServiceSpec) -> EppSettings:
     """What the endpoint picker runs with: the router's `routing_values`, the gRPC port and the HTTP side port."""
-    return EppSettings(**m.routing_values(owner, spec), port=GRPC_PORT, http_port=EPP_HTTP_PORT)
+    return EppSettings(**router_objects.front_door_values(owner, spec), port=GRPC_PORT, http_port=EPP_HTTP_PORT)
 
 
-def epp_args(owner: m.Owner, spec: InferenceServiceSpec) -> list[str]:
+def epp_args(owner: objects.Owner, spec: InferenceServiceSpec) -> list[str]:
     """`warmfleet epp` arguments: EPP_FIELDS of `epp_settings`, rendered by the settings' own flags."""
     return [*EPP_COMMAND[1:], *to_args(epp_settings(owner, spec), EPP_FIELDS)]
 
 
-def epp_deployment(owner: m.Owner, spec: InferenceServiceSpec, image: str) -> dict[str, Any]:
+def epp_deployment(owner: objects.Owner, spec: InferenceServiceSpec, image: str) -> dict[str, Any]:
     """The endpoint picker's Deployment: the router's pod (routing_deployment) running `warmfleet epp`, with gRPC
     probes on the health services the EPP serves beside ext_proc."""
-    return m.routing_deployment(owner, spec, image, m.RoutingPod(
+    return router_objects.front_door_deployment(owner, spec, image, router_objects.FrontDoorPod(
         name=names(owner)["epp"], component="epp", command=[EPP_COMMAND[0], *epp_args(owner, spec)],
         ports=[{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
                {"name": "http", "containerPort": EPP_HTTP_PORT, "protocol": "TCP"}],
@@ -65,34 +65,34 @@ def epp_deployment(owner: m.Owner, spec: InferenceServiceSpec, image: str) -> di
     ))
 
 
-def epp_service(owner: m.Owner) -> dict[str, Any]:
+def epp_service(owner: objects.Owner) -> dict[str, Any]:
     """The Service endpointPickerRef names: gRPC (h2c: the gateway speaks HTTP/2 to it) and `http` (/metrics, the
     port the chart's ServiceMonitor scrapes on every Service of ours)."""
-    return m._service(owner, names(owner)["epp"], "epp", m.routing_selector(owner, "epp"), [
+    return objects.service(owner, names(owner)["epp"], "epp", router_objects.front_door_selector(owner, "epp"), [
         {"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"},
         {"name": "http", "port": EPP_HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
     ])
 
 
-def epp_rbac(owner: m.Owner) -> list[dict[str, Any]]:
+def epp_rbac(owner: objects.Owner) -> list[dict[str, Any]]:
     """ServiceAccount, Role, RoleBinding of the endpoint picker: get/list/watch EndpointSlices, all it reads."""
-    return m.routing_rbac(owner, names(owner)["epp"], "epp")
+    return router_objects.front_door_rbac(owner, names(owner)["epp"], "epp")
 
 
-def epp_pdb(owner: m.Owner) -> dict[str, Any]:
+def epp_pdb(owner: objects.Owner) -> dict[str, Any]:
     """At most one endpoint picker down in a voluntary disruption (rendered for spec.router.replicas > 1)."""
-    return m.routing_pdb(owner, names(owner)["epp"], "epp")
+    return router_objects.front_door_pdb(owner, names(owner)["epp"], "epp")
 
 
-def inference_pool(owner: m.Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
+def inference_pool(owner: objects.Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
     """The InferencePool (GIE v1): every server pod of the service (all node pools) on the engines' HTTP port, its
     endpoint picker the EPP Service's gRPC port, failing open or closed as spec.router.failureMode says."""
     return {
         "apiVersion": INFERENCE_POOL_API,
         "kind": "InferencePool",
-        "metadata": m._meta(owner, names(owner)["pool"], "gateway"),
+        "metadata": objects.meta(owner, names(owner)["pool"], "gateway"),
         "spec": {
-            "selector": {"matchLabels": m.server_selector(owner)},
+            "selector": {"matchLabels": objects.server_selector(owner)},
             "targetPorts": [{"number": HTTP_PORT}],
             "endpointPickerRef": {"kind": "Service", "name": names(owner)["epp"], "port": {"number": GRPC_PORT},
                                   "failureMode": spec.router.failure_mode},
@@ -105,7 +105,7 @@ def inference_pool(owner: m.Owner, spec: InferenceServiceSpec) -> dict[str, Any]
 PUBLIC_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize")
 
 
-def http_route(owner: m.Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
+def http_route(owner: objects.Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
     """An HTTPRoute from spec.router.gateway's Gateway (listener sectionName, if set) to the InferencePool: the
     OpenAI paths only (PUBLIC_PATHS)."""
     gw = spec.router.gateway
@@ -118,7 +118,7 @@ def http_route(owner: m.Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
     return {
         "apiVersion": HTTPROUTE_API,
         "kind": "HTTPRoute",
-        "metadata": m._meta(owner, names(owner)["route"], "gateway"),
+        "metadata": objects.meta(owner, names(owner)["route"], "gateway"),
         "spec": {
             "parentRefs": [parent],
             "rules": [{
@@ -130,7 +130,7 @@ def http_route(owner: m.Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
     }
 
 
-def gateway_children(owner: m.Owner, spec: InferenceServiceSpec, image: str) -> list[dict[str, Any]]:
+def gateway_children(owner: objects.Owner, spec: InferenceServiceSpec, image: str) -> list[dict[str, Any]]:
     """Gateway mode's objects after the shared ones, in apply order: EPP (PDB if several), its Service, the pool, the route."""
     objs = [epp_pdb(owner)] if spec.router.replicas > 1 else []
     objs += [epp_deployment(owner, spec, image), epp_service(owner), inference_pool(owner, spec)]
@@ -183,7 +183,7 @@ class GatewayState:
         return self.pool_missing or self.route_missing
 
 
-def gateway_state(owner: m.Owner, spec: InferenceServiceSpec, live: Mapping[tuple[str, str], Mapping[str, Any]], *,
+def gateway_state(owner: objects.Owner, spec: InferenceServiceSpec, live: Mapping[tuple[str, str], Mapping[str, Any]], *,
                   pool_served: bool, route_served: bool, gateway_obj: Mapping[str, Any] | None) -> GatewayState:
     """GatewayState from the applied objects (`live`, keyed by (kind, name)) and the Gateway as read (None: unknown)."""
     n = names(owner)

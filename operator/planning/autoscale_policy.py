@@ -21,12 +21,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
+from urllib.parse import urlsplit
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from warmfleet.operator.sizing import assign_replicas
-from warmfleet.operator.spec import Autoscaling, WarmupStatus
+from warmfleet.operator.planning.sizing import assign_replicas
+from warmfleet.operator.spec.inference_service import Autoscaling, WarmupStatus
 
 TOLERANCE = 0.1  # a metric within 10% of its target changes nothing (the HPA's default)
 SCALE_UP_FACTOR, SCALE_UP_PODS = 2, 4  # one decision at most doubles the fleet or adds 4, whichever is more
@@ -295,7 +295,7 @@ def decide(*, current: Mapping[str, int], capacities: Mapping[str, int], floors:
 # ---- pod-deletion cost and warm-up summary -------------------------------------------------
 
 def _host(replica_id: str) -> str:
-    return httpx.URL(replica_id).host
+    return urlsplit(replica_id).hostname or ""
 
 
 def deletion_costs(views: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]]) -> dict[str, int]:

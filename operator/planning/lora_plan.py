@@ -10,9 +10,15 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from warmfleet.operator.schema import SpecError
-from warmfleet.operator.spec import (DEFAULT_DTYPE, DEFAULT_HIDDEN_SIZE, LORA_PROJECTIONS, AdapterSpec, InferenceServiceSpec,
-                                     ModelShape)
+from warmfleet.operator.spec.inference_service import (
+    AdapterSpec,
+    DEFAULT_DTYPE,
+    DEFAULT_HIDDEN_SIZE,
+    InferenceServiceSpec,
+    LORA_PROJECTIONS,
+    ModelShape,
+)
+from warmfleet.operator.spec.schema import SpecError
 from warmfleet.server.config import DTYPE_BYTES
 from warmfleet.source import parse_source
 

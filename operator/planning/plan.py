@@ -5,17 +5,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from warmfleet.operator import manifests as m
-from warmfleet.operator.nodes import NodeInfo, Pool, derive_pools
-from warmfleet.operator.sizing import PoolSizing, assign_replicas, size_pool
-from warmfleet.operator.spec import EngineKind, InferenceServiceSpec, PoolBounds, PoolShape, PoolStatus
+from warmfleet.operator.planning import children, objects, server_pool
+from warmfleet.operator.planning.nodes import NodeInfo, Pool, derive_pools
+from warmfleet.operator.planning.sizing import PoolSizing, assign_replicas, size_pool
+from warmfleet.operator.spec.inference_service import (
+    EngineKind,
+    InferenceServiceSpec,
+    PoolBounds,
+    PoolShape,
+    PoolStatus,
+)
 
 
 @dataclass(frozen=True)
 class Plan:
     """What one InferenceService should look like given the nodes."""
 
-    pools: list[m.PlannedPool]
+    pools: list[server_pool.PlannedPool]
     desired: int  # replicas wanted
     capacity: int  # replicas the fitting pools can host
     children: list[dict[str, Any]]
@@ -27,15 +33,15 @@ class Plan:
         return sum(p.replicas for p in self.pools)
 
 
-def make_plan(owner: m.Owner, spec: InferenceServiceSpec, nodes: list[NodeInfo], images: m.Images) -> Plan:
+def make_plan(owner: objects.Owner, spec: InferenceServiceSpec, nodes: list[NodeInfo], images: objects.Images) -> Plan:
     """Derive pools from nodes, size each, split the replicas and build every child object."""
     sized = [(pool, size_pool(spec, pool)) for pool in derive_pools(spec, nodes)]
     caps, floors = pool_limits(spec, sized)
     desired = spec.desired_replicas()
     split = assign_replicas(desired, caps, floors)
     desired = max(desired, sum(split))  # per-pool minima raise the total
-    planned = [m.PlannedPool(pool, sizing, n) for (pool, sizing), n in zip(sized, split)]
-    return Plan(planned, desired, sum(caps), m.build_children(owner, spec, images, planned), spec.engine.kind)
+    planned = [server_pool.PlannedPool(pool, sizing, n) for (pool, sizing), n in zip(sized, split)]
+    return Plan(planned, desired, sum(caps), children.build_children(owner, spec, images, planned), spec.engine.kind)
 
 
 def pool_limits(spec: InferenceServiceSpec, sized: list[tuple[Pool, PoolSizing]]) -> tuple[list[int], list[int]]:
@@ -62,7 +68,7 @@ def pool_bounds(spec: InferenceServiceSpec, pool: Pool) -> PoolBounds | None:
     return bounds.get(pool.name) or (bounds.get(pool.named) if pool.named else None)
 
 
-def pool_status(p: m.PlannedPool, ready: int, engine: EngineKind) -> PoolStatus:
+def pool_status(p: server_pool.PlannedPool, ready: int, engine: EngineKind) -> PoolStatus:
     """Status entry of one pool: the engine it runs, nodes, shape, sizes and their inputs."""
     pool = p.pool
     return PoolStatus(

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Mapping
 
-from warmfleet.operator.spec import InferenceServiceSpec
+from warmfleet.operator.spec.inference_service import InferenceServiceSpec
 
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"

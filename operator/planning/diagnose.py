@@ -28,7 +28,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from warmfleet.operator.manifests import COMPONENT_LABEL
+from warmfleet.operator.spec.constants import COMPONENT_LABEL
 
 MISSING_PVC = "MissingPVC"
 MISSING_SECRET = "MissingSecret"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from warmfleet.operator.crd import crd
+from warmfleet.operator.spec.crd import crd
 
 CHART_CRD_FILE = "crd.yaml"
 _LABELS = "__WARMFLEET_LABELS__"

@@ -6,10 +6,19 @@ import hashlib
 import math
 from dataclasses import dataclass
 
-from warmfleet.operator.engines import Engine, engine_of
-from warmfleet.operator.nodes import GiB, MiB, Pool
-from warmfleet.operator.spec import (DEFAULT_DTYPE, DEFAULT_HIDDEN_SIZE, CacheSpec, GiBSize, InferenceServiceSpec, PoolInputs,
-                                     PoolSizes, TokenSize)
+from warmfleet.operator.planning import lora_plan
+from warmfleet.operator.planning.engine_descriptions import Engine, engine_of
+from warmfleet.operator.planning.nodes import GiB, MiB, Pool
+from warmfleet.operator.spec.inference_service import (
+    CacheSpec,
+    DEFAULT_DTYPE,
+    DEFAULT_HIDDEN_SIZE,
+    GiBSize,
+    InferenceServiceSpec,
+    PoolInputs,
+    PoolSizes,
+    TokenSize,
+)
 from warmfleet.server.config import DTYPE_BYTES
 
 PROCESSOR_GIB_PER_FRONTEND = 4.0  # Auto processor cache ceiling per API frontend
@@ -95,10 +104,8 @@ def _lora_budget(spec: InferenceServiceSpec, sources: dict[str, str]) -> tuple[i
     (maxLoraRank, all seven projections: the largest adapter the engine accepts), never on spec.adapters."""
     if spec.lora is None:
         return None, None, None
-    from warmfleet.operator import lora
-
-    size = lora.budget_size(spec)
-    sources["lora"] = f"{size.note}; {lora.shape_note(spec)}"
+    size = lora_plan.budget_size(spec)
+    sources["lora"] = f"{size.note}; {lora_plan.shape_note(spec)}"
     return size.bytes, spec.lora.max_loras * size.bytes, spec.lora.num_cpu_loras * size.bytes
 
 

@@ -2,7 +2,7 @@
 server pod gets spec.adapters loaded and nothing else, through its /v1/load_lora_adapter and /v1/unload_lora_adapter
 (vLLM's routes, which warmfleet's engine serves too); status.adapters says on how many replicas each one is loaded.
 
-Adapters never enter the pod template (lora.py), so adding or removing one restarts nothing; a replica started later
+Adapters never enter the pod template (lora_plan.py), so adding or removing one restarts nothing; a replica started later
 is brought in line by the next pass. The admin key is spec.lora.adminKeySecret (warmfleet only), else the service's
 API key (spec.router.apiKeySecret), which the server pods also read as their admin key (warmfleet) or API key (vLLM);
 without either the routes are open, as every route of those pods is.
@@ -19,12 +19,11 @@ from typing import Any, Mapping, MutableMapping
 
 import httpx
 
-from warmfleet.operator import lora
-from warmfleet.operator import manifests as m
-from warmfleet.operator.kube import KubeError
-from warmfleet.operator.nodes import NodeInfo
-from warmfleet.operator.reconcile import OperatorState, plan_for
-from warmfleet.operator.schema import SpecError
+from warmfleet.kube import KubeError
+from warmfleet.operator.passes.reconcile import OperatorState, plan_for
+from warmfleet.operator.planning import engine_descriptions, lora_plan, objects
+from warmfleet.operator.planning.nodes import NodeInfo
+from warmfleet.operator.spec.schema import SpecError
 
 INTERVAL_ENV = "WARMFLEET_ADAPTERS_INTERVAL_S"
 DEFAULT_INTERVAL_S = 15.0
@@ -61,8 +60,8 @@ def ready_server_urls(pods: list[Mapping[str, Any]], template: str | None = None
             continue
         ip = st["podIP"]
         host = f"[{ip}]" if ":" in ip else ip
-        out[meta["name"]] = (template.format(ip=ip, name=meta["name"], port=m.HTTP_PORT) if template
-                             else f"http://{host}:{m.HTTP_PORT}")
+        out[meta["name"]] = (template.format(ip=ip, name=meta["name"], port=engine_descriptions.HTTP_PORT) if template
+                             else f"http://{host}:{engine_descriptions.HTTP_PORT}")
     return out
 
 
@@ -167,8 +166,8 @@ async def run_pass(state: OperatorState, body: Mapping[str, Any], nodes: list[No
             patch.setdefault("status", {})["adapters"] = None
         return None
     kube = state.client()
-    wanted = {a.name: lora.adapter_path(spec, a) for a in spec.adapters}
-    pods = await kube.list("Pod", owner.namespace, m.server_selector(owner))
+    wanted = {a.name: lora_plan.adapter_path(spec, a) for a in spec.adapters}
+    pods = await kube.list("Pod", owner.namespace, objects.server_selector(owner))
     urls = ready_server_urls(pods, template or os.environ.get(URL_TEMPLATE_ENV))
     headers, problem = await _auth_headers(kube, spec.router.api_key_secret, owner.namespace)
     admin_headers = headers

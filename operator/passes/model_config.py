@@ -12,13 +12,24 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from warmfleet.operator.engines import engine_of
-from warmfleet.operator.kube import Kube, KubeError
-from warmfleet.operator.schema import SpecError, to_dict
-from warmfleet.operator.spec import (DEFAULT_DTYPE, DEFAULT_HIDDEN_SIZE, Condition, ConfigJson, InferenceServiceSpec,
-                                     LearnedInt, LearnedStr, LearnedValues, ModelConfigStatus, ModelShape, parse_spec)
-from warmfleet.operator.status import merge_conditions
-from warmfleet.source import DTYPES, ConfigSummary, parse_source
+from warmfleet.kube import Kube, KubeError
+from warmfleet.operator.planning.engine_descriptions import engine_of
+from warmfleet.operator.planning.service_status import merge_conditions
+from warmfleet.operator.spec.inference_service import (
+    Condition,
+    ConfigJson,
+    DEFAULT_DTYPE,
+    DEFAULT_HIDDEN_SIZE,
+    InferenceServiceSpec,
+    LearnedInt,
+    LearnedStr,
+    LearnedValues,
+    ModelConfigStatus,
+    ModelShape,
+    parse_spec,
+)
+from warmfleet.operator.spec.schema import SpecError, to_dict
+from warmfleet.source import ConfigSummary, DTYPES, parse_source
 
 CONDITION = "ModelConfigUnavailable"
 READ_TIMEOUT_S = 15.0  # one attempt to read config.json (the hub's HEAD + GET, or one S3 GET)

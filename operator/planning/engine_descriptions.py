@@ -8,11 +8,19 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, Literal, Mapping
 
-from warmfleet.operator.schema import SpecError
-from warmfleet.operator.spec import EngineKind, InferenceServiceSpec
+from warmfleet.operator.spec.inference_service import EngineKind, InferenceServiceSpec
+from warmfleet.operator.spec.schema import SpecError
 from warmfleet.server import engine_kinds
-from warmfleet.server.config import (CacheConfig, EngineConfig, LoraConfig, ModelConfig, SchedulerConfig, ServerConfig, flag_of,
-                                     to_args)
+from warmfleet.server.config import (
+    CacheConfig,
+    EngineConfig,
+    LoraConfig,
+    ModelConfig,
+    SchedulerConfig,
+    ServerConfig,
+    flag_of,
+    to_args,
+)
 
 HTTP_PORT = 8000
 KV_EVENTS_PORT = 5557

@@ -80,7 +80,7 @@ def run_operator(args: argparse.Namespace) -> int:
 
     import kopf
 
-    from warmfleet.operator.handlers import make_registry
+    from warmfleet.operator.wiring.handlers import make_registry
 
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.PLAIN)
     registry = make_registry(default_image=args.default_image, router_image=args.router_image,
@@ -128,14 +128,14 @@ def render_cmd(args: argparse.Namespace) -> int:
     The last document per service is the InferenceService with the status the operator would
     write before any pod is ready. Warnings go to stderr; with --strict they make the exit code 1.
     """
-    from warmfleet.operator import gateway
-    from warmfleet.operator import manifests as m
-    from warmfleet.operator import modelconfig as mc
-    from warmfleet.operator.nodes import node_info
-    from warmfleet.operator.reconcile import owned, plan_for, utcnow
-    from warmfleet.operator.schema import SpecError
-    from warmfleet.operator.spec import KIND, served_name
-    from warmfleet.operator.status import healthy_status
+    from warmfleet.operator.passes import model_config as mc
+    from warmfleet.operator.passes.reconcile import owned, plan_for, utcnow
+    from warmfleet.operator.planning import gateway, objects
+    from warmfleet.operator.planning.nodes import node_info
+    from warmfleet.operator.planning.service_status import healthy_status
+    from warmfleet.operator.spec.constants import KIND
+    from warmfleet.operator.spec.inference_service import served_name
+    from warmfleet.operator.spec.schema import SpecError
 
     nodes = [node_info(n) for n in load_docs(args.nodes) if n.get("kind", "Node") == "Node"]
     services = [d for d in load_docs(args.filename) if d.get("kind") == KIND]
@@ -150,7 +150,7 @@ def render_cmd(args: argparse.Namespace) -> int:
         name = meta.get("name")
         learned = mc.learn_now(body)  # config.json of an hf:// or s3:// source, with this machine's credentials
         try:
-            owner, spec, plan = plan_for(body, nodes, m.Images(engine=args.default_image, router=args.router_image), learned)
+            owner, spec, plan = plan_for(body, nodes, objects.Images(engine=args.default_image, router=args.router_image), learned)
         except SpecError as exc:  # one readable line naming the object (the CLI prints it, exit 2)
             raise SpecError(exc.path, f"{exc.message} ({KIND} {name})") from None
         objs += owned(plan.children, body)
@@ -165,8 +165,8 @@ def render_cmd(args: argparse.Namespace) -> int:
         gw = (gateway.gateway_state(owner, spec, {}, pool_served=True, route_served=True, gateway_obj=None)
               if spec.router.mode == "gateway" else None)
         status = healthy_status(plan=plan, generation=meta.get("generation"), model=served_name(spec, owner.name),
-                                endpoint=gw.endpoint if gw is not None else m.endpoint_url(owner, spec),
-                                selector=m.selector_string(owner), ready_by_pool={}, router_ready=0, previous={},
+                                endpoint=gw.endpoint if gw is not None else objects.endpoint_url(owner, spec),
+                                selector=objects.selector_string(owner), ready_by_pool={}, router_ready=0, previous={},
                                 now=utcnow(), gateway=gw)
         status = mc.with_model_config(status, body, learned, utcnow(), meta.get("generation"))
         objs.append({**{k: v for k, v in svc.items() if k != "status"}, "status": status})
@@ -199,8 +199,8 @@ _Dumper.add_representer(str, _str)
 
 def crd_cmd(args: argparse.Namespace) -> int:
     """Print the CRD, or write crds/ and the chart template."""
-    from warmfleet.operator.crd import crd_yaml, write_crd
-    from warmfleet.operator.chartcrd import write_chart_crd
+    from warmfleet.operator.spec.chart_crd import write_chart_crd
+    from warmfleet.operator.spec.crd import crd_yaml, write_crd
 
     if not args.write:
         sys.stdout.write(crd_yaml())

@@ -11,30 +11,27 @@ from typing import Any, Callable, Mapping, MutableMapping, Sequence
 
 import httpx
 
-from warmfleet.operator import autoscale_policy as a
-from warmfleet.operator import gateway
-from warmfleet.operator import manifests as m
-from warmfleet.operator.kube import KubeError
-from warmfleet.operator.nodes import NodeInfo
-from warmfleet.operator.plan import planned_limits
-from warmfleet.operator.reconcile import OperatorState, plan_for, utcnow
-from warmfleet.operator.schema import SpecError, to_dict
+from warmfleet.kube import KubeError
+from warmfleet.operator.passes.reconcile import OperatorState, plan_for, utcnow
+from warmfleet.operator.planning import engine_descriptions, gateway, objects, router_objects
+from warmfleet.operator.planning import autoscale_policy as a
+from warmfleet.operator.planning.nodes import NodeInfo
+from warmfleet.operator.planning.plan import planned_limits
+from warmfleet.operator.spec.schema import SpecError, to_dict
 from warmfleet.server.router.epp.settings import HTTP_PORT as EPP_HTTP_PORT
 
-ROUTER_URL_TEMPLATE_ENV = "WARMFLEET_ROUTER_URL_TEMPLATE"
-INTERVAL_ENV = "WARMFLEET_AUTOSCALE_INTERVAL_S"
 DEFAULT_INTERVAL_S = 15.0
 SCALED = ("ScaleOut", "ScaleIn", "BelowMin", "AboveMax")
 
 log = logging.getLogger(__name__)
 
 
-def router_urls(template: str | None, owner: m.Owner, port: int, router_pods: list[Mapping[str, Any]],
-                *, pod_port: int = m.HTTP_PORT, service: str | None = None) -> list[str]:
+def router_urls(template: str | None, owner: objects.Owner, port: int, router_pods: list[Mapping[str, Any]],
+                *, pod_port: int = engine_descriptions.HTTP_PORT, service: str | None = None) -> list[str]:
     """Base URLs of the service's routers: the template (tests, a proxy) with {name}, {namespace}, {service}
     and {port}; else every Ready router pod by IP on `pod_port` (counters stay per process); else the router Service
     (`service`: another one, e.g. the endpoint pickers' in gateway mode)."""
-    service = service or m.names(owner)["endpoint"]
+    service = service or objects.names(owner)["endpoint"]
     if template:
         return [template.format(name=owner.name, namespace=owner.namespace, service=service, port=port)]
     urls = []
@@ -63,8 +60,8 @@ async def run_pass(state: OperatorState, body: Mapping[str, Any], nodes: list[No
     if spec.router.mode == "gateway":  # the endpoint pickers serve the routers' /metrics and /v1/router/replicas
         component, port, pod_port, service = "epp", EPP_HTTP_PORT, EPP_HTTP_PORT, gateway.names(owner)["epp"]
     else:
-        component, port, pod_port, service = "router", spec.router.port, m.HTTP_PORT, None
-    router_pods = [] if template else await kube.list("Pod", owner.namespace, m.routing_selector(owner, component))
+        component, port, pod_port, service = "router", spec.router.port, engine_descriptions.HTTP_PORT, None
+    router_pods = [] if template else await kube.list("Pod", owner.namespace, router_objects.front_door_selector(owner, component))
     urls = router_urls(template, owner, port, router_pods, pod_port=pod_port, service=service)
     if http is None:
         async with httpx.AsyncClient() as client:
@@ -116,11 +113,11 @@ async def run_pass(state: OperatorState, body: Mapping[str, Any], nodes: list[No
     return d
 
 
-async def _deletion_costs(kube: Any, owner: m.Owner, views: list[dict[str, Any]], hist: a.History) -> None:
+async def _deletion_costs(kube: Any, owner: objects.Owner, views: list[dict[str, Any]], hist: a.History) -> None:
     """Annotate server pods with what their loss would cost the fleet's caches (only values that changed)."""
     if hist.costs_forbidden:
         return
-    pods = await kube.list("Pod", owner.namespace, m.server_selector(owner))
+    pods = await kube.list("Pod", owner.namespace, objects.server_selector(owner))
     costs = a.deletion_costs(views, pods)
     by_name = {p["metadata"]["name"]: p for p in pods}
     for name, cost in sorted(costs.items()):

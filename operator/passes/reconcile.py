@@ -11,17 +11,18 @@ from typing import Any, Callable, Mapping
 
 import kopf
 
-from warmfleet.operator import gateway, lora
-from warmfleet.operator import manifests as m
-from warmfleet.operator import modelconfig as mc
-from warmfleet.operator.diagnose import claims_to_check, diagnose
-from warmfleet.operator.engines import check_spec
-from warmfleet.operator.kube import Kube, KubeError, Login, connect
-from warmfleet.operator.nodes import NodeInfo
-from warmfleet.operator.plan import Plan, make_plan
-from warmfleet.operator.schema import SpecError
-from warmfleet.operator.spec import KIND, parse_spec, served_name
-from warmfleet.operator.status import healthy_status, invalid_status, status_patch, warnings
+from warmfleet.kube import Kube, KubeError, Login
+from warmfleet.operator.passes import model_config as mc
+from warmfleet.operator.passes.kube_client import connect
+from warmfleet.operator.planning import gateway, lora_plan, objects
+from warmfleet.operator.planning.diagnose import claims_to_check, diagnose
+from warmfleet.operator.planning.engine_descriptions import check_spec
+from warmfleet.operator.planning.nodes import NodeInfo
+from warmfleet.operator.planning.plan import Plan, make_plan
+from warmfleet.operator.planning.service_status import healthy_status, invalid_status, status_patch, warnings
+from warmfleet.operator.spec.constants import KIND, MANAGED_BY, SERVICE_LABEL
+from warmfleet.operator.spec.inference_service import parse_spec, served_name
+from warmfleet.operator.spec.schema import SpecError
 
 # (body, type, reason, message) → posts a Kubernetes Event; kopf.event in the operator
 EventFn = Callable[[Mapping[str, Any], str, str, str], None]
@@ -41,7 +42,7 @@ def utcnow() -> str:
 class OperatorState:
     """Operator-wide state, created in the startup hook and shared through kopf's memo."""
 
-    default_images: m.Images  # the engine and router images when a service names none
+    default_images: objects.Images  # the engine and router images when a service names none
     connection: Any = None  # kopf ConnectionInfo from the login handler
     login: Login | None = None  # the login handler again: fresh credentials when the client needs them
     kube: Kube | None = None
@@ -85,23 +86,23 @@ def owned(children: list[dict[str, Any]], body: Mapping[str, Any]) -> list[dict[
     return children
 
 
-def plan_for(body: Mapping[str, Any], nodes: list[NodeInfo], default_images: m.Images,
-             learned: mc.Learned | None = None) -> tuple[m.Owner, Any, Plan]:
+def plan_for(body: Mapping[str, Any], nodes: list[NodeInfo], default_images: objects.Images,
+             learned: mc.Learned | None = None) -> tuple[objects.Owner, Any, Plan]:
     """Parse the spec, check it against its engine's capabilities and plan; raises SpecError for a bad spec.
 
     The hidden size and dtype come from the spec, else from config.json (`learned`, or what the
     service's status remembers of it), else defaults; the returned spec carries the values used.
     """
     meta = body.get("metadata") or {}
-    owner = m.Owner(name=meta["name"], namespace=meta.get("namespace") or "default")
+    owner = objects.Owner(name=meta["name"], namespace=meta.get("namespace") or "default")
     spec = parse_spec(body.get("spec"))
     previous_model = (body.get("status") or {}).get("model")
     if previous_model and previous_model != served_name(spec, owner.name):
         raise SpecError("spec.model.servedName", f"is immutable: was {previous_model!r}, now {served_name(spec, owner.name)!r}")
     check_spec(spec)
     spec = mc.effective(spec, mc.resolve(spec, learned if learned is not None else mc.from_status(body)))
-    lora.check(spec, served_name(spec, owner.name))
-    return owner, spec, make_plan(owner, spec, nodes, m.images_for(spec, default_images))
+    lora_plan.check(spec, served_name(spec, owner.name))
+    return owner, spec, make_plan(owner, spec, nodes, objects.images_for(spec, default_images))
 
 
 def fingerprint(plan: Plan) -> str:
@@ -177,8 +178,8 @@ async def _reconcile(state: OperatorState, body: Mapping[str, Any], nodes: list[
         state.pod_digests[uid] = pod_digest(pods)
     new = healthy_status(
         plan=plan, generation=generation, model=served_name(spec, owner.name),
-        endpoint=gw.endpoint if gw is not None else m.endpoint_url(owner, spec),
-        selector=m.selector_string(owner), ready_by_pool=ready_by_pool, router_ready=router_ready,
+        endpoint=gw.endpoint if gw is not None else objects.endpoint_url(owner, spec),
+        selector=objects.selector_string(owner), ready_by_pool=ready_by_pool, router_ready=router_ready,
         previous=previous, now=now(), pods=diag, gateway=gw,
     )
     new = mc.with_model_config(new, body, learned, now(), generation)
@@ -243,7 +244,7 @@ async def _apply_and_prune(kube: Kube, children: list[dict[str, Any]], name: str
     for obj in children:
         key = (obj["kind"], obj["metadata"]["name"])
         live[key], actions[f"{key[0]}/{key[1]}"] = await kube.apply(obj)
-    ours = {m.SERVICE_LABEL: name[:63], **m.MANAGED_BY}
+    ours = {SERVICE_LABEL: name[:63], **MANAGED_BY}
     for kind in pruned:
         for found in await kube.list(kind, ns, ours):
             fname = found["metadata"]["name"]
@@ -254,13 +255,13 @@ async def _apply_and_prune(kube: Kube, children: list[dict[str, Any]], name: str
 
 
 def ready_replicas(plan: Plan, live: Mapping[tuple[str, str], Mapping[str, Any]], name: str,
-                   owner: m.Owner) -> tuple[dict[str, int], int]:
+                   owner: objects.Owner) -> tuple[dict[str, int], int]:
     """Step 3: ready replicas of each pool's Deployment and of the router's, as the applied objects report them."""
     ready_by_pool = {}
     for p in plan.pools:
-        dep = live.get(("Deployment", m.k8s_name(name, p.pool.name)))
+        dep = live.get(("Deployment", objects.k8s_name(name, p.pool.name)))
         ready_by_pool[p.pool.name] = int(((dep or {}).get("status") or {}).get("readyReplicas") or 0)
-    router = live.get(("Deployment", m.names(owner)["router"])) or {}
+    router = live.get(("Deployment", objects.names(owner)["router"])) or {}
     return ready_by_pool, int((router.get("status") or {}).get("readyReplicas") or 0)
 
 
@@ -313,7 +314,7 @@ async def _write_status(kube: Kube, ns: str, name: str, old: dict[str, Any], new
     return True
 
 
-def render(body: Mapping[str, Any], nodes: list[NodeInfo], default_images: m.Images,
+def render(body: Mapping[str, Any], nodes: list[NodeInfo], default_images: objects.Images,
            learned: mc.Learned | None = None) -> list[dict[str, Any]]:
     """The exact children the operator would apply for `body` and `nodes`, offline; raises SpecError.
 

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from warmfleet.kube import Kube, KubeError, Login, is_subset
-from warmfleet.operator.spec import GROUP, PLURAL, VERSION
-
-__all__ = ["FIELD_MANAGER", "RESOURCES", "Kube", "KubeError", "Login", "connect", "is_subset"]
+from warmfleet.kube import Kube, Login
+from warmfleet.operator.spec.constants import GROUP, PLURAL, VERSION
 
 FIELD_MANAGER = "warmfleet-operator"  # server-side apply: the fields of every child the operator sets
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from warmfleet.operator.diagnose import STARTING, Diagnosis
-from warmfleet.operator.gateway import CONDITION_TYPES as GATEWAY_CONDITIONS
-from warmfleet.operator.gateway import GatewayState
-from warmfleet.operator.plan import Plan, pool_status
-from warmfleet.operator.schema import to_dict
-from warmfleet.operator.spec import Condition
+from warmfleet.operator.planning.diagnose import Diagnosis, STARTING
+from warmfleet.operator.planning.gateway import GatewayState
+from warmfleet.operator.planning.gateway import CONDITION_TYPES as GATEWAY_CONDITIONS
+from warmfleet.operator.planning.plan import Plan, pool_status
+from warmfleet.operator.spec.inference_service import Condition
+from warmfleet.operator.spec.schema import to_dict
 
 # ModelConfigUnavailable: modelconfig.py; the last three (gateway mode only): gateway.py
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "InvalidSpec", "ModelConfigUnavailable", *GATEWAY_CONDITIONS)
@@ -80,45 +80,12 @@ def healthy_status(
     """
     pools = [pool_status(p, ready_by_pool.get(p.pool.name, 0), plan.engine) for p in plan.pools]
     ready = min(sum(p.ready_replicas for p in pools), plan.placed)
-    unfit = [p for p in plan.pools if not p.sizing.fits]
-    conds = [_cond("InvalidSpec", False, "SpecValid")]
-    if not plan.pools:
-        conds.append(_cond("Degraded", True, "NoMatchingNodes", "no Ready, schedulable node matches the node selector"))
-    elif plan.capacity < plan.desired:
-        detail = "; ".join(f"{p.pool.name}: {p.sizing.message}" for p in unfit)
-        msg = f"{plan.desired} replicas wanted, the pools can host {plan.capacity}" + (f" ({detail})" if detail else "")
-        conds.append(_cond("Degraded", True, "InsufficientCapacity", msg))
-    else:
-        conds.append(_cond("Degraded", False, "AsExpected"))
-    if ready < plan.placed:
-        conds.append(_cond("Progressing", True, "ReplicasStarting", f"{ready}/{plan.placed} server replicas ready"))
-    else:
-        conds.append(_cond("Progressing", False, "Stable"))
-    routers = "routers"
-    missing = None
+    conds = [_cond("InvalidSpec", False, "SpecValid"), *_capacity_conditions(plan, ready)]
+    routers, missing = "routers", None
     if gateway is not None:
         conds += gateway_conditions(gateway)
         router_ready, routers, missing = gateway.epp_ready, "endpoint pickers", gateway.missing
-    if plan.desired == 0 and missing is None:
-        conds.append(_cond("Ready", True, "ScaledToZero"))
-    elif plan.placed and ready >= plan.desired and router_ready > 0 and missing is None:
-        conds.append(_cond("Ready", True, "AllReplicasReady", f"{ready} server replicas and {router_ready} {routers} ready"))
-    else:
-        counted = f"{ready}/{plan.desired} server replicas, {router_ready} {routers} ready"
-        diag = pods or Diagnosis()
-        if missing is not None:
-            reason, message = missing[0], f"{missing[1]}; {counted}"
-        elif diag.problem:
-            reason, message = str(diag.reason), f"{diag.message}; {counted}"
-        elif not plan.pools:
-            reason, message = "NoMatchingNodes", f"no Ready, schedulable node matches the node selector; {counted}"
-        elif plan.capacity < plan.desired and ready >= plan.placed:
-            reason, message = "InsufficientCapacity", f"{plan.desired} replicas wanted, the pools can host {plan.capacity}; {counted}"
-        elif diag.reason == STARTING:
-            reason, message = STARTING, f"{diag.message}; {counted}"
-        else:
-            reason, message = "NotReady", counted
-        conds.append(_cond("Ready", False, reason, message))
+    conds.append(_ready_condition(plan, ready, f"{router_ready} {routers}", router_ready > 0, missing, pods or Diagnosis()))
     # gateway conditions that no longer apply (proxy mode; no spec.router.gateway) are removed, not carried over
     stale = set(GATEWAY_CONDITIONS) - {c.type for c in conds}
     kept = [c for c in previous.get("conditions", []) if c.get("type") not in stale]
@@ -139,6 +106,46 @@ def healthy_status(
         # written by the autoscaler's timer (autoscale_pass.py), carried over as they were
         **{k: previous[k] for k in AUTOSCALER_KEYS if previous.get(k) is not None},
     }
+
+
+def _capacity_conditions(plan: Plan, ready: int) -> list[Condition]:
+    """Degraded (no matching node, too little capacity) and Progressing (replicas still starting)."""
+    unfit = [p for p in plan.pools if not p.sizing.fits]
+    if not plan.pools:
+        degraded = _cond("Degraded", True, "NoMatchingNodes", "no Ready, schedulable node matches the node selector")
+    elif plan.capacity < plan.desired:
+        detail = "; ".join(f"{p.pool.name}: {p.sizing.message}" for p in unfit)
+        msg = f"{plan.desired} replicas wanted, the pools can host {plan.capacity}" + (f" ({detail})" if detail else "")
+        degraded = _cond("Degraded", True, "InsufficientCapacity", msg)
+    else:
+        degraded = _cond("Degraded", False, "AsExpected")
+    if ready < plan.placed:
+        return [degraded, _cond("Progressing", True, "ReplicasStarting", f"{ready}/{plan.placed} server replicas ready")]
+    return [degraded, _cond("Progressing", False, "Stable")]
+
+
+def _ready_condition(plan: Plan, ready: int, routers: str, routing: bool, missing: tuple[str, str] | None,
+                     diag: Diagnosis) -> Condition:
+    """Ready, and when not, the most severe reason: a missing CRD, a pod problem, no matching node, too little
+    capacity, Starting, else NotReady. `routers` counts the ready front doors ("2 routers"); `routing`: any ready."""
+    if plan.desired == 0 and missing is None:
+        return _cond("Ready", True, "ScaledToZero")
+    if plan.placed and ready >= plan.desired and routing and missing is None:
+        return _cond("Ready", True, "AllReplicasReady", f"{ready} server replicas and {routers} ready")
+    counted = f"{ready}/{plan.desired} server replicas, {routers} ready"
+    if missing is not None:
+        reason, message = missing[0], f"{missing[1]}; {counted}"
+    elif diag.problem:
+        reason, message = str(diag.reason), f"{diag.message}; {counted}"
+    elif not plan.pools:
+        reason, message = "NoMatchingNodes", f"no Ready, schedulable node matches the node selector; {counted}"
+    elif plan.capacity < plan.desired and ready >= plan.placed:
+        reason, message = "InsufficientCapacity", f"{plan.desired} replicas wanted, the pools can host {plan.capacity}; {counted}"
+    elif diag.reason == STARTING:
+        reason, message = STARTING, f"{diag.message}; {counted}"
+    else:
+        reason, message = "NotReady", counted
+    return _cond("Ready", False, reason, message)
 
 
 def gateway_conditions(g: GatewayState) -> list[Condition]:

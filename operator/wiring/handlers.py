@@ -7,15 +7,15 @@ from typing import Any, Awaitable, Callable
 
 import kopf
 
-from warmfleet.operator import adapters_pass, autoscale_pass
-from warmfleet.operator import manifests as m
-from warmfleet.operator import modelconfig as mc
-from warmfleet.operator.diagnose import slim_pod
-from warmfleet.operator.kube import KubeError
-from warmfleet.operator.nodes import NodeInfo, node_info
-from warmfleet.operator.reconcile import OperatorState, fingerprint, plan_for, pod_digest, reconcile
-from warmfleet.operator.schema import SpecError
-from warmfleet.operator.spec import GROUP, PLURAL, VERSION
+from warmfleet.kube import KubeError
+from warmfleet.operator.passes import adapters_pass, autoscale_pass
+from warmfleet.operator.passes import model_config as mc
+from warmfleet.operator.passes.reconcile import OperatorState, fingerprint, plan_for, pod_digest, reconcile
+from warmfleet.operator.planning import objects
+from warmfleet.operator.planning.diagnose import slim_pod
+from warmfleet.operator.planning.nodes import NodeInfo, node_info
+from warmfleet.operator.spec.constants import GROUP, MANAGED_BY, PLURAL, SERVICE_LABEL, VERSION
+from warmfleet.operator.spec.schema import SpecError
 
 FINALIZER = f"{GROUP}/finalizer"
 PROGRESS_PREFIX = GROUP
@@ -45,7 +45,7 @@ def make_registry(*, default_image: str, router_image: str | None = None, login:
     registry = kopf.OperatorRegistry()
     isvc = (GROUP, VERSION, PLURAL)
     adapters_interval_s = adapters_interval_s or adapters_pass.interval_s()
-    _add_lifecycle(registry, m.Images(engine=default_image, router=router_image or default_image), login)
+    _add_lifecycle(registry, objects.Images(engine=default_image, router=router_image or default_image), login)
     _add_indexes(registry)
 
     @kopf.on.resume(*isvc, registry=registry)
@@ -83,7 +83,7 @@ def make_registry(*, default_image: str, router_image: str | None = None, login:
     return registry
 
 
-def _add_lifecycle(registry: kopf.OperatorRegistry, default_images: m.Images, login: LoginFn) -> None:
+def _add_lifecycle(registry: kopf.OperatorRegistry, default_images: objects.Images, login: LoginFn) -> None:
     """Startup (every operator-wide setting, the shared state), cleanup and login."""
 
     @kopf.on.startup(registry=registry)
@@ -96,7 +96,7 @@ def _add_lifecycle(registry: kopf.OperatorRegistry, default_images: m.Images, lo
         settings.watching.client_timeout = WATCH_CLIENT_TIMEOUT_S
         settings.watching.connect_timeout = 30
         # Only the pods of our own Deployments, filtered by the API server (not every pod of the cluster).
-        settings.watching.label_selectors["", "v1", "pods"] = ",".join(f"{k}={v}" for k, v in m.MANAGED_BY.items())
+        settings.watching.label_selectors["", "v1", "pods"] = ",".join(f"{k}={v}" for k, v in MANAGED_BY.items())
         settings.posting.level = logging.WARNING  # only warnings become Kubernetes Events
         settings.peering.standalone = True  # one active replica: the chart runs one pod with a Recreate strategy
         settings.execution.max_workers = 4
@@ -135,10 +135,10 @@ def _add_indexes(registry: kopf.OperatorRegistry) -> None:
     def services(body: kopf.Body, namespace: str, name: str, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
         return {(namespace, name): dict(body)}
 
-    @kopf.index("", "v1", "pods", id="service_pods", labels=m.MANAGED_BY, registry=registry)
+    @kopf.index("", "v1", "pods", id="service_pods", labels=MANAGED_BY, registry=registry)
     def service_pods(body: kopf.Body, namespace: str, labels: kopf.Labels, **_: Any) -> dict[tuple[str, str], dict[str, Any]]:
         """(namespace, service label) → a slim copy of each of its pods (what diagnose reads)."""
-        owner = labels.get(m.SERVICE_LABEL)
+        owner = labels.get(SERVICE_LABEL)
         return {(namespace, owner): slim_pod(body)} if owner else {}
 
 
@@ -185,20 +185,20 @@ def _add_watchers(registry: kopf.OperatorRegistry) -> None:
                     continue
                 await _run(body, memo, nodes, logger, services, service_pods)
 
-    @kopf.on.event("apps", "v1", "deployments", labels=m.MANAGED_BY, registry=registry)
+    @kopf.on.event("apps", "v1", "deployments", labels=MANAGED_BY, registry=registry)
     async def child_changed(body: kopf.Body, memo: kopf.Memo, nodes: kopf.Index, services: kopf.Index,
                             service_pods: kopf.Index, logger: Any, **_: Any) -> None:
         meta = body.get("metadata") or {}
-        owner = (meta.get("labels") or {}).get(m.SERVICE_LABEL)
+        owner = (meta.get("labels") or {}).get(SERVICE_LABEL)
         for parent in services.get((meta.get("namespace"), owner), []):
             await _run(parent, memo, nodes, logger, services, service_pods)
 
-    @kopf.on.event("", "v1", "pods", labels=m.MANAGED_BY, registry=registry)
+    @kopf.on.event("", "v1", "pods", labels=MANAGED_BY, registry=registry)
     async def pod_changed(body: kopf.Body, memo: kopf.Memo, nodes: kopf.Index, services: kopf.Index,
                           service_pods: kopf.Index, logger: Any, **_: Any) -> None:
         """A pod of ours changed: back to its service by label; reconcile only if what its pods say changed."""
         meta = body.get("metadata") or {}
-        key = (meta.get("namespace"), (meta.get("labels") or {}).get(m.SERVICE_LABEL))
+        key = (meta.get("namespace"), (meta.get("labels") or {}).get(SERVICE_LABEL))
         state: OperatorState = memo.state
         for parent in services.get(key, []):
             uid = parent["metadata"].get("uid") or f"{key[0]}/{key[1]}"

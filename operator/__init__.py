@@ -1,1 +1,0 @@
-"""warmfleet operator: kopf handlers, sizing and manifests; import `warmfleet.operator`."""
