@@ -82,3 +82,96 @@ def test_the_epp_flags_and_envoy_bootstrap_load_no_grpc_or_protos(tmp_path):
             "assert not bad, bad")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+# ---- the operator: rooms in data-flow order, pure rooms free of I/O clients, no circle ----
+
+OPERATOR = Path(__file__).resolve().parents[1] / "operator"
+# the operator's rooms as a newcomer reads them; a room imports only the rooms before it (and itself)
+OPERATOR_ROOMS = ("spec", "planning", "passes", "wiring")
+PURE_ROOMS = ("spec", "planning")
+# what a pure module may not import: kopf, an HTTP client, a Kubernetes client (ours is warmfleet.kube)
+IO_CLIENTS = ("kopf", "httpx", "aiohttp", "kubernetes", "kubernetes_asyncio", "warmfleet.kube")
+
+
+def operator_modules():
+    """`warmfleet.operator.<room>.<module>` → path, for every module of the operator/ folder."""
+    out = {}
+    for path in sorted(OPERATOR.rglob("*.py")):
+        parts = path.relative_to(OPERATOR).with_suffix("").parts
+        out[".".join(("warmfleet", "operator", *(parts[:-1] if parts[-1] == "__init__" else parts)))] = path
+    return out
+
+
+def operator_edges(path, known):
+    """The operator modules a file imports, function-level (lazy) imports included: `from pkg import mod` names mod."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            subs = [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in known]
+            out.update(subs or ([node.module] if node.module in known else []))
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name in known)
+    return out
+
+
+def test_operator_modules_import_no_circle_lazy_imports_counted():
+    known = operator_modules()
+    graph = {name: operator_edges(path, known) - {name} for name, path in known.items()}
+    circles, done = [], set()
+
+    def visit(name, trail):
+        if name in trail:
+            circles.append(trail[trail.index(name):] + [name])
+            return
+        if name in done:
+            return
+        for nxt in sorted(graph[name]):
+            visit(nxt, trail + [name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
+    assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
+
+
+def _room(name):
+    parts = name.split(".")
+    return parts[2] if len(parts) > 2 else None
+
+
+def test_operator_rooms_import_only_downward_in_data_flow_order():
+    known = operator_modules()
+    for name, path in known.items():
+        if path.parent == OPERATOR:
+            raise AssertionError(f"{path}: every operator module lives in a room {OPERATOR_ROOMS}")
+        assert _room(name) in OPERATOR_ROOMS, path
+        rank = OPERATOR_ROOMS.index(_room(name))
+        up = [m for m in operator_edges(path, known) if OPERATOR_ROOMS.index(_room(m)) > rank]
+        assert not up, (path, up)
+
+
+def test_pure_operator_rooms_import_no_kopf_http_or_kubernetes_client(tmp_path):
+    """spec/ and planning/ import no I/O client, read from the source and in a fresh interpreter (transitively)."""
+    known = operator_modules()
+    pure = [n for n in known if _room(n) in PURE_ROOMS]
+    assert pure
+    for name in pure:
+        bad = [m for m in imported_modules_abs(known[name]) if m == "asyncio" or m.startswith(IO_CLIENTS)]
+        assert not bad, (known[name], bad)
+    code = (f"import importlib, sys; [importlib.import_module(n) for n in {pure!r}]; "
+            f"bad = sorted(m for m in sys.modules if m in {IO_CLIENTS!r} or m.split('.')[0] in {IO_CLIENTS!r}); "
+            "assert not bad, bad")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def imported_modules_abs(path):
+    """Absolute module names a file imports (the operator uses no relative imports)."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and not node.level:
+            names.append(node.module)
+        elif isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+    return names
