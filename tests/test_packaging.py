@@ -1,4 +1,4 @@
-"""Packaging and CLI: what the wheel and sdist hold, the version, the operator/ folder never shadows the stdlib; bad flags exit 2 with one line."""
+"""Packaging and CLI: what the wheel and sdist hold, the version, the checkout root shadows nothing of the stdlib; bad flags exit 2 with one line."""
 
 import re
 import shutil
@@ -22,6 +22,23 @@ def test_stdlib_operator_is_not_shadowed(tmp_path):
             "assert callable(operator.itemgetter)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_the_checkout_root_shadows_nothing():
+    """From the checkout's root (sys.path[0] is the root), even without `site`, `import operator` is the standard
+    library's: operator/ is no package there, only the folder of warmfleet.operator's rooms."""
+    code = "import operator, sysconfig; print(operator.__file__); print(sysconfig.get_paths()['stdlib'])"
+    proc = subprocess.run([sys.executable, "-S", "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    found, stdlib = proc.stdout.split()
+    assert found.startswith(stdlib) and not found.startswith(str(REPO)), found
+
+
+def test_pytest_runs_from_the_checkout_root():
+    """`python -m pytest` from the root (no -P): the root on sys.path shadows no module the tests import."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_layering.py",
+                           "-k", "circle or downward"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 def _cli(*args):
@@ -124,6 +141,11 @@ def test_wheel_and_sdist_hold_every_tracked_package_file(built):
     assert not missing_sdist, f"not in the sdist: {missing_sdist}"
     # every console script's module ships, and nothing of the checkout that is not a package leaks in
     assert {"warmfleet/cli.py", "warmfleet/server/router/core/engines/vllm.py"} <= built["wheel"]
+    # the operator's rooms land under warmfleet/operator/, beside the package's own __init__.py
+    rooms = sorted(p.name for p in (REPO / "operator").iterdir() if (p / "__init__.py").is_file())
+    assert rooms == ["passes", "planning", "spec", "wiring"], rooms
+    assert {"warmfleet/operator/__init__.py", *(f"warmfleet/operator/{r}/__init__.py" for r in rooms),
+            "warmfleet/operator/wiring/command.py", "warmfleet/operator/planning/children.py"} <= built["wheel"]
     assert not [n for n in built["wheel"] if n.startswith(("tests/", "server/", "operator/", "bench/"))]
 
 
