@@ -185,6 +185,16 @@ class ServerConfig:
     max_request_bytes: int = field(
         default=DEFAULT_MAX_REQUEST_BYTES, metadata=opt("--max-request-bytes", "Largest HTTP request body, in bytes (413 above it).")
     )
+    request_header_timeout_s: float = field(
+        default=10.0, metadata=opt("--request-header-timeout-s", "Seconds a request's head (request line and headers) "
+                                   "may take to arrive, from the connection's opening or the request's first byte; "
+                                   "later: 408 and the connection is closed.")
+    )
+    request_body_timeout_s: float = field(
+        default=60.0, metadata=opt("--request-body-timeout-s", "Seconds a request's body may take to arrive after its "
+                                   "head (a total, not between bytes: a trickling client cannot extend it); later: 408 "
+                                   "and the connection is closed.")
+    )
     media_fetch_timeout_s: float = field(
         default=10.0, metadata=opt("--media-fetch-timeout-s", "Timeout for downloading one image, in seconds.")
     )
@@ -236,6 +246,8 @@ class EngineConfig:
         if lo.num_cpu_loras < lo.max_loras:
             raise ValueError(f"--max-cpu-loras ({lo.num_cpu_loras}) must be >= --max-loras ({lo.max_loras})")
         lo.modules()
+        if self.server.request_header_timeout_s <= 0 or self.server.request_body_timeout_s <= 0:
+            raise ValueError("--request-header-timeout-s and --request-body-timeout-s must be > 0")
         if not 0 < self.server.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.server.port}")
 

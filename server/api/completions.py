@@ -22,6 +22,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from .. import rendering
 from ..engine.protocol import GenerateRequest
@@ -49,6 +50,9 @@ async def parse_body(request: Request, model: type[M], state: ServerState) -> M:
         raw = await read_capped(request, state.cfg.server.max_request_bytes)
     except BodyTooLarge as exc:
         raise APIError(413, str(exc), code="request_too_large") from None
+    except ClientDisconnect:  # gone (or cut off by a read deadline, api/deadlines.py) before the body was in
+        raise APIError(CLIENT_CLOSED_REQUEST, "the client closed the connection before sending the whole body",
+                       code="client_closed_request") from None
     if not raw.strip():
         raise bad_request("request body is empty; expected a JSON object", code="invalid_json")
     try:

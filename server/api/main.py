@@ -30,6 +30,7 @@ from ..attention import registry as attention_backends
 from ..config import EngineConfig, add_arguments as add_config_arguments, from_namespace
 from ..logging_setup import setup_logging
 from .app import attach_engine, build_app
+from .deadlines import deadline_protocol
 
 log = logging.getLogger("warmfleet.serve")
 
@@ -66,10 +67,7 @@ async def serve(cfg: EngineConfig, drain_timeout_s: float = 30.0) -> int:
 
     prometheus_client.disable_created_metrics()
     app = build_app(None, None, cfg)
-    server = _Server(uvicorn.Config(
-        app, host=cfg.server.host, port=cfg.server.port, log_config=None, lifespan="off",
-        timeout_graceful_shutdown=drain_timeout_s, log_level=cfg.server.log_level,
-    ), app)
+    server = _Server(uvicorn_config(app, cfg, drain_timeout_s), app)
     log.info("starting replica", extra={"fields": {"replica_id": app.state.wf.replica_id, "host": cfg.server.host,
                                                      "port": cfg.server.port, "model": cfg.model.model}})
     loader = asyncio.create_task(server.load_engine(cfg))
@@ -81,6 +79,13 @@ async def serve(cfg: EngineConfig, drain_timeout_s: float = 30.0) -> int:
         await asyncio.gather(loader, return_exceptions=True)
         await server.stop_engine()
     return 1 if server.failed else 0
+
+
+def uvicorn_config(app: Any, cfg: EngineConfig, drain_timeout_s: float = 30.0) -> uvicorn.Config:
+    """How a replica's HTTP server runs: its address, drain time and read deadlines (api/deadlines.py)."""
+    http = deadline_protocol(cfg.server.request_header_timeout_s, cfg.server.request_body_timeout_s)
+    return uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, http=http, log_config=None,
+                          lifespan="off", timeout_graceful_shutdown=drain_timeout_s, log_level=cfg.server.log_level)
 
 
 class _Server(uvicorn.Server):
