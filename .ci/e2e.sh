@@ -37,7 +37,7 @@ if [[ "${WARMFLEET_E2E_INSTALL:-1}" != 0 ]]; then
 fi
 missing="$("$PY" -P -c '
 import importlib.util as u
-mods = ["pytest", "warmfleet.cli", "warmfleet.operator.kube", "kopf", "httpx", "openai", "yaml", "PIL", "numpy", "paddle"]
+mods = ["pytest", "warmfleet.cli", "warmfleet.operator.passes.kube_client", "kopf", "httpx", "openai", "yaml", "PIL", "numpy", "paddle"]
 print(" ".join(m for m in mods if u.find_spec(m.split(".")[0]) is None or (u.find_spec(m) is None)))
 ')" || fail "$PY cannot inspect its packages"
 [[ -z "$missing" ]] || fail "$PY lacks: $missing. The e2e suite needs warmfleet with its extras:
@@ -52,7 +52,8 @@ else
 fi
 echo "== e2e: pytest e2e (cluster up, chart, operator, data plane, cluster down)"
 t1=$(date +%s)
-# -P: do not put the repo root on sys.path (operator/ would shadow the standard library).
+# -P: keep the repo root off sys.path: its warmfleet/ folder is only part of the package (server/ and the
+# operator's rooms are mapped in), so $PY's installed warmfleet must be what is imported.
 set +e
 # shellcheck disable=SC2086
 "$PY" -P -m pytest e2e -v -p no:cacheprovider --durations=12 ${WARMFLEET_E2E_PYTEST_ARGS:-}

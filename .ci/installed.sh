@@ -28,7 +28,7 @@ t0=$(date +%s)
 echo "== installed: sdist and wheel from $(git rev-parse --short HEAD) into $WORK/dist"
 rm -rf "$WORK/src" "$WORK/dist" && mkdir -p "$WORK/src"
 git archive HEAD | tar -x -C "$WORK/src"
-# every environment is made from / so that no checkout is on sys.path (operator/ shadows the stdlib)
+# every environment is made from / so that no checkout is on sys.path (its warmfleet/ is part of the package only)
 (cd / && "$PY" -m venv "$WORK/build") && "$WORK/build/bin/pip" install -q --disable-pip-version-check build
 (cd / && "$WORK/build/bin/python" -m build --outdir "$WORK/dist" "$WORK/src" >"$WORK/build.log" 2>&1) \
   || { tail -n 30 "$WORK/build.log"; fail "python -m build failed (log: $WORK/build.log)"; }

@@ -31,7 +31,7 @@ case $target in
   *) fail "unknown target '$target' (engine or slim)" ;;
 esac
 
-# from / (with -P below): a checkout in the working directory would shadow the package (operator/: the stdlib)
+# from / (with -P below): a checkout in the working directory would shadow the package (its warmfleet/ folder)
 cd /
 echo "== image-steps $target: pip install warmfleet[$extras]"
 "$PY" -P -m pip install --quiet --disable-pip-version-check "${wheel}[${extras}]"
@@ -51,7 +51,8 @@ common = ["warmfleet.cli", "warmfleet.fetch", "warmfleet.server.config", "warmfl
 modules = {
     "engine": common + ["paddle", "warmfleet.server.api.main", "warmfleet.server.engine.core_proc",
                         "warmfleet.server.tiny_checkpoints.cli"],
-    "slim": common + ["warmfleet.operator.main", "warmfleet.operator.handlers", "warmfleet.operator.kube",
+    "slim": common + ["warmfleet.operator.wiring.command", "warmfleet.operator.wiring.handlers",
+                      "warmfleet.operator.passes.kube_client",
                       "warmfleet.server.router.epp.main", "warmfleet.server.router.epp.service",
                       "warmfleet.server.router.epp.pick", "warmfleet.server.router.epp.app",
                       "warmfleet.server.router.epp.server", "warmfleet.server.router.epp.envoy_bootstrap"],

@@ -1,8 +1,8 @@
 """Real `warmfleet serve` / `route` / `epp` processes (and an Envoy in front of an EPP) on loopback, for the demo, tests
 and benches: start, wait, kill, restart.
 
-Every process runs with `python -P` and a cwd outside the repo (the repo's operator/ folder would
-shadow the standard library) and logs to a file there, which a failing wait quotes.
+Every process runs with `python -P` and a cwd outside the repo (the repo's warmfleet/ folder is only
+part of the package) and logs to a file there, which a failing wait quotes.
 """
 
 from __future__ import annotations

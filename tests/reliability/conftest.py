@@ -15,7 +15,7 @@ GPU_BLOCKS = 512  # per replica: the load's working set (six tenant prefixes) fi
 
 @pytest.fixture(scope="package")
 def live_fleet(tiny_model_dir, tmp_path_factory):
-    # cwd outside the repo: its operator/ folder would shadow the standard library
+    # cwd outside the repo: its warmfleet/ folder is only part of the package
     fleet = LiveFleet(tiny_model_dir, tmp_path_factory.mktemp("reliability"),
                       replica_args=("--num-gpu-blocks", str(GPU_BLOCKS)))
     fleet.start()
