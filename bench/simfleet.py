@@ -43,6 +43,9 @@ close, requests in flight (streams included) finish, then the replica stops. Eac
 (standby, serving, terminating, stopped) is in `/sim/stats`.
 Streaming answers carry the first token as soon as the model produces it and the rest of the
 tokens in one chunk when the request finishes (per-token chunks would only add relay load).
+
+This file holds the time model, the fleet and the command line; one replica is simfleet_replica.py, the node
+tier simfleet_node.py, the HTTP/1.1 server simfleet_http.py.
 """
 
 from __future__ import annotations
@@ -56,35 +59,27 @@ import signal
 import socket
 import sys
 import time
-import uuid
-from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
-
-import httptools
+from typing import Optional
 
 from warmfleet.server import rendering
 from warmfleet.server.config import SchedulerConfig
-from warmfleet.server.engine.block_pool import BlockPool
-from warmfleet.server.engine.kv_cache_manager import KVCacheManager
-from warmfleet.server.engine.request import Request
-from warmfleet.server.engine.sampling_params import SamplingParams
-from warmfleet.server.engine.scheduler import Scheduler, SchedulerOutput
-from warmfleet.server.events import EventPublisher, Load, Snapshot
+from warmfleet.server.engine.scheduler import SchedulerOutput
 from warmfleet.server.hashing import model_fingerprint
 
 sys.path.append(str(Path(__file__).resolve().parent))  # bench/harness.py, after the stdlib
 import harness  # noqa: E402
 
+simfleet_http = harness.sibling("simfleet_http")
 simfleet_node = harness.sibling("simfleet_node")
+simfleet_replica = harness.sibling("simfleet_replica")
 
 HERE = Path(__file__).resolve().parent
 CALIBRATION = HERE / "sim_calibration.json"
 TIME_MODELS = {"calibrated": CALIBRATION, "h200": HERE / "sim_h200.json"}  # named time models (files in bench/)
 MODEL_NAME = "bench"
 LOAD_PUBLISH_INTERVAL_S = 0.25  # as server/engine/core_proc.py; unchanged load is re-sent every 1 s
-LAG_TOLERANCE_S = 0.05  # a step loop woken later than this restarts the model clock at "now"
 
 
 # --- time model -------------------------------------------------------------------------------
@@ -161,311 +156,6 @@ def fit_time_model(pc: dict, block_size: int) -> dict:
             "source": "bench/prefix_cache.py --quick --json on the bench checkpoint (fit_time_model)"}
 
 
-# --- one replica ------------------------------------------------------------------------------
-@dataclass
-class SimRequest:
-    request_id: str
-    tag: str  # the client's `user` field or x-request-id, for the bench's log
-    arrival: float
-    first: asyncio.Future
-    done: asyncio.Future
-    tokens: list[int] = field(default_factory=list)
-    first_time: Optional[float] = None
-    finish_reason: Optional[str] = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    cached_tokens_cpu: int = 0
-
-
-class SimReplica:
-    """The engine core of one replica with the model runner replaced by a time model."""
-
-    def __init__(self, rid: str, fingerprint: str, block_size: int, gpu_blocks: int, cpu_blocks: int,
-                 tm: TimeModel, vocab: int, events_endpoint: Optional[str] = None, max_model_len: int = 1 << 20,
-                 hash_algo: str = "blake3", node: Any = None):
-        self.rid, self.fingerprint, self.block_size, self.tm, self.vocab = rid, fingerprint, block_size, tm, vocab
-        self.node = node  # its node's simfleet_node.NodeTier (then it has no swap tier of its own), or None
-        if node is not None and cpu_blocks:
-            raise ValueError("the node tier takes the place of the per-replica swap tier: cpu_blocks must be 0")
-        self.pool = (simfleet_node.NodePool(rid, gpu_blocks, node, block_size) if node is not None
-                     else BlockPool(gpu_blocks, cpu_blocks, True, block_size))
-        self.kv = KVCacheManager(self.pool, block_size, fingerprint, hash_algo)
-        self.sched = Scheduler(SchedulerConfig(tm.max_num_batched_tokens, tm.max_num_seqs), self.kv, max_model_len)
-        self.publisher = EventPublisher(rid, events_endpoint) if events_endpoint else None
-        self.events_endpoint = events_endpoint
-        self.live: dict[str, SimRequest] = {}
-        self.log: list[dict] = []
-        self.wake = asyncio.Event()
-        self.task: Optional[asyncio.Task] = None
-        self.steps = 0
-        self.terminating = False  # SIGTERM-like drain: no new requests, in-flight ones finish
-        self.generation = 0  # how many times its slot was started before this replica (restarts, rolling updates)
-        self.busy_s = 0.0
-        self.max_lag_s = 0.0
-        self.lag_restarts = 0
-        self._last_load: Optional[tuple] = None
-        self._last_load_t = 0.0
-
-    # --- intake -----------------------------------------------------------------------------
-    def submit(self, tokens: list[int], max_tokens: int, cache_salt: Optional[str], tag: str) -> SimRequest:
-        """Queue a request; raises ValueError for what the engine would refuse (too long for the pool)."""
-        loop = asyncio.get_running_loop()
-        rid = uuid.uuid4().hex
-        sp = SamplingParams(max_tokens=max(1, max_tokens), temperature=0.0, ignore_eos=True)
-        req = Request(rid, list(tokens), sp, (), cache_salt, arrival_time=time.monotonic())
-        self.sched.add_request(req)  # validates length against the pool and context, hashes the blocks
-        h = SimRequest(rid, tag, req.arrival_time, loop.create_future(), loop.create_future(),
-                       prompt_tokens=len(tokens))
-        self.live[rid] = h
-        self.wake.set()
-        return h
-
-    def abort(self, h: SimRequest) -> None:
-        if h.request_id in self.live:
-            self.sched.abort([h.request_id])
-            self.sched.update(SchedulerOutput(), {})  # drain the abort's output
-            self.live.pop(h.request_id, None)
-            self._publish()
-
-    # --- the engine loop --------------------------------------------------------------------
-    async def run(self) -> None:
-        prev_end: Optional[float] = None
-        while True:
-            if not self.sched.has_work:
-                self.wake.clear()
-                await self.wake.wait()
-                prev_end = None
-            now = time.monotonic()
-            if prev_end is None:
-                start = now
-            else:
-                lag = now - prev_end
-                self.max_lag_s = max(self.max_lag_s, lag)
-                start = prev_end if lag <= LAG_TOLERANCE_S else now
-                self.lag_restarts += lag > LAG_TOLERANCE_S
-            out = self.sched.schedule()
-            dt = self.tm.step_seconds(out)
-            end = start + dt
-            if dt > 0:
-                await asyncio.sleep(max(0.0, end - time.monotonic()))
-            else:
-                await asyncio.sleep(0)  # zero time model: still let the loop breathe between steps
-            self.busy_s += dt
-            self.steps += 1
-            sampled = {s.request.request_id: self._token(s.request) for s in out.scheduled
-                       if s.num_computed_before + s.num_tokens == s.request.num_tokens}
-            results = self.sched.update(out, sampled)
-            self._publish()
-            for r in results:
-                h = self.live.get(r.request_id)
-                if h is None:
-                    continue
-                h.tokens.extend(r.new_token_ids)
-                if h.first_time is None and (r.new_token_ids or r.finished):
-                    h.first_time = end
-                    h.prompt_tokens = r.num_prompt_tokens or h.prompt_tokens
-                    h.cached_tokens, h.cached_tokens_cpu = r.num_cached_tokens, r.num_cached_tokens_cpu
-                    if not h.first.done():
-                        h.first.set_result(end)
-                if r.finished:
-                    h.finish_reason = r.finish_reason or "length"
-                    self.live.pop(r.request_id, None)
-                    self.log.append({"tag": h.tag, "replica": self.rid, "gen": self.generation,
-                                     "arrival": round(h.arrival, 6),
-                                     "ttft_model_s": round(max(end if h.first_time is None else h.first_time,
-                                                               h.arrival) - h.arrival, 6),
-                                     "e2e_model_s": round(end - h.arrival, 6), "prompt": h.prompt_tokens,
-                                     "cached": h.cached_tokens, **self._host_hits(h), "output": len(h.tokens)})
-                    if not h.first.done():
-                        h.first.set_result(end)
-                    if not h.done.done():
-                        h.done.set_result(end)
-            prev_end = end if self.sched.has_work else None
-
-    def _host_hits(self, h: SimRequest) -> dict:
-        """Cached tokens copied from host memory: the replica's swap tier, or its node tier when it has one."""
-        if self.node is None:
-            return {"cached_cpu": h.cached_tokens_cpu}
-        return {"cached_cpu": 0, "cached_node": h.cached_tokens_cpu}
-
-    def _token(self, req: Request) -> int:
-        """A deterministic pseudo-random output token (never special: ids 10 .. vocab-10)."""
-        x = (int(req.request_id[:12], 16) * 2654435761 + req.num_tokens * 40503) & 0xFFFFFFFF
-        return 10 + x % (self.vocab - 20)
-
-    # --- events, load, snapshot -------------------------------------------------------------
-    def load(self) -> Load:
-        s = self.sched
-        return Load(len(s.running), len(s.waiting), self.pool.num_free_blocks, self.pool.num_gpu_blocks)
-
-    def _publish(self) -> None:
-        events = self.pool.take_events()
-        if self.publisher is not None and events:
-            self.publisher.publish(events)
-
-    def publish_load(self, now: float) -> None:
-        if self.publisher is None:
-            return
-        load = self.load()
-        key = (load.num_running, load.num_waiting, load.free_gpu_blocks)
-        if key != self._last_load or now - self._last_load_t >= 1.0:
-            self.publisher.publish([load])
-            self._last_load, self._last_load_t = key, now
-
-    def snapshot(self) -> Snapshot:
-        self._publish()
-        gpu, cpu = self.pool.snapshot()
-        return Snapshot(self.rid, self.publisher.seq if self.publisher else 0, self.block_size, self.fingerprint,
-                        gpu, cpu, [], self.load())
-
-    def stats(self) -> dict:
-        c = self.pool.counters
-        return {"id": self.rid, "requests": len(self.log), "prompt_tokens": sum(r["prompt"] for r in self.log),
-                "cached_tokens": sum(r["cached"] for r in self.log),
-                "cached_tokens_cpu": sum(r["cached_cpu"] for r in self.log), "steps": self.steps,
-                "busy_model_s": round(self.busy_s, 3), "preemptions": self.sched.num_preemptions,
-                "evicted_gpu_blocks": c.evicted_gpu_blocks, "evicted_cpu_blocks": c.evicted_cpu_blocks,
-                "swap_in_blocks": c.swap_in_blocks, "swap_out_blocks": c.swap_out_blocks,
-                "gpu_cached_blocks": len(self.pool.cached),
-                "cpu_cached_blocks": self.pool.cpu.num_used if self.pool.cpu else 0,
-                "max_loop_lag_s": round(self.max_lag_s, 4), "lag_restarts": self.lag_restarts,
-                "events_seq": self.publisher.seq if self.publisher else 0, **self._node_stats()}
-
-    def _node_stats(self) -> dict:
-        if self.node is None:
-            return {}
-        return {"node": self.node.node_id, "node_hit_blocks": self.pool.node_hit_blocks,
-                "node_hit_tokens": self.pool.node_hit_blocks * self.block_size,
-                "cached_tokens_node": sum(r.get("cached_node", 0) for r in self.log),
-                "node_stored_blocks": self.pool.node_stored_blocks}
-
-
-# --- a small HTTP/1.1 server (httptools) ------------------------------------------------------
-REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 500: "Internal Server Error",
-           503: "Service Unavailable"}
-
-
-class HttpReply:
-    """What a handler writes: one whole response, or a chunked stream whose headers leave with its first chunk."""
-
-    def __init__(self, conn: "HttpConn", keep_alive: bool):
-        self.conn, self.keep_alive = conn, keep_alive
-        self.started = False
-        self.finished = False
-
-    def _head(self, status: int, headers: list[tuple[str, str]], extra: str) -> bytes:
-        lines = [f"HTTP/1.1 {status} {REASONS.get(status, 'OK')}"]
-        lines += [f"{k}: {v}" for k, v in headers]
-        lines.append(extra)
-        if not self.keep_alive:
-            lines.append("connection: close")
-        return ("\r\n".join(lines) + "\r\n\r\n").encode()
-
-    def send(self, status: int, body: bytes, headers: list[tuple[str, str]] = (),
-             content_type: str = "application/json") -> None:
-        head = self._head(status, [("content-type", content_type), *headers], f"content-length: {len(body)}")
-        self.conn.write(head + body)
-        self.finished = True
-
-    def stream_start(self, status: int, headers: list[tuple[str, str]], first: bytes) -> None:
-        head = self._head(status, [("content-type", "text/event-stream"), ("cache-control", "no-cache"), *headers],
-                          "transfer-encoding: chunked")
-        self.conn.write(head + b"%x\r\n%s\r\n" % (len(first), first))
-        self.started = True
-
-    def stream(self, data: bytes) -> None:
-        if data:
-            self.conn.write(b"%x\r\n%s\r\n" % (len(data), data))
-
-    def stream_end(self, data: bytes = b"") -> None:
-        self.conn.write((b"%x\r\n%s\r\n" % (len(data), data) if data else b"") + b"0\r\n\r\n")
-        self.finished = True
-
-
-class HttpConn(asyncio.Protocol):
-    """One client connection: parses requests with httptools, runs them one at a time (pipelining kept in order)."""
-
-    def __init__(self, app: "SimFleet", target: Any):
-        self.app, self.target = app, target
-        self.parser = httptools.HttpRequestParser(self)
-        self.transport: Optional[asyncio.Transport] = None
-        self.queue: deque = deque()
-        self.busy = False
-        self.closed = False
-        self._url = b""
-        self._body: list[bytes] = []
-        self._headers: dict[bytes, bytes] = {}
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-        if self.target is not None:
-            self.app.conns.setdefault(self.target.rid, set()).add(self)
-
-    def connection_lost(self, exc) -> None:
-        self.closed = True
-        if self.target is not None:
-            self.app.conns.get(self.target.rid, set()).discard(self)
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError:
-            self.write(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
-            self.transport.close()
-
-    def write(self, data: bytes) -> None:
-        if not self.closed:
-            self.transport.write(data)
-
-    # httptools callbacks
-    def on_message_begin(self) -> None:
-        self._url, self._body, self._headers = b"", [], {}
-
-    def on_url(self, url: bytes) -> None:
-        self._url += url
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers[name.lower()] = value
-
-    def on_body(self, body: bytes) -> None:
-        self._body.append(body)
-
-    def on_message_complete(self) -> None:
-        msg = (self.parser.get_method().decode(), self._url.decode().split("?", 1)[0], b"".join(self._body),
-               self._headers, self.parser.should_keep_alive())
-        self.queue.append(msg)
-        if not self.busy:
-            self.busy = True
-            asyncio.ensure_future(self._serve())
-
-    async def _serve(self) -> None:
-        try:
-            while self.queue and not self.closed:
-                method, path, body, headers, keep_alive = self.queue.popleft()
-                reply = HttpReply(self, keep_alive)
-                try:
-                    await self.app.handle(self.target, method, path, body, headers, reply, self)
-                except Exception as exc:  # a handler bug answers 500, never kills the server
-                    if not reply.started and not reply.finished:
-                        reply.send(500, json.dumps({"error": {"message": repr(exc)}}).encode())
-                    elif not reply.finished:
-                        reply.stream_end()
-                if (not keep_alive or (self.target is not None and self.target.terminating)) \
-                        and self.transport is not None:
-                    self.transport.close()
-                    return
-        finally:
-            self.busy = False
-
-
-def error(message: str, status: int = 400) -> bytes:
-    return json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": status}}).encode()
-
-
-def sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-
-
 # --- the fleet --------------------------------------------------------------------------------
 class SimFleet:
     """N replicas, one tokenizer, one listening socket per replica plus a control socket."""
@@ -485,7 +175,7 @@ class SimFleet:
         self.fingerprint = model_fingerprint(model)
         self.replicas_per_node, self.node_tier_blocks = replicas_per_node, node_tier_blocks
         self.nodes = simfleet_node.nodes_for(n + spares, replicas_per_node, node_tier_blocks)  # slot i: i // K
-        self.replicas: list[SimReplica] = []
+        self.replicas: list[simfleet_replica.SimReplica] = []
         self.urls: list[str] = []
         self.servers: list[asyncio.AbstractServer] = []  # the control port's
         self.spares = spares
@@ -502,9 +192,9 @@ class SimFleet:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         for i in range(self.n + self.spares):
-            sock = _bound(self.host)
+            sock = simfleet_http._bound(self.host)
             port = sock.getsockname()[1]
-            ev = f"tcp://{self.host}:{_free_port(self.host)}" if self.events else None
+            ev = f"tcp://{self.host}:{simfleet_http._free_port(self.host)}" if self.events else None
             rid = f"s{i}"
             self.urls.append(f"http://{self.host}:{port}")
             self._held[rid] = sock
@@ -515,9 +205,9 @@ class SimFleet:
                 self.replicas.append(self._replica(rid, None))
                 self.replicas[i].events_endpoint = ev
                 self.state[rid] = "standby"
-        sock = _listen(self.host)
+        sock = simfleet_http._listen(self.host)
         self.control_url = f"http://{self.host}:{sock.getsockname()[1]}"
-        self.servers.append(await loop.create_server(lambda: HttpConn(self, None), sock=sock))
+        self.servers.append(await loop.create_server(lambda: simfleet_http.HttpConn(self, None), sock=sock))
         self._load_task = asyncio.create_task(self._load_loop())
 
     def slowdown(self, rid: str) -> float:
@@ -529,9 +219,9 @@ class SimFleet:
         f = self.slowdown(rid)
         return self.tm if f == 1.0 else self.tm.scaled(1.0 / f)
 
-    def _replica(self, rid: str, events: Optional[str]) -> SimReplica:
+    def _replica(self, rid: str, events: Optional[str]) -> simfleet_replica.SimReplica:
         node = self.nodes[int(rid[1:]) // self.replicas_per_node] if self.nodes else None
-        return SimReplica(rid, self.fingerprint, self.block_size, self.gpu_blocks, self.cpu_blocks,
+        return simfleet_replica.SimReplica(rid, self.fingerprint, self.block_size, self.gpu_blocks, self.cpu_blocks,
                           self.time_model(rid), self.vocab, events, self.max_model_len, node=node)
 
     async def start_replica(self, i: int, events: Optional[str] = None) -> None:
@@ -558,9 +248,9 @@ class SimFleet:
         sock = self._held.pop(rid, None)
         if sock is None:
             port = int(self.urls[i].rsplit(":", 1)[1])
-            sock = _bound(self.host, port)
+            sock = simfleet_http._bound(self.host, port)
         sock.listen(1024)
-        self._listeners[rid] = await loop.create_server(lambda r=rep: HttpConn(self, r), sock=sock, backlog=1024)
+        self._listeners[rid] = await loop.create_server(lambda r=rep: simfleet_http.HttpConn(self, r), sock=sock, backlog=1024)
         self.state[rid] = "serving"
 
     async def terminate_replica(self, i: int) -> None:
@@ -630,8 +320,8 @@ class SimFleet:
                 for j, t in enumerate(self.nodes)]
 
     # --- HTTP ----------------------------------------------------------------------------------
-    async def handle(self, rep: Optional[SimReplica], method: str, path: str, body: bytes, headers: dict,
-                     reply: HttpReply, conn: HttpConn) -> None:
+    async def handle(self, rep: Optional[simfleet_replica.SimReplica], method: str, path: str, body: bytes, headers: dict,
+                     reply: simfleet_http.HttpReply, conn: simfleet_http.HttpConn) -> None:
         if rep is None:  # control port
             if path == "/sim/stats":
                 return reply.send(200, json.dumps(self.stats()).encode())
@@ -649,14 +339,14 @@ class SimFleet:
                         self._tasks.add(task)
                         task.add_done_callback(self._tasks.discard)
                 except (ValueError, AttributeError) as exc:
-                    return reply.send(400, error(str(exc)))
+                    return reply.send(400, simfleet_http.error(str(exc)))
                 return reply.send(200, json.dumps({"replica": f"s{i}", "state": self.state[f"s{i}"],
                                                    "url": self.urls[i]}).encode())
-            return reply.send(404, error("not found", 404))
+            return reply.send(404, simfleet_http.error("not found", 404))
         hdr = [("x-warmfleet-replica", rep.rid)]
         if rep.terminating and path != "/health":  # as warmfleet serve while it drains: go elsewhere
             reply.keep_alive = False
-            return reply.send(503, error("replica is shutting down; retry on another", 503), hdr)
+            return reply.send(503, simfleet_http.error("replica is shutting down; retry on another", 503), hdr)
         if method == "GET":
             if path in ("/health", "/ready"):
                 return reply.send(200, b'{"status":"ok"}', hdr)
@@ -666,25 +356,25 @@ class SimFleet:
                      "max_model_len": self.max_model_len}]}).encode(), hdr)
             if path == "/v1/kv/snapshot":
                 return reply.send(200, json.dumps(rep.snapshot().to_json()).encode(), hdr)
-            return reply.send(404, error("not found", 404), hdr)
+            return reply.send(404, simfleet_http.error("not found", 404), hdr)
         if method != "POST":
-            return reply.send(405, error("method not allowed", 405), hdr)
+            return reply.send(405, simfleet_http.error("method not allowed", 405), hdr)
         try:
             req = json.loads(body) if body else {}
             if not isinstance(req, dict):
                 raise ValueError("body must be a JSON object")
         except ValueError as exc:
-            return reply.send(400, error(f"bad JSON: {exc}"), hdr)
+            return reply.send(400, simfleet_http.error(f"bad JSON: {exc}"), hdr)
         if path == "/tokenize":
             try:
                 ids = self._prompt_ids(req, "messages" in req)
             except ValueError as exc:
-                return reply.send(400, error(str(exc)), hdr)
+                return reply.send(400, simfleet_http.error(str(exc)), hdr)
             return reply.send(200, json.dumps({"count": len(ids), "max_model_len": self.max_model_len,
                                                "tokens": ids}).encode(), hdr)
         if path in ("/v1/completions", "/v1/chat/completions"):
             return await self._generate(rep, req, path == "/v1/chat/completions", headers, reply, conn, hdr)
-        return reply.send(404, error("not found", 404), hdr)
+        return reply.send(404, simfleet_http.error("not found", 404), hdr)
 
     def _prompt_ids(self, req: dict, chat: bool) -> list[int]:
         if chat:
@@ -707,17 +397,17 @@ class SimFleet:
             raise ValueError("prompt is empty")
         return ids
 
-    async def _generate(self, rep: SimReplica, req: dict, chat: bool, headers: dict, reply: HttpReply,
-                        conn: HttpConn, hdr: list) -> None:
+    async def _generate(self, rep: simfleet_replica.SimReplica, req: dict, chat: bool, headers: dict, reply: simfleet_http.HttpReply,
+                        conn: simfleet_http.HttpConn, hdr: list) -> None:
         if req.get("n", 1) != 1:
-            return reply.send(400, error("n must be 1 in the simulator"), hdr)
+            return reply.send(400, simfleet_http.error("n must be 1 in the simulator"), hdr)
         try:
             ids = self._prompt_ids(req, chat)
             max_tokens = req.get("max_completion_tokens") or req.get("max_tokens") or 16
             tag = str(req.get("user") or headers.get(b"x-request-id", b"").decode() or "")
             h = rep.submit(ids, int(max_tokens), req.get("cache_salt"), tag)
         except (ValueError, TypeError) as exc:
-            return reply.send(400, error(str(exc)), hdr)
+            return reply.send(400, simfleet_http.error(str(exc)), hdr)
         stream = bool(req.get("stream"))
         include_usage = bool((req.get("stream_options") or {}).get("include_usage"))
         rid = ("chatcmpl-" if chat else "cmpl-") + h.request_id
@@ -745,7 +435,7 @@ class SimFleet:
                     c = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
                 else:
                     c = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-                return sse({**meta, "object": obj, "choices": [c], **extra})
+                return simfleet_http.sse({**meta, "object": obj, "choices": [c], **extra})
 
             first_tok = h.tokens[:1]
             done_now = h.done.done()
@@ -760,7 +450,7 @@ class SimFleet:
             if rest or not (done_now and len(h.tokens) <= 1):
                 tail += chunk(self._text(rest), h.finish_reason)
             if include_usage:
-                tail += sse({**meta, "object": obj, "choices": [], "usage": self._usage(h)})
+                tail += simfleet_http.sse({**meta, "object": obj, "choices": [], "usage": self._usage(h)})
             reply.stream_end(tail + b"data: [DONE]\n\n")
         except asyncio.CancelledError:
             rep.abort(h)
@@ -769,41 +459,13 @@ class SimFleet:
     def _text(self, tokens: list[int]) -> str:
         return "".join(f" t{t}" for t in tokens)
 
-    def _usage(self, h: SimRequest) -> dict:
+    def _usage(self, h: simfleet_replica.SimRequest) -> dict:
         return {"prompt_tokens": h.prompt_tokens, "completion_tokens": len(h.tokens),
                 "total_tokens": h.prompt_tokens + len(h.tokens),
                 "prompt_tokens_details": {"cached_tokens": h.cached_tokens}}
 
-    def _sim_headers(self, h: SimRequest) -> list:
+    def _sim_headers(self, h: simfleet_replica.SimRequest) -> list:
         return [("x-sim-ttft-ms", f"{((h.first_time or h.arrival) - h.arrival) * 1e3:.3f}")]
-
-
-def _listen(host: str) -> socket.socket:
-    s = _bound(host)
-    s.listen(1024)
-    return s
-
-
-def _bound(host: str, port: int = 0) -> socket.socket:
-    """A bound socket that does not listen yet: connections to it are refused."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind((host, port))
-    s.setblocking(False)
-    return s
-
-
-_PORTS: set[int] = set()
-
-
-def _free_port(host: str) -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind((host, 0))
-            p = s.getsockname()[1]
-        if p not in _PORTS:
-            _PORTS.add(p)
-            return p
 
 
 # --- calibration ------------------------------------------------------------------------------

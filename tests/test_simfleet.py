@@ -25,6 +25,7 @@ BLOCK = 16
 
 
 sim = load_bench("simfleet.py")
+replica = load_bench("simfleet_replica.py")
 trace = load_bench("trace_replay.py")
 harness = load_bench("harness.py")
 
@@ -59,7 +60,7 @@ SCRIPT = [  # (prompt, what it exercises); pool: 8 GPU blocks of 16 tokens, a fe
 
 def sim_answers(gpu: int, cpu: int, fingerprint: str) -> list[tuple[int, int]]:
     async def go():
-        rep = sim.SimReplica("s0", fingerprint, BLOCK, gpu, cpu, sim.TimeModel(), 1024)
+        rep = replica.SimReplica("s0", fingerprint, BLOCK, gpu, cpu, sim.TimeModel(), 1024)
         task = asyncio.create_task(rep.run())
         out = []
         for prompt, _ in SCRIPT:
@@ -100,7 +101,7 @@ def test_lru_eviction_keeps_the_recently_used_prefix(tiny_model_dir):
     from warmfleet.server.hashing import model_fingerprint
 
     async def go():
-        rep = sim.SimReplica("s0", model_fingerprint(tiny_model_dir), BLOCK, 6, 0, sim.TimeModel(), 1024)
+        rep = replica.SimReplica("s0", model_fingerprint(tiny_model_dir), BLOCK, 6, 0, sim.TimeModel(), 1024)
         task = asyncio.create_task(rep.run())
         got = {}
         for name, prompt in [("a", ids(0, 33)), ("b", ids(100, 33)), ("a2", ids(0, 33)), ("c", ids(200, 33)),
@@ -136,7 +137,7 @@ def test_time_model_prefill_decode_hits_and_queueing(tiny_model_dir):
     tm = sim.TimeModel(step_s=0.01, prefill_s_per_token=0.0001, decode_s_per_seq=0.002, max_num_batched_tokens=2048)
 
     async def go():
-        rep = sim.SimReplica("s0", model_fingerprint(tiny_model_dir), BLOCK, 512, 0, tm, 1024)
+        rep = replica.SimReplica("s0", model_fingerprint(tiny_model_dir), BLOCK, 512, 0, tm, 1024)
         task = asyncio.create_task(rep.run())
         h = rep.submit(ids(0, 1000), 3, None, "cold")
         await h.done
@@ -149,7 +150,7 @@ def test_time_model_prefill_decode_hits_and_queueing(tiny_model_dir):
         return {x["tag"]: x for x in rep.log}
 
     log = run(go())
-    tol = sim.LAG_TOLERANCE_S
+    tol = replica.LAG_TOLERANCE_S
     cold = 0.01 + 1000 * 0.0001  # one step: the whole prompt, then the first token
     assert cold <= log["cold"]["ttft_model_s"] <= cold + tol
     assert log["cold"]["e2e_model_s"] == pytest.approx(log["cold"]["ttft_model_s"] + 2 * (0.01 + 0.002), abs=tol)
@@ -396,7 +397,7 @@ def test_a_prefix_evicted_by_one_replica_is_hit_by_another_on_its_node_only():
     async def go():
         n0, n1 = node_tier.nodes_for(3, 2, 6)  # slots 0, 1 on n0; slot 2 on n1; 6 blocks each
         tm = sim.TimeModel(prefill_s_per_token=0.001, swap_s_per_block=0.25)
-        a, b, c = (sim.SimReplica(f"s{i}", "fp", BLOCK, 8, 0, tm, 1024, node=n) for i, n in enumerate((n0, n0, n1)))
+        a, b, c = (replica.SimReplica(f"s{i}", "fp", BLOCK, 8, 0, tm, 1024, node=n) for i, n in enumerate((n0, n0, n1)))
         prefix = ids(0, 40)  # two full blocks cacheable
         a.submit(prefix, 1, None, "a0")
         finish_all(a)
@@ -421,7 +422,7 @@ def test_a_prefix_evicted_by_one_replica_is_hit_by_another_on_its_node_only():
 
 def test_the_node_tier_replaces_the_swap_tier():
     with pytest.raises(ValueError):
-        sim.SimReplica("s0", "fp", BLOCK, 8, 4, sim.TimeModel(), 1024, node=node_tier.NodeTier("n0", 8))
+        replica.SimReplica("s0", "fp", BLOCK, 8, 4, sim.TimeModel(), 1024, node=node_tier.NodeTier("n0", 8))
 
 
 def test_the_h200_time_model_is_in_the_repo():
