@@ -14,7 +14,7 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "ConfigMap": ("v1", "configmaps"),
     "Pod": ("v1", "pods"),  # list (router and server pods' IPs) and apply of the pod-deletion-cost annotation (autoscale_pass.py)
     "PersistentVolumeClaim": ("v1", "persistentvolumeclaims"),  # read only: does a pod's claim exist?
-    "Secret": ("v1", "secrets"),  # read only: spec.model.credentialsSecret, to read config.json (modelconfig.py)
+    "Secret": ("v1", "secrets"),  # read only: spec.model.credentialsSecret, to read config.json (model_config.py)
     "Service": ("v1", "services"),
     "ServiceAccount": ("v1", "serviceaccounts"),
     "Deployment": ("apps/v1", "deployments"),

@@ -318,7 +318,7 @@ def render(body: Mapping[str, Any], nodes: list[NodeInfo], default_images: objec
            learned: mc.Learned | None = None) -> list[dict[str, Any]]:
     """The exact children the operator would apply for `body` and `nodes`, offline; raises SpecError.
 
-    config.json is not read here: `learned` (modelconfig.learn_now), else the body's status, says what it holds.
+    config.json is not read here: `learned` (model_config.learn_now), else the body's status, says what it holds.
     """
     body = dict(body)
     meta = dict(body.get("metadata") or {})

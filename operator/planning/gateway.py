@@ -23,7 +23,7 @@ GATEWAY_API_MODULE = "sigs.k8s.io/gateway-api@v1.6.3"
 GIE_CRD_URL = "https://github.com/kubernetes-sigs/gateway-api-inference-extension/config/crd?ref=v1.6.0"  # kubectl apply -k
 GATEWAY_API_CRD_URL = "https://github.com/kubernetes-sigs/gateway-api/config/crd?ref=v1.6.3"
 
-# Ready=False reasons of a cluster that lacks a CRD (status.py): a Warning Event and a retry with backoff
+# Ready=False reasons of a cluster that lacks a CRD (service_status.py): a Warning Event and a retry with backoff
 GIE_MISSING = "GatewayAPIInferenceExtensionMissing"
 GATEWAY_API_MISSING = "GatewayAPIMissing"
 CONDITION_TYPES = ("InferencePoolReady", "EndpointPickerReady", "HTTPRouteReady")
@@ -43,7 +43,7 @@ def names(owner: objects.Owner) -> dict[str, str]:
 
 
 def epp_settings(owner: objects.Owner, spec: InferenceServiceSpec) -> EppSettings:
-    """What the endpoint picker runs with: the router's `routing_values`, the gRPC port and the HTTP side port."""
+    """What the endpoint picker runs with: the router's `front_door_values`, the gRPC port and the HTTP side port."""
     return EppSettings(**router_objects.front_door_values(owner, spec), port=GRPC_PORT, http_port=EPP_HTTP_PORT)
 
 
@@ -53,7 +53,7 @@ def epp_args(owner: objects.Owner, spec: InferenceServiceSpec) -> list[str]:
 
 
 def epp_deployment(owner: objects.Owner, spec: InferenceServiceSpec, image: str) -> dict[str, Any]:
-    """The endpoint picker's Deployment: the router's pod (routing_deployment) running `warmfleet epp`, with gRPC
+    """The endpoint picker's Deployment: the router's pod (front_door_deployment) running `warmfleet epp`, with gRPC
     probes on the health services the EPP serves beside ext_proc."""
     return router_objects.front_door_deployment(owner, spec, image, router_objects.FrontDoorPod(
         name=names(owner)["epp"], component="epp", command=[EPP_COMMAND[0], *epp_args(owner, spec)],
@@ -143,7 +143,7 @@ def gateway_children(owner: objects.Owner, spec: InferenceServiceSpec, image: st
 
 @dataclass(frozen=True)
 class GatewayState:
-    """What a reconcile observed of gateway mode's objects (reconcile.py), the input of its conditions (status.py)."""
+    """What a reconcile observed of gateway mode's objects (passes/reconcile.py), the input of its conditions (service_status.py)."""
 
     pool: str  # InferencePool name
     epp: str  # endpoint picker Deployment/Service name

@@ -11,7 +11,7 @@ from warmfleet.operator.planning.plan import Plan, pool_status
 from warmfleet.operator.spec.inference_service import Condition
 from warmfleet.operator.spec.schema import to_dict
 
-# ModelConfigUnavailable: modelconfig.py; the last three (gateway mode only): gateway.py
+# ModelConfigUnavailable: passes/model_config.py; the last three (gateway mode only): gateway.py
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "InvalidSpec", "ModelConfigUnavailable", *GATEWAY_CONDITIONS)
 # Ready=False reasons that are progress, not a problem: every other Ready=False reason (a pod problem,
 # NoMatchingNodes, InsufficientCapacity) is worth a Warning Event when it appears.

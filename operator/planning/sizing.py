@@ -85,7 +85,7 @@ def size_pool(spec: InferenceServiceSpec, pool: Pool) -> PoolSizing:
     swap_host = int(S_gib * GiB * fp.swap_overhead)
     shm = _round_up_mib(shm_fixed + (swap_host if fp.swap_in_shm else 0))
     g = pool.gpu_memory_mib * MiB
-    # plan_for fills both in (spec, else config.json, else default: modelconfig.py); a bare spec gets the defaults
+    # plan_for fills both in (spec, else config.json, else default: passes/model_config.py); a bare spec gets the defaults
     token_bytes = (spec.model.hidden_size or DEFAULT_HIDDEN_SIZE) * DTYPE_BYTES[spec.model.dtype or DEFAULT_DTYPE]
     enc = _encoder_tokens(spec, engine, g, token_bytes, sources)
     gpu_util = _gpu_memory_utilization(engine, g, enc, token_bytes, cache.encoder_fraction)

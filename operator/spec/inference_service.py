@@ -12,7 +12,7 @@ from warmfleet.source import DOTDOT_PATTERN, ModelSource, SOURCE_FORMS, SOURCE_P
 
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 Mode = Literal["Auto", "Fixed"]
-EngineKind = Literal[engine_kinds.KINDS]  # type: ignore[valid-type]  # the registered kinds; one description each in engines.py
+EngineKind = Literal[engine_kinds.KINDS]  # type: ignore[valid-type]  # the registered kinds; one description each in planning/engine_descriptions.py
 
 
 # Shared by every Auto/Fixed size: CEL for the API server, the same check in Python for `render`.
