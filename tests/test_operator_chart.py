@@ -272,3 +272,21 @@ def test_alerts_use_only_metrics_the_router_and_replicas_export(helm):
     (tuned,) = [d for d in template(helm, "metrics.prometheusRule.enabled=true", "metrics.prometheusRule.ttftP90Seconds=7")
                 if d["kind"] == "PrometheusRule"]
     assert "> 2" in json.dumps(rule) and "> 2" not in json.dumps(tuned) and "> 7" in json.dumps(tuned)
+
+
+def test_service_monitor_gives_targets_the_labels_the_dashboard_filters_on(helm):
+    """The dashboard's service variable reads `inferenceservice`, which Prometheus gets only from the ServiceMonitor's
+    relabeling of the operator's own Service label (Prometheus' defaults give the Service's name, not the
+    InferenceService's); each endpoint carries it."""
+    from warmfleet.operator.spec.constants import COMPONENT_LABEL, SERVICE_LABEL
+
+    def meta(label: str) -> str:
+        return "__meta_kubernetes_service_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", label)
+
+    (sm,) = [d for d in template(helm, "metrics.serviceMonitor.enabled=true") if d["kind"] == "ServiceMonitor"]
+    dashboard = json.loads((CHART / "files" / "dashboard.json").read_text())
+    (service_var,) = [v for v in dashboard["templating"]["list"] if v["name"] == "service"]
+    for endpoint in sm["spec"]["endpoints"]:
+        relabel = {r["targetLabel"]: r["sourceLabels"] for r in endpoint["relabelings"]}
+        assert relabel["inferenceservice"] == [meta(SERVICE_LABEL)] and relabel["component"] == [meta(COMPONENT_LABEL)]
+    assert service_var["definition"].endswith(", inferenceservice)")
