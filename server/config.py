@@ -164,6 +164,16 @@ class ServerConfig:
                                     "empty, so the unauthenticated event port never carries prompt text; warmfleet's "
                                     "router needs only the hashes.")
     )
+    kv_events_curve_secret_key: Optional[str] = field(
+        default=None, metadata=opt("--kv-events-curve-secret-key", "ZMQ certificate file with this replica's CURVE key "
+                                   "pair (zmq.auth.create_certificates writes one): the KV-event socket is then "
+                                   "encrypted and admits only the clients of --kv-events-curve-clients. Give both.")
+    )
+    kv_events_curve_clients: Optional[str] = field(
+        default=None, metadata=opt("--kv-events-curve-clients", "Directory of the public-key certificates of the "
+                                   "subscribers (routers) allowed on the KV-event socket (with "
+                                   "--kv-events-curve-secret-key).")
+    )
     replica_id: Optional[str] = field(
         default=None, metadata=opt("--replica-id", "Identity in KV events (default: host:port).")
     )
@@ -246,6 +256,8 @@ class EngineConfig:
         if lo.num_cpu_loras < lo.max_loras:
             raise ValueError(f"--max-cpu-loras ({lo.num_cpu_loras}) must be >= --max-loras ({lo.max_loras})")
         lo.modules()
+        if (self.server.kv_events_curve_secret_key is None) != (self.server.kv_events_curve_clients is None):
+            raise ValueError("--kv-events-curve-secret-key and --kv-events-curve-clients go together")
         if self.server.request_header_timeout_s <= 0 or self.server.request_body_timeout_s <= 0:
             raise ValueError("--request-header-timeout-s and --request-body-timeout-s must be > 0")
         if not 0 < self.server.port < 65536:

@@ -220,22 +220,39 @@ class Snapshot:
         )
 
 
+# Batches the engine core queues per subscriber before that subscriber starts missing batches. A batch is one
+# step's events (at default sizes about 1 KB: up to max_num_batched_tokens / block_size hashes), and queued
+# messages are shared by every subscriber, so a reader that stops costs at most this many batches of memory
+# however many there are. A subscriber that falls this far behind sees a sequence gap and resyncs (contract 2).
+KV_EVENTS_SNDHWM = 1000
+
+
 class EventPublisher:
-    """ZMQ PUB socket that numbers and sends event batches; owned by the engine-core process.
+    """ZMQ XPUB socket that numbers and sends event batches; owned by the engine-core process.
 
-    Without `token_ids`, BlockStored goes out with an empty token list: the stream is unauthenticated, and the
-    hashes (salted per tenant) are all a router needs, so the prompts' tokens stay in the replica."""
+    Without `token_ids`, BlockStored goes out with an empty token list: the hashes (salted per tenant) are all a
+    router needs, so the prompts' tokens stay in the replica. With `curve_secret_key_file` the socket is a CURVE
+    server (encrypted) and only clients whose public keys lie in `curve_clients_dir` may subscribe (zmq.auth's
+    certificate files). Each subscriber's queue holds at most KV_EVENTS_SNDHWM batches; past that it misses
+    batches until it catches up, and each time one starts missing, `num_dropped` counts it."""
 
-    def __init__(self, replica_id: str, endpoint: str, token_ids: bool = False):
+    def __init__(self, replica_id: str, endpoint: str, token_ids: bool = False,
+                 curve_secret_key_file: Optional[str] = None, curve_clients_dir: Optional[str] = None):
         import zmq
 
         self.replica_id, self.token_ids = replica_id, token_ids
-        self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.PUB)
-        self._sock.setsockopt(zmq.SNDHWM, 100_000)
+        self._zmq = zmq
+        self._ctx = zmq.Context()  # its own: a CURVE authenticator serves one context
+        self._auth = None
+        self._sock = self._ctx.socket(zmq.XPUB)
+        if curve_secret_key_file is not None:
+            self._auth = _curve_server(self._ctx, self._sock, curve_secret_key_file, curve_clients_dir)
+        self._sock.setsockopt(zmq.SNDHWM, KV_EVENTS_SNDHWM)
+        self._sock.setsockopt(zmq.XPUB_NODROP, 1)  # a full subscriber queue shows as EAGAIN, so it is counted
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(endpoint)
         self.seq = 0
+        self.num_dropped = 0  # times a send found a subscriber's queue full (it misses batches from then)
 
     def publish(self, events: list[KVEvent]) -> None:
         if not events:
@@ -243,7 +260,51 @@ class EventPublisher:
         self.seq += 1
         if not self.token_ids:
             events = [replace(e, token_ids=[]) if isinstance(e, BlockStored) and e.token_ids else e for e in events]
-        self._sock.send_multipart(encode(EventBatch(self.replica_id, self.seq, events)))
+        self._send(encode(EventBatch(self.replica_id, self.seq, events)))
+
+    def _send(self, frames: list[bytes]) -> None:
+        """Send to every subscriber with room; a full one misses this batch (counted), never holds more memory."""
+        zmq = self._zmq
+        self._discard_subscriptions()
+        try:
+            self._sock.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:  # some subscriber's queue is full: send lossily, as PUB does, and count it
+            self.num_dropped += 1
+            self._sock.setsockopt(zmq.XPUB_NODROP, 0)
+            try:
+                self._sock.send_multipart(frames)
+            finally:
+                self._sock.setsockopt(zmq.XPUB_NODROP, 1)
+
+    def _discard_subscriptions(self) -> None:
+        """XPUB hands subscription messages to its owner; unread, they would pile up (one per new topic)."""
+        try:
+            while True:
+                self._sock.recv(self._zmq.NOBLOCK)
+        except self._zmq.Again:
+            pass
 
     def close(self) -> None:
         self._sock.close(0)
+        if self._auth is not None:
+            self._auth.stop()
+        self._ctx.term()
+
+
+def _curve_server(ctx, sock, secret_key_file: str, clients_dir: Optional[str]):
+    """Make `sock` a CURVE server with the key pair in `secret_key_file`; a ZAP authenticator admits only the
+    clients whose public-key certificates are in `clients_dir`. Returns the running authenticator."""
+    import zmq
+    import zmq.auth
+    from zmq.auth.thread import ThreadAuthenticator
+
+    if not zmq.has("curve"):
+        raise ValueError("--kv-events-curve-secret-key: this libzmq was built without CURVE (libsodium)")
+    public, secret = zmq.auth.load_certificate(secret_key_file)
+    if secret is None:
+        raise ValueError(f"--kv-events-curve-secret-key {secret_key_file}: the file holds no secret key")
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve(domain="*", location=clients_dir)
+    sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
+    return auth

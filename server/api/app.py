@@ -121,9 +121,10 @@ def _api_routes() -> APIRouter:
 
     @api.get("/v1/kv/snapshot")
     async def _snapshot(request: Request) -> JSONResponse:
-        engine = get_state(request).require_engine()
+        s = get_state(request)
+        engine = s.require_engine()
         try:
-            return JSONResponse(await engine.snapshot())
+            return JSONResponse(await s.snapshots.get(engine))
         except Exception as exc:  # engine busy or gone: the router retries the resync later
             log.warning("snapshot failed: %s", exc)
             raise APIError(503, f"engine snapshot unavailable: {exc}", code="engine_unavailable") from None

@@ -97,6 +97,8 @@ class EngineStatsCollector(Collector):
         yield counter("vllm:num_preemptions", "Requests preempted for lack of KV blocks.", s.preemptions)
         yield counter("warmfleet:swap_in_blocks", "KV blocks copied from the CPU tier back to the primary pool.", s.swap_in_blocks)
         yield counter("warmfleet:swap_out_blocks", "KV blocks moved from the primary pool to the CPU tier.", s.swap_out_blocks)
+        yield counter("warmfleet:kv_events_dropped", "Times a KV-event subscriber fell a full queue behind and "
+                      "missed batches (it resyncs from a snapshot).", s.kv_events_dropped)
 
         # NOTE: getattr, so a text-only engine (or one without these fields yet) exports zeros.
         def field(name: str) -> float:

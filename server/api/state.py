@@ -13,6 +13,7 @@ from ..config import EngineConfig, replica_id
 from ..engine.protocol import EngineClient
 from .errors import APIError
 from .metrics import CacheConfigInfo, Metrics, ProcessorCacheView
+from .snapshots import SnapshotGate
 
 if TYPE_CHECKING:
     from ..multimodal.inputs import ImageInputPreparer
@@ -43,6 +44,7 @@ class ServerState:
         self.vocab_size: Optional[int] = None
         self.image_pad_id: Optional[int] = None  # multimodal models: prompts may hold it only where an image is
         self.draining = False
+        self.snapshots = SnapshotGate()  # /v1/kv/snapshot: one engine call at a time, shared by concurrent callers
         self._kv_capacity_tokens: Optional[int] = None
         # Multimodal: built on the first request with an image, so text-only serving never pays for it.
         self.processor_cache: Optional["ProcessorCacheClient"] = None  # set by `warmfleet serve` (one per pod)

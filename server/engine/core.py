@@ -189,6 +189,7 @@ class EngineCore:
             prefix_queries_tokens=kv.num_query_tokens, prefix_hits_tokens_gpu=kv.num_hit_tokens_gpu,
             prefix_hits_tokens_cpu=kv.num_hit_tokens_cpu, swap_in_blocks=p.counters.swap_in_blocks,
             swap_out_blocks=p.counters.swap_out_blocks, preemptions=self.scheduler.num_preemptions,
+            kv_events_dropped=self.publisher.num_dropped if self.publisher is not None else 0,
             **self._encoder_stats(), **self._lora_stats(),
         )
 

@@ -135,7 +135,9 @@ def start_core(cfg):
     publisher = None
     if cfg.server.kv_events_port is not None:
         publisher = EventPublisher(replica_id(cfg.server), f"tcp://{cfg.server.kv_events_host}:{cfg.server.kv_events_port}",
-                                   token_ids=cfg.server.kv_events_token_ids)
+                                   token_ids=cfg.server.kv_events_token_ids,
+                                   curve_secret_key_file=cfg.server.kv_events_curve_secret_key,
+                                   curve_clients_dir=cfg.server.kv_events_curve_clients)
     return EngineCore(cfg, publisher)
 
 

@@ -55,6 +55,7 @@ class EngineStats:
     lora_digests: dict = field(default_factory=dict)  # adapter name -> hashing.adapter_digest (its chain root's key)
     lora_device_loads: int = 0  # adapters copied into a device slot since start (a miss of the resident set)
     lora_disk_loads: int = 0  # adapters read from disk since start (registration included)
+    kv_events_dropped: int = 0  # times a KV-event subscriber's queue was full, so it missed batches (events.py)
     extra: dict = field(default_factory=dict)
 
 
