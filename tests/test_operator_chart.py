@@ -290,3 +290,22 @@ def test_service_monitor_gives_targets_the_labels_the_dashboard_filters_on(helm)
         relabel = {r["targetLabel"]: r["sourceLabels"] for r in endpoint["relabelings"]}
         assert relabel["inferenceservice"] == [meta(SERVICE_LABEL)] and relabel["component"] == [meta(COMPONENT_LABEL)]
     assert service_var["definition"].endswith(", inferenceservice)")
+
+
+def test_notes_use_model_source_and_names_that_do_not_collide(helm):
+    """The NOTES' example reads its checkpoint from spec.model.source (not the older path + pvc), says what
+    baseline Pod Security needs, and every kubectl command names the kind as `wfis`: with KServe installed the
+    bare `inferenceservices` is serving.kserve.io's."""
+    from warmfleet.operator.spec.constants import SHORT_NAMES
+
+    proc = run(helm, "install", "wf", str(CHART), "--dry-run=client", "--namespace", "x")
+    assert proc.returncode == 0, proc.stderr
+    notes = proc.stdout.split("NOTES:\n", 1)[1]
+    doc = notes.split("cat <<'YAML' | kubectl apply -f -\n", 1)[1].split("  YAML\n", 1)[0]
+    model = yaml.safe_load("\n".join(line[2:] for line in doc.splitlines()))["spec"]["model"]
+    assert model["source"].startswith("hf://") and not {"path", "pvc"} & set(model)
+    assert "baseline" in notes and "cache.pvc" in notes
+    kubectl = [line.strip() for line in notes.splitlines() if "kubectl " in line]
+    assert "wfis" in SHORT_NAMES and any("kubectl get wfis" in c for c in kubectl)
+    for command in kubectl:
+        assert not re.search(r"kubectl \w+ (\S+ )*inferenceservices?\b(?!\.serving\.warmfleet\.io)", command), command
