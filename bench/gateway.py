@@ -458,7 +458,7 @@ def sim_bodies(model: Path) -> list[bytes]:
     """router_throughput.py's chat bodies (shared system prompt, a conversation each), streamed with usage."""
     from warmfleet.server.tokenizer import Tokenizer
 
-    words = harness.sibling("trace_replay").Words(Tokenizer(str(model)), routing_workload.BLOCK)
+    words = harness.sibling("replay_workload").Words(Tokenizer(str(model)), routing_workload.BLOCK)
     out = []
     for b in harness.sibling("router_throughput").chat_bodies_for(words, 96, 4):
         body = dict(json.loads(b), max_tokens=4, stream=True, stream_options={"include_usage": True})

@@ -33,7 +33,8 @@ import harness  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 rt = harness.sibling("router_throughput")
-trace = harness.sibling("trace_replay")
+replay_fleet = harness.sibling("replay_fleet")
+replay_workload = harness.sibling("replay_workload")
 
 
 def checkout(commit: str, dest: Path) -> Path:
@@ -54,7 +55,7 @@ def start(name: str, pythonpath: str | None, model: Path, desc: dict, cwd: str) 
     try:
         if pythonpath:  # a plain directory on PYTHONPATH is found before the editable install's finder
             os.environ["PYTHONPATH"] = pythonpath
-        return trace.start_router("warmfleet", model, desc, 16, cwd, [], taskset="0")
+        return replay_fleet.start_router("warmfleet", model, desc, 16, cwd, [], taskset="0")
     finally:
         os.environ.pop("PYTHONPATH", None)
         if old is not None:
@@ -96,8 +97,8 @@ def main() -> int:
     args = ap.parse_args()
     from warmfleet.server.tokenizer import Tokenizer
 
-    model = trace.tiny_model()
-    send = rt.load_sender(args.body, trace.Words(Tokenizer(str(model)), 16), "1", 16)
+    model = replay_workload.tiny_model()
+    send = rt.load_sender(args.body, replay_workload.Words(Tokenizer(str(model)), 16), "1", 16)
     path = "/v1/chat/completions" if args.body == "chat" else "/v1/completions"
     rates = [float(x) for x in args.rates.split(",")]
     cwd = tempfile.mkdtemp(prefix="wf-cpu-ab-")
@@ -111,7 +112,7 @@ def main() -> int:
     routers: dict = {}
     runs: dict = {"baseline": {}, "head": {}}
     try:
-        trace.wait_for(lambda: (Path(cwd) / "sim.json").exists(), "simulator", sim, 60)
+        replay_fleet.wait_for(lambda: (Path(cwd) / "sim.json").exists(), "simulator", sim, 60)
         desc = json.loads((Path(cwd) / "sim.json").read_text())
         routers["baseline"] = start("baseline", str(base_dir), model, desc, cwd)
         routers["head"] = start("head", None, model, desc, cwd)

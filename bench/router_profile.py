@@ -34,7 +34,8 @@ import harness  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 rt = harness.sibling("router_throughput")
-trace = harness.sibling("trace_replay")
+replay_fleet = harness.sibling("replay_fleet")
+replay_workload = harness.sibling("replay_workload")
 progress = harness.reporter("profile")
 
 # stage -> substrings of a py-spy frame ("function (file:line)"); the innermost frame that matches one decides
@@ -119,8 +120,8 @@ def main() -> int:
     spy = harness.find_tool("py-spy")
     if spy is None:
         raise FileNotFoundError("py-spy not found: pip install py-spy")
-    model = trace.tiny_model()
-    send = rt.load_sender(args.body, trace.Words(Tokenizer(str(model)), 16), "1", 16)
+    model = replay_workload.tiny_model()
+    send = rt.load_sender(args.body, replay_workload.Words(Tokenizer(str(model)), 16), "1", 16)
     cwd = tempfile.mkdtemp(prefix="wf-profile-")
     path = "/v1/chat/completions" if args.body == "chat" else "/v1/completions"
     sim = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-P", str(HERE / "simfleet.py"), "--model",
@@ -131,9 +132,9 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        trace.wait_for(lambda: (Path(cwd) / "sim.json").exists(), "simulator", sim, 60)
+        replay_fleet.wait_for(lambda: (Path(cwd) / "sim.json").exists(), "simulator", sim, 60)
         desc = json.loads((Path(cwd) / "sim.json").read_text())
-        base, router = trace.start_router("warmfleet", model, desc, 16, cwd, [], taskset="0")
+        base, router = replay_fleet.start_router("warmfleet", model, desc, 16, cwd, [], taskset="0")
         send(base + path, args.rate, 2.0)  # warm
         formats = [("raw", out / "router_profile.txt")]
         if args.speedscope:

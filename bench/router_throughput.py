@@ -69,7 +69,8 @@ HERE = Path(__file__).resolve().parent
 progress = harness.reporter("throughput")
 
 
-trace = harness.sibling("trace_replay")
+replay_fleet = harness.sibling("replay_fleet")
+replay_workload = harness.sibling("replay_workload")
 
 
 GO_TOOLS = {"hey": "go install github.com/rakyll/hey@latest",
@@ -219,10 +220,10 @@ def measure(kinds: list[str], args, model: Path, cwd: str, send, rates: list[flo
     sim = subprocess.Popen(sim_cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=open(Path(cwd) / "sim.log", "ab"))
     routers: dict = {}
     try:
-        trace.wait_for(lambda: (Path(cwd) / "sim.json").exists(), "simulator", sim, 60)
+        replay_fleet.wait_for(lambda: (Path(cwd) / "sim.json").exists(), "simulator", sim, 60)
         desc = json.loads((Path(cwd) / "sim.json").read_text())
         for kind in kinds:
-            routers[kind] = trace.start_router(kind, model, desc, 16, cwd, harness.variants(args.variant).get(kind, []),
+            routers[kind] = replay_fleet.start_router(kind, model, desc, 16, cwd, harness.variants(args.variant).get(kind, []),
                                                taskset=args.router_core)
         direct = desc["replicas"][0]["url"]
         out = {k: {"steps": [], "max_sustained_rps": None, "max_sustained_rps_contiguous": None, "contiguous": True,
@@ -398,8 +399,8 @@ def main() -> int:
     args = ap.parse_args()
     from warmfleet.server.tokenizer import Tokenizer
 
-    model = trace.tiny_model()
-    words = trace.Words(Tokenizer(str(model)), 16)
+    model = replay_workload.tiny_model()
+    words = replay_workload.Words(Tokenizer(str(model)), 16)
     unique = args.unique_prompts
     tool = "vegeta" if unique else args.load_generator
     send = load_sender("unique" if unique else "completion", words, args.load_core, args.concurrency,

@@ -71,7 +71,9 @@ PRESTOP_S = 1.0  # time between the router's drain notice and the replica's SIGT
 progress = harness.reporter("scaleout")
 
 
-trace = harness.sibling("trace_replay")
+replay_fleet = harness.sibling("replay_fleet")
+replay_runners = harness.sibling("replay_runners")
+replay_workload = harness.sibling("replay_workload")
 
 
 # --- workload ---------------------------------------------------------------------------------
@@ -114,14 +116,14 @@ def start_sim(model: Path, n: int, spares: int, gpu_blocks: int, cwd: str):
            "--spares", str(spares), "--block-size", str(BLOCK), "--gpu-blocks", str(gpu_blocks),
            "--time-model", "calibrated", "--engine-speedup", str(SPEEDUP), "--ready-file", str(ready)]
     p = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=open(Path(cwd) / "sim.log", "ab"))
-    trace.wait_for(ready.exists, "simulated fleet", p, 120)
+    replay_fleet.wait_for(ready.exists, "simulated fleet", p, 120)
     return p, json.loads(ready.read_text())
 
 
 def start_router(model: Path, sim: dict, extra: list[str], cwd: str):
     """warmfleet's router in front of `sim` (as bench/trace_replay.py runs it), up once in sync with the serving replicas."""
     port = free_port()
-    cmd, env = trace.router_command("warmfleet", model, sim, port, BLOCK, extra)
+    cmd, env = replay_fleet.router_command("warmfleet", model, sim, port, BLOCK, extra)
     serving = {r["url"] for r in sim["replicas"] if r["state"] == "serving"}
     return harness.start_router("warmfleet", cmd, port, cwd, env=env, log="router.log", health_s=None,
                                 synced=functools.partial(harness.in_sync, ids=serving))
@@ -162,7 +164,7 @@ class Run:
         body = {"model": "bench", "prompt": prompt, "max_tokens": 8, "stream": True, "cache_salt": salt,
                 "stream_options": {"include_usage": True}, "user": f"r{i}"}
         t = self.now()
-        res = await trace.stream_completion(session, base + "/v1/completions", body)
+        res = await replay_runners.stream_completion(session, base + "/v1/completions", body)
         if res["prompt"] is None and res["error"] is None:
             res["error"] = "no usage"
         self.rec.append({"tag": f"r{i}", "t": round(t, 4), "replica": res["replica"],
@@ -663,7 +665,7 @@ def main_autoscale(args) -> int:
         raise SystemExit(f"unknown autoscalers {unknown}: choose from {sorted(AUTOSCALERS)}")
     if not 1 <= args.min_replicas < args.max_replicas:
         raise SystemExit("--min-replicas must be >= 1 and below --max-replicas")
-    model = trace.tiny_model()
+    model = replay_workload.tiny_model()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     router_extra = ["--warmup-budget-s", "5"] if args.quick else []
@@ -725,7 +727,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [c for c in configs if c not in CONFIG_FLAGS]
     if unknown:
         ap.error(f"unknown configs {unknown}: choose from {sorted(CONFIG_FLAGS)}")
-    model = trace.tiny_model()
+    model = replay_workload.tiny_model()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     router_extra = ["--warmup-budget-s", "5"] if args.quick else []

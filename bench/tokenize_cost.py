@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parent))  # bench/harness.py, after the stdlib
 import harness  # noqa: E402
+replay_workload = harness.sibling("replay_workload")
 
 HERE = Path(__file__).resolve().parent
 
@@ -29,12 +30,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    trace = harness.sibling("trace_replay")
     from warmfleet.server.router.core.prompt import ids_encoder
     from warmfleet.server.tokenizer import Tokenizer
 
-    tok = Tokenizer(str(trace.tiny_model()))
-    reqs = trace.build_requests(trace.read_trace(trace.EXCERPT, args.requests), trace.Words(tok, 16), 16, None)
+    tok = Tokenizer(str(replay_workload.tiny_model()))
+    reqs = replay_workload.build_requests(replay_workload.read_trace(replay_workload.EXCERPT, args.requests), replay_workload.Words(tok, 16), 16, None)
     texts = [r["text"] for r in reqs]
     fast = ids_encoder(tok)
     paths = {"encode": lambda t: tok.encode(t, add_special_tokens=True), "encode_batch_fast": lambda t: fast(t, True)}

@@ -94,13 +94,13 @@ def test_quantile_ratio_interval_brackets_the_ratio_and_narrows_with_more_sample
 
 def test_trace_spread_arrivals_fills_each_timestamp_gap_in_order():
     reqs = [{"i": i, "t": t} for i, t in enumerate([0.0, 0.0, 0.0, 3.0, 3.0, 9.0, 9.0])]
-    load_bench("trace_replay.py").spread_arrivals(reqs)
+    load_bench("replay_workload.py").spread_arrivals(reqs)
     assert [r["t"] for r in reqs] == [0.0, 1.0, 2.0, 3.0, 6.0, 9.0, 11.25]  # the last group: the median gap, 4.5
     assert [r["i"] for r in sorted(reqs, key=lambda r: r["t"])] == list(range(7))
 
 
 def test_trace_verdict_holds_three_routers_to_issue_26s_bounds():
-    verdict = load_bench("trace_replay.py").verdict
+    verdict = load_bench("replay_report.py").verdict
 
     def run(ratio, p90, spread=1.0):
         return {"cached_ratio": ratio, "ttft_p90_s": p90, "spread": spread, "errors": 0}

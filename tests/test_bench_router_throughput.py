@@ -54,7 +54,7 @@ def test_unique_bodies_never_repeat_and_share_only_the_first_block(tiny_model_di
     from warmfleet.server.tokenizer import Tokenizer
 
     tok = Tokenizer(str(tiny_model_dir))
-    words = rt.trace.Words(tok, 16)
+    words = rt.replay_workload.Words(tok, 16)
     unique = rt.UniqueBodies(words, 96)
     prompts = [json.loads(b)["prompt"] for b in unique.take(200) + unique.take(200)]  # two takes: no overlap either
     assert len(set(prompts)) == 400

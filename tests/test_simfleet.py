@@ -17,6 +17,7 @@ import os
 import httpx
 import pytest
 from bench_scripts import load_bench
+from router_fakes import synced
 import waiting
 from warmfleet.livefleet import ProcessExited
 from warmfleet.localprocs import free_port
@@ -26,7 +27,9 @@ BLOCK = 16
 
 sim = load_bench("simfleet.py")
 replica = load_bench("simfleet_replica.py")
-trace = load_bench("trace_replay.py")
+replay_fleet = load_bench("replay_fleet.py")
+replay_report = load_bench("replay_report.py")
+replay_workload = load_bench("replay_workload.py")
 harness = load_bench("harness.py")
 
 
@@ -229,7 +232,7 @@ def test_real_router_follows_the_simulated_fleet(tiny_model_dir):
         try:
             await until(lambda: server.started, "router start")
             index = app.state.fleet.index
-            await until(lambda: all(index.is_synced(u) for u in fleet.urls), "initial snapshot resync")
+            await until(lambda: synced(index, fleet.urls), "initial snapshot resync")
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as c:
                 seen = []
                 for k in range(4):  # four prefixes, each asked three times with a different tail
@@ -271,11 +274,11 @@ def test_trace_prompts_tokenize_exactly_and_bounds_are_consistent(tiny_model_dir
     from warmfleet.server.tokenizer import Tokenizer
 
     tok = Tokenizer(str(tiny_model_dir))
-    words = trace.Words(tok, BLOCK)
-    rows = trace.read_trace(trace.EXCERPT, 80)
+    words = replay_workload.Words(tok, BLOCK)
+    rows = replay_workload.read_trace(replay_workload.EXCERPT, 80)
     assert len(rows) == 80
-    reqs = trace.build_requests(rows, words, BLOCK, None)
-    trace.check_tokenization(tok, reqs, 20)  # the text is exactly the planned token ids
+    reqs = replay_workload.build_requests(rows, words, BLOCK, None)
+    replay_workload.check_tokenization(tok, reqs, 20)  # the text is exactly the planned token ids
     for row, r in zip(rows, reqs):
         assert len(r["ids"]) == -(-row["input_length"] * BLOCK // 512)
     # two requests sharing k hash ids share k engine blocks
@@ -284,10 +287,10 @@ def test_trace_prompts_tokenize_exactly_and_bounds_are_consistent(tiny_model_dir
     assert reqs[0]["ids"][:k * BLOCK] == reqs[1]["ids"][:k * BLOCK]
     assert reqs[0]["ids"][k * BLOCK:(k + 1) * BLOCK] != reqs[1]["ids"][k * BLOCK:(k + 1) * BLOCK]
     fp = model_fingerprint(tiny_model_dir)
-    oracle = trace.ratio(trace.bound_hits(reqs, BLOCK, fp))
-    assert trace.ratio(trace.bound_hits(reqs, BLOCK, fp, 10**9)) == oracle > 0
-    assert trace.ratio(trace.bound_hits(reqs, BLOCK, fp, 30)) < oracle
-    summary = trace.summarize(
+    oracle = replay_workload.ratio(replay_workload.bound_hits(reqs, BLOCK, fp))
+    assert replay_workload.ratio(replay_workload.bound_hits(reqs, BLOCK, fp, 10**9)) == oracle > 0
+    assert replay_workload.ratio(replay_workload.bound_hits(reqs, BLOCK, fp, 30)) < oracle
+    summary = replay_report.summarize(
         [{"i": 0, "error": None, "ttft_client_s": 0.1, "cached": 16, "route": None},
          {"i": 1, "error": "HTTP 502", "ttft_client_s": None, "cached": None, "route": None}],
         [{"tag": "r0", "replica": "s0", "prompt": 40, "cached": 16, "cached_cpu": 0, "ttft_model_s": 0.05}],
@@ -322,9 +325,9 @@ def test_a_peer_router_that_exits_during_start_up_is_started_again_and_its_log_n
             return [sys.executable, "-c", code], {}
         return [sys.executable, "-c", FAKE_PEER_ROUTER, str(port)], {}
 
-    monkeypatch.setattr(trace, "router_command", fake_command)
+    monkeypatch.setattr(replay_fleet, "router_command", fake_command)
     cpu = str(min(os.sched_getaffinity(0)))
-    base, proc = trace.start_router("vllm", tmp_path, {"replicas": []}, BLOCK, str(tmp_path), taskset=cpu)
+    base, proc = replay_fleet.start_router("vllm", tmp_path, {"replicas": []}, BLOCK, str(tmp_path), taskset=cpu)
     try:
         assert len(starts) == 2 and starts[0] != starts[1]  # a second start, on a fresh port
         assert base == f"http://127.0.0.1:{starts[1]}" and proc.poll() is None
@@ -333,10 +336,10 @@ def test_a_peer_router_that_exits_during_start_up_is_started_again_and_its_log_n
         harness.stop(proc)
 
     starts.clear()
-    monkeypatch.setattr(trace, "router_command", lambda *a, **k: (starts.append(1), (
+    monkeypatch.setattr(replay_fleet, "router_command", lambda *a, **k: (starts.append(1), (
         [sys.executable, "-c", "import sys; print('Address already in use'); sys.exit(1)"], {}))[1])
     with pytest.raises(ProcessExited, match="exited with 1.*Address already in use"):
-        trace.start_router("vllm", tmp_path, {"replicas": []}, BLOCK, str(tmp_path), attempts=2)
+        replay_fleet.start_router("vllm", tmp_path, {"replicas": []}, BLOCK, str(tmp_path), attempts=2)
     assert len(starts) == 2
 
 
@@ -344,7 +347,7 @@ def test_router_listen_ports_are_outside_the_ephemeral_range_and_never_repeat():
     from pathlib import Path
 
     lo = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    ports = [trace.listen_port() for _ in range(50)]
+    ports = [replay_fleet.listen_port() for _ in range(50)]
     assert len(set(ports)) == 50
     assert all(p < lo for p in ports)  # no outgoing connection is ever given one of these
 
