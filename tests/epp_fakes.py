@@ -14,7 +14,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import struct_pb2
 
-from router_fakes import BLOCK, FakeReplica, FakeSharedFailures, Served
+from router_fakes import BLOCK, FakeReplica, FakeSharedFailures, Served, synced
 from waiting import until
 from warmfleet.server.hashing import model_fingerprint
 from warmfleet.server.router.core.prompt import HashConfig, PromptRenderer
@@ -145,7 +145,7 @@ class EppFleet:
         self.fleet = self.epp.state["fleet"]
         if not self.replica_urls:
             if self.events and self.engine == "warmfleet":
-                await until(lambda: all(self.fleet.index.is_synced(s.url) for s in self.served), "initial resync")
+                await until(lambda: synced(self.fleet.index, [s.url for s in self.served]), "initial resync")
             else:
                 await until(lambda: len(self.fleet.routable()) == len(self.served), "health checks")
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.epp.grpc_port}")

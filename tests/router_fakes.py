@@ -228,7 +228,7 @@ class Fleet2:
         if self.engine == "fastdeploy":  # no events: nothing to sync
             await until(lambda: all(r.healthy for r in self.fleet.registry.replicas.values()), "health checks")
         else:
-            await until(lambda: all(self.fleet.index.is_synced(s.url) for s in self.served), "initial resync")
+            await until(lambda: synced(self.fleet.index, [s.url for s in self.served]), "initial resync")
         self.client = httpx.AsyncClient(base_url=self.router.url, timeout=10)
         return self
 
@@ -247,6 +247,11 @@ class Fleet2:
     def metric(self, name: str, **labels) -> float:
         v = self.app.state.metrics.registry.get_sample_value(name, labels or None)
         return 0.0 if v is None else v
+
+
+def synced(index, urls) -> bool:
+    """Whether the router's KV index has a snapshot of every replica at `urls` (its initial resync is done)."""
+    return all(index.replicas.get(u) is not None and index.replicas[u].synced for u in urls)
 
 
 def chat(question: str, tenant: Optional[int] = None, **extra) -> dict:

@@ -15,6 +15,7 @@ from operator_fixtures.cluster import ISVC, PODS, declare
 from operator_fixtures.kmock_apply import FakeVersionedEmulator
 from operator_fixtures.running import InProcessOperator, run_operator
 from operator_fixtures.shapes import h200, l4, service
+from router_fakes import synced
 from waiting import poll, until
 from warmfleet.operator.planning import autoscale_policy as a
 from warmfleet.operator.planning.sizing import assign_replicas
@@ -207,7 +208,7 @@ async def test_the_real_router_exports_what_the_autoscaler_reads(tiny_model_dir)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     task = asyncio.create_task(server.serve())
     try:
-        await until(lambda: server.started and all(app.state.fleet.index.is_synced(u) for u in fleet.urls),
+        await until(lambda: server.started and synced(app.state.fleet.index, fleet.urls),
                     "router start and initial resync", timeout_s=TIMEOUT_S, interval_s=0.02)
         prompt = [random.Random(7).randrange(5, 900) for _ in range(200)]
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:

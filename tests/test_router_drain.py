@@ -20,6 +20,7 @@ from kubernetes.client import (
 from bench_scripts import load_bench
 import waiting
 from warmfleet.localprocs import free_port
+from router_fakes import synced
 from warmfleet.server.hashing import model_fingerprint
 from warmfleet.server.router.core.booking import Booking
 from warmfleet.server.router.core.discovery import replicas_from_slices
@@ -74,7 +75,7 @@ class RouterOnSim:
         self.task = asyncio.create_task(self.server.serve())
         await until(lambda: self.server.started, "router start")
         self.fleet: Fleet = self.app.state.fleet
-        await until(lambda: all(self.fleet.index.is_synced(u) for u in self.sim.urls), "initial resync")
+        await until(lambda: synced(self.fleet.index, self.sim.urls), "initial resync")
         self.client = httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30)
         return self
 

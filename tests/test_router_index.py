@@ -2,6 +2,7 @@
 
 import random
 
+from router_fakes import synced
 from warmfleet.server.events import (
     CPU, GPU, AllBlocksCleared, BlockRemoved, BlockStored, EncoderRemoved, EncoderStored, EventBatch, Load, Snapshot,
 )
@@ -97,7 +98,7 @@ def test_gap_requests_resync_keeps_state_and_snapshot_restores():
     idx = synced_index()
     idx.apply_batch("a", EventBatch("a", 1, [stored(1)]))
     assert idx.apply_batch("a", EventBatch("a", 3, [stored(3)])) is Applied.NEED_RESYNC
-    assert idx.is_synced("a") and idx.match([H(1)], ["a"])["a"].blocks == 1  # still predicting from what it knew
+    assert synced(idx, ["a"]) and idx.match([H(1)], ["a"])["a"].blocks == 1  # still predicting from what it knew
     assert idx.apply_batch("a", EventBatch("a", 4, [stored(4)])) is Applied.NEED_RESYNC
     assert idx.apply_snapshot("a", snap(3, gpu=[1, 2, 3]), seq_at_request=1) is Applied.OK
     assert idx.match([H(1), H(2), H(3), H(4)], ["a"])["a"].blocks == 4
@@ -117,7 +118,7 @@ def test_all_blocks_cleared_purges_replica_only():
     idx.apply_batch("a", EventBatch("a", 2, [AllBlocksCleared()]))
     got = idx.match([H(1), H(2)], ["a", "b"])
     assert got["a"].blocks == 0 and got["b"].blocks == 1
-    assert idx.is_synced("a")  # clearing is an ordinary event: no resync needed
+    assert synced(idx, ["a"])  # clearing is an ordinary event: no resync needed
 
 
 def test_restart_is_settled_by_the_snapshot_and_later_batches_replay():
@@ -154,7 +155,7 @@ def test_purge_and_remove_forget_the_replica():
     idx = synced_index("a")
     idx.apply_batch("a", EventBatch("a", 1, [stored(1), EncoderStored(["img"])]))
     idx.purge("a")
-    assert not idx.is_synced("a") and idx.num_blocks() == 0 and not idx.encoder_hits("a", ["img"])
+    assert not synced(idx, ["a"]) and idx.num_blocks() == 0 and not idx.encoder_hits("a", ["img"])
     idx.remove("a")
     assert "a" not in idx.replicas
 

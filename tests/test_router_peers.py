@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from typing import Optional
 
 import httpx
 import pytest
 import uvicorn
 
-from router_fakes import BLOCK, FakeReplica, FakeSharedFailures, Served, static_router
+from router_fakes import BLOCK, FakeReplica, FakeSharedFailures, Served, static_router, synced
 from waiting import until
 from warmfleet.server.hashing import model_fingerprint
 from warmfleet.server.router.core.peers import PeerLoad, balanced_owners, client_digest, parse_peers
@@ -24,6 +25,12 @@ from warmfleet.server.router.http.app import build_app
 from warmfleet.server.tokenizer import Tokenizer
 
 SHORT = {"model": "tiny", "prompt": "hi", "max_tokens": 1, "stream": True}  # shorter than a block: routed by load
+
+
+def live_peers(peers: PeerLoad) -> int:
+    """Peers (not this router) whose last report is fresh."""
+    now = time.monotonic()
+    return sum(1 for p in peers.peers.values() if not p.is_self and p.seen and now - p.seen <= peers.stale_s)
 
 
 class Bound:
@@ -76,7 +83,7 @@ class TwoRouters:
             await b.start(app)
             self.apps.append(app)
         for app in self.apps:
-            await until(lambda: all(app.state.fleet.index.is_synced(s.url) for s in self.served), "initial resync")
+            await until(lambda: synced(app.state.fleet.index, [s.url for s in self.served]), "initial resync")
         self.clients = [httpx.AsyncClient(base_url=b.url, timeout=10) for b in self.bound]
         return self
 
@@ -124,7 +131,7 @@ async def test_each_router_finds_itself_in_the_shared_peer_list(tiny_model_dir):
     async with TwoRouters(tiny_model_dir) as t:
         for i, app in enumerate(t.apps):
             peers: PeerLoad = app.state.peers
-            await until(lambda: peers.live_peers() == 1, "the other router answering")
+            await until(lambda: live_peers(peers) == 1, "the other router answering")
             assert peers.peers[t.bound[i].url].is_self and not peers.peers[t.bound[1 - i].url].is_self
         view = (await t.clients[0].get("/v1/router/peer-load")).json()
         assert view["router"] == t.apps[0].state.peers.router_id
@@ -163,7 +170,7 @@ async def test_a_stopped_peer_is_left_out_of_the_sums(tiny_model_dir):
         t.release()
         await task
         await t.bound[0].stop()  # router A is gone
-        await until(lambda: peers_b.live_peers() == 0, "router A to go stale on router B", timeout_s=10)
+        await until(lambda: live_peers(peers_b) == 0, "router A to go stale on router B", timeout_s=10)
         # the sums are recomputed after the next polling round: nothing of router A's counts any more
         await until(lambda: peers_b.replica_load(held) == (0, 0, 0.0), "router A's figures dropped")
         assert peers_b.peers[t.bound[0].url].last_error
@@ -280,7 +287,7 @@ async def test_a_peer_name_stands_for_every_address_it_resolves_to():
 async def test_peer_load_is_an_admin_route_and_peers_send_the_admin_key(tiny_model_dir):
     async with TwoRouters(tiny_model_dir, admin_key="adm", api_keys={"client-key": None}) as t:
         for app in t.apps:  # the routers found each other: their polls carry the admin key
-            await until(lambda: app.state.peers.live_peers() == 1, "the other router answering an authorized poll")
+            await until(lambda: live_peers(app.state.peers) == 1, "the other router answering an authorized poll")
         for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "Bearer client-key"}):
             r = await t.clients[0].get("/v1/router/peer-load", headers=headers)
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
@@ -291,7 +298,7 @@ async def test_peer_load_is_an_admin_route_and_peers_send_the_admin_key(tiny_mod
 async def test_without_an_admin_key_peer_load_stays_open_so_keyed_routers_still_share_load(tiny_model_dir):
     async with TwoRouters(tiny_model_dir, api_keys={"client-key": None}) as t:
         for app in t.apps:
-            await until(lambda: app.state.peers.live_peers() == 1, "the other router answering")
+            await until(lambda: live_peers(app.state.peers) == 1, "the other router answering")
         assert (await t.clients[0].get("/v1/router/peer-load")).status_code == 200
         drain = await t.clients[0].post(f"/v1/router/replicas/{t.served[0].url}/drain")
         assert drain.status_code == 403  # the other admin routes stay closed to key-checking routers

@@ -11,7 +11,7 @@ import httpx
 import msgpack
 import pytest
 
-from router_fakes import BLOCK, SYSTEM, Served, FakeSharedFailures, FakeReplica, Fleet2, chat
+from router_fakes import BLOCK, SYSTEM, Served, FakeSharedFailures, FakeReplica, Fleet2, chat, synced
 from waiting import until
 from warmfleet.server.events import BlockStored
 from warmfleet.server.hashing import block_hashes
@@ -60,6 +60,8 @@ async def test_retry_on_next_replica_before_first_byte(tiny_model_dir, mode, str
         assert sum(len(chats(x)) for x in f.replicas) == 2
         failed = next(x for x in f.replicas if chats(x) and x.name != r.headers["x-warmfleet-replica"])
         assert chats(failed) and f.metric("warmfleet_router_retries_total") == 1
+        # the booking moved with the retry and left with the last byte: nothing stays on either replica
+        assert all((x.in_flight, x.queued_tokens) == (0, 0) for x in f.fleet.registry.replicas.values())
         if stream:
             assert r.text.startswith("data: ") and r.text.endswith("data: [DONE]\n\n")
 
@@ -131,7 +133,7 @@ async def test_refused_connection_marks_replica_down_and_retries(tiny_model_dir)
                 break
         assert answered == {"r1"}
         assert not f.fleet.registry.get(dead).healthy
-        assert not f.fleet.index.is_synced(dead)  # purged
+        assert not synced(f.fleet.index, [dead])  # purged
 
 
 async def test_mid_stream_break_ends_with_sse_error(tiny_model_dir):
@@ -183,7 +185,7 @@ async def test_a_replica_still_loading_its_model_is_not_routed_to(tiny_model_dir
             assert r.status_code == 200 and r.headers["x-warmfleet-replica"] == "r1"
         assert not rep.received and f.metric("warmfleet_router_retries_total") == 0
         rep.ready = True
-        await until(lambda: f.fleet.registry.get(url).healthy and f.fleet.index.is_synced(url),
+        await until(lambda: f.fleet.registry.get(url).healthy and synced(f.fleet.index, [url]),
                     "back in rotation and resynced once ready")
 
 

@@ -131,10 +131,6 @@ class KVIndex:
             st = self.replicas[replica] = ReplicaKV()
         return st
 
-    def is_synced(self, replica: str) -> bool:
-        st = self.replicas.get(replica)
-        return st is not None and st.synced
-
     def purge(self, replica: str) -> None:
         """Forget everything about a replica's cache and wait for a snapshot (dead, restarted, or lost events)."""
         st = self.replicas.get(replica)

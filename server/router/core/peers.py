@@ -200,10 +200,6 @@ class PeerLoad:
         """Requests `client` has open on fresh peers."""
         return self._clients.get(client_digest(client), 0) if self._clients else 0
 
-    def live_peers(self) -> int:
-        now = time.monotonic()
-        return sum(1 for p in self.peers.values() if not p.is_self and p.seen and now - p.seen <= self.stale_s)
-
     # --- what this router tells its peers -------------------------------------------------------
     def local_report(self, replicas: Iterable, open_by_client: dict[str, int]) -> dict:
         """This router's own figures (never the sums: a peer adds every router once)."""
