@@ -309,3 +309,52 @@ def test_notes_use_model_source_and_names_that_do_not_collide(helm):
     assert "wfis" in SHORT_NAMES and any("kubectl get wfis" in c for c in kubectl)
     for command in kubectl:
         assert not re.search(r"kubectl \w+ (\S+ )*inferenceservices?\b(?!\.serving\.warmfleet\.io)", command), command
+
+
+def test_operator_pod_can_be_shaped(helm, tmp_path):
+    """Every pod-shaping value of the operator reaches its pod spec, beside the chart's own entries (selector labels,
+    HOME, the /tmp emptyDir), which a value cannot replace."""
+    import kubernetes_validate as kv
+
+    shape = {
+        "imagePullSecrets": [{"name": "regcred"}],
+        "operator": {
+            "nodeSelector": {"pool": "system"},
+            "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "system", "effect": "NoSchedule"}],
+            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                {"matchExpressions": [{"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64"]}]}]}}},
+            "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                                           "whenUnsatisfiable": "ScheduleAnyway"}],
+            "priorityClassName": "system-cluster-critical",
+            "podAnnotations": {"sidecar.istio.io/inject": "false"},
+            "podLabels": {"team": "ml-platform", "app.kubernetes.io/name": "hijack"},
+            "extraEnv": [{"name": "HF_ENDPOINT", "value": "https://hf-mirror.example"}],
+            "extraEnvFrom": [{"configMapRef": {"name": "proxy-settings"}}],
+            "volumes": [{"name": "ca", "configMap": {"name": "corporate-ca"}}],
+            "volumeMounts": [{"name": "ca", "mountPath": "/etc/ssl/corporate", "readOnly": True}],
+            "resources": {"requests": {"cpu": "200m", "memory": "300Mi"}, "limits": {"memory": "600Mi"}},
+        },
+    }
+    values = tmp_path / "shape.yaml"
+    values.write_text(yaml.safe_dump(shape))
+    proc = run(helm, "template", "wf", str(CHART), "--namespace", "warmfleet-system", "-f", str(values))
+    assert proc.returncode == 0, proc.stderr
+    (dep,) = [d for d in yaml.safe_load_all(proc.stdout) if d and d["kind"] == "Deployment"]
+    kv.validate(dep, K8S_VERSION, strict=True)
+    meta, pod = dep["spec"]["template"]["metadata"], dep["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    op = shape["operator"]
+    assert pod["imagePullSecrets"] == shape["imagePullSecrets"]
+    for key in ("nodeSelector", "tolerations", "affinity", "topologySpreadConstraints", "priorityClassName"):
+        assert pod[key] == op[key], key
+    assert meta["annotations"] == op["podAnnotations"]
+    assert meta["labels"]["team"] == "ml-platform" and meta["labels"] == {**dep["spec"]["selector"]["matchLabels"], "team": "ml-platform"}
+    assert c["env"] == [{"name": "HOME", "value": "/tmp"}, *op["extraEnv"]] and c["envFrom"] == op["extraEnvFrom"]
+    assert [v["name"] for v in pod["volumes"]] == ["tmp", "ca"] and pod["volumes"][1] == op["volumes"][0]
+    assert c["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}, *op["volumeMounts"]]
+    for kind, quantities in op["resources"].items():  # merged over the chart's defaults (ephemeral-storage stays)
+        assert quantities.items() <= c["resources"][kind].items(), kind
+    # the chart's own entries cannot be replaced through the lists
+    for bad in ("operator.extraEnv[0].name=HOME", "operator.volumes[0].name=tmp",
+                "operator.volumeMounts[0].name=x,operator.volumeMounts[0].mountPath=/tmp"):
+        assert run(helm, "template", "wf", str(CHART), "--set", bad).returncode != 0, bad
