@@ -1,4 +1,4 @@
-"""Which server package may import which: read from the source (ast), so a wrong edge fails here, not at run time."""
+"""Which package may import which (server rooms, operator rooms): read from the source (ast), so a wrong edge fails here, not at run time."""
 
 import ast
 import subprocess
