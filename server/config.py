@@ -9,6 +9,7 @@ are checked where that package is asked for them (attention/registry.py `check`,
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -19,6 +20,9 @@ GiB = 1 << 30
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20  # also the router's default
 
 HASH_ALGOS = ("blake3", "sha256", "xxhash")
+MM_MODALITIES = ("image", "video", "audio")  # --limit-mm-per-prompt's keys, as vLLM's
+DEFAULT_LIMIT_MM_PER_PROMPT = '{"image": 16}'
+DEFAULT_MAX_IMAGE_PIXELS = 4096 * 4096  # --media-max-pixels
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per element of each --dtype
 DTYPES = tuple(DTYPE_BYTES)
 DEFAULT_ATTENTION_BACKEND = "cpu"  # a name in attention/registry.py BACKENDS (tests/test_attention.py checks)
@@ -211,7 +215,37 @@ class ServerConfig:
     media_max_bytes: int = field(
         default=20 << 20, metadata=opt("--media-max-bytes", "Largest image download, in bytes.")
     )
+    media_request_timeout_s: float = field(
+        default=30.0, metadata=opt("--media-request-timeout-s", "Seconds all image downloads of one request may take "
+                                   "together (they run concurrently; each also within --media-fetch-timeout-s); "
+                                   "later: 400.")
+    )
+    media_max_pixels: int = field(
+        default=DEFAULT_MAX_IMAGE_PIXELS, metadata=opt("--media-max-pixels", "Largest image, in pixels (width x "
+                                                       "height), read from the header before decoding; bigger: 400. "
+                                                       "The default, 4096 x 4096, decodes to 64 MiB.")
+    )
+    limit_mm_per_prompt: str = field(
+        default=DEFAULT_LIMIT_MM_PER_PROMPT, metadata=opt("--limit-mm-per-prompt", "Most media items of each kind one "
+                                                          "request may carry, as JSON (vLLM's flag), e.g. "
+                                                          "'{\"image\": 4}'; more is a 400 before any is loaded. "
+                                                          "Bounds one request's downloads and decoding.")
+    )
     log_level: str = field(default="info", metadata=opt("--log-level", "Log level.", choices=("debug", "info", "warning", "error")))
+
+
+    def mm_limits(self) -> dict[str, int]:
+        """--limit-mm-per-prompt as modality -> count; ValueError names a malformed value."""
+        try:
+            limits = json.loads(self.limit_mm_per_prompt)
+        except ValueError:
+            limits = None
+        if not isinstance(limits, dict) or not all(
+                k in MM_MODALITIES and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                for k, v in limits.items()):
+            raise ValueError(f"--limit-mm-per-prompt takes a JSON object of counts >= 0 per modality "
+                             f"({', '.join(MM_MODALITIES)}), e.g. '{{\"image\": 4}}', got {self.limit_mm_per_prompt!r}")
+        return {**json.loads(DEFAULT_LIMIT_MM_PER_PROMPT), **limits}
 
 
 def replica_id(server: "ServerConfig") -> str:
@@ -256,6 +290,9 @@ class EngineConfig:
         if lo.num_cpu_loras < lo.max_loras:
             raise ValueError(f"--max-cpu-loras ({lo.num_cpu_loras}) must be >= --max-loras ({lo.max_loras})")
         lo.modules()
+        self.server.mm_limits()
+        if self.server.media_request_timeout_s <= 0 or self.server.media_max_pixels < 1:
+            raise ValueError("--media-request-timeout-s and --media-max-pixels must be > 0")
         if (self.server.kv_events_curve_secret_key is None) != (self.server.kv_events_curve_clients is None):
             raise ValueError("--kv-events-curve-secret-key and --kv-events-curve-clients go together")
         if self.server.request_header_timeout_s <= 0 or self.server.request_body_timeout_s <= 0:

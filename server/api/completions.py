@@ -272,8 +272,11 @@ async def chat_completions(request: Request, state: ServerState) -> Response:
         raise bad_request(f"top_logprobs must be in [0, 20], got {body.top_logprobs}", param="top_logprobs")
     messages = [message_dict(m, i) for i, m in enumerate(body.messages)]
     images: Optional[ImageInputs] = None
-    if rendering.has_images(body.messages):
-        images = await prepare_images(state, body.messages, messages, body.add_generation_prompt, body.cache_salt)
+    if rendering.has_images(body.messages):  # a client that leaves while its images download stops them
+        images = await until_disconnect(request, prepare_images(state, body.messages, messages,
+                                                                body.add_generation_prompt, body.cache_salt))
+        if isinstance(images, Response):
+            return images
         prompt_ids = images.prompt_token_ids
     else:
         try:

@@ -102,10 +102,8 @@ class ServerState:
                                   getattr(proc, "num_restarts", 0))
 
     def close(self) -> None:
-        """Release the image pipeline's sockets (download pool, processor-cache client)."""
-        prep, self._image_preparer = self._image_preparer, None
-        if prep is not None:
-            prep.loader.close()
+        """Release the image pipeline's processor-cache client (each request's downloads close with it)."""
+        self._image_preparer = None
         cache, self.processor_cache = self.processor_cache, None
         if cache is not None:
             cache.close()

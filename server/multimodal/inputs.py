@@ -5,7 +5,10 @@
       └─► raw bytes (data:/http/file) ─► mm_hash(bytes, params) ─► cache GET ─hit─► pixels
                                                                   └─miss─► decode + preprocess ─► cache PUT
 
-A dead or slow processor cache only costs its timeout: the frontend preprocesses locally.
+A dead or slow processor cache only costs its timeout: the frontend preprocesses locally. The API's path
+(`prepare_async`) refuses more images than --limit-mm-per-prompt before loading any, looks up uuids, then
+downloads every http(s) image the request still needs concurrently under one deadline (cancelled with the
+request), and does the rest on a worker thread.
 """
 
 from __future__ import annotations
@@ -64,17 +67,35 @@ class ImageInputPreparer:
             out.num_processor_cache_hits += 1
         return img
 
-    def prepare_image(self, part: ImagePart, out: PreparedPrompt,
-                      cache_salt: Optional[str] = None) -> tuple[ImageInfo, ProcessedImage]:
+    def check_count(self, parts: list[ImagePart]) -> None:
+        """400 for more images than --limit-mm-per-prompt allows, before any is loaded."""
+        limit = self.loader.cfg.max_images_per_prompt
+        if limit is not None and len(parts) > limit:
+            raise MediaError(parts[limit].where, f"this request has {len(parts)} images, more than the limit of "
+                                                 f"{limit} per prompt (--limit-mm-per-prompt)")
+
+    def lookup_uuids(self, parts: list[ImagePart], out: PreparedPrompt,
+                     cache_salt: Optional[str]) -> dict[int, ProcessedImage]:
+        """Blocking: the processor-cache entries of the parts that carry a uuid, by part index."""
+        known = {}
+        for i, part in enumerate(parts):
+            if part.uuid is not None:
+                img = self._from_cache(mm_hash(uuid=part.uuid, algo=self.hash_algo, namespace=cache_salt), out)
+                if img is not None:
+                    known[i] = img
+        return known
+
+    def prepare_image(self, part: ImagePart, out: PreparedPrompt, cache_salt: Optional[str],
+                      known: Optional[ProcessedImage], fetched: dict[str, bytes]) -> tuple[ImageInfo, ProcessedImage]:
+        """One image: `known` is its uuid's cache entry, `fetched` the bytes downloaded ahead (else loaded here)."""
         if part.uuid is not None:
             h = mm_hash(uuid=part.uuid, algo=self.hash_algo, namespace=cache_salt)
-            img = self._from_cache(h, out)
-            if img is not None:
-                return ImageInfo(h, img.grid_thw), img
+            if known is not None:
+                return ImageInfo(h, known.grid_thw), known
             if part.url is None:
                 raise UnknownMediaError(part.where, f"unknown image uuid {part.uuid!r}: this server holds no image "
                                                     "with it; send the image together with its uuid first")
-        data, _source = self.loader.load_bytes(part.url, part.where)
+        data = fetched[part.url] if part.url in fetched else self.loader.load_bytes(part.url, part.where)[0]
         t0 = time.perf_counter()
         h = mm_hash(data, uuid=part.uuid, params=self.processor.hash_params(), algo=self.hash_algo,
                     namespace=cache_salt)
@@ -94,12 +115,30 @@ class ImageInputPreparer:
         return info, img
 
     def prepare(self, messages: Sequence[dict], cache_salt: Optional[str] = None, **template_kwargs) -> PreparedPrompt:
-        """Blocking: do it on a worker thread (`prepare_async`). `cache_salt` scopes client uuids per tenant."""
+        """Blocking, downloads one after another (the offline LLM). `cache_salt` scopes client uuids per tenant."""
+        parts = image_parts(messages)
+        self.check_count(parts)
         out = PreparedPrompt(ExpandedPrompt([]))
+        known = self.lookup_uuids(parts, out, cache_salt)
+        return self._finish(messages, parts, out, cache_salt, known, {}, template_kwargs)
+
+    async def prepare_async(self, messages: Sequence[dict], cache_salt: Optional[str] = None,
+                            **template_kwargs) -> PreparedPrompt:
+        """The API's path: downloads run concurrently under --media-request-timeout-s; cancelling stops them."""
+        parts = image_parts(messages)
+        self.check_count(parts)
+        out = PreparedPrompt(ExpandedPrompt([]))
+        known = await asyncio.to_thread(self.lookup_uuids, parts, out, cache_salt)
+        wanted = [(p.url, p.where) for i, p in enumerate(parts) if i not in known and p.url and is_fetched_url(p.url)]
+        fetched = await self.loader.fetch_all(wanted)
+        return await asyncio.to_thread(self._finish, messages, parts, out, cache_salt, known, fetched, template_kwargs)
+
+    def _finish(self, messages: Sequence[dict], parts: list[ImagePart], out: PreparedPrompt, cache_salt: Optional[str],
+                known: dict[int, ProcessedImage], fetched: dict[str, bytes], template_kwargs: dict) -> PreparedPrompt:
         infos = []
         num_tokens, merge = 0, self.processor.cfg.merge_size
-        for part in image_parts(messages):
-            info, img = self.prepare_image(part, out, cache_salt)
+        for i, part in enumerate(parts):
+            info, img = self.prepare_image(part, out, cache_salt, known.get(i), fetched)
             num_tokens += info.num_tokens(merge)
             if self.max_image_tokens is not None and num_tokens > self.max_image_tokens:
                 raise MediaError(part.where, f"the images up to this one need {num_tokens} tokens, more than the "
@@ -108,7 +147,3 @@ class ImageInputPreparer:
             out.images.append(img)
         out.prompt = expand(self.tokenizer, messages, infos, self.processor.cfg.merge_size, **template_kwargs)
         return out
-
-    async def prepare_async(self, messages: Sequence[dict], cache_salt: Optional[str] = None,
-                            **template_kwargs) -> PreparedPrompt:
-        return await asyncio.to_thread(self.prepare, messages, cache_salt, **template_kwargs)

@@ -8,12 +8,18 @@ A download is checked at every hop:
     URL ──► resolve host ──► every address public (or allow-listed)? ──► connect to that
             same address (no second DNS lookup, so no rebinding) ──► 3xx? check Location again
 
+An IPv6 address that carries an IPv4 one (mapped ::ffff:a.b.c.d, compatible ::a.b.c.d, NAT64
+64:ff9b::/96, 6to4 2002::/16) is judged by that IPv4 address too; the local-use NAT64 prefix
+64:ff9b:1::/48 is never public. A request's downloads run concurrently and share one deadline
+(`fetch_all`); cancelling the request closes them.
+
 Decoding never trusts the header: the pixel count is checked before any pixel is decoded,
 and truncated or non-image data fails instead of producing a half-grey picture.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import io
@@ -29,6 +35,8 @@ from urllib.parse import unquote, urljoin, urlsplit
 import httpx
 from PIL import Image, UnidentifiedImageError
 
+from ..config import DEFAULT_MAX_IMAGE_PIXELS
+
 # Formats Pillow may try; anything else is "not an image" (smaller decoder attack surface).
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
 MAX_REDIRECTS = 5
@@ -37,6 +45,10 @@ MAX_REDIRECTS = 5
 METADATA_ADDRESSES = frozenset(
     ipaddress.ip_address(a) for a in ("169.254.169.254", "169.254.170.2", "100.100.100.200", "fd00:ec2::254")
 )
+
+NAT64_WELL_KNOWN = ipaddress.ip_network("64:ff9b::/96")  # RFC 6052: the last 32 bits are an IPv4 address
+NAT64_LOCAL_USE = ipaddress.ip_network("64:ff9b:1::/48")  # RFC 8215: a site's own translators, never public
+IPV4_COMPATIBLE = ipaddress.ip_network("::/96")  # deprecated ::a.b.c.d
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 Resolver = Callable[[str, int], list[str]]
@@ -58,8 +70,10 @@ class MediaConfig:
     allowed_local_media_path: Optional[str] = None  # directory under which file:// may read; None forbids file://
     allowed_hosts: list[str] = field(default_factory=list)  # host names or CIDRs that may be private
     timeout_s: float = 10.0  # whole download including redirects, seconds
+    request_timeout_s: float = 30.0  # every download of one request, together (they run concurrently), seconds
     max_bytes: int = 20 << 20  # largest raw media item, bytes (data: URIs, downloads, files)
-    max_image_pixels: int = 64 << 20  # width * height cap against decompression bombs
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # width * height cap, checked on the header before decoding
+    max_images_per_prompt: Optional[int] = None  # --limit-mm-per-prompt's "image"; None: no limit
 
     @classmethod
     def from_server_config(cls, server) -> "MediaConfig":
@@ -67,7 +81,10 @@ class MediaConfig:
             allowed_local_media_path=server.allowed_local_media_path,
             allowed_hosts=list(server.allowed_media_hosts or []),
             timeout_s=server.media_fetch_timeout_s,
+            request_timeout_s=server.media_request_timeout_s,
             max_bytes=server.media_max_bytes,
+            max_image_pixels=server.media_max_pixels,
+            max_images_per_prompt=server.mm_limits()["image"],
         )
 
 
@@ -85,10 +102,29 @@ def _system_resolver(host: str, port: int) -> list[str]:
     return [info[4][0] for info in infos]
 
 
+def embedded_ipv4(ip: IPAddress) -> Optional[ipaddress.IPv4Address]:
+    """The IPv4 address an IPv6 one carries (mapped, compatible, NAT64 well-known prefix, 6to4), else None."""
+    if not isinstance(ip, ipaddress.IPv6Address):
+        return None
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    if ip.sixtofour is not None:
+        return ip.sixtofour
+    if ip in NAT64_WELL_KNOWN or (ip in IPV4_COMPATIBLE and int(ip) > 1):  # :: and ::1 are IPv6's own
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return None
+
+
 def is_blocked_address(ip: IPAddress) -> bool:
-    """True for loopback, private, link-local, multicast, reserved, unspecified and cloud-metadata addresses."""
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    """True for loopback, private, link-local, multicast, reserved, unspecified and cloud-metadata addresses,
+    in any spelling: an IPv6 address is also judged by the IPv4 address it embeds."""
+    inner = embedded_ipv4(ip)
+    if inner is not None and _blocked(inner):
+        return True
+    return _blocked(ip) or ip in NAT64_LOCAL_USE
+
+
+def _blocked(ip: IPAddress) -> bool:
     return ip in METADATA_ADDRESSES or not ip.is_global or ip.is_multicast
 
 
@@ -110,7 +146,9 @@ class HostPolicy:
     def allows(self, host: str, ip: IPAddress) -> bool:
         if host.lower().rstrip(".") in self.names:
             return True
-        if any(ip.version == n.version and ip in n for n in self.nets):
+        inner = embedded_ipv4(ip)
+        if any((ip.version == n.version and ip in n) or (inner is not None and n.version == 4 and inner in n)
+               for n in self.nets):
             return True
         return not is_blocked_address(ip)
 
@@ -160,29 +198,31 @@ def read_local_file(url: str, where: str, cfg: MediaConfig) -> bytes:
 
 
 class Fetcher:
-    """Downloads http(s) media with a byte cap, a total timeout and address checks on every hop.
+    """Downloads http(s) media with a byte cap, a timeout and address checks on every hop.
 
-    Holds one pooled httpx.Client; connections go to the already-checked IP with the original
-    Host header and TLS server name, so a second DNS answer can never redirect the request.
+    Connections go to the already-checked IP with the original Host header and TLS server name,
+    so a second DNS answer can never redirect the request.
     """
 
     def __init__(self, cfg: MediaConfig, resolver: Optional[Resolver] = None,
-                 transport: Optional[httpx.BaseTransport] = None):
+                 transport: Optional[httpx.AsyncBaseTransport] = None):
         self.cfg = cfg
         self.policy = HostPolicy(cfg.allowed_hosts)
         self.resolver = resolver or _system_resolver
-        self.client = httpx.Client(follow_redirects=False, transport=transport, trust_env=False)
+        self.transport = transport
 
-    def close(self) -> None:
-        self.client.close()
+    def client(self) -> httpx.AsyncClient:
+        """A connection pool for one request's downloads; leaving it closes them."""
+        return httpx.AsyncClient(follow_redirects=False, transport=self.transport, trust_env=False)
 
-    def _pick_address(self, host: str, port: int, where: str) -> IPAddress:
+    async def _pick_address(self, host: str, port: int, where: str) -> IPAddress:
         try:
             literal = ipaddress.ip_address(host.strip("[]"))
             addrs: list[IPAddress] = [literal]
         except ValueError:
             try:
-                addrs = [ipaddress.ip_address(a.split("%")[0]) for a in self.resolver(host, port)]
+                answers = await asyncio.to_thread(self.resolver, host, port)
+                addrs = [ipaddress.ip_address(a.split("%")[0]) for a in answers]
             except (OSError, UnicodeError) as exc:
                 raise MediaError(where, f"cannot resolve host {host!r}: {exc}") from None
         if not addrs:
@@ -194,6 +234,15 @@ class Fetcher:
         return addrs[0]
 
     def fetch(self, url: str, where: str) -> bytes:
+        """Blocking download, for callers without an event loop (the offline LLM); the API uses `fetch_async`."""
+
+        async def once() -> bytes:
+            async with self.client() as client:
+                return await self.fetch_async(url, where, client)
+
+        return asyncio.run(once())
+
+    async def fetch_async(self, url: str, where: str, client: httpx.AsyncClient) -> bytes:
         cfg = self.cfg
         deadline = time.monotonic() + cfg.timeout_s
         for _hop in range(MAX_REDIRECTS + 1):
@@ -204,7 +253,7 @@ class Fetcher:
             if not host:
                 raise MediaError(where, "URL has no host")
             port = parts.port or (443 if parts.scheme == "https" else 80)
-            ip = self._pick_address(host, port, where)
+            ip = await self._pick_address(host, port, where)
             ip_host = f"[{ip}]" if ip.version == 6 else str(ip)
             netloc = ip_host if parts.port is None else f"{ip_host}:{parts.port}"
             pinned = parts._replace(netloc=netloc).geturl()
@@ -213,7 +262,7 @@ class Fetcher:
             if remaining <= 0:
                 raise MediaError(where, f"download timed out after {cfg.timeout_s} s")
             try:
-                with self.client.stream(
+                async with client.stream(
                     "GET", pinned, headers={"Host": host_header, "Accept": "image/*"},
                     timeout=httpx.Timeout(remaining), extensions={"sni_hostname": host},
                 ) as resp:
@@ -223,24 +272,28 @@ class Fetcher:
                             raise MediaError(where, f"redirect {resp.status_code} without Location")
                         url = urljoin(url, loc)
                         continue
-                    if resp.status_code != 200:
-                        raise MediaError(where, f"download failed with HTTP {resp.status_code}")
-                    declared = resp.headers.get("content-length")
-                    if declared and declared.isdigit() and int(declared) > cfg.max_bytes:
-                        raise MediaError(where, f"image is larger than {cfg.max_bytes} bytes")
-                    buf = bytearray()
-                    for chunk in resp.iter_bytes():
-                        buf += chunk
-                        if len(buf) > cfg.max_bytes:
-                            raise MediaError(where, f"image is larger than {cfg.max_bytes} bytes")
-                        if time.monotonic() > deadline:
-                            raise MediaError(where, f"download timed out after {cfg.timeout_s} s")
-                    return bytes(buf)
+                    return await self._read_body(resp, where, deadline)
             except httpx.TimeoutException:
                 raise MediaError(where, f"download timed out after {cfg.timeout_s} s") from None
             except httpx.HTTPError as exc:
                 raise MediaError(where, f"download failed: {exc}") from None
         raise MediaError(where, f"more than {MAX_REDIRECTS} redirects")
+
+    async def _read_body(self, resp: httpx.Response, where: str, deadline: float) -> bytes:
+        cfg = self.cfg
+        if resp.status_code != 200:
+            raise MediaError(where, f"download failed with HTTP {resp.status_code}")
+        declared = resp.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > cfg.max_bytes:
+            raise MediaError(where, f"image is larger than {cfg.max_bytes} bytes")
+        buf = bytearray()
+        async for chunk in resp.aiter_bytes():
+            buf += chunk
+            if len(buf) > cfg.max_bytes:
+                raise MediaError(where, f"image is larger than {cfg.max_bytes} bytes")
+            if time.monotonic() > deadline:
+                raise MediaError(where, f"download timed out after {cfg.timeout_s} s")
+        return bytes(buf)
 
 
 def image_size(data: bytes, where: str, max_pixels: int) -> tuple[int, int]:
@@ -298,8 +351,29 @@ class MediaLoader:
         self.cfg = cfg
         self.fetcher = fetcher or Fetcher(cfg)
 
-    def close(self) -> None:
-        self.fetcher.close()
+    async def fetch_all(self, items: list[tuple[str, str]]) -> dict[str, bytes]:
+        """Bytes of every http(s) URL of one request, as (url, where) pairs: downloaded concurrently, all within
+        `cfg.request_timeout_s`; the first failure, the deadline or a cancelled caller ends the others."""
+        first_where: dict[str, str] = {}  # each URL once, named by its first part
+        for url, where in items:
+            first_where.setdefault(url, where)
+        if not first_where:
+            return {}
+        async with self.fetcher.client() as client:
+            tasks = {url: asyncio.ensure_future(self.fetcher.fetch_async(url, where, client))
+                     for url, where in first_where.items()}
+            try:
+                async with asyncio.timeout(self.cfg.request_timeout_s):
+                    await asyncio.gather(*tasks.values())
+            except TimeoutError:
+                late = next((first_where[u] for u, t in tasks.items() if t.cancelled()), items[0][1])
+                raise MediaError(late, f"the request's images did not all arrive within {self.cfg.request_timeout_s:g} s "
+                                       "(--media-request-timeout-s)") from None
+            finally:
+                for t in tasks.values():
+                    t.cancel()
+                await asyncio.gather(*tasks.values(), return_exceptions=True)
+        return {url: t.result() for url, t in tasks.items()}
 
     def load_bytes(self, url: str, where: str) -> tuple[bytes, str]:
         """Raw bytes of the item and its source kind, without decoding."""

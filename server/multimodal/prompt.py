@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Optional, Protocol, Sequence
 
 from .. import rendering
 from ..hashing import MMPlaceholder, digest_fn, mm_hash
+from ..config import DEFAULT_MAX_IMAGE_PIXELS
 from .media import MediaError, decode_data_uri, image_size
 from .processor import ImageProcessorConfig
 
@@ -106,7 +107,7 @@ def image_parts(messages: Sequence[dict]) -> list[ImagePart]:
     return out
 
 
-def describe_image_bytes(data: bytes, part: ImagePart, cfg: ImageProcessorConfig, *, max_pixels: int = 64 << 20,
+def describe_image_bytes(data: bytes, part: ImagePart, cfg: ImageProcessorConfig, *, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
                          hash_algo: str = "blake3", cache_salt: Optional[str] = None) -> ImageInfo:
     """mm_hash and grid of an image from its raw bytes, reading only the header (the router's path)."""
     w, h = image_size(data, part.where, max_pixels)
