@@ -144,8 +144,8 @@ class Frontend:
             method, path, raw, self.client_headers(request)))
 
 
-# route name → (method, path, request kind): chat and completions are routed by cache (FastPath serves them; the
-# FastAPI app has no route for them), the others go to any healthy replica (kind None)
+# route name → (method, path, request kind): chat and completions are routed by cache (FastPath serves them
+# first), the others go to any healthy replica (kind None)
 OPENAI_ROUTES = {
     "chat": ("POST", "/v1/chat/completions", "chat"),
     "completions": ("POST", "/v1/completions", "completion"),
@@ -165,8 +165,7 @@ class FastPath:
     object (`Frontend.serve` reads the body and two headers straight from ASGI). Everything else, the
     lifespan included, goes to the FastAPI app, whose attributes (`state`, ...) it forwards.
     Under `warmfleet route` most hot requests never reach it: hotpath.py serves them from the HTTP
-    protocol; those it leaves to ASGI (chunked bodies, `Expect`, a forwarded client) come here. Other
-    methods on the two paths are answered 405 here.
+    protocol; those it leaves to ASGI (chunked bodies, `Expect`, a forwarded client) come here.
     """
 
     def __init__(self, inner, frontend: Frontend):
@@ -177,23 +176,36 @@ class FastPath:
 
     async def __call__(self, scope, receive, send):
         kind = FAST_PATHS.get(scope.get("path", "")) if scope["type"] == "http" else None
-        if kind is None:
+        if kind is None or scope.get("method") != "POST" or "proxy" not in self.frontend.state:
             return await self.inner(scope, receive, send)
-        if scope.get("method") != "POST":
-            return await error_response(405, f"{scope.get('method')} {scope['path']}: only POST is served here",
-                                        "invalid_request_error")(scope, receive, send)
         await self.frontend.serve(scope, receive, send, kind)
 
 
 def _add_openai_routes(app: FastAPI, front: Frontend) -> None:
-    """The OpenAI routes of OPENAI_ROUTES not routed by cache, each handed to the frontend (FastPath serves the
-    others)."""
+    """The OpenAI routes of OPENAI_ROUTES, each handed to the frontend."""
     for name, (method, path, kind) in OPENAI_ROUTES.items():
-        if kind is None:
-            app.add_api_route(path, _plain_endpoint(front, method, path), methods=[method], name=name)
+        app.add_api_route(path, _openai_endpoint(front, method, path, kind), methods=[method], name=name)
 
 
-def _plain_endpoint(front: Frontend, method: str, path: str) -> Callable[[Request], Awaitable[Response]]:
+class _ServedByFrontend(Response):
+    """A cache-routed request FastPath left to the app (the proxy not started yet): the whole exchange goes to
+    `Frontend.serve`, the one implementation, which reads the body itself (the endpoint declares none)."""
+
+    def __init__(self, front: Frontend, kind: str):
+        self.front, self.kind, self.background = front, kind, None
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self.front.serve(scope, receive, send, self.kind)
+
+
+def _openai_endpoint(front: Frontend, method: str, path: str,
+                     kind: Optional[str]) -> Callable[[Request], Awaitable[Response]]:
+    if kind is not None:
+        async def routed(request: Request) -> Response:
+            return _ServedByFrontend(front, kind)
+
+        return routed
+
     async def plain(request: Request) -> Response:
         return await front.plain(request, method, path)
 

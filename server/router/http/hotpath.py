@@ -85,7 +85,7 @@ class HotPathProtocol(HttpToolsProtocol):
 
     def _hot_request(self) -> Optional[HotRequest]:
         """The request as a HotRequest when this path serves it exactly as the ASGI path would, else None."""
-        if self.parser.get_method() != b"POST":
+        if self.parser.get_method() != b"POST" or "proxy" not in self.frontend.state:
             return None
         if self.cycle is not None and not self.cycle.response_complete:  # pipelined: uvicorn queues it
             return None
