@@ -78,11 +78,12 @@ class DeadlineHttpProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         cycle = self.cycle
-        answered = False
         if phase == "body" and cycle is not None:
-            answered = cycle.response_started
+            answered = cycle.response_started  # the app answered without waiting for the body
             cycle.disconnected = True  # the app's next read is a disconnect; its response goes nowhere
             cycle.message_event.set()
+        else:  # a pipelined head: the previous response may still be streaming; no bytes into its middle
+            answered = cycle is not None and cycle.response_started and not cycle.response_complete
         if not answered:
             self.transport.write(_timeout_response(phase, limit_s))
         self.transport.close()
