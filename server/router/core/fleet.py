@@ -48,7 +48,7 @@ from .engines.warmfleet import WarmfleetDialect
 from .index import Applied, KVIndex
 from .metrics import RouterMetrics
 from .registry import Registry, Replica, ReplicaSpec
-from .subscriber import EventSubscriber, cancel
+from .subscriber import CurveKeys, EventSubscriber, cancel
 from .warmup import Warmer, WarmupConfig
 
 log = logging.getLogger(__name__)
@@ -66,8 +66,10 @@ class Fleet:
                  model_fingerprint: Optional[str] = None, block_size: Optional[int] = None,
                  upstream_headers: Optional[dict] = None, dialect=None,
                  warmup: WarmupConfig = WarmupConfig(), index_max_blocks: Optional[int] = None,
-                 stall_grace_s: float = STALL_GRACE_S, adapter_poll_s: Optional[float] = ADAPTER_POLL_S):
+                 stall_grace_s: float = STALL_GRACE_S, adapter_poll_s: Optional[float] = ADAPTER_POLL_S,
+                 event_curve: Optional[CurveKeys] = None):
         self.http = http
+        self.event_curve = event_curve  # CURVE client keys of the KV-event subscriptions (None: plain ZMQ)
         self.dialect = dialect or WarmfleetDialect()  # how this fleet's engine names blocks, speaks events, resyncs
         self.metrics = metrics
         self.index = KVIndex(index_max_blocks)  # None: unbounded (mirrors the replicas' pools)
@@ -351,6 +353,7 @@ class Fleet:
             on_batch=lambda b: self._on_batch(rid, b),
             on_connect=lambda: self.request_resync(rid, "connect"),
             on_bad=lambda exc: self.metrics.bad_events.labels(rid).inc(),
+            curve=self.event_curve,
         )
         while True:  # a subscription never dies: whatever ends it is logged and it starts over
             try:

@@ -23,6 +23,7 @@ from .prompt import HashConfig, PromptRenderer
 from .registry import ReplicaSpec, parse_replica
 from .router import Router
 from .settings import RouterSettings
+from .subscriber import CurveKeys
 from .tenants import Tenants
 from .url_memo import UrlHashMemo
 
@@ -41,6 +42,7 @@ class RouterRuntime:
     discovery: Optional[Discovery] = None
     peers: list[str] = field(default_factory=list)  # peer routers' base URLs (--peers): load and client limits shared
     freeze_gc: bool = False  # gc.freeze() once started (`warmfleet route` sets it; a process-wide act, not for tests)
+    event_curve: Optional[CurveKeys] = None  # KV events over CURVE (--kv-events-curve-*), read at startup
 
 
 def settings_from_args(args: argparse.Namespace, cls: type = RouterSettings) -> RouterSettings:
@@ -72,6 +74,8 @@ def runtime_from_settings(s: RouterSettings) -> RouterRuntime:
         tenants=Tenants.from_flags(keys, s.api_keys_file, s.salt_secret or os.environ.get("WARMFLEET_SALT_SECRET")),
         discovery=discovery,
         peers=parse_peers(s.peers),
+        event_curve=(CurveKeys.from_files(s.kv_events_curve_server_key, s.kv_events_curve_secret_key)
+                     if s.kv_events_curve_server_key else None),
     )
 
 
@@ -92,7 +96,7 @@ async def running(rt: RouterRuntime, metrics: RouterMetrics,
                   health_failures=settings.health_failures, model_fingerprint=rt.hash_cfg.model_fingerprint,
                   block_size=rt.hash_cfg.block_size, upstream_headers=upstream_headers(settings),
                   dialect=dialect_for(settings), warmup=settings.warmup,
-                  index_max_blocks=settings.index_max_blocks)
+                  index_max_blocks=settings.index_max_blocks, event_curve=rt.event_curve)
     router = Router(fleet, rt.renderer, rt.hash_cfg, metrics, settings.policy, settings.proxy.cold_key_blocks)
     router.peers = peers
     await fleet.set_members(rt.replicas)

@@ -176,6 +176,14 @@ class RouterSettings:
     media_url_ttl_s: float = field(default=600.0, metadata=opt(  # an entry older than this is forgotten
         "--media-url-ttl-s", "Seconds after which a learned image URL is forgotten (the object behind it may have "
         "changed; a stale entry only costs a predicted hit, never a wrong one)."))
+    kv_events_curve_server_key: Optional[str] = field(default=None, metadata=opt(  # the replicas' public key
+        "--kv-events-curve-server-key", "Subscribe to the replicas' KV events over ZMQ CURVE: a certificate file "
+        "(zmq.auth's format) holding the public key of the replicas' --kv-events-curve-secret-key (one key for the "
+        "fleet). Needs --kv-events-curve-secret-key.", metavar="FILE"))
+    kv_events_curve_secret_key: Optional[str] = field(default=None, metadata=opt(  # this router's key pair
+        "--kv-events-curve-secret-key", "This router's CURVE key pair (a secret certificate file as "
+        "zmq.auth.create_certificates writes it); its public key must be in the replicas' --kv-events-curve-clients "
+        "directory.", metavar="FILE"))
     discover_service: Optional[str] = field(default=None, metadata=opt(
         "--discover-service", "Watch the EndpointSlices of this Service for replicas (Ready endpoints only).",
         metavar="NAMESPACE/NAME"))
@@ -250,6 +258,8 @@ class RouterSettings:
             raise ValueError("--health-failures must be >= 1")
         if self.peer_partition_tokens < 0:
             raise ValueError("--peer-partition-tokens must be >= 0")
+        if (self.kv_events_curve_server_key is None) != (self.kv_events_curve_secret_key is None):
+            raise ValueError("--kv-events-curve-server-key and --kv-events-curve-secret-key go together")
         if self.peer_interval_s <= 0 or self.peer_jitter < 0:
             raise ValueError("--peer-interval-s must be > 0 and --peer-jitter >= 0")
 

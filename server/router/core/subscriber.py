@@ -1,10 +1,12 @@
-"""One asyncio ZMQ SUB socket per replica: decodes KV-event batches and reports (re)connects; survives bad input."""
+"""One asyncio ZMQ SUB socket per replica (a CURVE client when keys are given): decodes KV-event batches and reports
+(re)connects; survives bad input."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -15,13 +17,45 @@ log = logging.getLogger(__name__)
 DRAIN_BATCH = 64  # messages one reader callback handles before it yields to the loop (and continues after)
 
 
+@dataclass(frozen=True)
+class CurveKeys:
+    """A CURVE client's keys (Z85 bytes): the replicas' public key, and this subscriber's own pair."""
+
+    server_public: bytes
+    public: bytes
+    secret: bytes
+
+    @classmethod
+    def from_files(cls, server_key_file: str, secret_key_file: str) -> "CurveKeys":
+        """Read zmq.auth certificate files; ValueError with one readable line when one is missing or wrong."""
+        import zmq.auth
+
+        if not zmq.has("curve"):
+            raise ValueError("--kv-events-curve-server-key: this libzmq was built without CURVE (libsodium)")
+        try:
+            server_public, _ = zmq.auth.load_certificate(server_key_file)
+            public, secret = zmq.auth.load_certificate(secret_key_file)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"KV-event CURVE keys: {exc}") from None
+        if secret is None:
+            raise ValueError(f"--kv-events-curve-secret-key {secret_key_file}: the file holds no secret key")
+        return cls(server_public, public, secret)
+
+    def apply(self, sock: zmq.Socket) -> None:
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = self.server_public, self.public, self.secret
+
+
 class EventSubscriber:
-    """Calls `on_batch(batch)` per message, `on_connect()` on every TCP (re)connect, `on_bad(exc)` per bad message."""
+    """Calls `on_batch(batch)` per message, `on_connect()` on every TCP (re)connect, `on_bad(exc)` per bad message.
+
+    With `curve` the socket is a CURVE client: the replica (a CURVE server, `--kv-events-curve-secret-key`) sends
+    only to subscribers whose public key it lists, encrypted."""
 
     def __init__(self, endpoint: str, decode: Callable[[list[bytes]], EventBatch],
                  on_batch: Callable[[EventBatch], None], on_connect: Callable[[], None],
-                 on_bad: Callable[[Exception], None], reconnect_ivl_ms: int = 100):
-        self.endpoint, self.decode = endpoint, decode
+                 on_bad: Callable[[Exception], None], reconnect_ivl_ms: int = 100,
+                 curve: Optional[CurveKeys] = None):
+        self.endpoint, self.decode, self.curve = endpoint, decode, curve
         self._on_batch, self._on_connect, self._on_bad = on_batch, on_connect, on_bad
         self._reconnect_ivl_ms = reconnect_ivl_ms
 
@@ -38,6 +72,8 @@ class EventSubscriber:
         sock.setsockopt(zmq.RECONNECT_IVL, self._reconnect_ivl_ms)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
+        if self.curve is not None:
+            self.curve.apply(sock)
         monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED)
         sock.connect(self.endpoint)
         loop = asyncio.get_running_loop()
