@@ -49,8 +49,9 @@ def test_hand_corpus_gets_openai_errors_naming_the_problem(vl_fleet, server):
     assert "Unicode" in cases["lone surrogate escape"][1]
     assert "JSON" in cases["deep JSON nesting (100000)"][1]
     assert "prompt.0" in cases["huge token id"][1] and "less than" in cases["huge token id"][1]  # not "a valid string"
-    # thousands of images are refused once they outgrow the context, before the rest are decoded
-    assert "content[" in cases[f"{MANY} image parts"][1] and "context" in cases[f"{MANY} image parts"][1]
+    # thousands of images are refused at the first one over --limit-mm-per-prompt (16), before any is decoded
+    many_images = cases[f"{MANY} image parts"][1]
+    assert "content[16]" in many_images and "--limit-mm-per-prompt" in many_images
     # a 400-megapixel PNG is refused without being decoded: the API process stays small
     assert memory_mib(vl_fleet.replicas[0].popen.pid)["api"]["peak"] < 1536
 
