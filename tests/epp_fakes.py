@@ -120,12 +120,15 @@ class EppFleet:
 
     def __init__(self, model_dir, *, tenants: Optional[Tenants] = None, max_concurrent_per_client: int = 0,
                  engine: str = "warmfleet", replica_urls: Optional[list[str]] = None, events: bool = True,
-                 replica_api_key: Optional[str] = None):
+                 replica_api_key: Optional[str] = None, drain_grace_s: float = 1.0,
+                 settings: Optional[dict] = None):
         self.tok = Tokenizer(model_dir)
         self.fp = model_fingerprint(model_dir)
         self.model_dir, self.tenants, self.engine = model_dir, tenants or Tenants({}), engine
         self.max_concurrent_per_client = max_concurrent_per_client
         self.replica_api_key = replica_api_key
+        self.drain_grace_s = drain_grace_s
+        self.settings = {"secure_serving": False, **(settings or {})}  # EppSettings fields (TLS tests: on)
         self.failures = FakeSharedFailures()
         self.replica_urls, self.events = replica_urls, events  # replica_urls: members that never answer
         self.replicas = [] if replica_urls else [FakeReplica(f"r{i}", self.tok, self.fp, self.failures)
@@ -140,7 +143,8 @@ class EppFleet:
             renderer=PromptRenderer(str(self.model_dir), tokenizer=self.tok), tenants=self.tenants,
             settings=EppSettings(health_interval_s=0.1, health_timeout_s=0.5, engine=self.engine,
                                  max_concurrent_per_client=self.max_concurrent_per_client, block_size=BLOCK,
-                                 replica_api_key=self.replica_api_key))
+                                 replica_api_key=self.replica_api_key, drain_grace_s=self.drain_grace_s,
+                                 **self.settings))
         self.epp = await EppServer(rt, grpc_port=0, http_port=0).__aenter__()
         self.fleet = self.epp.state["fleet"]
         if not self.replica_urls:

@@ -156,7 +156,8 @@ async def test_tenant_salt_is_written_into_the_body_with_its_content_length(tiny
         assert forwarded["cache_salt"] == derive_salt("key-a")
         headers = set_headers(first.request_headers.response)
         assert headers["content-length"] == str(len(sent))
-        assert headers["authorization"] == "Bearer replica-key"  # the replica's key goes on, not the client's
+        assert "authorization" not in headers  # no secret in a header mutation: not the replica's key (issue 40)
+        assert not first.request_headers.response.header_mutation.remove_headers  # the client's key goes on
         s.cancel()
         _, refused, _, _ = await pick_full_duplex(f, body, headers={"authorization": "Bearer nope"})
         assert refused.immediate_response.status.code == 401
@@ -257,11 +258,48 @@ async def test_side_port_serves_replicas_metrics_and_drain(tiny_model_dir):
             s.cancel()
 
 
-async def test_the_clients_key_is_not_passed_on_when_the_epp_checks_keys(tiny_model_dir):
-    async with EppFleet(tiny_model_dir, tenants=Tenants({"key-a": None})) as f:
-        s, first, _, _ = await pick_full_duplex(f, raw(chat("keyed")), headers={"authorization": "Bearer key-a"})
-        assert list(first.request_headers.response.header_mutation.remove_headers) == ["authorization"]
+async def test_no_header_mutation_carries_a_key_whoever_checks_keys(tiny_model_dir):
+    """The replica key is never in a header mutation (anyone reading the ext_proc stream would read it); the
+    client's own authorization passes untouched, for the replica to check again."""
+    for tenants in (Tenants({}), Tenants({"key-a": None})):
+        async with EppFleet(tiny_model_dir, tenants=tenants, replica_api_key="replica-key") as f:
+            for body in (raw(chat("keyed")), None):  # routed by cache, and by load (a body-less GET)
+                s = f.stream()
+                hdrs = {"authorization": "Bearer key-a"}
+                if body is None:
+                    first = (await s.exchange(request_headers("/v1/models", "GET", eos=True, headers=hdrs)))[0]
+                else:
+                    s, first, _, _ = await pick_full_duplex(f, body, headers=hdrs)
+                mutation = first.request_headers.response.header_mutation
+                assert "authorization" not in set_headers(first.request_headers.response)
+                assert "replica-key" not in str(first)
+                assert not mutation.remove_headers
+                s.cancel()
+
+
+async def test_a_request_id_is_made_when_absent_and_returned_with_the_answer(tiny_model_dir):
+    async with EppFleet(tiny_model_dir) as f:
+        s, first, _, _ = await pick_full_duplex(f, raw(chat("which id?")))
+        made = set_headers(first.request_headers.response)["x-request-id"]
+        assert len(made) == 32
+        answer = (await s.exchange(response_headers()))[0]
+        assert set_headers(answer.response_headers.response)["x-request-id"] == made
         s.cancel()
+        trace = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+        s, first, _, _ = await pick_full_duplex(f, raw(chat("which id?")), headers={
+            "x-request-id": "client-id-1", "traceparent": trace, "tracestate": "vendor=1"})
+        mutation = first.request_headers.response.header_mutation
+        assert "x-request-id" not in set_headers(first.request_headers.response)  # the client's goes on as it is
+        assert not {"traceparent", "tracestate"} & ({h.header.key for h in mutation.set_headers} |
+                                                    set(mutation.remove_headers))
+        answer = (await s.exchange(response_headers()))[0]
+        assert set_headers(answer.response_headers.response)["x-request-id"] == "client-id-1"
+        s.cancel()
+        refused = (await f.stream().exchange(request_headers(headers={
+            "content-length": str(1 << 40), "x-request-id": "too-big"})))[0]
+        assert refused.immediate_response.status.code == 413
+        assert any(h.header.key == "x-request-id" and h.header.raw_value == b"too-big"
+                   for h in refused.immediate_response.headers.set_headers)
 
 
 async def test_an_adapter_request_goes_only_where_the_adapter_is_served_and_books_it_there(tiny_model_dir):

@@ -1,9 +1,13 @@
 """`warmfleet envoy-bootstrap`: an Envoy bootstrap that routes an InferencePool's traffic through `warmfleet epp`,
 as GIE gateways configure it; a pure builder (dicts), stdlib only.
 
-    listener ─ HTTP connection manager
-                 ├ ext_proc filter ──gRPC (HTTP/2)──▶ EPP   headers SEND, bodies FULL_DUPLEX_STREAMED,
-                 │                                          trailers SEND (that body mode needs them)
+    listener ─ HTTP connection manager (x-request-id kept from the client, made when absent, returned)
+                 ├ ext_proc filter ──gRPC (HTTP/2 over TLS)──▶ EPP   headers SEND, bodies FULL_DUPLEX_STREAMED,
+                 │                                          trailers SEND (that body mode needs them); TLS as the
+                 │                                          EPP serves it by default (its certificate verified
+                 │                                          with --epp-ca-file, else not: self-signed), a client
+                 │                                          certificate with --epp-client-cert-file; or h2c
+                 │                                          (--epp-plaintext, for `warmfleet epp --no-secure-serving`)
                  └ router: retried on connect failure / reset / 503 (another host each time); the response carries
                    the endpoint that served it (x-gateway-destination-endpoint-served, read and removed by the EPP)
                      --lb override-host (default; needs the pool's endpoints, --endpoint): one STATIC cluster whose
@@ -35,6 +39,7 @@ OVERRIDE_HOST = "type.googleapis.com/envoy.extensions.load_balancing_policies.ov
 ROUND_ROBIN = "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
 LB_KINDS = ("override-host", "original-dst")
 HTTP_OPTIONS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+UPSTREAM_TLS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
 RETRY_PREVIOUS_HOSTS = "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
 
 
@@ -55,6 +60,10 @@ class GatewayConfig:
     lb: str = "override-host"  # "override-host" | "original-dst"
     request_body_mode: str = "FULL_DUPLEX_STREAMED"  # or BUFFERED (then the EPP answers in the body response)
     response_body_mode: str = "FULL_DUPLEX_STREAMED"
+    epp_tls: bool = True  # the EPP serves TLS (`warmfleet epp`'s default, as GIE's reference picker)
+    epp_ca_file: Optional[str] = None  # verify the EPP's certificate against this CA (None: unverified, self-signed)
+    epp_client_cert_file: Optional[str] = None  # this gateway's certificate, for an EPP with --tls-client-ca-file
+    epp_client_key_file: Optional[str] = None
 
 
 def _socket(host: str, port: int) -> dict:
@@ -116,6 +125,19 @@ def _static(name: str, c: GatewayConfig) -> dict:
                 {"endpoint": {"address": _socket(*_hostport(e))}} for e in c.endpoints]}]}}
 
 
+def epp_transport_socket(c: GatewayConfig) -> Optional[dict]:
+    """TLS to the EPP (HTTP/2 by ALPN), None for h2c."""
+    if not c.epp_tls:
+        return None
+    common: dict = {"alpn_protocols": ["h2"]}
+    if c.epp_client_cert_file:
+        common["tls_certificates"] = [{"certificate_chain": {"filename": c.epp_client_cert_file},
+                                       "private_key": {"filename": c.epp_client_key_file}}]
+    if c.epp_ca_file:
+        common["validation_context"] = {"trusted_ca": {"filename": c.epp_ca_file}}
+    return {"name": "envoy.transport_sockets.tls", "typed_config": {"@type": UPSTREAM_TLS, "common_tls_context": common}}
+
+
 def clusters(c: GatewayConfig) -> list[dict]:
     host, port = _hostport(c.epp)
     out = [
@@ -133,6 +155,9 @@ def clusters(c: GatewayConfig) -> list[dict]:
          "load_assignment": {"cluster_name": "epp", "endpoints": [{"lb_endpoints": [
              {"endpoint": {"address": _socket(host, port)}}]}]}},
     ]
+    tls = epp_transport_socket(c)
+    if tls is not None:
+        out[0]["transport_socket"] = tls
     if c.lb == "override-host":
         if not c.endpoints:
             raise ValueError("--lb override-host needs the pool's endpoints (--endpoint IP:PORT, repeatable)")
@@ -157,8 +182,15 @@ def clusters(c: GatewayConfig) -> list[dict]:
 
 def bootstrap(c: GatewayConfig) -> dict:
     """The whole bootstrap (`envoy -c FILE.json`)."""
+    if bool(c.epp_client_cert_file) != bool(c.epp_client_key_file):
+        raise ValueError("--epp-client-cert-file and --epp-client-key-file go together")
+    if not c.epp_tls and (c.epp_ca_file or c.epp_client_cert_file):
+        raise ValueError("--epp-plaintext contradicts --epp-ca-file/--epp-client-cert-file")
+    # x-request-id: a client's is kept (Envoy would replace an external one), one is made when absent, and the
+    # answer carries it back; traceparent/tracestate pass untouched (no tracer configured here)
     hcm = {"@type": HCM, "stat_prefix": "gateway", "use_remote_address": True,
-           "stream_idle_timeout": "0s",
+           "stream_idle_timeout": "0s", "preserve_external_request_id": True,
+           "always_set_request_id_in_response": True,
            "route_config": {"name": "inference", "virtual_hosts": [
                {"name": "pool", "domains": ["*"], "routes": routes(c)}]},
            "http_filters": [ext_proc_filter(c), {"name": "envoy.filters.http.router",
@@ -192,6 +224,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lb", default=d.lb, choices=LB_KINDS,
                    help="How the gateway reads the pick: override-host (walks the pick's fallback list on retries; "
                    "needs --endpoint) or original-dst (one ip:port, any host; the EPP then needs --max-attempts 1).")
+    p.add_argument("--epp-plaintext", action="store_true",
+                   help="Speak h2c to the EPP (for `warmfleet epp --no-secure-serving`); default: TLS.")
+    p.add_argument("--epp-ca-file", help="Verify the EPP's certificate against this PEM CA (Envoy reads the file); "
+                   "default: not verified (the EPP's self-signed certificate).")
+    p.add_argument("--epp-client-cert-file", help="The gateway's PEM certificate for an EPP run with "
+                   "--tls-client-ca-file (with --epp-client-key-file).")
+    p.add_argument("--epp-client-key-file", help="The PEM key of --epp-client-cert-file.")
     p.add_argument("--request-body-mode", default=d.request_body_mode, choices=("FULL_DUPLEX_STREAMED", "BUFFERED"))
     p.add_argument("--response-body-mode", default=d.response_body_mode,
                    choices=("FULL_DUPLEX_STREAMED", "BUFFERED"))
@@ -202,7 +241,9 @@ def run(args: argparse.Namespace) -> int:
                         admin_port=args.admin_port or None, failure_mode_allow=args.failure_mode_allow,
                         message_timeout_s=args.message_timeout_s, num_retries=args.num_retries,
                         endpoints=list(args.endpoint), lb=args.lb, request_body_mode=args.request_body_mode,
-                        response_body_mode=args.response_body_mode)
+                        response_body_mode=args.response_body_mode, epp_tls=not args.epp_plaintext,
+                        epp_ca_file=args.epp_ca_file, epp_client_cert_file=args.epp_client_cert_file,
+                        epp_client_key_file=args.epp_client_key_file)
     json.dump(bootstrap(cfg), sys.stdout, indent=2)
     sys.stdout.write("\n")
     return 0

@@ -90,19 +90,24 @@ def _set(key: str, value: str) -> base_pb2.HeaderValueOption:
 
 
 def pick_common(value: str, body_len: Optional[int] = None, body: Optional[bytes] = None,
-                upstream: Optional[dict] = None, remove: Iterable[str] = ()) -> pb.CommonResponse:
+                extra: Optional[dict] = None) -> pb.CommonResponse:
     """The pick as a common response: the destination header (and the rewritten body's content-length), the
-    route cache cleared so the gateway routes by the header; `body` replaces a buffered body; `upstream` headers
-    are set and `remove` ones dropped on the way to the replica (its key instead of the client's)."""
+    route cache cleared so the gateway routes by the header; `body` replaces a buffered body; `extra` headers (the
+    request id the EPP made) are set on the way to the replica. No secret ever rides on it: the client's own
+    `authorization` passes as it came, and the EPP never adds a replica key (docs/security.md)."""
     headers = [_set(DESTINATION, value)]
     if body_len is not None:
         headers.append(_set("content-length", str(body_len)))
-    headers += [_set(k, v) for k, v in (upstream or {}).items()]
-    remove = [k for k in remove if k not in (upstream or {})]
-    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers, remove_headers=remove),
-                               clear_route_cache=True)
+    headers += [_set(k, v) for k, v in (extra or {}).items()]
+    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers), clear_route_cache=True)
     if body is not None:
         common.body_mutation.body = body
+    return common
+
+
+def set_headers(common: pb.CommonResponse, headers: dict) -> pb.CommonResponse:
+    """`common` with `headers` set (overwritten) by its header mutation."""
+    common.header_mutation.set_headers.extend(_set(k, v) for k, v in headers.items())
     return common
 
 
@@ -136,10 +141,11 @@ def streamed_request_body(body: bytes, end_of_stream: bool) -> list[pb.Processin
         response=streamed(body[i:i + BODY_CHUNK_BYTES], end_of_stream and i == last))) for i in cuts]
 
 
-def immediate(refusal: Refusal) -> pb.ProcessingResponse:
-    """The gateway answers the client itself with the router's OpenAI-shaped error."""
+def immediate(refusal: Refusal, extra: Optional[dict] = None) -> pb.ProcessingResponse:
+    """The gateway answers the client itself with the router's OpenAI-shaped error (and `extra` headers)."""
     headers = pb.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
-        header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"), append_action=OVERWRITE)])
+        header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"), append_action=OVERWRITE),
+        *(_set(k, v) for k, v in (extra or {}).items())])
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
         status=http_status_pb2.HttpStatus(code=refusal.status), headers=headers, body=refusal.body(),
         details=f"warmfleet_epp_{refusal.status}"))

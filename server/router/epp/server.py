@@ -1,4 +1,5 @@
-"""One EPP process, started: the router core, the gRPC server (ext_proc + health) and the side HTTP port."""
+"""One EPP process, started: the router core, the gRPC server (ext_proc + health; TLS unless told otherwise) and the
+side HTTP port; stopped by draining (no new streams, in-flight ones finish within the grace period)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from prometheus_client import Gauge
 from ..core.metrics import RouterMetrics
 from ..core.runtime import RouterRuntime, running
 from ..core.tenants import ConcurrencyLimiter
+from . import tls
 from .app import build_side_app
 from .service import EppDoor, ExternalProcessor
 
@@ -31,7 +33,8 @@ class EppServer:
     """`async with EppServer(rt) as epp:` runs the EPP on rt.settings' ports (or the given ones; 0 = any free port).
 
     Readiness (and the ext_proc service's health) is SERVING while at least one replica is routable: the HTTP
-    door's /ready, the same test."""
+    door's /ready, the same test. Leaving the block drains: every health service turns NOT_SERVING, new streams are
+    refused, in-flight ones get `drain_grace_s` (--drain-grace-s) to end, then the core stops."""
 
     def __init__(self, rt: RouterRuntime, grpc_port: Optional[int] = None, http_port: Optional[int] = None):
         self.rt = rt
@@ -44,6 +47,8 @@ class EppServer:
         self.state: dict = {}
         self.door: Optional[EppDoor] = None
         self.processor: Optional[ExternalProcessor] = None
+        self.draining = False
+        self._grpc: Optional[grpc.aio.Server] = None
         self._stack = contextlib.AsyncExitStack()
 
     async def __aenter__(self) -> "EppServer":
@@ -69,9 +74,10 @@ class EppServer:
         pb_grpc.add_ExternalProcessorServicer_to_server(self.processor, server)
         self.health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        self.grpc_port = server.add_insecure_port(f"{self.host}:{self.grpc_port}")
+        self.grpc_port = self._bind(server)
         await server.start()
-        self._stack.push_async_callback(server.stop, 1.0)
+        self._grpc = server
+        self._stack.push_async_callback(server.stop, 0)  # after _drain (__aexit__): nothing left; on a failed start: all
         await self.health.set("", SERVING)
         await self.health.set(LIVENESS, SERVING)
         await self._update_readiness()
@@ -95,11 +101,34 @@ class EppServer:
             self.http_port = self.http.servers[0].sockets[0].getsockname()[1]
             self._stack.push_async_callback(self._stop_http, http_task)
 
+    def _bind(self, server: grpc.aio.Server) -> int:
+        s = self.rt.settings
+        address = f"{self.host}:{self.grpc_port}"
+        if not getattr(s, "secure_serving", False):
+            return server.add_insecure_port(address)
+        creds = tls.server_credentials(s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file,
+                                       hosts=(self.host,) if self.host not in ("0.0.0.0", "::") else ())
+        return server.add_secure_port(address, creds)
+
+    async def _drain(self, server: grpc.aio.Server) -> None:
+        """SIGTERM's path: NOT_SERVING everywhere (the gateway's health checks stop sending streams here), new
+        streams refused, the open ones finished (or cancelled when the grace period ends)."""
+        grace = getattr(self.rt.settings, "drain_grace_s", 1.0)
+        self.draining = True
+        for service in ("", READINESS, EXT_PROC_SERVICE):  # liveness stays: the process is well
+            await self.health.set(service, NOT_SERVING)
+        log.info("draining: %d ext_proc streams open, up to %.0f s for them to finish", self.processor.open_streams,
+                 grace)
+        await server.stop(grace)
+        log.info("drained: %d ext_proc streams were still open", self.processor.open_streams)
+
     async def _stop_http(self, task: asyncio.Task) -> None:
         self.http.should_exit = True
         await asyncio.gather(task, return_exceptions=True)
 
     async def _update_readiness(self) -> None:
+        if self.draining:
+            return
         status = SERVING if self.state["fleet"].routable() else NOT_SERVING
         await self.health.set(READINESS, status)
         await self.health.set(EXT_PROC_SERVICE, status)
@@ -110,7 +139,12 @@ class EppServer:
             await self._update_readiness()
 
     async def __aexit__(self, *exc) -> None:
-        await self._stack.aclose()
+        server, self._grpc = self._grpc, None  # once, however often the block is left
+        try:
+            if server is not None:
+                await self._drain(server)  # first: the side port (/metrics) and the core serve until drained
+        finally:
+            await self._stack.aclose()
 
 
 async def _cancel(task: asyncio.Task) -> None:

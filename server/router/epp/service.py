@@ -4,11 +4,12 @@ One gRPC stream per HTTP request, FULL_DUPLEX_STREAMED (what GIE gateways config
 
     Envoy ─ request_headers ──────────▶  held: nothing is answered until the body is whole
           ─ request_body … (eos) ─────▶  Router.route → its Booking: enter(primary)
-          ◀──────── headers response ─   destination header + envoy.lb metadata, clear_route_cache
+          ◀──────── headers response ─   destination header + envoy.lb metadata, clear_route_cache (and
+                                         x-request-id when the request came without one)
           ◀──── streamed body chunks ─   the body as hashed (rewritten if the router changed it)
           ─ response_headers ─────────▶  served endpoint: the load moves there if the gateway retried
                                          (enter again); served: the media header (URL image hashes) removed
-          ◀───────── headers response ─
+          ◀───────── headers response ─   x-request-id on the answer
           ─ response_body chunk ──────▶  first one: first_token (prefilled); each one handed back at once
           ◀───────── streamed chunk ───
           ─ … eos / trailers ─────────▶  usage (usage.cached_tokens) + leave
@@ -17,6 +18,9 @@ One gRPC stream per HTTP request, FULL_DUPLEX_STREAMED (what GIE gateways config
 BUFFERED request bodies are answered in the body response instead (headers pass at once: Envoy holds them until
 the body response, which carries the header mutation). Paths other than chat and completions are not routed by
 cache: they go to the least-loaded eligible endpoint, picked from the headers, and the body passes unchanged.
+
+Headers the EPP does not name pass as they came: the client's `authorization` (the replicas check it too, or trust
+the gateway's network: docs/security.md) and W3C `traceparent`/`tracestate`. The EPP sets no secret on a request.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from typing import AsyncIterator, Optional
 
 import grpc
@@ -37,7 +42,7 @@ from ..core.errors import NO_REPLICA, Refusal, parse_json_object
 from ..core.policy import least_loaded
 from ..core.registry import Replica
 from ..core.router import Router
-from ..core.runtime import RouterRuntime, upstream_headers
+from ..core.runtime import RouterRuntime
 from ..core.tenants import ConcurrencyLimiter, admit_client
 from ..core.usage import UsageScanner
 from . import pick
@@ -46,6 +51,7 @@ log = logging.getLogger(__name__)
 
 FULL_DUPLEX = mode_pb.ProcessingMode.FULL_DUPLEX_STREAMED
 GENERATION_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+REQUEST_ID = "x-request-id"  # made here when absent (Envoy makes one first unless told not to), returned on the answer
 NO_SUBSET_ENDPOINT = Refusal(503, "no endpoint of the gateway's subset hint is eligible", "service_unavailable")
 
 
@@ -57,6 +63,8 @@ class Exchange:
         self.request_mode = self.response_mode = FULL_DUPLEX  # until protocol_config says otherwise
         self.kind: Optional[str] = None  # "chat" | "completion": routed by cache; None: by load
         self.auth: Optional[str] = None
+        self.request_id = ""  # the request's x-request-id (the client's, the gateway's or made here)
+        self.made_id: dict = {}  # {x-request-id: id} when the EPP made it: set on the request to the replica
         self.host = "unknown"
         self.subset: Optional[frozenset[str]] = None
         self.chunks: list[bytes] = []
@@ -79,6 +87,10 @@ class Exchange:
         path = (pick.header_value(h, ":path") or "/").split("?", 1)[0]
         method = pick.header_value(h, ":method") or "GET"
         self.auth = pick.header_value(h, "authorization")
+        self.request_id = pick.header_value(h, REQUEST_ID) or ""
+        if not self.request_id:
+            self.request_id = uuid.uuid4().hex
+            self.made_id = {REQUEST_ID: self.request_id}
         xff = pick.header_value(h, "x-forwarded-for")
         self.host = xff.split(",")[-1].strip() if xff else "unknown"  # the gateway appends the peer it saw
         self.subset = pick.subset_of(req)
@@ -139,10 +151,11 @@ class Exchange:
         value = pick.destination(pick.endpoint_of(r) for r in reps)
         self.picked = True
         if self.request_mode == FULL_DUPLEX:  # Envoy drops content-length itself in this mode
-            return [pick.request_headers_response(self.door.pick_common(value, len(out_body) if changed else None),
+            return [pick.request_headers_response(pick.pick_common(value, len(out_body) if changed else None,
+                                                                   extra=self.made_id),
                                                   value), *pick.streamed_request_body(out_body, end_of_stream)]
-        return [pick.request_body_response(
-            self.door.pick_common(value, len(out_body) if changed else None, out_body if changed else None), value)]
+        return [pick.request_body_response(pick.pick_common(
+            value, len(out_body) if changed else None, out_body if changed else None, self.made_id), value)]
 
     def eligible(self):
         if self.subset is None:
@@ -165,13 +178,13 @@ class Exchange:
         self.book(reps[0])
         self.picked = True
         value = pick.destination(pick.endpoint_of(r) for r in reps)
-        return pick.request_headers_response(self.door.pick_common(value), value)
+        return pick.request_headers_response(pick.pick_common(value, extra=self.made_id), value)
 
     def refuse(self, refusal: Refusal) -> pb.ProcessingResponse:
         self.picked = self.done = self.answered = True
         self.door.metrics.requests.labels(f"{refusal.status // 100}xx").inc()
         self.close()
-        return pick.immediate(refusal)
+        return pick.immediate(refusal, {REQUEST_ID: self.request_id} if self.request_id else None)
 
     # --- load -----------------------------------------------------------------------------------
     def book(self, rep: Replica) -> None:
@@ -209,7 +222,7 @@ class Exchange:
             self.booking.served(media)
         if self.scanner is not None and "text/event-stream" not in (pick.header_value(h, "content-type") or ""):
             self.scanner.stream = False
-        common = pb.CommonResponse()
+        common = pick.set_headers(pb.CommonResponse(), {REQUEST_ID: self.request_id} if self.request_id else {})
         if pick.header_value(h, pick.SERVED) is not None:  # the gateway's note to the EPP, not for the client
             common.header_mutation.remove_headers.append(pick.SERVED)
         if media is not None:  # the replica's note to the router (url_hashes.py), not for the client
@@ -276,13 +289,6 @@ class EppDoor:
         self.rt, self.router, self.limiter, self.metrics = rt, router, limiter, router.metrics
         self.max_request_bytes = rt.settings.max_request_bytes
         self.max_attempts = rt.settings.proxy.max_attempts
-        # as the HTTP door: the client's key is not passed on when the router checks keys; the replica key is
-        self.upstream = upstream_headers(rt.settings)
-        self.remove = ("authorization",) if rt.tenants.enabled else ()
-
-    def pick_common(self, value: str, body_len: Optional[int] = None,
-                    body: Optional[bytes] = None) -> pb.CommonResponse:
-        return pick.pick_common(value, body_len, body, self.upstream, self.remove)
 
     def replica_at(self, endpoint: str) -> Optional[Replica]:
         return next((r for r in self.router.fleet.registry.replicas.values() if pick.endpoint_of(r) == endpoint),
