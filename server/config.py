@@ -73,6 +73,16 @@ class CacheConfig:
     swap_space: float = field(
         default=0.0, metadata=opt("--swap-space", "CPU swap tier for evicted KV blocks, in GiB (0 disables).")
     )
+    node_tier: Optional[str] = field(
+        default=None, metadata=opt("--node-tier", "HOST:PORT of this node's tier (`warmfleet node-tier`), shared by "
+                                   "the service's replicas on the node: evicted KV blocks and encoder outputs go "
+                                   "there and local misses look there. It replaces the swap tier (--swap-space is "
+                                   "then not allocated). Unset: off.")
+    )
+    node_tier_timeout_ms: int = field(
+        default=500, metadata=opt("--node-tier-timeout-ms", "Deadline of one node-tier lookup, in ms; a call that "
+                                  "fails or times out is a miss (recomputed) and pauses the tier with backoff.")
+    )
     prefix_hash_algo: str = field(
         default="blake3",
         metadata=opt(
@@ -180,6 +190,10 @@ class ServerConfig:
     )
     replica_id: Optional[str] = field(
         default=None, metadata=opt("--replica-id", "Identity in KV events (default: host:port).")
+    )
+    node_name: Optional[str] = field(
+        default=None, metadata=opt("--node-name", "The node this replica runs on (downward API spec.nodeName), "
+                                   "told to routers in its KV snapshot so they match it with that node's tier.")
     )
     api_key: Optional[str] = field(
         default=None, metadata=opt("--api-key", "Require `Authorization: Bearer KEY` (env WARMFLEET_API_KEY also works).")
@@ -297,6 +311,14 @@ class EngineConfig:
             raise ValueError("--kv-events-curve-secret-key and --kv-events-curve-clients go together")
         if self.server.request_header_timeout_s <= 0 or self.server.request_body_timeout_s <= 0:
             raise ValueError("--request-header-timeout-s and --request-body-timeout-s must be > 0")
+        if c.node_tier is not None:
+            from .nodetier.client import parse_address
+
+            parse_address(c.node_tier)
+            if not c.enable_prefix_caching:
+                raise ValueError("--node-tier needs prefix caching (--enable-prefix-caching)")
+        if c.node_tier_timeout_ms < 1:
+            raise ValueError(f"--node-tier-timeout-ms must be >= 1, got {c.node_tier_timeout_ms}")
         if not 0 < self.server.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.server.port}")
 

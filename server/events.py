@@ -11,7 +11,13 @@ msgpack array `[ts, [event, ...], dp_rank]` and each event a tagged array:
     ["EncoderRemoved", [mm_hash, ...]]         # warmfleet extension
     ["Load", running, waiting, free_gpu_blocks, total_gpu_blocks]   # warmfleet extension
 
-`medium` is "GPU" for the primary pool and "CPU" for the swap tier. The topic is the replica id.
+`medium` is "GPU" for the primary pool, "CPU" for the swap tier and "NODE" for the node tier (server/nodetier: one
+host-memory cache shared by a service's replicas on a node). The topic is the replica id, or `node:<NAME>` for the
+node tier of node NAME, which publishes with its own sequence numbers (from 1 at every start, led by
+AllBlocksCleared: it starts empty). The node tier serves no HTTP snapshot: a batch that begins with AllBlocksCleared
+carries its whole state (a subscriber syncs from it), and it publishes one to every new subscription, so a
+subscriber resyncs by subscribing to a fresh topic (`NODE_STATE_TOPIC` + anything). A replica names its node in its
+snapshot (`node`, from `warmfleet serve --node-name`), which is how a router maps replicas to node tiers.
 `lora_name` (vLLM's field, in vLLM's position) names the LoRA adapter whose chain the blocks belong to;
 it is sent only for adapter blocks, so base-model events are byte for byte what they were, and an
 absent one means the base model.
@@ -28,6 +34,10 @@ import msgpack
 
 GPU = "GPU"
 CPU = "CPU"
+NODE = "NODE"
+MEDIA = (GPU, CPU, NODE)
+NODE_TOPIC_PREFIX = "node:"  # a node tier's topic: node:<node name>
+NODE_STATE_TOPIC = b"\x00wf-state"  # subscribing to a topic with this prefix asks a node tier for its whole state
 
 
 @dataclass
@@ -104,7 +114,7 @@ def _strs(v) -> list[str]:
 
 def _medium(a: list, i: int) -> str:
     m = a[i] if len(a) > i and a[i] else GPU
-    if m not in (GPU, CPU):
+    if m not in MEDIA:
         raise ValueError(f"unknown medium {m!r}")
     return m
 
@@ -195,6 +205,7 @@ class Snapshot:
     encoder: list[str]
     load: Optional[Load] = None
     lora: dict[bytes, str] = field(default_factory=dict)  # hash -> LoRA adapter name of adapter blocks (either tier)
+    node: Optional[str] = None  # the node the replica runs on (--node-name), None: not said
 
     def to_json(self) -> dict:
         return {
@@ -207,6 +218,7 @@ class Snapshot:
             "encoder": list(self.encoder),
             "load": None if self.load is None else vars(self.load),
             "lora": {h.hex(): name for h, name in self.lora.items()},
+            **({"node": self.node} if self.node is not None else {}),
         }
 
     @classmethod
@@ -217,6 +229,7 @@ class Snapshot:
             [bytes.fromhex(h) for h in d["gpu"]], [bytes.fromhex(h) for h in d["cpu"]],
             list(d.get("encoder", [])), Load(**load) if load else None,
             {bytes.fromhex(h): str(name) for h, name in (d.get("lora") or {}).items()},
+            d["node"] if isinstance(d.get("node"), str) else None,
         )
 
 
@@ -237,7 +250,8 @@ class EventPublisher:
     batches until it catches up, and each time one starts missing, `num_dropped` counts it."""
 
     def __init__(self, replica_id: str, endpoint: str, token_ids: bool = False,
-                 curve_secret_key_file: Optional[str] = None, curve_clients_dir: Optional[str] = None):
+                 curve_secret_key_file: Optional[str] = None, curve_clients_dir: Optional[str] = None,
+                 verbose: bool = False):
         import zmq
 
         self.replica_id, self.token_ids = replica_id, token_ids
@@ -250,7 +264,10 @@ class EventPublisher:
         self._sock.setsockopt(zmq.SNDHWM, KV_EVENTS_SNDHWM)
         self._sock.setsockopt(zmq.XPUB_NODROP, 1)  # a full subscriber queue shows as EAGAIN, so it is counted
         self._sock.setsockopt(zmq.LINGER, 0)
+        if verbose:  # every subscription reaches the owner, also one to a topic another subscriber holds
+            self._sock.setsockopt(zmq.XPUB_VERBOSE, 1)
         self._sock.bind(endpoint)
+        self.num_new_subscriptions = 0
         self.seq = 0
         self.num_dropped = 0  # times a send found a subscriber's queue full (it misses batches from then)
 
@@ -277,12 +294,20 @@ class EventPublisher:
                 self._sock.setsockopt(zmq.XPUB_NODROP, 1)
 
     def _discard_subscriptions(self) -> None:
-        """XPUB hands subscription messages to its owner; unread, they would pile up (one per new topic)."""
+        """XPUB hands subscription messages to its owner; unread, they would pile up (one per new topic). New
+        subscriptions are counted in `num_new_subscriptions` (the node tier answers each with its whole state)."""
         try:
             while True:
-                self._sock.recv(self._zmq.NOBLOCK)
+                if self._sock.recv(self._zmq.NOBLOCK)[:1] == b"\x01":
+                    self.num_new_subscriptions += 1
         except self._zmq.Again:
             pass
+
+    def take_new_subscriptions(self) -> int:
+        """Subscriptions made since the last call (drains the count); with `verbose`, repeated topics count too."""
+        self._discard_subscriptions()
+        n, self.num_new_subscriptions = self.num_new_subscriptions, 0
+        return n
 
     def close(self) -> None:
         self._sock.close(0)

@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "route": ("warmfleet.server.router.http.main", "Run the cache-affinity router in front of replicas."),
     "epp": ("warmfleet.server.router.epp.main", "Run the Endpoint Picker of a Gateway API InferencePool (Envoy ext_proc, gRPC)."),
     "envoy-bootstrap": ("warmfleet.server.router.epp.envoy_bootstrap", "Print an Envoy bootstrap that routes through `warmfleet epp`."),
+    "node-tier": ("warmfleet.server.nodetier.server", "Run a node's shared cache of KV blocks and encoder outputs (TCP + KV events)."),
     "operator": ("warmfleet.operator.wiring.command", "Run the kopf operator, or render its objects offline."),
     "fetch-model": ("warmfleet.fetch", "Download an hf:// or s3:// model into a cache directory (resumable, verified)."),
     "make-tiny-model": ("warmfleet.server.tiny_checkpoints.cli", "Write a random Hugging Face checkpoint for tests and demos."),

@@ -157,6 +157,40 @@ class Replica(Proc):
         wait_http(self.url + "/ready", f"{self.name} ready", [self], timeout_s)
 
 
+class NodeTier(Proc):
+    """`warmfleet node-tier` on loopback: the replicas' --node-tier address and the router's --node-tier-events."""
+
+    def __init__(self, cwd: Path, node_name: str = "node-a", capacity_bytes: int = 256 << 20):
+        self.port, self.events_port, self.node_name = free_port(), free_port(), node_name
+        super().__init__(f"node-tier-{node_name}", ["node-tier", "--capacity-bytes", str(capacity_bytes), "--host",
+                                                    "127.0.0.1", "--port", str(self.port), "--events-port",
+                                                    str(self.events_port), "--node-name", node_name,
+                                                    "--log-level", "warning"], cwd)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def events(self) -> str:
+        return f"127.0.0.1:{self.events_port}"
+
+    def replica_args(self) -> tuple[str, ...]:
+        return ("--node-tier", self.address, "--node-name", self.node_name)
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        import socket
+
+        def up() -> bool:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                return True
+            except OSError:
+                return False
+
+        wait_for(up, f"{self.name} listening", [self], timeout_s)
+
+
 class Router(Proc):
     """`warmfleet route` in front of real replicas (their KV events included); `url` serves the status routes."""
 

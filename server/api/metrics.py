@@ -88,12 +88,19 @@ class EngineStatsCollector(Collector):
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_queries_tokens)
         yield counter(
             "vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache (all tiers).",
-            s.prefix_hits_tokens_gpu + s.prefix_hits_tokens_cpu,
+            s.prefix_hits_tokens_gpu + s.prefix_hits_tokens_cpu + s.prefix_hits_tokens_node,
         )
         hits = CounterMetricFamily("warmfleet:prefix_cache_hits", "Prompt tokens served from the prefix cache, per tier.", labels=["model_name", "tier"])
         hits.add_metric([m, "gpu"], s.prefix_hits_tokens_gpu)
         hits.add_metric([m, "cpu"], s.prefix_hits_tokens_cpu)
+        hits.add_metric([m, "node"], s.prefix_hits_tokens_node)
         yield hits
+        yield counter("warmfleet:node_tier_in_blocks", "KV blocks loaded from the node tier into the primary pool.",
+                      s.node_in_blocks)
+        yield counter("warmfleet:node_tier_out_blocks", "KV blocks handed to the node tier (computed here, or evicted from the primary pool).",
+                      s.node_out_blocks)
+        yield counter("warmfleet:node_tier_failures", "Node-tier calls that failed or timed out (each a miss: "
+                      "recomputed).", s.node_failures)
         yield counter("vllm:num_preemptions", "Requests preempted for lack of KV blocks.", s.preemptions)
         yield counter("warmfleet:swap_in_blocks", "KV blocks copied from the CPU tier back to the primary pool.", s.swap_in_blocks)
         yield counter("warmfleet:swap_out_blocks", "KV blocks moved from the primary pool to the CPU tier.", s.swap_out_blocks)

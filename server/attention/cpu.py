@@ -244,6 +244,37 @@ class CpuPagedAttention:
                 y.reshape([-1, head_dim]).scatter_(d, paddle.gather(x.reshape([-1, head_dim]), s).to(y.place),
                                                    overwrite=True)
 
+    def read_blocks(self, caches: list[LayerCache], ids: Sequence[int], block_size: int) -> list[bytes]:
+        if not ids:
+            return []
+        num_kv, slots, head_dim = caches[0].key.shape
+        rows = paddle.to_tensor(_head_rows(_block_slots(ids, block_size), num_kv, slots))
+        wire = "float32" if caches[0].key.dtype == paddle.bfloat16 else None
+        per_layer = []
+        for c in caches:
+            for t in (c.key, c.value):
+                x = paddle.gather(t.reshape([-1, head_dim]), rows)
+                per_layer.append((x.astype(wire) if wire else x).numpy().reshape(num_kv, len(ids), block_size, head_dim))
+        # [layers * 2, kv, n, bs, hd] -> [n, layers * 2, kv, bs, hd]: one contiguous run per block
+        blocks = np.ascontiguousarray(np.stack(per_layer).transpose(2, 0, 1, 3, 4))
+        return [b.tobytes() for b in blocks]
+
+    def write_blocks(self, caches: list[LayerCache], ids: Sequence[int], data: Sequence[bytes],
+                     block_size: int) -> None:
+        if not ids:
+            return
+        num_kv, slots, head_dim = caches[0].key.shape
+        dtype = caches[0].key.dtype
+        wire = np.float32 if dtype == paddle.bfloat16 else np.dtype(str(dtype).replace("paddle.", ""))
+        n = len(ids)
+        arr = np.frombuffer(b"".join(data), dtype=wire).reshape(n, len(caches) * 2, num_kv, block_size, head_dim)
+        rows = paddle.to_tensor(_head_rows(_block_slots(ids, block_size), num_kv, slots))
+        for i, c in enumerate(caches):
+            for j, t in enumerate((c.key, c.value)):
+                vals = np.ascontiguousarray(arr[:, 2 * i + j].transpose(1, 0, 2, 3)).reshape(-1, head_dim)
+                src = paddle.to_tensor(vals)
+                t.reshape([-1, head_dim]).scatter_(rows, src.astype(dtype) if src.dtype != dtype else src, overwrite=True)
+
     def build_metadata(self, block_size: int, spans: Sequence[SeqSpan],
                        samples: Optional[Sequence[bool]] = None) -> CpuAttentionMetadata:
         return CpuAttentionMetadata.build(block_size, spans, samples)

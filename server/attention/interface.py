@@ -6,6 +6,7 @@ A backend owns everything that depends on how K/V sit in memory:
     sizes both pools (KVLayout.bytes_per_block)
     allocates the primary pool and the swap tier  ->  allocate(layout, n), allocate_swap(layout, n)
     executes the step's SwapPlan                  ->  copy_blocks(src, src_ids, dst, dst_ids, block_size)
+    moves blocks to and from the node tier        ->  read_blocks(caches, ids, bs), write_blocks(caches, ids, data, bs)
     describes the step's sequences (SeqSpan)      ->  build_metadata(block_size, spans, samples)
     runs the whole step inside                    ->  step(): process-wide settings the backend needs
     model (each decoder layer)                    ->  forward(q, k, v, cache, meta, scale)
@@ -40,6 +41,17 @@ class KVLayout:
     def bytes_per_block(self) -> int:
         """K and V of one block across all layers; pool sizing divides by it, so allocations must match it."""
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+
+def wire_dtype(layout: KVLayout) -> str:
+    """dtype of node-tier block bytes: the cache's own, bfloat16 widened to float32 (exact; numpy has no bfloat16)."""
+    return "float32" if layout.dtype == "bfloat16" else layout.dtype
+
+
+def wire_layout(layout: KVLayout) -> str:
+    """Names the shape of node-tier block bytes; an entry stored under another name is never read as this one."""
+    return (f"kv1:{wire_dtype(layout)}:{layout.num_layers}x2x{layout.num_kv_heads}x{layout.block_size}"
+            f"x{layout.head_dim}")
 
 
 @dataclass
@@ -83,6 +95,16 @@ class AttentionBackend(Protocol):
     def copy_blocks(self, src: list[LayerCache], src_ids: Sequence[int], dst: list[LayerCache],
                     dst_ids: Sequence[int], block_size: int) -> None:
         """Copy block src_ids[i] of every layer of `src` into block dst_ids[i] of `dst` (either tier to either)."""
+        ...
+
+    def read_blocks(self, caches: list[LayerCache], ids: Sequence[int], block_size: int) -> list[bytes]:
+        """The node tier's bytes of each block in `ids`: every layer's K then V, [layers, 2, kv_heads, block_size,
+        head_dim] in C order, in `wire_dtype(layout)` (backend-independent, so any replica of the model reads them)."""
+        ...
+
+    def write_blocks(self, caches: list[LayerCache], ids: Sequence[int], data: Sequence[bytes],
+                     block_size: int) -> None:
+        """Write `read_blocks`' bytes of one block each into blocks `ids` of `caches`."""
         ...
 
     def build_metadata(self, block_size: int, spans: Sequence[SeqSpan],

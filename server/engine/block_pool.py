@@ -9,6 +9,12 @@ Tiers:
                    a full, hashed block stay findable until they are reused (LRU order).
   swap ("CPU")     a hashed block evicted from the primary pool is copied here instead of
                    vanishing; a later prefix hit is copied back before prefill. Own LRU.
+  node ("NODE")    with `node_tier` on (it replaces the swap tier): a block computed and hashed here,
+                   and again one evicted from the primary pool (which refreshes it there), is read
+                   out at the start of the next step (`SwapPlan.node_out`, before that step's
+                   forward can overwrite it) and handed to the node tier; blocks the node tier served are written into fresh
+                   primary blocks before prefill (`node_in`, the bytes already in hand). The node
+                   tier publishes its own events; the pool publishes only the primary pool's.
 
 A hash lives in at most one tier at a time.
 """
@@ -29,9 +35,11 @@ class SwapPlan:
 
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block id, cpu block id)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block id, gpu block id)
+    node_out: list[tuple[int, bytes, Optional[str]]] = field(default_factory=list)  # (gpu block id, hash, adapter)
+    node_in: list[tuple[int, bytes]] = field(default_factory=list)  # (gpu block id, the node tier's block bytes)
 
     def __bool__(self) -> bool:
-        return bool(self.swap_out or self.swap_in)
+        return bool(self.swap_out or self.swap_in or self.node_out or self.node_in)
 
 
 @dataclass
@@ -40,6 +48,8 @@ class PoolCounters:
     swap_in_blocks: int = 0
     evicted_gpu_blocks: int = 0
     evicted_cpu_blocks: int = 0
+    node_out_blocks: int = 0  # blocks handed to the node tier (computed here, or evicted from the primary pool)
+    node_in_blocks: int = 0  # blocks loaded from the node tier
 
 
 class CpuTier:
@@ -61,7 +71,7 @@ class CpuTier:
 
 class BlockPool:
     def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int = 0, enable_caching: bool = True,
-                 block_size: int = 64):
+                 block_size: int = 64, node_tier: bool = False):
         if num_gpu_blocks < 1:
             raise ValueError("the primary KV pool needs at least one block")
         self.num_gpu_blocks = num_gpu_blocks
@@ -73,7 +83,8 @@ class BlockPool:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_gpu_blocks))
         self.cached: dict[BlockHash, int] = {}
         self.lora_of: dict[BlockHash, str] = {}  # adapter name of hashed blocks (either tier) of adapter chains
-        self.cpu = CpuTier(num_cpu_blocks) if (num_cpu_blocks > 0 and enable_caching) else None
+        self.node_tier = node_tier and enable_caching  # evictions go to the node tier (then there is no swap tier)
+        self.cpu = CpuTier(num_cpu_blocks) if (num_cpu_blocks > 0 and enable_caching and not self.node_tier) else None
         self.plan = SwapPlan()
         self.counters = PoolCounters()
         self._events: list[KVEvent] = []
@@ -133,6 +144,16 @@ class BlockPool:
             self._register(bid, h, parent=None, token_ids=[], lora_name=self.lora_of.get(h))
         return bids
 
+    def load_from_node(self, hashes: list[BlockHash], data: list[bytes], lora_name: Optional[str]) -> list[int]:
+        """Fresh primary blocks (referenced once each) for blocks the node tier served; their bytes are written
+        at the start of the step (`plan.node_in`), before the forward reads them."""
+        bids = self.allocate(len(hashes))
+        for h, d, bid in zip(hashes, data, bids):
+            self.plan.node_in.append((bid, d))
+            self.counters.node_in_blocks += 1
+            self._register(bid, h, parent=None, token_ids=[], lora_name=lora_name)
+        return bids
+
     def free_blocks(self, block_ids: list[int]) -> None:
         """Drop one reference from each block. Pass a request's table in reverse so tails go first.
 
@@ -164,6 +185,9 @@ class BlockPool:
         if self.cpu is not None and h in self.cpu:
             self._drop_cpu(h)
         self._register(bid, h, parent, token_ids, lora_name)
+        if self.node_tier:  # written through at once, so the node's other replicas can use it while it is hot here
+            self.plan.node_out.append((bid, h, lora_name))
+            self.counters.node_out_blocks += 1
         return bid
 
     # ---- internals -------------------------------------------------------------------------
@@ -191,6 +215,9 @@ class BlockPool:
                 self.counters.swap_out_blocks += 1
                 self._events.append(BlockStored([h], None, [], self.block_size, CPU, lora_name=self.lora_of.get(h)))
                 return
+        elif self.node_tier:
+            self.plan.node_out.append((bid, h, self.lora_of.get(h)))
+            self.counters.node_out_blocks += 1
         self.lora_of.pop(h, None)
 
     def _allocate_cpu(self) -> Optional[int]:

@@ -50,8 +50,11 @@ class EngineCore:
         gpu, cpu = num_blocks_for(cfg.cache, layout, on_gpu)
         log_sizes(layout, gpu, cpu, on_gpu)
         self.runner = ModelRunner(self.model, backend, layout, gpu, cpu, cfg.model.seed)
-        self.pool = BlockPool(gpu, cpu, cfg.cache.enable_prefix_caching, cfg.cache.block_size)
-        self.kv = KVCacheManager(self.pool, cfg.cache.block_size, self.info.model_fingerprint, cfg.cache.prefix_hash_algo)
+        self.node = self._start_node_tier(cfg, layout)
+        self.pool = BlockPool(gpu, cpu, cfg.cache.enable_prefix_caching, cfg.cache.block_size,
+                              node_tier=self.node is not None)
+        self.kv = KVCacheManager(self.pool, cfg.cache.block_size, self.info.model_fingerprint, cfg.cache.prefix_hash_algo,
+                                 self.node, self.runner.node_layout)
         self.lora_state, self.adapters = self._start_lora(cfg)
         self.runner.lora = self.lora_state
         self.scheduler = Scheduler(cfg.scheduler, self.kv, self.info.max_model_len, self.adapters)
@@ -60,6 +63,22 @@ class EngineCore:
         self.num_steps = 0
         log.info("engine ready: model=%s arch=%s load_s=%.1f", self.info.served_model_name,
                  self.info.architecture, time.monotonic() - t0)
+
+    def _start_node_tier(self, cfg: EngineConfig, layout):
+        """The node-tier client (--node-tier), wired into the runner; None when off."""
+        if cfg.cache.node_tier is None or not cfg.cache.enable_prefix_caching:
+            return None
+        import os
+
+        from ..attention.interface import wire_layout
+        from ..nodetier.client import NodeTierClient
+        from ..nodetier.server import TOKEN_ENV
+
+        node = NodeTierClient(cfg.cache.node_tier, cfg.cache.node_tier_timeout_ms / 1000.0,
+                              os.environ.get(TOKEN_ENV) or None)
+        self.runner.node, self.runner.node_layout = node, wire_layout(layout)
+        log.info("node tier %s: evicted blocks go there, local misses look there (no swap tier)", cfg.cache.node_tier)
+        return node
 
     def _start_lora(self, cfg: EngineConfig):
         """(LoraState, AdapterManager) with --lora-modules registered, or (None, None) without --enable-lora."""
@@ -125,7 +144,8 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        """Requests to run, or blocks still to hand to the node tier (one more step reads them out)."""
+        return self.scheduler.has_work or bool(self.pool.plan.node_out)
 
     # ---- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -187,7 +207,10 @@ class EngineCore:
             gpu_blocks_total=p.num_gpu_blocks, gpu_blocks_free=p.num_free_blocks,
             cpu_blocks_total=cpu_total, cpu_blocks_free=cpu_total - (p.cpu.num_used if p.cpu else 0),
             prefix_queries_tokens=kv.num_query_tokens, prefix_hits_tokens_gpu=kv.num_hit_tokens_gpu,
-            prefix_hits_tokens_cpu=kv.num_hit_tokens_cpu, swap_in_blocks=p.counters.swap_in_blocks,
+            prefix_hits_tokens_cpu=kv.num_hit_tokens_cpu, prefix_hits_tokens_node=kv.num_hit_tokens_node,
+            node_in_blocks=p.counters.node_in_blocks, node_out_blocks=p.counters.node_out_blocks,
+            node_failures=self.node.counters.failures if self.node is not None else 0,
+            swap_in_blocks=p.counters.swap_in_blocks,
             swap_out_blocks=p.counters.swap_out_blocks, preemptions=self.scheduler.num_preemptions,
             kv_events_dropped=self.publisher.num_dropped if self.publisher is not None else 0,
             **self._encoder_stats(), **self._lora_stats(),
@@ -219,4 +242,4 @@ class EngineCore:
         seq = self.publisher.seq if self.publisher else 0
         return Snapshot(self.replica_id, seq, self.cfg.cache.block_size, self.info.model_fingerprint,
                         gpu, cpu, self.encoder_cache.mm_hashes() if self.encoder_cache else [], self.load(),
-                        dict(self.pool.lora_of))
+                        dict(self.pool.lora_of), self.cfg.server.node_name)

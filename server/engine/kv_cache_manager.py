@@ -1,7 +1,12 @@
 """KVCacheManager: per-request policy over the BlockPool (prefix lookup, slot allocation, freeing).
 
-    prompt:  |blk0|blk1|blk2|blk3|..
-    cached:  |GPU |GPU |CPU |miss     -> blocks 0-1 referenced, block 2 swapped in, prefill from 3*B
+    prompt:  |blk0|blk1|blk2|blk3|blk4|..
+    cached:  |GPU |GPU |CPU |NODE|miss     -> blocks 0-1 referenced, block 2 swapped in, block 3 loaded
+                                              from the node tier, prefill from 4*B
+
+The node tier (`node`, a nodetier.client.NodeTierClient) is asked once the local tiers miss, for the longest
+run of the remaining blocks it holds; its bytes come back whole (checksummed) before the request is admitted,
+so a failure there is a shorter hit, never a block the step would read unwritten.
 
 The hit is capped at (num_tokens - 1) tokens: the last prompt token is always recomputed
 because its logits are needed to sample the first output token.
@@ -9,9 +14,11 @@ because its logits are needed to sample the first output token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ..events import CPU, GPU
+from typing import Optional
+
+from ..events import CPU, GPU, NODE
 from ..hashing import BlockHash, block_hashes
 from .block_pool import BlockPool
 from .request import Request
@@ -20,7 +27,8 @@ from .request import Request
 @dataclass
 class PrefixHit:
     hashes: list[BlockHash]  # hashes of the hit blocks, in order
-    tiers: list[str]  # GPU or CPU per hit block
+    tiers: list[str]  # GPU, CPU or NODE per hit block
+    node_data: list[bytes] = field(default_factory=list)  # the node tier's bytes of the NODE blocks, in order
 
     @property
     def num_blocks(self) -> int:
@@ -30,13 +38,20 @@ class PrefixHit:
     def num_cpu_blocks(self) -> int:
         return sum(t == CPU for t in self.tiers)
 
+    @property
+    def num_node_blocks(self) -> int:
+        return len(self.node_data)
+
 
 NO_HIT = PrefixHit([], [])
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int, model_fingerprint: str, hash_algo: str = "blake3"):
+    def __init__(self, pool: BlockPool, block_size: int, model_fingerprint: str, hash_algo: str = "blake3",
+                 node=None, node_layout: str = ""):
         self.pool = pool
+        self.node = node  # NodeTierClient, or None: no node tier
+        self.node_layout = node_layout  # attention.interface.wire_layout of this engine's blocks
         self.block_size = block_size
         self.model_fingerprint = model_fingerprint
         self.hash_algo = hash_algo
@@ -44,6 +59,7 @@ class KVCacheManager:
         self.num_query_tokens = 0
         self.num_hit_tokens_gpu = 0
         self.num_hit_tokens_cpu = 0
+        self.num_hit_tokens_node = 0
 
     # ---- hashing --------------------------------------------------------------------------
     def update_block_hashes(self, req: Request) -> None:
@@ -68,13 +84,28 @@ class KVCacheManager:
                 break
             hit.hashes.append(h)
             hit.tiers.append(tier)
+        if self.node is not None and hit.num_blocks < max_blocks:
+            self._node_prefix(req, hit, max_blocks)
         return hit
+
+    def _node_prefix(self, req: Request, hit: PrefixHit, max_blocks: int) -> None:
+        """Extend `hit` with the run of following blocks the node tier holds (fetched once per start block: a
+        request that waits for room is not fetched again every step)."""
+        start = hit.num_blocks
+        memo = req.node_prefetch
+        if memo is None or memo[0] != start or len(memo[1]) > max_blocks - start:
+            memo = req.node_prefetch = (start, self.node.get("kv", req.block_hashes[start:max_blocks],
+                                                             self.node_layout))
+        for h, data in zip(req.block_hashes[start:max_blocks], memo[1]):
+            hit.hashes.append(h)
+            hit.tiers.append(NODE)
+            hit.node_data.append(data)
 
     def can_allocate(self, req: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
         """Whether `allocate` would succeed without evicting a block this request itself needs."""
         need_total = self.blocks_for(req.num_computed_tokens + hit.num_blocks * self.block_size + num_new_tokens)
         have = len(req.block_ids)
-        new_blocks = max(0, need_total - have - hit.num_blocks) + hit.num_cpu_blocks
+        new_blocks = max(0, need_total - have - hit.num_blocks) + hit.num_cpu_blocks + hit.num_node_blocks
         # GPU hits that sit idle in the free list stop being free once referenced.
         idle_hits = sum(1 for h, t in zip(hit.hashes, hit.tiers)
                         if t == GPU and self.pool.ref_cnt[self.pool.cached[h]] == 0)
@@ -90,6 +121,11 @@ class KVCacheManager:
             cpu_idx = [i for i, t in enumerate(hit.tiers) if t == CPU]
             for i, bid in zip(cpu_idx, self.pool.swap_in([hit.hashes[i] for i in cpu_idx]) if cpu_idx else []):
                 ids[i] = bid
+            if hit.node_data:  # the NODE blocks are the hit's tail
+                first = hit.num_blocks - hit.num_node_blocks
+                ids[first:] = self.pool.load_from_node(hit.hashes[first:], hit.node_data,
+                                                       req.adapter.name if req.adapter is not None else None)
+                req.node_prefetch = None
             req.block_ids.extend(ids)  # type: ignore[arg-type]
             req.num_computed_tokens += hit.num_blocks * self.block_size
         need = self.blocks_for(req.num_computed_tokens + num_new_tokens) - len(req.block_ids)
@@ -100,11 +136,13 @@ class KVCacheManager:
     def record_admission(self, req: Request, hit: PrefixHit) -> None:
         """Count a first admission in the prefix-cache metrics and on the request."""
         cpu_tokens = hit.num_cpu_blocks * self.block_size
+        node_tokens = hit.num_node_blocks * self.block_size
         req.num_cached_tokens = hit.num_blocks * self.block_size
         req.num_cached_tokens_cpu = cpu_tokens
         self.num_query_tokens += req.num_tokens
-        self.num_hit_tokens_gpu += req.num_cached_tokens - cpu_tokens
+        self.num_hit_tokens_gpu += req.num_cached_tokens - cpu_tokens - node_tokens
         self.num_hit_tokens_cpu += cpu_tokens
+        self.num_hit_tokens_node += node_tokens
 
     # ---- after a step ---------------------------------------------------------------------
     def cache_computed_blocks(self, req: Request) -> None:

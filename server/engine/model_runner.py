@@ -49,7 +49,8 @@ def num_blocks_for(cfg: CacheConfig, layout: KVLayout, on_gpu: bool) -> tuple[in
         gpu = int((cfg.kv_cache_memory if cfg.kv_cache_memory is not None else DEFAULT_CPU_KV_GIB) * GiB // bpb)
     if gpu < 2:
         raise ValueError(f"the KV budget holds {gpu} blocks of {bpb} bytes; raise --kv-cache-memory or --num-gpu-blocks")
-    cpu = int(cfg.swap_space * GiB // bpb) if cfg.enable_prefix_caching else 0
+    # the node tier takes the swap tier's place
+    cpu = int(cfg.swap_space * GiB // bpb) if cfg.enable_prefix_caching and cfg.node_tier is None else 0
     return gpu, cpu
 
 
@@ -63,17 +64,28 @@ class ModelRunner:
         self.cpu_caches: list[LayerCache] = backend.allocate_swap(layout, num_cpu_blocks) if num_cpu_blocks else []
         self.rng = np.random.default_rng(seed)
         self.lora = None  # models/lora.py LoraState when the engine serves adapters
+        self.node = None  # nodetier.client.NodeTierClient when the node tier is on: evicted blocks go there
+        self.node_layout = ""  # attention.interface.wire_layout of the blocks it reads out
 
     # ---- swap tier ------------------------------------------------------------------------
     def apply_swaps(self, plan: SwapPlan) -> None:
-        """Swap-outs first (their source blocks may be reused by swap-ins of this same step)."""
+        """Swap-outs and node-tier reads first (their source blocks may be reused by swap-ins of this same step),
+        then swap-ins and node-tier writes. Node-tier puts leave on the client's thread; this step does not wait."""
         bs = self.layout.block_size
+        if plan.node_out:
+            data = self.backend.read_blocks(self.caches, [bid for bid, _, _ in plan.node_out], bs)
+            if self.node is not None:
+                self.node.put_async([{"kind": "kv", "key": h, "layout": self.node_layout, "data": d, "lora": lora,
+                                      "block_size": bs} for (_, h, lora), d in zip(plan.node_out, data)])
         if plan.swap_out:
             g, c = zip(*plan.swap_out)
             self.backend.copy_blocks(self.caches, g, self.cpu_caches, c, bs)
         if plan.swap_in:
             c, g = zip(*plan.swap_in)
             self.backend.copy_blocks(self.cpu_caches, c, self.caches, g, bs)
+        if plan.node_in:
+            g, data = zip(*plan.node_in)
+            self.backend.write_blocks(self.caches, g, data, bs)
 
     # ---- forward --------------------------------------------------------------------------
     @paddle.no_grad()

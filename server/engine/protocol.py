@@ -41,6 +41,10 @@ class EngineStats:
     prefix_queries_tokens: int = 0
     prefix_hits_tokens_gpu: int = 0
     prefix_hits_tokens_cpu: int = 0
+    prefix_hits_tokens_node: int = 0  # served from the node tier (server/nodetier)
+    node_in_blocks: int = 0  # blocks loaded from the node tier
+    node_out_blocks: int = 0  # blocks handed to the node tier (computed, or evicted)
+    node_failures: int = 0  # node-tier calls that failed (each a miss, recomputed)
     swap_in_blocks: int = 0
     swap_out_blocks: int = 0
     preemptions: int = 0

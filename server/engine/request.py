@@ -54,6 +54,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)  # block table: physical GPU block ids
     block_hashes: list[BlockHash] = field(default_factory=list)  # hashes of full blocks, in order
     num_registered_blocks: int = 0  # leading block_ids already offered to the prefix cache (reset on free)
+    node_prefetch: Optional[tuple[int, list]] = None  # (first block, bytes) the node tier served, until admitted
     generator: Any = None  # numpy Generator when the request carries a seed
     lora_slot: Optional[int] = None  # device slot of its adapter while it runs (pinned; adapters.py)
 

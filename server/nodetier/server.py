@@ -1,0 +1,182 @@
+"""`warmfleet node-tier`: the node tier's TCP server (asyncio) and its KV-event publisher; owns one NodeStore.
+
+    replica engine cores on the node ──TCP, wire.py frames──▶ NodeServer ── NodeStore (host memory, LRU)
+    router(s) ◀──ZMQ XPUB, contract 2, topic node:<NAME>, medium NODE── publisher
+
+Each connection is served in order, one frame at a time; the store is touched only from the event loop, so a put
+is committed whole between two frames of other connections. After every request the store's events go out as one
+batch; every new subscription (a router connecting, or one asking for a resync) is answered with the whole state
+led by AllBlocksCleared, and the first batch after a start is AllBlocksCleared alone (the tier starts empty).
+With WARMFLEET_NODE_TIER_TOKEN set, a connection must open with {op: "hello", token} or it is closed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import logging
+import os
+from typing import Optional
+
+from ..events import NODE_TOPIC_PREFIX, AllBlocksCleared, EventPublisher
+from .store import NodeStore
+from .wire import ENC, HEADER, KINDS, KV, FrameError, checksum, frame_length, pack, unpack
+
+log = logging.getLogger("warmfleet.nodetier")
+TOKEN_ENV = "WARMFLEET_NODE_TIER_TOKEN"
+SUBSCRIPTION_POLL_S = 0.05  # how often new subscriptions are looked for (each gets the whole state)
+MAX_GET_KEYS = 4096  # keys one get may name
+
+
+class NodeServer:
+    def __init__(self, store: NodeStore, publisher: Optional[EventPublisher], token: Optional[str] = None):
+        self.store, self.publisher, self.token = store, publisher, token
+        self.num_connections = 0
+
+    # ---- requests ------------------------------------------------------------------------
+    def handle(self, msg: dict) -> dict:
+        """One request map -> its answer map; bad input gets {ok: False, error}, never an exception."""
+        op = msg.get("op")
+        try:
+            if op == "put":
+                return self._put(msg.get("entries"))
+            if op == "get":
+                return self._get(msg)
+            if op == "stats":
+                return self.stats()
+        except (TypeError, ValueError, KeyError) as exc:
+            return {"ok": False, "error": f"bad {op} request: {exc}"}
+        finally:
+            self.flush_events()
+        return {"ok": False, "error": f"unknown op {op!r}"}
+
+    def _put(self, entries) -> dict:
+        if not isinstance(entries, list):
+            raise ValueError("entries must be a list")
+        stored = refused = 0
+        for e in entries:
+            kind, key, data = e["kind"], e["key"], e["data"]
+            if kind not in KINDS or not isinstance(data, bytes) or not _key_ok(kind, key):
+                refused += 1
+                continue
+            if kind == KV and isinstance(e.get("block_size"), int) and e["block_size"] > 0:
+                self.store.block_size = e["block_size"]
+            lora = e.get("lora") if isinstance(e.get("lora"), str) else None
+            ok = self.store.put(kind, key, str(e.get("layout", "")), data, int(e.get("crc", -1)), lora)
+            stored += ok
+            refused += not ok
+        return {"ok": True, "stored": stored, "refused": refused}
+
+    def _get(self, msg: dict) -> dict:
+        kind, keys = msg.get("kind"), msg.get("keys")
+        if kind not in KINDS or not isinstance(keys, list) or len(keys) > MAX_GET_KEYS:
+            raise ValueError(f"get needs a kind of {KINDS} and at most {MAX_GET_KEYS} keys")
+        entries = self.store.get(kind, [k for k in keys if _key_ok(kind, k)], str(msg.get("layout", "")))
+        return {"ok": True, "entries": [{"data": e.data, "crc": e.crc} for e in entries]}
+
+    def stats(self) -> dict:
+        s, c = self.store, self.store.counters
+        return {"ok": True, "capacity_bytes": s.capacity_bytes, "used_bytes": s.used_bytes, "entries": len(s.lru),
+                "puts": c.puts, "refused": c.refused, "evicted": c.evicted, "get_hits": c.get_hits,
+                "get_misses": c.get_misses, "connections": self.num_connections}
+
+    # ---- events --------------------------------------------------------------------------
+    def flush_events(self) -> None:
+        events = self.store.take_events()
+        if self.publisher is not None and events:
+            self.publisher.publish(events)
+
+    def answer_subscriptions(self) -> None:
+        """Publish the whole state once if anyone subscribed since the last look."""
+        if self.publisher is not None and self.publisher.take_new_subscriptions():
+            self.flush_events()
+            self.publisher.publish(self.store.state_events())
+
+    # ---- connections ---------------------------------------------------------------------
+    async def serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.num_connections += 1
+        try:
+            if self.token is not None and not await self._hello(reader, writer):
+                return
+            while True:
+                try:
+                    msg = await read_frame(reader)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                writer.write(pack(self.handle(msg)))
+                await writer.drain()
+        except FrameError as exc:
+            log.warning("closing a node-tier connection: %s", exc)
+        except ConnectionError:
+            pass
+        finally:
+            self.num_connections -= 1
+            writer.close()
+
+    async def _hello(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        try:
+            msg = await read_frame(reader)
+        except (asyncio.IncompleteReadError, ConnectionError, FrameError):
+            return False
+        token = msg.get("token") if msg.get("op") == "hello" else None
+        ok = isinstance(token, str) and hmac.compare_digest(token.encode(), self.token.encode())  # type: ignore[union-attr]
+        writer.write(pack({"ok": ok} if ok else {"ok": False, "error": "bad or missing token"}))
+        await writer.drain()
+        return ok
+
+
+def _key_ok(kind: str, key) -> bool:
+    return isinstance(key, bytes) if kind == KV else isinstance(key, str) and kind == ENC
+
+
+async def read_frame(reader: asyncio.StreamReader) -> dict:
+    n = frame_length(await reader.readexactly(HEADER.size))
+    return unpack(await reader.readexactly(n))
+
+
+# ---- the command -------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--capacity-bytes", type=int, required=True, help="Host memory the tier may hold, in bytes "
+                   "(payload + 128 bytes per entry); least recently used entries are evicted to stay under it.")
+    p.add_argument("--host", default="0.0.0.0", help="Address both sockets bind (default all: the replicas and "
+                   "routers reach it through a node-local Service).")
+    p.add_argument("--port", type=int, default=7100, help="TCP port the replicas put and get entries on.")
+    p.add_argument("--events-port", type=int, default=5560, help="ZMQ PUB port of its KV events (contract 2).")
+    p.add_argument("--node-name", required=True, help="The node's name (downward API spec.nodeName); the events' "
+                   "topic is node:<NAME>.")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..logging_setup import setup_logging
+
+    setup_logging(args.log_level)
+    if args.capacity_bytes < 1:
+        raise ValueError(f"--capacity-bytes must be positive, got {args.capacity_bytes}")
+    if not args.node_name or any(c.isspace() for c in args.node_name):
+        raise ValueError(f"--node-name must be a non-empty name without spaces, got {args.node_name!r}")
+    for flag, port in (("--port", args.port), ("--events-port", args.events_port)):
+        if not 0 < port < 65536:
+            raise ValueError(f"{flag} must be a TCP port (1-65535), got {port}")
+    asyncio.run(serve(args.capacity_bytes, args.host, args.port, args.events_port, args.node_name,
+                      os.environ.get(TOKEN_ENV) or None))
+    return 0
+
+
+async def serve(capacity_bytes: int, host: str, port: int, events_port: int, node_name: str,
+                token: Optional[str] = None) -> None:
+    bind = f"[{host}]" if ":" in host else host
+    publisher = EventPublisher(NODE_TOPIC_PREFIX + node_name, f"tcp://{bind}:{events_port}", verbose=True)
+    node = NodeServer(NodeStore(capacity_bytes), publisher, token)
+    publisher.publish([AllBlocksCleared()])  # it starts empty: seq 1 says so to anyone already listening
+    server = await asyncio.start_server(node.serve_connection, host, port, limit=1 << 20)
+    log.info("node tier up", extra={"fields": {"node": node_name, "port": port, "events_port": events_port,
+                                                  "capacity_bytes": capacity_bytes, "token": token is not None}})
+    try:
+        async with server:
+            while True:
+                await asyncio.sleep(SUBSCRIPTION_POLL_S)
+                node.answer_subscriptions()
+    finally:
+        publisher.close()

@@ -1,0 +1,60 @@
+"""Node-tier wire format: length-prefixed msgpack frames over TCP, checksums; msgpack only, never pickle; no I/O policy.
+
+One frame is a 4-byte big-endian length and a msgpack map of at most MAX_FRAME_BYTES. A request is a map with
+`op`; the answer a map with `ok` (and `error` when not ok):
+
+    {op: "put", entries: [{kind, key, layout, data, crc, lora?}, ...]}     -> {ok, stored, refused}
+    {op: "get", kind, keys: [key, ...], layout}                           -> {ok, entries: [{data, crc}, ...]}
+    {op: "stats"}                                                          -> {ok, capacity_bytes, used_bytes, ...}
+
+`kind` is "kv" (key: a contract-1 block hash, bytes) or "enc" (key: an mm_hash, str). A get answers the longest
+run of whole entries from the first key on (a KV prefix stops at its first miss); `crc` is zlib.crc32 of `data`,
+checked on both ends, so an entry is used only when it is whole. `layout` names the bytes' shape (dtype and block
+geometry); an entry stored under another layout is a miss, never a reinterpretation.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from typing import Any
+
+import msgpack
+
+MAX_FRAME_BYTES = 1 << 30  # one frame (a put's batch or a get's answer) holds at most 1 GiB
+HEADER = struct.Struct(">I")
+KV, ENC = "kv", "enc"
+KINDS = (KV, ENC)
+
+
+class FrameError(ValueError):
+    """A frame that is too large or not a msgpack map."""
+
+
+def checksum(data: bytes) -> int:
+    return zlib.crc32(data) & 0xFFFFFFFF
+
+
+def pack(msg: dict) -> bytes:
+    """One frame: header and payload."""
+    body = msgpack.packb(msg, use_bin_type=True)
+    if len(body) > MAX_FRAME_BYTES:
+        raise FrameError(f"frame of {len(body)} bytes is over {MAX_FRAME_BYTES}")
+    return HEADER.pack(len(body)) + body
+
+
+def frame_length(header: bytes) -> int:
+    (n,) = HEADER.unpack(header)
+    if n > MAX_FRAME_BYTES:
+        raise FrameError(f"frame of {n} bytes announced, over {MAX_FRAME_BYTES}")
+    return n
+
+
+def unpack(body: bytes) -> dict[str, Any]:
+    try:
+        msg = msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises many types
+        raise FrameError(f"not msgpack: {type(exc).__name__}") from exc
+    if not isinstance(msg, dict):
+        raise FrameError("a frame must be a msgpack map")
+    return msg

@@ -1,0 +1,139 @@
+"""The node tier (server/nodetier): whole entries under a byte capacity, its wire and events, and two engines sharing one."""
+
+import struct
+import time
+
+import msgpack
+import pytest
+
+from warmfleet import LLM, SamplingParams
+from warmfleet.livefleet import NodeTier
+from warmfleet.server.events import NODE, AllBlocksCleared, BlockRemoved, BlockStored, EncoderStored
+from warmfleet.server.nodetier.client import NodeTierClient, parse_address
+from warmfleet.server.nodetier.server import NodeServer
+from warmfleet.server.nodetier.store import ENTRY_OVERHEAD, NodeStore
+from warmfleet.server.nodetier.wire import FrameError, checksum, frame_length, unpack
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+PROMPT = [(i * 7) % 300 + 20 for i in range(70)]
+
+
+def put(store, key, data, layout="L", kind="kv"):
+    return store.put(kind, key, layout, data, checksum(data))
+
+
+def test_store_never_exceeds_capacity_and_evicts_least_recently_used():
+    store = NodeStore(3 * (100 + ENTRY_OVERHEAD))
+    for k in (b"a", b"b", b"c"):
+        assert put(store, k, bytes(100))
+    assert [e.data for e in store.get("kv", [b"a"], "L")] == [bytes(100)]  # a is now the most recently used
+    assert put(store, b"d", bytes(100))
+    assert store.used_bytes <= store.capacity_bytes
+    assert {k for _, k in store.lru} == {b"a", b"c", b"d"}  # b was the least recently used
+    assert not put(store, b"huge", bytes(7 * 100))  # larger than the whole tier: refused, nothing evicted
+    assert {k for _, k in store.lru} == {b"a", b"c", b"d"}
+    ev = store.take_events()
+    assert BlockRemoved([b"b"], NODE) in ev and sum(isinstance(e, BlockStored) for e in ev) == 4
+
+
+def test_store_serves_only_whole_entries_of_the_same_layout_and_never_overwrites():
+    store = NodeStore(1 << 20)
+    assert not store.put("kv", b"x", "L", b"data", checksum(b"datA"))  # torn: the checksum is of other bytes
+    assert store.get("kv", [b"x"], "L") == []
+    assert put(store, b"x", b"first") and put(store, b"y", b"second")
+    assert put(store, b"x", b"other")  # a second put of the key keeps the first bytes
+    assert [e.data for e in store.get("kv", [b"x", b"y", b"z", b"w"], "L")] == [b"first", b"second"]  # prefix run
+    assert store.get("kv", [b"x"], "other layout") == []
+    assert store.get("enc", [b"x"], "L") == []  # the kinds never share keys
+
+
+def test_state_events_carry_everything_led_by_all_blocks_cleared():
+    store = NodeStore(1 << 20, block_size=16)
+    put(store, b"h1", b"1")
+    put(store, "mm", b"img", kind="enc")
+    ev = store.state_events()
+    assert isinstance(ev[0], AllBlocksCleared)
+    assert BlockStored([b"h1"], None, [], 16, NODE) in ev and EncoderStored(["mm"]) in ev
+
+
+def test_server_answers_bad_requests_with_errors_not_exceptions():
+    node = NodeServer(NodeStore(1 << 20), None)
+    assert node.handle({"op": "nope"})["ok"] is False
+    assert node.handle({"op": "get", "kind": "kv", "keys": "notalist"})["ok"] is False
+    assert node.handle({"op": "put", "entries": [{"kind": "kv"}]})["ok"] is False
+    r = node.handle({"op": "put", "entries": [{"kind": "kv", "key": "str-not-bytes", "data": b"d", "crc": checksum(b"d")}]})
+    assert r == {"ok": True, "stored": 0, "refused": 1}
+    with pytest.raises(FrameError):
+        frame_length(struct.pack(">I", (1 << 30) + 1))
+    with pytest.raises(FrameError):
+        unpack(msgpack.packb([1, 2]))
+
+
+def test_parse_address():
+    assert parse_address("node-tier.ns.svc:7100") == ("node-tier.ns.svc", 7100)
+    assert parse_address("[::1]:7100") == ("::1", 7100)
+    for bad in ("nohost", ":7100", "h:0", "h:x"):
+        with pytest.raises(ValueError):
+            parse_address(bad)
+
+
+@pytest.fixture()
+def node_tier(tmp_path):
+    nt = NodeTier(tmp_path).start()
+    nt.wait_ready()
+    yield nt
+    nt.stop()
+
+
+def test_client_round_trip_and_a_dead_tier_is_a_quick_miss(node_tier):
+    c = NodeTierClient(node_tier.address, timeout_s=2.0)
+    c.put_async([{"kind": "kv", "key": b"h%d" % i, "layout": "L", "data": bytes([i]) * 64} for i in range(3)])
+    assert c.flush()
+    assert c.get("kv", [b"h0", b"h1", b"missing", b"h2"], "L") == [bytes([0]) * 64, bytes([1]) * 64]
+    node_tier.kill()
+    t0 = time.monotonic()
+    assert c.get("kv", [b"h0"], "L") == []
+    assert c.get("kv", [b"h0"], "L") == []  # the breaker is open: not even tried
+    assert time.monotonic() - t0 < 2.0 and c.counters.failures == 1
+    c.put_async([{"kind": "kv", "key": b"h9", "layout": "L", "data": b"x"}])
+    assert c.counters.put_dropped == 1
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), block_size=16, enable_prefix_caching=False, num_gpu_blocks=64)
+    return llm.generate([PROMPT], GREEDY)[0].outputs[0].token_ids
+
+
+def test_a_prefix_computed_by_one_engine_is_served_to_another_from_the_node_tier(tiny_model_dir, node_tier, reference):
+    a = LLM(str(tiny_model_dir), block_size=16, num_gpu_blocks=64, node_tier=node_tier.address)
+    a.generate([PROMPT], GREEDY)
+    assert a.engine.node.flush()
+    b = LLM(str(tiny_model_dir), block_size=16, num_gpu_blocks=64, node_tier=node_tier.address)
+    out = b.generate([PROMPT], GREEDY)[0]
+    assert out.num_cached_tokens == 64 and out.outputs[0].token_ids == reference
+    s = b.stats()
+    assert s.prefix_hits_tokens_node == 64 and s.node_in_blocks == 4 and s.cpu_blocks_total == 0
+    # another tenant's salt roots another chain: nothing of tenant A's entries is served to it
+    c = LLM(str(tiny_model_dir), block_size=16, num_gpu_blocks=64, node_tier=node_tier.address)
+    other = c.generate([PROMPT], GREEDY, cache_salt="tenant-b")[0]
+    assert other.num_cached_tokens == 0 and other.outputs[0].token_ids == reference
+    assert c.engine.node.flush()
+    again = LLM(str(tiny_model_dir), block_size=16, num_gpu_blocks=64, node_tier=node_tier.address)
+    assert again.generate([PROMPT], GREEDY, cache_salt="tenant-b")[0].num_cached_tokens == 64  # its own entries
+
+
+def test_evicted_blocks_go_to_the_node_tier_and_a_dead_tier_costs_a_recompute(tiny_model_dir, node_tier, reference):
+    a = LLM(str(tiny_model_dir), block_size=16, num_gpu_blocks=12, node_tier=node_tier.address, max_num_seqs=1,
+            swap_space=1.0)
+    a.generate([PROMPT], GREEDY)
+    a.generate([[5] * 191], SamplingParams(max_tokens=1, ignore_eos=True))  # every block: PROMPT's are evicted
+    assert a.engine.node.flush()
+    out = a.generate([PROMPT], GREEDY)[0]
+    assert out.num_cached_tokens == 64 and out.outputs[0].token_ids == reference
+    node_tier.kill()
+    a.generate([[6] * 191], SamplingParams(max_tokens=1, ignore_eos=True))
+    out = a.generate([PROMPT], GREEDY)[0]
+    assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == reference
+    assert a.stats().node_failures >= 1
