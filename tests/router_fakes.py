@@ -71,7 +71,7 @@ class FakeSharedFailures:
 class FakeReplica:
     """Replica double: tokenizes like a replica, keeps a block set, publishes real KV events (events.encode).
 
-    Failure modes per request: "503", "reset" (headers, then the connection drops before any byte),
+    Failure modes per request: "503", "400", "reset" (headers, then the connection drops before any byte),
     "break" (two SSE events, then the connection drops), "hold" (waits for `release`), "prefill" (waits
     for `release` before its first byte, as a replica computing the prompt).
     """
@@ -153,8 +153,9 @@ class FakeReplica:
             if self.gate is not None:
                 await self.gate.wait()
             mode = self.failures.take()
-            if mode == "503":
-                return JSONResponse({"error": {"message": "busy"}}, status_code=503, headers=headers)
+            if mode in ("503", "400"):
+                return JSONResponse({"error": {"message": "busy" if mode == "503" else "bad"}}, status_code=int(mode),
+                                    headers=headers)
             cached = self._serve(body)
             usage = {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3,
                      "prompt_tokens_details": {"cached_tokens": cached}}
@@ -196,12 +197,13 @@ class Fleet2:
 
     def __init__(self, model_dir, *, failures: Optional[FakeSharedFailures] = None, tenants: Optional[Tenants] = None,
                  health_interval_s: float = 0.1, max_concurrent_per_client: int = 0, engine: str = "warmfleet",
-                 predicted_capacity_blocks: int = 16_384, protocol: str = "hot"):
-        self.protocol = protocol
+                 predicted_capacity_blocks: int = 16_384, protocol: str = "hot", num_replicas: int = 2,
+                 **settings):
+        self.protocol, self.settings = protocol, settings  # settings: more RouterSettings fields
         self.tok = Tokenizer(model_dir)
         self.fp = model_fingerprint(model_dir)
         self.failures = failures or FakeSharedFailures()
-        self.replicas = [FakeReplica(f"r{i}", self.tok, self.fp, self.failures) for i in range(2)]
+        self.replicas = [FakeReplica(f"r{i}", self.tok, self.fp, self.failures) for i in range(num_replicas)]
         self.model_dir = model_dir
         self.tenants = tenants or Tenants({})
         self.health_interval_s = health_interval_s
@@ -219,7 +221,7 @@ class Fleet2:
             tenants=self.tenants,
             settings=RouterSettings(health_interval_s=self.health_interval_s, health_timeout_s=0.5,
                                     max_concurrent_per_client=self.max_concurrent_per_client, engine=self.engine,
-                                    predicted_capacity_blocks=self.predicted_capacity_blocks),
+                                    predicted_capacity_blocks=self.predicted_capacity_blocks, **self.settings),
         )
         self.app = build_app(runtime)
         http = hot_protocol(self.app.frontend) if self.protocol == "hot" else "auto"

@@ -43,7 +43,7 @@ def test_named_fields_render_in_the_given_order_default_or_not():
 
 def test_every_flag_is_declared_once_with_help():
     flags = [f.metadata["flag"] for _, f in flagfields.flag_fields(RouterSettings)]
-    assert len(flags) == len(set(flags)) == 58
+    assert len(flags) == len(set(flags)) == 64
     assert all(f.metadata["help"] for path, f in flagfields.flag_fields(RouterSettings) if path != "log_level")
     assert flagfields.flag_of(RouterSettings, "policy.epsilon") == "--balance-epsilon"
     assert flagfields.flag_of(RouterSettings, "proxy.read_timeout_s") == "--upstream-timeout-s"
@@ -66,6 +66,9 @@ def test_defaults_are_the_dataclasses():
     (lambda: RouterSettings(predicted_ttl_s=0), "--predicted-ttl-s > 0"),
     (lambda: RouterSettings(health_failures=0), "--health-failures must be >= 1"),
     (lambda: RouterSettings(peer_interval_s=0), "--peer-interval-s must be > 0"),
+    (lambda: RouterSettings(max_choices_per_request=0), "--max-choices-per-request must be >= 1"),
+    (lambda: RouterSettings(limit_mm_per_prompt='{"image": -1}'), "--limit-mm-per-prompt takes a JSON object"),
+    (lambda: RouterSettings(request_body_timeout_s=0), "--request-body-timeout-s must be > 0"),
 ])
 def test_impossible_values_are_refused_by_the_dataclasses(make, message):
     with pytest.raises(ValueError) as exc:

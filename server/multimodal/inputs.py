@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from ..hashing import mm_hash
+from ..request_limits import images_exceeded
 from .media import MediaError, MediaLoader, decode_image
 from .processor import ImageProcessor, ProcessedImage
 from .processor_cache import ProcessorCacheClient
@@ -70,9 +71,9 @@ class ImageInputPreparer:
     def check_count(self, parts: list[ImagePart]) -> None:
         """400 for more images than --limit-mm-per-prompt allows, before any is loaded."""
         limit = self.loader.cfg.max_images_per_prompt
-        if limit is not None and len(parts) > limit:
-            raise MediaError(parts[limit].where, f"this request has {len(parts)} images, more than the limit of "
-                                                 f"{limit} per prompt (--limit-mm-per-prompt)")
+        refused = images_exceeded([p.where for p in parts], limit)  # the router judges the same (request_limits.py)
+        if refused is not None:
+            raise MediaError(parts[limit].where, refused.message.partition(": ")[2])
 
     def lookup_uuids(self, parts: list[ImagePart], out: PreparedPrompt,
                      cache_salt: Optional[str]) -> dict[int, ProcessedImage]:

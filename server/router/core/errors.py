@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Optional
 
 import msgspec
 
@@ -17,10 +18,14 @@ class Refusal:
     status: int  # 4xx / 5xx
     message: str
     type: str  # OpenAI error type, e.g. "invalid_request_error", "rate_limit_error"
+    param: Optional[str] = None  # the request field at fault, when the replica would name one
+    code: Optional[str] = None  # the replica's error code (e.g. "too_many_choices"); None: the status
 
     def payload(self) -> dict:
-        """The OpenAI error body: {"error": {"message", "type", "code"}}."""
-        return {"error": {"message": self.message, "type": self.type, "code": self.status}}
+        """The OpenAI error body: {"error": {"message", "type", "code"}} (and "param" when one is named)."""
+        if self.code is None:
+            return {"error": {"message": self.message, "type": self.type, "code": self.status}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def body(self) -> bytes:
         return json.dumps(self.payload()).encode()

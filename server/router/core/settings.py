@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ... import engine_kinds
-from ...config import HASH_ALGOS, CacheConfig, ServerConfig
+from ...config import HASH_ALGOS, CacheConfig, SchedulerConfig, ServerConfig
 from ...flagfields import flag_of, opt
+from ...request_limits import CHOICES_PER_SEQ
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -212,6 +213,19 @@ class RouterSettings:
     max_request_bytes: int = field(default=ServerConfig.max_request_bytes, metadata=opt(  # 413 above, never buffered
         flag_of(ServerConfig, "max_request_bytes"), "Largest request body in bytes; larger ones get a 413 and are "
         "never buffered."))
+    max_choices_per_request: int = field(default=CHOICES_PER_SEQ * SchedulerConfig.max_num_seqs, metadata=opt(
+        flag_of(SchedulerConfig, "max_choices_per_request"), "Most engine requests one API request may start (prompts "
+        "x n in /v1/completions, n in chat); more is the replicas' own 400, answered here before forwarding. Default: "
+        "the replicas' default (4 x their default --max-num-seqs); set it to theirs."))
+    limit_mm_per_prompt: str = field(default=ServerConfig.limit_mm_per_prompt, metadata=opt(
+        flag_of(ServerConfig, "limit_mm_per_prompt"), "Most media items of each kind one request may carry, as JSON "
+        "(the replicas' flag); more is the replicas' own 400, answered here before any image is read or fetched."))
+    request_header_timeout_s: float = field(default=ServerConfig.request_header_timeout_s, metadata=opt(
+        flag_of(ServerConfig, "request_header_timeout_s"), "Seconds a request's head may take to arrive, from the "
+        "connection's opening or the request's first byte; later: 408 and the connection is closed."))
+    request_body_timeout_s: float = field(default=ServerConfig.request_body_timeout_s, metadata=opt(
+        flag_of(ServerConfig, "request_body_timeout_s"), "Seconds a request's body may take to arrive after its head "
+        "(a total: a trickling client cannot extend it); later: 408 and the connection is closed."))
     max_concurrent_per_client: int = field(default=0, metadata=opt(  # 0 = unlimited
         "--max-concurrent-per-client", "Open requests per API key (or client address without keys); 0 = unlimited."))
     api_keys: list = field(default_factory=list, metadata=opt(
@@ -260,8 +274,17 @@ class RouterSettings:
             raise ValueError("--peer-partition-tokens must be >= 0")
         if (self.kv_events_curve_server_key is None) != (self.kv_events_curve_secret_key is None):
             raise ValueError("--kv-events-curve-server-key and --kv-events-curve-secret-key go together")
+        if self.max_choices_per_request < 1:
+            raise ValueError("--max-choices-per-request must be >= 1")
+        self.mm_limits()  # raises ValueError naming a malformed --limit-mm-per-prompt
+        if self.request_header_timeout_s <= 0 or self.request_body_timeout_s <= 0:
+            raise ValueError("--request-header-timeout-s and --request-body-timeout-s must be > 0")
         if self.peer_interval_s <= 0 or self.peer_jitter < 0:
             raise ValueError("--peer-interval-s must be > 0 and --peer-jitter >= 0")
+
+    def mm_limits(self) -> dict[str, int]:
+        """--limit-mm-per-prompt as modality -> count, parsed as the replicas parse it."""
+        return ServerConfig(limit_mm_per_prompt=self.limit_mm_per_prompt).mm_limits()
 
     @property
     def hash_seed(self) -> Optional[str]:

@@ -10,6 +10,7 @@ from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response
 
 from ...bodies import BodyTooLarge, read_capped
+from ..core.admission import request_limits
 from ..core.errors import Refusal
 from ..core.errors import parse_json_object as parse_body
 from ..core.metrics import RouterMetrics
@@ -223,7 +224,7 @@ def _lifespan(rt: RouterRuntime, metrics: RouterMetrics, state: dict, peers: Opt
                 state["fleet"] = app.state.fleet = router.fleet
                 state["router"] = app.state.router = router
                 state["proxy"] = app.state.proxy = Proxy(router, rt.settings.proxy, upstream_headers(rt.settings),
-                                                         session)
+                                                         session, request_limits(rt.settings))
                 yield
         finally:
             await session.close()

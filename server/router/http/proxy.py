@@ -2,7 +2,8 @@
 
     client ◀─ headers + first event ─┐   nothing reached the client yet: a refused/reset
     attempt 1 ──✗ connect/reset      │   connection or 502/503/504 moves the request to
-    attempt 2 ──▶ 200, first chunk ──┘   the next replica in the decision's order
+    attempt 2 ──▶ 200, first chunk ──┘   the next replica in the decision's order (a 4xx never;
+                                         a reset after sending once at most: LostMidRequest)
               ──▶ events relayed as they arrive (cut at event boundaries, never held longer)
               ──✗ mid-stream break  →  `data: {"error": ...}` then `data: [DONE]`
 
@@ -23,25 +24,32 @@ import httpx
 from starlette.responses import Response, StreamingResponse
 
 from ...multimodal.url_hashes import HEADER as MEDIA_HEADER
+from ..core.admission import RequestLimits
 from ..core.booking import Booking
 from ..core.policy import RETRY, least_loaded
 from ..core.registry import Replica
 from ..core.router import Router
 from ..core.settings import ProxyConfig
 from ..core.usage import cached_tokens_in_events, cached_tokens_in_json, event_boundary
-from ..status import error_response
-from .upstream import ConnectTimeout, Upstream, UpstreamError, UpstreamResponse
+from ..status import error_response, refusal_response
+from .upstream import ConnectTimeout, NotSent, Upstream, UpstreamError, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
 RETRYABLE_STATUS = {502, 503, 504}
 CONNECT_FAILURES = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
                     httpx.WriteError, httpx.PoolTimeout)  # forward_plain (httpx)
+NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)  # of those, the ones before any byte left
 # forwarding (upstream.py): a connect timeout counts as a failed health check (fleet.report_timeout), a refused or
 # reset connection takes the replica out at once; any other timeout is the replica being slow
 UPSTREAM_FAILURES = (UpstreamError,)
 CONNECT_TIMEOUT = ConnectTimeout
 PASSTHROUGH_HEADERS = ("content-type", "x-warmfleet-replica", "x-request-id")
+
+
+class LostMidRequest(str):
+    """Why a try failed, when it failed after the request went out (reset, closed): the replica may have died of the
+    request itself, so it is retried once more at most, never on every replica (upstream.NotSent: never sent)."""
 
 
 def sse_error(message: str) -> bytes:
@@ -84,8 +92,9 @@ class Proxy:
     """The HTTP relay of `warmfleet route`: asks the core where a request goes (`Router.route`), then sends it."""
 
     def __init__(self, router: Router, cfg: ProxyConfig = ProxyConfig(), upstream_headers: Optional[dict] = None,
-                 session: Optional[Upstream] = None):
+                 session: Optional[Upstream] = None, limits: Optional[RequestLimits] = None):
         self.router, self.fleet, self.metrics, self.cfg = router, router.fleet, router.metrics, cfg
+        self.limits = limits  # the replicas' per-request limits, refused here before routing (None: none)
         self.upstream_headers = upstream_headers or {}
         self.timeout = httpx.Timeout(cfg.read_timeout_s, connect=cfg.connect_timeout_s)
         self.session = session  # created lazily when not given
@@ -95,6 +104,9 @@ class Proxy:
                       raw: Optional[bytes] = None) -> Response:
         """Route and relay; `raw` is the client's body when `body` is still exactly it (no re-serialising)."""
         t_arrival = time.perf_counter()
+        refused = self.limits.refusal(kind, body) if self.limits is not None else None
+        if refused is not None:
+            return self._count(refusal_response(refused))
         booking = await self.router.route(kind, body)
         if booking is None:
             return self._count(error_response(503, "no healthy replica", "service_unavailable"))
@@ -104,11 +116,15 @@ class Proxy:
                            {"content-type": "application/json", **client_headers, **self.upstream_headers},
                            bool(body.get("stream")), booking, t_arrival)
         last_error = "no replica accepted the request"
+        lost = False
         for rep in booking.replicas(self.cfg.max_attempts):
             outcome = await self._try(rep, attempt)
             if isinstance(outcome, Response):
                 return outcome
             last_error = outcome
+            if lost:  # a second try after a replica died mid-request: no third
+                break
+            lost = isinstance(outcome, LostMidRequest)
         return self._count(error_response(502, last_error, "upstream_error"))
 
     async def _try(self, rep: Replica, a: _Attempt) -> Response | str:
@@ -143,7 +159,8 @@ class Proxy:
             if resp is not None:
                 resp.close()
             booking.failed(f"{rid}: {type(exc).__name__}")
-            return f"{rid}: {type(exc).__name__}"
+            why = f"{rid}: {type(exc).__name__}"
+            return why if isinstance(exc, NotSent) else LostMidRequest(why + " after the request was sent")
         finally:
             booking.prefilled()
             if not relayed:
@@ -163,7 +180,7 @@ class Proxy:
         headers = {**client_headers, **self.upstream_headers}
         if raw:
             headers.setdefault("content-type", "application/json")
-        last_error = "no healthy replica"
+        last_error, lost = "no healthy replica", False
         for rep in least_loaded(self.fleet.routable(), self.cfg.max_attempts):
             try:
                 resp = await self.fleet.http.request(method, rep.spec.url + path, content=raw or None,
@@ -171,6 +188,9 @@ class Proxy:
             except CONNECT_FAILURES as exc:
                 last_error = f"{rep.id}: {type(exc).__name__}"
                 self.fleet.report_failure(rep.id, last_error)
+                if lost:  # as forward: a second try after a replica died mid-request, no third
+                    break
+                lost = not isinstance(exc, NOT_SENT)
                 continue
             except httpx.TimeoutException:
                 return error_response(504, f"replica {rep.id} timed out", "upstream_timeout")

@@ -4,8 +4,9 @@ What forwarding needs and no more: POST a body with a few headers in one write, 
 headers, then the body whole (`read`) or as it arrives (`chunks`); a connection goes back to its
 replica's pool when its answer was read to the end and the replica keeps it alive. aiohttp did the
 same for ~28% of the router's CPU per request (docs/router.md, "Where a request's CPU goes"); this
-is the part of it the relay uses. Failures are OSErrors (`UpstreamError`: refused, reset, closed
-or malformed answer; `ConnectTimeout`), silence longer than `read_timeout_s` is `TimeoutError`.
+is the part of it the relay uses. Failures are OSErrors (`UpstreamError`: reset, closed or malformed
+answer; `NotSent`: refused or timed-out connection, the request never left), silence longer than
+`read_timeout_s` is `TimeoutError`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,12 @@ class UpstreamError(ConnectionError):
     """The replica refused, reset or closed the connection, or answered something that is not HTTP/1.1."""
 
 
-class ConnectTimeout(UpstreamError):
+class NotSent(UpstreamError):
+    """The request never reached the replica (no connection, or an unusable URL): retrying it elsewhere is safe.
+    Any other UpstreamError came after the request went out: the replica may have run it, and died of it."""
+
+
+class ConnectTimeout(NotSent):
     """No connection to the replica within the connect timeout."""
 
 
@@ -258,7 +264,7 @@ class Upstream:
         if found is None:
             u = urlsplit(base)
             if u.scheme not in ("http", "https") or not u.hostname:
-                raise UpstreamError(f"unsupported replica URL {base!r}")
+                raise NotSent(f"unsupported replica URL {base!r}")
             tls = u.scheme == "https"
             pool = _Pool(u.hostname, u.port or (443 if tls else 80), tls)
             found = self._pools[base] = (pool, u.netloc.encode("latin-1"), u.path.rstrip("/").encode("latin-1"))
@@ -287,7 +293,7 @@ class Upstream:
         except asyncio.TimeoutError:
             raise ConnectTimeout(f"no connection to {pool.host}:{pool.port} in {self.connect_timeout_s} s") from None
         except OSError as exc:
-            raise UpstreamError(f"cannot connect to {pool.host}:{pool.port}: {exc}") from exc
+            raise NotSent(f"cannot connect to {pool.host}:{pool.port}: {exc}") from exc
         pool.open.add(conn)
         return conn
 

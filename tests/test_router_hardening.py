@@ -1,0 +1,80 @@
+"""Router-side hardening (issue 40): fan-out and image counts refused before forwarding, bounded retries of a request
+that may have killed its replica, never a retry on a 4xx."""
+
+from __future__ import annotations
+
+import pytest
+
+from router_fakes import FakeSharedFailures, Fleet2, chat
+from warmfleet.server.api.limits import check_fanout
+from warmfleet.server.api.errors import APIError
+
+
+def received(f: Fleet2) -> int:
+    """Client requests the fake replicas received (warm-up replays are prompt-id completions)."""
+    return sum(1 for x in f.replicas for b in x.received if "messages" in b or isinstance(b.get("prompt"), str)
+               or (isinstance(b.get("prompt"), list) and b["prompt"] and isinstance(b["prompt"][0], str)))
+
+
+@pytest.mark.parametrize("protocol", ["hot", "asgi"])
+async def test_prompts_times_n_over_the_limit_is_the_replicas_400_before_forwarding(tiny_model_dir, protocol):
+    async with Fleet2(tiny_model_dir, protocol=protocol, max_choices_per_request=8) as f:
+        r = await f.client.post("/v1/completions", json={"model": "tiny", "prompt": ["hi"] * 5, "n": 2})
+        assert r.status_code == 400, r.text
+        try:  # the very answer a replica with the same limit gives
+            check_fanout(5, 2, 8)
+        except APIError as exc:
+            assert r.json()["error"] == {"message": exc.message, "type": "invalid_request_error", "param": "prompt",
+                                         "code": "too_many_choices"}
+        r = await f.client.post("/v1/chat/completions", json=chat("many samples", n=9))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+        assert received(f) == 0 and f.metric("warmfleet_router_requests_total", status="4xx") == 2
+        r = await f.client.post("/v1/completions", json={"model": "tiny", "prompt": ["hi"] * 4, "n": 2})
+        assert r.status_code == 200 and received(f) == 1  # at the limit: forwarded
+
+
+def test_the_routers_default_limit_is_the_replicas_default():
+    from warmfleet.server.config import EngineConfig, ServerConfig
+    from warmfleet.server.router.core.settings import RouterSettings
+
+    s = RouterSettings()
+    assert s.max_choices_per_request == EngineConfig().scheduler.choice_limit
+    assert s.mm_limits() == ServerConfig().mm_limits()
+
+
+async def test_more_images_than_the_limit_is_400_before_any_is_read(tiny_model_dir):
+    async with Fleet2(tiny_model_dir, limit_mm_per_prompt='{"image": 2}') as f:
+        router = f.app.state.router
+        rendered = []
+        real = router.render_off_loop
+
+        async def counting(kind, body):
+            rendered.append(body)
+            return await real(kind, body)
+
+        router.render_off_loop = counting
+        image = {"type": "image_url", "image_url": {"url": "http://10.0.0.1/a.png"}}
+        body = {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "look"},
+                                                                           image, image, image]}]}
+        r = await f.client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "invalid_image" and err["param"] == "messages.0.content.3"
+        assert "3 images, more than the limit of 2" in err["message"] and "--limit-mm-per-prompt" in err["message"]
+        assert rendered == [] and received(f) == 0
+
+
+async def test_a_request_that_resets_its_replica_is_retried_once_on_another(tiny_model_dir):
+    """A replica that dies mid-request (the connection reset after the request went out) may have died of the
+    request itself: it goes to one more replica at most, never to every replica of the fleet."""
+    async with Fleet2(tiny_model_dir, num_replicas=3, failures=FakeSharedFailures(3, "reset")) as f:
+        r = await f.client.post("/v1/chat/completions", json=chat("a poison request"))
+        assert r.status_code == 502, r.text
+        assert received(f) == 2 and f.metric("warmfleet_router_retries_total") == 1
+        assert all((x.in_flight, x.queued_tokens) == (0, 0) for x in f.fleet.registry.replicas.values())
+
+
+async def test_a_4xx_is_relayed_never_retried(tiny_model_dir):
+    async with Fleet2(tiny_model_dir, num_replicas=3, failures=FakeSharedFailures(1, "400")) as f:
+        r = await f.client.post("/v1/chat/completions", json=chat("a bad request"))
+        assert r.status_code == 400 and received(f) == 1 and f.metric("warmfleet_router_retries_total") == 0
