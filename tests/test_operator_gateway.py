@@ -83,12 +83,28 @@ def test_failure_mode_defaults_to_the_gie_default():
     assert pool["spec"]["endpointPickerRef"]["failureMode"] == "FailClose"
 
 
-def test_epp_service_speaks_h2c_on_grpc_and_exposes_metrics_as_http():
+def test_epp_service_speaks_http2_on_grpc_and_exposes_metrics_as_http():
     svc = one(render(gw_service(), NODES, IMAGES), "Service", "qwen-epp")
     ports = {p["name"]: p for p in svc["spec"]["ports"]}
-    assert ports["grpc"]["port"] == GRPC_PORT and ports["grpc"]["appProtocol"] == "kubernetes.io/h2c"
+    # HTTP/2 over TLS (the picker's default), not kubernetes.io/h2c (cleartext)
+    assert ports["grpc"]["port"] == GRPC_PORT and ports["grpc"]["appProtocol"] == "http2"
     assert ports["http"]["port"] == EPP_HTTP_PORT and "appProtocol" not in ports["http"]  # the ServiceMonitor's `http`
     assert svc["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "warmfleet-operator"
+
+
+def test_router_and_picker_pods_sleep_in_prestop_and_drain_within_their_grace():
+    """preStop lets the EndpointSlice (and a gateway) drop a stopping pod before SIGTERM; the picker's drain, then
+    its exit, fit in terminationGracePeriodSeconds after that sleep."""
+    for body, name in ((gw_service(), "qwen-epp"), (service(spec={"replicas": 3}), "qwen-router")):
+        pod = one(render(body, NODES, IMAGES), "Deployment", name)["spec"]["template"]["spec"]
+        (c,) = pod["containers"]
+        sleep = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+        assert sleep > 0
+        if name == "qwen-epp":
+            i = c["args"].index("--drain-grace-s")
+            assert sleep + float(c["args"][i + 1]) < pod["terminationGracePeriodSeconds"]
+        else:
+            assert pod["terminationGracePeriodSeconds"] > sleep
 
 
 def test_epp_pod_follows_the_router_conventions_with_grpc_probes():

@@ -10,7 +10,7 @@ from warmfleet.operator.planning import objects, router_objects
 from warmfleet.operator.planning.engine_descriptions import HTTP_PORT
 from warmfleet.operator.spec.inference_service import InferenceServiceSpec
 from warmfleet.server.flagfields import to_args
-from warmfleet.server.router.epp.settings import EppSettings, GRPC_PORT
+from warmfleet.server.router.epp.settings import DRAIN_GRACE_S, EppSettings, GRPC_PORT
 from warmfleet.server.router.epp.settings import HTTP_PORT as EPP_HTTP_PORT
 
 # The kinds gateway mode writes, and the CRDs that serve them (a cluster may lack either: reconcile.py asks discovery)
@@ -32,7 +32,8 @@ CONDITION_TYPES = ("InferencePoolReady", "EndpointPickerReady", "HTTPRouteReady"
 # but `peers` (the EPP's HTTP side, as settings.py declares it, serves no peer-load route: docs/gateway.md), plus
 # the EPP's two ports.
 EPP_COMMAND = ["warmfleet", "epp"]
-EPP_FIELDS = ("discover_service", "host", "port", "http_port", "model", "policy.epsilon", "engine", "block_size")
+EPP_FIELDS = ("discover_service", "host", "port", "http_port", "model", "policy.epsilon", "engine", "block_size",
+              "drain_grace_s")
 # The gateway's timeout for one request: long generations stream for minutes (HTTPRoute rules[].timeouts.request)
 ROUTE_REQUEST_TIMEOUT = "600s"
 
@@ -43,8 +44,10 @@ def names(owner: objects.Owner) -> dict[str, str]:
 
 
 def epp_settings(owner: objects.Owner, spec: InferenceServiceSpec) -> EppSettings:
-    """What the endpoint picker runs with: the router's `front_door_values`, the gRPC port and the HTTP side port."""
-    return EppSettings(**router_objects.front_door_values(owner, spec), port=GRPC_PORT, http_port=EPP_HTTP_PORT)
+    """What the endpoint picker runs with: the router's `front_door_values`, the gRPC port (TLS, self-signed: the
+    picker's default, as GIE's reference picker), the HTTP side port, and the drain that fits the pod's grace."""
+    return EppSettings(**router_objects.front_door_values(owner, spec), port=GRPC_PORT, http_port=EPP_HTTP_PORT,
+                       drain_grace_s=DRAIN_GRACE_S)  # within the pod's grace: router_objects.FRONT_DOOR_GRACE_S
 
 
 def epp_args(owner: objects.Owner, spec: InferenceServiceSpec) -> list[str]:
@@ -66,10 +69,11 @@ def epp_deployment(owner: objects.Owner, spec: InferenceServiceSpec, image: str)
 
 
 def epp_service(owner: objects.Owner) -> dict[str, Any]:
-    """The Service endpointPickerRef names: gRPC (h2c: the gateway speaks HTTP/2 to it) and `http` (/metrics, the
-    port the chart's ServiceMonitor scrapes on every Service of ours)."""
+    """The Service endpointPickerRef names: gRPC (HTTP/2 over TLS, as GIE's reference picker serves it: `http2`, not
+    `kubernetes.io/h2c`, which would claim cleartext) and `http` (/metrics, the port the chart's ServiceMonitor
+    scrapes on every Service of ours)."""
     return objects.service(owner, names(owner)["epp"], "epp", router_objects.front_door_selector(owner, "epp"), [
-        {"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"},
+        {"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "http2"},
         {"name": "http", "port": EPP_HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
     ])
 

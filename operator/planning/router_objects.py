@@ -25,12 +25,18 @@ from warmfleet.operator.spec.constants import COMPONENT_LABEL, SERVICE_LABEL
 from warmfleet.operator.spec.inference_service import InferenceServiceSpec
 from warmfleet.server.flagfields import to_args
 from warmfleet.server.router.core.settings import PolicyConfig, RouterSettings
+from warmfleet.server.router.epp.settings import DRAIN_GRACE_S
 
 # How the router is started: the RouterSettings fields the operator sets, rendered in this order (flag names come
 # from server/router/core/settings.py, so a renamed flag breaks a unit test, not a cluster)
 ROUTER_COMMAND = ["warmfleet", "route"]
 ROUTER_FIELDS = ("discover_service", "host", "port", "model", "policy.epsilon", "engine", "peers", "block_size")
 ROUTER_RESOURCES = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"cpu": "2", "memory": "2Gi"}}
+# Stopping a routing pod: preStop sleeps while the Service's EndpointSlice (and a gateway's view of a picker) drop
+# it, then SIGTERM: the process stops taking work and finishes what it has (the picker within --drain-grace-s),
+# inside terminationGracePeriodSeconds
+PRE_STOP_SLEEP_S = 5
+FRONT_DOOR_GRACE_S = PRE_STOP_SLEEP_S + int(DRAIN_GRACE_S) + 5
 
 
 def front_door_values(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
@@ -94,6 +100,7 @@ def front_door_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, 
                 "metadata": {"labels": labels(owner, pod.component)},
                 "spec": {
                     "serviceAccountName": pod.name,
+                    "terminationGracePeriodSeconds": FRONT_DOOR_GRACE_S,
                     "securityContext": pod_security(),
                     "topologySpreadConstraints": spread_over_nodes(match),
                     **init_containers(spec, image, "model", tokenizer_only=True, ephemeral=ephemeral),
@@ -110,6 +117,7 @@ def front_door_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, 
                         "ports": pod.ports,
                         "resources": with_ephemeral(ROUTER_RESOURCES, ephemeral),
                         **pod.probes,
+                        "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SLEEP_S}}},
                         "securityContext": container_security(),
                         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *model_mounts],
                     }],
