@@ -224,7 +224,9 @@ class Fleet2:
                                     predicted_capacity_blocks=self.predicted_capacity_blocks, **self.settings),
         )
         self.app = build_app(runtime)
-        http = hot_protocol(self.app.frontend) if self.protocol == "hot" else "auto"
+        s = self.app.state.settings
+        http = (hot_protocol(self.app.frontend, s.request_header_timeout_s, s.request_body_timeout_s)
+                if self.protocol == "hot" else "auto")
         self.router = await Served(self.app, http).start()
         self.fleet = self.app.state.fleet
         if self.engine == "fastdeploy":  # no events: nothing to sync

@@ -3,10 +3,13 @@ that may have killed its replica, never a retry on a 4xx."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from router_fakes import FakeSharedFailures, Fleet2, chat
 from warmfleet.server.api.limits import check_fanout
+from test_hardening_deadlines import assert_408, trickle
 from warmfleet.server.api.errors import APIError
 
 
@@ -78,3 +81,20 @@ async def test_a_4xx_is_relayed_never_retried(tiny_model_dir):
     async with Fleet2(tiny_model_dir, num_replicas=3, failures=FakeSharedFailures(1, "400")) as f:
         r = await f.client.post("/v1/chat/completions", json=chat("a bad request"))
         assert r.status_code == 400 and received(f) == 1 and f.metric("warmfleet_router_retries_total") == 0
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])  # the hot path and the ASGI app
+async def test_a_body_sent_one_byte_per_5_s_to_the_router_is_cut_off(tiny_model_dir, path):
+    async with Fleet2(tiny_model_dir, request_body_timeout_s=1.0) as f:
+        body = json.dumps(chat("trickled")).encode()
+        head = (f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(body)}\r\n\r\n").encode()
+        assert_408(await trickle(f.router.port, head + body[:1], body[1:]), "body")
+        assert received(f) == 0
+        r = await f.client.post("/v1/chat/completions", json=chat("on time"))  # others are served meanwhile
+        assert r.status_code == 200
+
+
+async def test_router_headers_sent_one_byte_per_5_s_are_cut_off(tiny_model_dir):
+    async with Fleet2(tiny_model_dir, request_header_timeout_s=1.0) as f:
+        assert_408(await trickle(f.router.port, b"P", b"OST /v1/chat/completions HTTP/1.1\r\n"), "head")

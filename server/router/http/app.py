@@ -263,6 +263,7 @@ def build_app(rt: RouterRuntime) -> FastAPI:
     front = Frontend(rt, limiter, state)
     app = FastAPI(title="warmfleet router", lifespan=_lifespan(rt, metrics, state, peers))
     app.state.metrics = metrics
+    app.state.settings = settings
     app.state.limiter = limiter
     app.state.peers = peers
     _add_openai_routes(app, front)

@@ -27,6 +27,7 @@ import httptools
 from starlette.responses import StreamingResponse
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from ...api.deadlines import deadline_protocol
 from .app import FAST_PATHS, Frontend
 from .transport import CoalescingTransport
 
@@ -52,13 +53,14 @@ class HotRequest:
     """One hot-route request on a connection: what uvicorn's protocol reads of a cycle, plus the parsed request."""
 
     __slots__ = ("path", "kind", "auth", "body", "keep_alive", "message_event", "disconnected",
-                 "response_complete", "streaming")
+                 "response_started", "response_complete", "streaming")
 
     def __init__(self, path: str, kind: str, auth: Optional[str], keep_alive: bool):
         self.path, self.kind, self.auth, self.keep_alive = path, kind, auth, keep_alive
         self.body = bytearray()
         self.message_event = _NO_WAITERS  # set by uvicorn's connection_lost
         self.disconnected = False
+        self.response_started = False  # read by the read deadlines (api/deadlines.py): nothing answered before the body
         self.response_complete = False
         self.streaming: Optional[asyncio.Task] = None  # the task relaying a stream: cancelled if the client leaves
 
@@ -187,6 +189,11 @@ class HotPathProtocol(HttpToolsProtocol):
         self.on_response_complete()  # uvicorn: resume reading, start a queued request, arm keep-alive
 
 
-def hot_protocol(frontend: Frontend) -> type:
-    """HotPathProtocol serving through `frontend` (uvicorn makes one protocol instance per connection)."""
-    return type("HotPathProtocol", (HotPathProtocol,), {"frontend": frontend})
+def hot_protocol(frontend: Frontend, header_timeout_s: Optional[float] = None,
+                 body_timeout_s: Optional[float] = None) -> type:
+    """HotPathProtocol serving through `frontend` (uvicorn makes one protocol instance per connection); with the
+    timeouts, under the replicas' read deadlines too (api/deadlines.py: a late head or body is a 408)."""
+    if header_timeout_s is None or body_timeout_s is None:
+        return type("HotPathProtocol", (HotPathProtocol,), {"frontend": frontend})
+    return type("HotPathProtocol", (deadline_protocol(header_timeout_s, body_timeout_s), HotPathProtocol),
+                {"frontend": frontend})

@@ -28,5 +28,5 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("httpx").setLevel(logging.WARNING)
     app = build_app(replace(runtime_from_settings(settings), freeze_gc=True))
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False,
-                http=hot_protocol(app.frontend))
+                http=hot_protocol(app.frontend, settings.request_header_timeout_s, settings.request_body_timeout_s))
     return 0
