@@ -274,6 +274,17 @@ class Kube:
                                                   field_manager=manager, force_conflicts=True))
         return applied, "created" if live is None else "patched"
 
+    async def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """Create `obj` (POST); an existing one is a KubeError 409."""
+        meta = obj["metadata"]
+        return await self._call(self._verb("create", obj["kind"], body=dict(obj), namespace=meta["namespace"]))
+
+    async def replace(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """Replace `obj` (PUT) as of its metadata.resourceVersion: a newer write in between is a KubeError 409."""
+        meta = obj["metadata"]
+        return await self._call(self._verb("replace", obj["kind"], body=dict(obj), name=meta["name"],
+                                           namespace=meta["namespace"]))
+
     async def patch(self, kind: str, namespace: str, name: str, patch: Mapping[str, Any], *,
                     content_type: str = MERGE_PATCH, subresource: str | None = None) -> dict[str, Any]:
         """Patch one object (merge patch by default), or its `subresource` ("status", "scale")."""

@@ -119,6 +119,7 @@ class Outcome:
     invalid: str | None = None
     reason: str | None = None  # the Ready condition's reason
     missing: str | None = None  # a CRD gateway mode needs is not served (why): the handler retries with backoff
+    pools: int | None = None  # node pools the plan sized (None: no plan, e.g. an invalid spec)
 
 
 async def reconcile(
@@ -161,6 +162,7 @@ async def _reconcile(state: OperatorState, body: Mapping[str, Any], nodes: list[
         return out
 
     digest = fingerprint(plan)  # before owner references are added, as the node watch computes it
+    out.pools = len(plan.pools)
     served = await _served_gateway_kinds(kube, spec, previous)
     children = [c for c in owned(plan.children, body) if served.get(c["kind"], True)]  # a kind not served waits
     live, out.actions = await _apply_and_prune(kube, children, name, ns, meta.get("uid"),

@@ -38,6 +38,7 @@ def _image_flags(p: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Subcommands run (default), render and crd."""
     parser.set_defaults(action="run", namespaces=[], liveness="http://0.0.0.0:8080/healthz", verbose=False,
+                        leader_election=False, lease_name="warmfleet-operator", lease_namespace=None, identity=None,
                         router_url_template=os.environ.get("WARMFLEET_ROUTER_URL_TEMPLATE") or None,
                         autoscale_interval=float(os.environ.get("WARMFLEET_AUTOSCALE_INTERVAL_S") or 15))
     sub = parser.add_subparsers(dest="action", metavar="ACTION")
@@ -45,7 +46,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for p in (parser, run_p):
         p.add_argument("--namespace", "-n", dest="namespaces", action="append", default=[],
                        help="Watch only this namespace (repeatable); default: all namespaces.")
-        p.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="kopf liveness endpoint URL.")
+        p.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
+                       help="Where /healthz (liveness) and /metrics (the operator's own Prometheus metrics) are served.")
+        p.add_argument("--leader-election", action="store_true",
+                       help="Reconcile only while holding a coordination.k8s.io Lease (run several replicas; a standby "
+                            "takes over within ~20 s of the leader's death).")
+        p.add_argument("--lease-name", default="warmfleet-operator", help="The Lease's name (with --leader-election).")
+        p.add_argument("--lease-namespace", default=None,
+                       help="The Lease's namespace; default: env POD_NAMESPACE, else the service account's namespace.")
+        p.add_argument("--identity", default=None,
+                       help="This candidate's name in the Lease; default: env POD_NAME, else hostname and a random suffix.")
         p.add_argument("--verbose", action="store_true", help="Debug logging.")
         _image_flags(p)
         p.add_argument("--router-url-template", default=os.environ.get("WARMFLEET_ROUTER_URL_TEMPLATE") or None,
@@ -75,22 +85,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_operator(args: argparse.Namespace) -> int:
-    """Run kopf with our registry until interrupted."""
-    import asyncio
+    """Run kopf with our registry until interrupted (wiring/process.py: health, metrics, leader election)."""
+    from warmfleet.operator.wiring.process import run_operator as run_process
 
-    import kopf
-
-    from warmfleet.operator.wiring.handlers import make_registry
-
-    kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.PLAIN)
-    registry = make_registry(default_image=args.default_image, router_image=args.router_image,
-                             router_url_template=args.router_url_template,
-                             autoscale_interval_s=args.autoscale_interval)
-    asyncio.run(kopf.operator(
-        registry=registry, clusterwide=not args.namespaces, namespaces=args.namespaces,
-        liveness_endpoint=args.liveness or None, standalone=True,
-    ))
-    return 0
+    return run_process(args)
 
 
 def load_docs(path: str) -> list[dict[str, Any]]:

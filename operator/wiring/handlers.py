@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Awaitable, Callable
 
 import kopf
@@ -10,6 +11,7 @@ import kopf
 from warmfleet.kube import KubeError
 from warmfleet.operator.passes import adapters_pass, autoscale_pass
 from warmfleet.operator.passes import model_config as mc
+from warmfleet.operator.passes.operator_metrics import OperatorMetrics
 from warmfleet.operator.passes.reconcile import OperatorState, fingerprint, plan_for, pod_digest, reconcile
 from warmfleet.operator.planning import objects
 from warmfleet.operator.planning.diagnose import slim_pod
@@ -33,19 +35,23 @@ def default_login(**kwargs: Any) -> Any:
 def make_registry(*, default_image: str, router_image: str | None = None, login: LoginFn = default_login,
                   router_url_template: str | None = None,
                   autoscale_interval_s: float = autoscale_pass.DEFAULT_INTERVAL_S,
-                  adapters_interval_s: float | None = None, server_url_template: str | None = None) -> kopf.OperatorRegistry:
+                  adapters_interval_s: float | None = None, server_url_template: str | None = None,
+                  metrics: OperatorMetrics | None = None, leading: Callable[[], bool] | None = None) -> kopf.OperatorRegistry:
     """A registry holding every handler; `login` is replaceable so tests can point kopf at kmock.
 
     `default_image` runs `warmfleet` engine pods, `router_image` (default: the same) router pods and the
     fetch-model init step, for services whose spec names no image.
     `router_url_template` overrides where the autoscaler finds a service's routers (autoscale_pass.router_urls),
     `server_url_template` where the adapter pass finds server pods ({ip}, {name}, {port}; adapters_pass.ready_server_urls).
+    `metrics` counts every reconcile (passes/operator_metrics.py); `leading` (leader election, passes/leader_election.py)
+    says whether this process still holds the Lease: a reconcile that finds it lapsed does nothing.
     The InferenceService's own handlers are defined here: their ids (qualified names) are kopf's progress keys.
     """
     registry = kopf.OperatorRegistry()
     isvc = (GROUP, VERSION, PLURAL)
     adapters_interval_s = adapters_interval_s or adapters_pass.interval_s()
-    _add_lifecycle(registry, objects.Images(engine=default_image, router=router_image or default_image), login)
+    _add_lifecycle(registry, objects.Images(engine=default_image, router=router_image or default_image), login,
+                   metrics or OperatorMetrics(), leading or (lambda: True))
     _add_indexes(registry)
 
     @kopf.on.resume(*isvc, registry=registry)
@@ -76,14 +82,16 @@ def make_registry(*, default_image: str, router_image: str | None = None, login:
         await adapters_pass.run_pass(memo.state, body, _node_list(nodes), patch, template=server_url_template)
 
     @kopf.on.delete(*isvc, registry=registry, optional=True)
-    def forget(uid: str, memo: kopf.Memo, **_: Any) -> None:
+    def forget(uid: str, memo: kopf.Memo, namespace: str, name: str, **_: Any) -> None:
         memo.state.forget(uid)
+        memo.metrics.forget(namespace, name)
 
     _add_watchers(registry)
     return registry
 
 
-def _add_lifecycle(registry: kopf.OperatorRegistry, default_images: objects.Images, login: LoginFn) -> None:
+def _add_lifecycle(registry: kopf.OperatorRegistry, default_images: objects.Images, login: LoginFn,
+                   metrics: OperatorMetrics, leading: Callable[[], bool]) -> None:
     """Startup (every operator-wide setting, the shared state), cleanup and login."""
 
     @kopf.on.startup(registry=registry)
@@ -101,6 +109,7 @@ def _add_lifecycle(registry: kopf.OperatorRegistry, default_images: objects.Imag
         settings.peering.standalone = True  # one active replica: the chart runs one pod with a Recreate strategy
         settings.execution.max_workers = 4
         memo.state = OperatorState(default_images=default_images)
+        memo.metrics, memo.leading = metrics, leading
 
     @kopf.on.cleanup(registry=registry)
     async def close(memo: kopf.Memo, **_: Any) -> None:
@@ -156,13 +165,19 @@ async def _run(body: Any, memo: kopf.Memo, nodes: kopf.Index, logger: Any, servi
     key = (body["metadata"].get("namespace"), body["metadata"]["name"])
     alive = (lambda: key in services) if services is not None else (lambda: True)
     pods = (lambda: _pods_of(service_pods, key)) if service_pods is not None else None
+    if not memo.leading():  # the Lease lapsed: this process stops any moment now, a standby takes over
+        logger.warning("not reconciling: this operator no longer holds the leader Lease")
+        return None
+    started = time.monotonic()
     try:
         outcome = await reconcile(memo.state, body, _node_list(nodes), alive=alive, pods=pods)
     except KubeError as exc:
+        memo.metrics.observe(key[0], key[1], None, time.monotonic() - started, exc)
         if exc.status in (400, 403, 422):  # permanent for this spec: say so, do not retry hot
             kopf.warn(dict(body), reason="ApplyFailed", message=str(exc))
             raise kopf.TemporaryError(str(exc), delay=60) from exc
         raise kopf.TemporaryError(str(exc), delay=5) from exc
+    memo.metrics.observe(key[0], key[1], outcome, time.monotonic() - started)
     changed = {k: v for k, v in outcome.actions.items() if v != "unchanged"}
     if changed or outcome.status_written:
         logger.info(f"reconciled: {changed or 'no child changed'}; status {'written' if outcome.status_written else 'unchanged'}"
