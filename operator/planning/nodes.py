@@ -9,6 +9,7 @@ from fractions import Fraction
 from typing import Any, Mapping
 
 from warmfleet.operator.spec.inference_service import InferenceServiceSpec
+from warmfleet.operator.spec.pod_overlay import server_node_selector
 
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
@@ -127,7 +128,7 @@ def derive_pools(spec: InferenceServiceSpec, nodes: list[NodeInfo]) -> list[Pool
     named = [(p.name, p.node_selector) for p in spec.pools] or [(None, {})]
     groups: dict[tuple, list[NodeInfo]] = {}
     for node in sorted(nodes, key=lambda n: n.name):
-        if not node.schedulable or not _matches(node.labels, spec.node_selector):
+        if not node.schedulable or not _matches(node.labels, server_node_selector(spec.node_selector, spec.server.pod)):
             continue
         for pname, selector in named:
             if _matches(node.labels, selector):

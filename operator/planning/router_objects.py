@@ -21,6 +21,7 @@ from warmfleet.operator.planning.objects import (
     spread_over_nodes,
     with_ephemeral,
 )
+from warmfleet.operator.planning.pod_overlay import overlay_router_pod
 from warmfleet.operator.spec.constants import COMPONENT_LABEL, SERVICE_LABEL
 from warmfleet.operator.spec.inference_service import InferenceServiceSpec
 from warmfleet.server.flagfields import to_args
@@ -89,7 +90,7 @@ def front_door_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, 
     volumes = [{"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}}, *model_vols]
     ephemeral = pod_ephemeral_storage(volumes)
     match = front_door_selector(owner, pod.component)
-    return {
+    dep = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": meta(owner, pod.name, pod.component),
@@ -126,6 +127,8 @@ def front_door_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, 
             },
         },
     }
+    dep["spec"]["template"] = overlay_router_pod(dep["spec"]["template"], spec, pod.component)  # spec.router.pod
+    return dep
 
 
 def router_deployment(owner: Owner, spec: InferenceServiceSpec, image: str) -> dict[str, Any]:

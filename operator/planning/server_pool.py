@@ -24,9 +24,11 @@ from warmfleet.operator.planning.objects import (
     service,
     spread_over_nodes,
 )
+from warmfleet.operator.planning.pod_overlay import overlay_server_pod
 from warmfleet.operator.planning.sizing import PoolSizing
 from warmfleet.operator.spec.constants import POOL_LABEL, SIZING_HASH_ANNOTATION
 from warmfleet.operator.spec.inference_service import DEFAULT_DTYPE, InferenceServiceSpec, served_name
+from warmfleet.operator.spec.pod_overlay import server_node_selector
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,7 @@ def _server_pod_security(spec: InferenceServiceSpec) -> dict[str, Any]:
 
 def node_affinity(spec: InferenceServiceSpec, pool: Pool) -> dict[str, Any]:
     """Required node affinity to the pool's shape: the service selector, the named pool, GPU labels."""
-    wanted = {**spec.node_selector, **dict(pool.selector)}
+    wanted = {**server_node_selector(spec.node_selector, spec.server.pod), **dict(pool.selector)}
     exprs = [{"key": k, "operator": "In", "values": [v]} for k, v in sorted(wanted.items())]
     if pool.gpu_product == "unknown":
         exprs.append({"key": GPU_PRODUCT_LABEL, "operator": "DoesNotExist"})
@@ -115,7 +117,7 @@ def server_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, plan
             adapter_fetch_container(owner, spec, fetch_image or image, watch=False, ephemeral=ephemeral))
         sidecars.append(adapter_fetch_container(owner, spec, fetch_image or image, watch=True, ephemeral=ephemeral))
     surge = 0 if d.max_unavailable > 0 else 1  # GPUs are scarce: surge only when nothing may be unavailable
-    return {
+    dep = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": meta(owner, k8s_name(owner.name, pool.name), "server", pool.name),
@@ -141,6 +143,8 @@ def server_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, plan
             },
         },
     }
+    dep["spec"]["template"] = overlay_server_pod(dep["spec"]["template"], spec)  # spec.server.pod (pod_overlay.py)
+    return dep
 
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar, Literal, Optional
 
+from warmfleet.operator.spec.pod_overlay import RouterPodOverlay, ServerPodOverlay
 from warmfleet.operator.spec.schema import Rule, from_dict, prop
 from warmfleet.server import engine_kinds
 from warmfleet.source import DOTDOT_PATTERN, ModelSource, SOURCE_FORMS, SOURCE_PATTERN, check_source, parse_source
@@ -200,6 +201,10 @@ class ServerSpec:
     )
     max_num_batched_tokens: int = prop(2048, doc="Token budget of one engine step; the encoder cache never drops below it.", minimum=1)
     extra_args: list[str] = prop([], doc="Extra engine arguments appended after the rendered ones, before engine.extraArgs (kept for compatibility; prefer engine.extraArgs).", maxItems=64)
+    pod: Optional[ServerPodOverlay] = prop(
+        None, doc=("Kubernetes pod fields added to the server pods of every pool (tolerations, affinity, nodeSelector, env, "
+                   "imagePullSecrets, priorityClassName, volumes, ...); what the operator sets itself is refused (docs/pod-overlays.md)."),
+    )
 
 
 @dataclass(kw_only=True)
@@ -337,6 +342,10 @@ class RouterSpec:
     api_key_secret: Optional[SecretKeyRef] = prop(None, doc="Secret holding the API key clients must send (router and servers read WARMFLEET_API_KEY).")
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = prop("ClusterIP", doc="Type of the router Service.")
     port: int = prop(8000, doc="Port of the router Service (the endpoint URL's port; proxy mode).", minimum=1, maximum=65535)
+    pod: Optional[RouterPodOverlay] = prop(
+        None, doc=("Kubernetes pod fields added to the router pods (proxy mode) or endpoint-picker pods (gateway mode): "
+                   "tolerations, affinity, nodeSelector, env, resources, ...; what the operator sets itself is refused (docs/pod-overlays.md)."),
+    )
 
     RULES: ClassVar[list[Rule]] = [
         ("!has(self.gateway) || self.mode == 'gateway'", "gateway applies to mode gateway only",

@@ -69,6 +69,8 @@ def schema_of(tp: Any) -> dict[str, Any]:
     """The structural OpenAPI v3 schema of a type annotation (dataclass, Literal, list, dict, scalar)."""
     tp, _ = _unwrap_optional(tp)
     origin = typing.get_origin(tp)
+    if hasattr(tp, "__openapi_schema__"):  # a type that carries its own schema and parser (spec/pod_overlay.py)
+        return copy.deepcopy(tp.__openapi_schema__)
     if dataclasses.is_dataclass(tp):
         return _object_schema(tp)
     if origin is Literal:
@@ -171,6 +173,8 @@ def from_dict(cls: type, data: Any, path: str = "spec") -> Any:
 
 def _parse_value(tp: Any, value: Any, path: str) -> Any:
     origin = typing.get_origin(tp)
+    if hasattr(tp, "__parse_spec__"):
+        return tp.__parse_spec__(value, path)
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, path)
     if origin is Literal:
