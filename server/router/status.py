@@ -62,11 +62,12 @@ def add_status_routes(app: FastAPI, state: dict, metrics: RouterMetrics) -> None
                         "gpu_blocks": len(st.gpu) if st else 0, "cpu_blocks": len(st.cpu) if st else 0,
                         "adapters": fleet.adapters.describe(r.id), "encoder_entries": len(st.encoder) if st else 0,
                         "ttft_model": ttft.describe(r.id) if ttft is not None else None,
-                        "last_error": r.last_error})
+                        "node": st.node_name if st else None, "last_error": r.last_error})
         return JSONResponse({"replicas": out, "index_blocks": fleet.index.num_blocks(),
                              "index_evicted_blocks": fleet.index.evicted, "engine": fleet.dialect.kind,
                              "contract": fleet.dialect.contract, "hash_check": fleet.dialect.hash_check(),
-                             "media_urls": _num_urls(state)})
+                             "media_urls": _num_urls(state),
+                             "node_tiers": fleet.node_tiers.view() if fleet.node_tiers is not None else []})
 
 
 def _num_urls(state: dict) -> Optional[int]:

@@ -61,6 +61,8 @@ STALL_GRACE_S = 10.0  # rounds of all-timeouts forgiven for this long in a row, 
 
 
 class Fleet:
+    node_tiers = None  # node_tiers.NodeTiers when --node-tier-events names node tiers (runtime.running sets it)
+
     def __init__(self, http: httpx.AsyncClient, metrics: RouterMetrics, *, health_interval_s: float = 0.2,
                  health_timeout_s: float = 0.5, health_failures: int = 2, health_passive_max_s: float = 1.0,
                  model_fingerprint: Optional[str] = None, block_size: Optional[int] = None,

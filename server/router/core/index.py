@@ -21,6 +21,11 @@ that replica's least recently used entries, CPU tier first: "used" is stored (a 
 the prefix of a request this router sent it (`touch`). A forgotten block only costs a predicted
 hit (the router may send that prefix elsewhere), never a wrong one; its later BlockRemoved is a
 no-op. Unset (the default), the index is unbounded as before.
+
+Node tiers (server/nodetier) are entries of their own, keyed by their topic `node:<NAME>`, holding medium NODE;
+a replica's snapshot names its node (`node_name`), which is how the router pairs it with its node's tier. A node
+tier serves no snapshot: `apply_batch(..., self_syncing=True)` takes a batch that begins with AllBlocksCleared as
+its whole state (it publishes one to each new subscription) in place of a snapshot.
 """
 
 from __future__ import annotations
@@ -32,11 +37,11 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
 from ...events import (
-    CPU, GPU, AllBlocksCleared, BlockRemoved, BlockStored, EncoderRemoved, EncoderStored, EventBatch, Load,
+    CPU, GPU, NODE, AllBlocksCleared, BlockRemoved, BlockStored, EncoderRemoved, EncoderStored, EventBatch, Load,
     Snapshot,
 )
 
-_TIER_BITS = {GPU: 1, CPU: 2}
+_TIER_BITS = {GPU: 1, CPU: 2, NODE: 4}
 MAX_PENDING_BATCHES = 10_000  # buffered while waiting for a snapshot; beyond this the oldest are dropped
 
 
@@ -84,6 +89,8 @@ class ReplicaKV:
 
     gpu: BlockSet = field(default_factory=BlockSet)  # block hashes in the primary pool (oldest first)
     cpu: BlockSet = field(default_factory=BlockSet)  # block hashes in the swap tier (oldest first)
+    node: BlockSet = field(default_factory=BlockSet)  # block hashes in a node tier (its own entry: node:<NAME>)
+    node_name: Optional[str] = None  # the node a replica runs on (its snapshot's `node`), None: not said
     encoder: set = field(default_factory=set)  # mm hashes in the encoder cache
     seq: Optional[int] = None  # last applied sequence number; None while unsynced
     pending: list = field(default_factory=list)  # EventBatch buffered while unsynced
@@ -104,10 +111,11 @@ class PrefixMatch:
 
     gpu_blocks: int  # blocks of the prefix found in the primary pool
     cpu_blocks: int  # blocks of the prefix found only in the swap tier
+    node_blocks: int = 0  # blocks of the prefix found only in a node tier (a node tier's own entry)
 
     @property
     def blocks(self) -> int:
-        return self.gpu_blocks + self.cpu_blocks
+        return self.gpu_blocks + self.cpu_blocks + self.node_blocks
 
 
 NO_MATCH = PrefixMatch(0, 0)
@@ -148,9 +156,15 @@ class KVIndex:
         self.replicas.pop(replica, None)
 
     # --- events ---------------------------------------------------------------------------
-    def apply_batch(self, replica: str, batch: EventBatch) -> Applied:
+    def apply_batch(self, replica: str, batch: EventBatch, self_syncing: bool = False) -> Applied:
+        """`self_syncing` (node tiers): a batch out of order that begins with AllBlocksCleared is the whole state."""
         st = self.state(replica)
         if st.synced and batch.seq == st.seq + 1:
+            self._apply_events(replica, st, batch)
+            return Applied.OK
+        if self_syncing and batch.events and isinstance(batch.events[0], AllBlocksCleared):
+            st.pending.clear()
+            st.encoder.clear()
             self._apply_events(replica, st, batch)
             return Applied.OK
         if len(st.pending) >= MAX_PENDING_BATCHES:
@@ -175,6 +189,7 @@ class KVIndex:
         st.pending.clear()
         st.encoder = set(snap.encoder)
         st.block_size, st.model_fingerprint = snap.block_size, snap.model_fingerprint
+        st.node_name = snap.node
         if snap.load is not None:
             st.load, st.load_time = snap.load, time.monotonic()
         self._add(replica, st, snap.gpu, GPU)
@@ -205,7 +220,7 @@ class KVIndex:
         st.last_event_ts = batch.ts
 
     def _tier_set(self, st: ReplicaKV, medium: str) -> set:
-        return st.cpu if medium == CPU else st.gpu
+        return st.cpu if medium == CPU else st.node if medium == NODE else st.gpu
 
     def _add(self, replica: str, st: ReplicaKV, hashes: Iterable[bytes], medium: str) -> None:
         bit, tier = _TIER_BITS.get(medium, 1), self._tier_set(st, medium)
@@ -266,6 +281,7 @@ class KVIndex:
     def _drop_blocks(self, replica: str, st: ReplicaKV) -> None:
         self._discard(replica, st, list(st.gpu), GPU)
         self._discard(replica, st, list(st.cpu), CPU)
+        self._discard(replica, st, list(st.node), NODE)
 
     def add_blocks(self, replica: str, hashes: Iterable[bytes], medium: str = GPU) -> None:
         """Record blocks as held without an event (a predicted index for engines that publish none)."""
@@ -298,7 +314,7 @@ class KVIndex:
                 wanted = set(replicas)
                 alive = [r for r in owners if r in wanted]
                 for r in alive:
-                    counts[r] = [0, 0]
+                    counts[r] = [0, 0, 0]
             else:
                 _credit(counts, alive, run_owners, run)
                 alive = [r for r in alive if r in owners]
@@ -319,6 +335,8 @@ class KVIndex:
 
 
 def _credit(counts: dict[str, list[int]], alive: list[str], owners: dict, run: int) -> None:
-    """`run` blocks held by `owners` to each replica still `alive`: GPU where its bits have the GPU tier, else CPU."""
+    """`run` blocks held by `owners` to each replica still `alive`: GPU where its bits have the GPU tier, else CPU
+    where they have the swap tier, else NODE."""
     for r in alive:
-        counts[r][0 if owners[r] & 1 else 1] += run
+        bits = owners[r]
+        counts[r][0 if bits & 1 else 1 if bits & 2 else 2] += run

@@ -2,11 +2,17 @@
 
 For each replica r the score, in prompt tokens saved, is
 
-    score(r) = block_size * (gpu_blocks(r) + cpu_weight * cpu_blocks(r))
+    score(r) = block_size * (gpu_blocks(r) + cpu_weight * cpu_blocks(r) + node_weight * node_blocks(r))
              + encoder_weight * warm_image_tokens(r)      images r need not encode: wholly inside that
                                                             prefix, or in its encoder cache
              - queue_weight * queued_tokens(r)
              - load_weight * load(r)
+
+`node_blocks(r)` are the prompt's blocks past r's own prefix that r's node tier holds (server/nodetier): every
+replica on that node can load them, so they count as held (in `hits`) for all of them alike, and a prefix only the
+node tier holds ties the request to none of them: load decides among the node's replicas. `node_weight` (below
+`cpu_weight`: a copy over the node's loopback TCP, priced by bench/node_tier.py) orders
+local primary > local swap > node tier > cold.
 
 `queued_tokens` is the prompt work the routers sent the replica that it has not finished: the
 uncached prompt tokens of requests still waiting for their first token. The new request waits
@@ -113,6 +119,7 @@ class Candidate:
     #                  (one per fresh peer): widens the in-flight bound for keeping a warm prefix, nothing else
     adapter_resident: bool = False  # the request's LoRA adapter is resident there (adapters.AdapterView.resident)
     adapter_slot: bool = True  # it can take the adapter without evicting one in use (AdapterView.has_slot)
+    node_blocks: int = 0  # further leading blocks its node's tier holds (loaded from there on a local miss)
 
 
 @dataclass(slots=True)  # not frozen (made once a request; treat as read-only)
@@ -342,12 +349,13 @@ def choose(cands: Sequence[Candidate], *, block_size: int, num_prompt_tokens: in
     limit = cacheable_tokens(num_prompt_tokens, block_size)
     # tokens each replica should serve from cache (the Decision's `hits`, and whether the prompt is warm anywhere)
     # and what they are worth (prefix_value), in one pass: this runs per replica per request
-    hits, values, cpu_weight = {}, {}, cfg.cpu_weight
+    hits, values, cpu_weight, node_weight = {}, {}, cfg.cpu_weight, cfg.node_weight
     for c in cands:
-        gpu, cpu = c.gpu_blocks * block_size, c.cpu_blocks * block_size
-        hits[c.replica] = min(gpu + cpu, limit)
+        gpu, cpu, node = c.gpu_blocks * block_size, c.cpu_blocks * block_size, c.node_blocks * block_size
+        hits[c.replica] = min(gpu + cpu + node, limit)
         gpu = min(gpu, limit)
-        values[c] = gpu + cpu_weight * min(cpu, limit - gpu)
+        cpu = min(cpu, limit - gpu)
+        values[c] = gpu + cpu_weight * cpu + (node_weight * min(node, limit - gpu - cpu) if node else 0.0)
     queue_weight = queue_weight_for(prefix_at_stake(hits.values(), cfg.warm_min_tokens), cfg)
     common = 0.0
     if cfg.common_prefix_free:

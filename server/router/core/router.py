@@ -143,7 +143,8 @@ class Router:
         adapter, replicas = self.adapter_of(body, replicas)
         hashes, names, matches = self._match(prompt, body, adapter, replicas)
         now = time.monotonic()
-        cands, warm_images = self._candidates(replicas, matches, prompt, adapter, now)
+        node = self._node_blocks(hashes, names, matches) if self.fleet.node_tiers is not None else None
+        cands, warm_images = self._candidates(replicas, matches, prompt, adapter, now, node)
         cold_key = hashes[min(len(hashes), self.cold_key_blocks) - 1] if hashes else None
         decision = self._choose(cands, prompt, cold_key, adapter)
         target = decision.order[0] if decision.order else None
@@ -168,8 +169,24 @@ class Router:
                           else ({}, self.fleet.index.match([], [r.id for r in replicas])))
         return next(iter(names.values()), []), names, matches
 
+    def _node_blocks(self, hashes: list[bytes], names: Optional[dict], matches: dict) -> dict[str, int]:
+        """replica -> blocks of the prompt past its own prefix that its node's tier holds (the engine loads them
+        from there on a local miss); replicas on one node share the figure, so that prefix ties none of them."""
+        tiers, index, out = self.fleet.node_tiers, self.fleet.index, {}
+        memo: dict[tuple, int] = {}
+        for rid, m in matches.items():
+            key = tiers.key_of(rid)
+            if key is None:
+                continue
+            h = names.get(rid, hashes) if names is not None else hashes
+            mk = (key, id(h))
+            if mk not in memo:
+                memo[mk] = index.match(h, [key])[key].blocks
+            out[rid] = max(0, memo[mk] - m.blocks)
+        return out
+
     def _candidates(self, replicas: list[Replica], matches: dict, prompt: Optional[Prompt], adapter: Optional[str],
-                    now: float) -> tuple[list[Candidate], dict[str, int]]:
+                    now: float, node: Optional[dict] = None) -> tuple[list[Candidate], dict[str, int]]:
         """Each replica as the policy sees it, and replica -> images not wholly inside its cached KV prefix whose
         encoder output it holds (the engine needs rows of each, and the vision encoder runs on a whole image or not
         at all). With peers, the load is every router's: ours exact, the peers' as of their report."""
@@ -182,9 +199,10 @@ class Router:
         cands, warm_images = [], {}
         for r in replicas:
             m = matches[r.id]
+            node_blocks = node.get(r.id, 0) if node else 0
             warm = 0
             if images:
-                warm, n = self._encodes_saved(r.id, prompt, m.blocks * bs)
+                warm, n = self._encodes_saved(r.id, prompt, (m.blocks + node_blocks) * bs)
                 if n:
                     warm_images[r.id] = n
             resident, slot = (view.resident(r.id, adapter), view.has_slot(r.id, adapter)) if adapter else (False, True)
@@ -197,7 +215,7 @@ class Router:
                 tie, unseen = random.random() * peers.jitter, peers.fresh
             cands.append(Candidate(r.id, m.gpu_blocks, m.cpu_blocks, warm,  # positional: a keyword call costs more
                                    max(in_flight, engine_load(r.id, now=now)), queued, sent, tie, unseen, resident,
-                                   slot))
+                                   slot, node_blocks))
         return cands, warm_images
 
     def _choose(self, cands: list[Candidate], prompt: Optional[Prompt], cold_key: Optional[bytes],

@@ -97,6 +97,11 @@ async def running(rt: RouterRuntime, metrics: RouterMetrics,
                   block_size=rt.hash_cfg.block_size, upstream_headers=upstream_headers(settings),
                   dialect=dialect_for(settings), warmup=settings.warmup,
                   index_max_blocks=settings.index_max_blocks, event_curve=rt.event_curve)
+    nodes = None
+    if settings.node_tier_events:
+        from .node_tiers import NodeTiers
+
+        nodes = fleet.node_tiers = NodeTiers(settings.node_tier_events, fleet.index)
     router = Router(fleet, rt.renderer, rt.hash_cfg, metrics, settings.policy, settings.proxy.cold_key_blocks)
     router.peers = peers
     await fleet.set_members(rt.replicas)
@@ -107,6 +112,7 @@ async def running(rt: RouterRuntime, metrics: RouterMetrics,
         # a p99 spike every few seconds; 2-3 ms after; docs/scale.md)
         gc.freeze()
     disc = asyncio.create_task(rt.discovery(fleet)) if rt.discovery else None
+    node_feeds = asyncio.create_task(nodes.run()) if nodes is not None else None
     gossip = asyncio.create_task(peers.run()) if peers else None
     try:
         yield router
@@ -114,9 +120,12 @@ async def running(rt: RouterRuntime, metrics: RouterMetrics,
         if gossip is not None:
             gossip.cancel()
             await asyncio.gather(gossip, return_exceptions=True)
-        if disc is not None:
-            disc.cancel()
-            await asyncio.gather(disc, return_exceptions=True)
+        for task in (disc, node_feeds):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if nodes is not None:
+            await nodes.stop()
         await fleet.stop()
         router.close()
         await http.aclose()

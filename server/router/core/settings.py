@@ -18,6 +18,15 @@ from ...request_limits import CHOICES_PER_SEQ
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
+def parse_node_tier_events(text: str) -> tuple[str, int]:
+    """--node-tier-events HOST:PORT (or [v6]:PORT) -> (host, port); ValueError with one readable line."""
+    host, sep, port = str(text).rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--node-tier-events takes HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
 @dataclass(frozen=True)
 class PolicyConfig:
     """How the policy weighs cached prefix against load (policy.py explains each rule)."""
@@ -25,6 +34,11 @@ class PolicyConfig:
     # a swap-tier block is worth this fraction of a GPU block (it must be copied back)
     cpu_weight: float = field(default=0.5, metadata=opt(
         "--cpu-tier-weight", "Worth of a swap-tier block relative to a GPU block in scoring (0..1)."))
+    # a node-tier block (server/nodetier) is worth this fraction of a GPU block: below the swap tier's (a copy over
+    # the node's TCP, bench/node_tier.py), so local primary > local swap > node tier > cold
+    node_weight: float = field(default=0.4, metadata=opt(
+        "--node-tier-weight", "Worth of a block held by the replica's node tier relative to a GPU block (0..1; "
+        "keep it under --cpu-tier-weight)."))
     load_weight: float = field(default=32.0, metadata=opt(  # cached prompt tokens one request of load outweighs
         "--load-weight", "Cached prompt tokens that one in-flight request on a replica outweighs."))
     # cost of one uncached prompt token queued ahead on the replica, in tokens saved, when the prompt's cache is at
@@ -82,6 +96,8 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.cpu_weight <= 1:
             raise ValueError("--cpu-tier-weight must be in [0, 1]")
+        if not 0 <= self.node_weight <= 1:
+            raise ValueError("--node-tier-weight must be in [0, 1]")
         if min(self.warm_slack, self.warm_inflight_slack, self.warm_min_tokens, self.share_epsilon,
                self.share_slack_tokens, self.max_share_slack) < 0:
             raise ValueError("--warm-slack, --warm-inflight-slack, --warm-min-tokens, --balance-share-epsilon, "
@@ -162,6 +178,10 @@ class RouterSettings:
         "--index-max-blocks", "Cap on KV-index entries per replica (blocks, GPU + CPU tier); beyond it the index "
         "forgets that replica's least recently stored or routed-to blocks, CPU tier first (about 250 bytes an entry; "
         "default: unbounded, the index mirrors the replicas' pools)."))
+    node_tier_events: list = field(default_factory=list, metadata=opt(  # node tiers' KV-event addresses
+        "--node-tier-events", "KV-event address of the node tiers (`warmfleet node-tier --events-port`), HOST:PORT "
+        "(repeatable); a name that resolves to several addresses (a headless Service) follows each one. Replicas "
+        "started with --node-name are paired with their node's tier.", action="append", metavar="HOST:PORT"))
     kv_replay_port: Optional[int] = field(default=None, metadata=opt(
         "--kv-replay-port", "vLLM: event replay (ROUTER) port of every replica without replay=...; with discovery, "
         "used when the EndpointSlice names no 'kv-replay' port."))
@@ -266,6 +286,8 @@ class RouterSettings:
             raise ValueError("--predicted-capacity-blocks must be >= 1 and --predicted-ttl-s > 0")
         if self.media_url_capacity < 1 or self.media_url_ttl_s <= 0:
             raise ValueError("--media-url-capacity must be >= 1 and --media-url-ttl-s > 0")
+        for a in self.node_tier_events:
+            parse_node_tier_events(a)
         if self.health_passive_max_s < 0:
             raise ValueError("--health-passive-max-s must be >= 0")
         if self.health_failures < 1:

@@ -1,0 +1,87 @@
+"""The router and node tiers: NODE entries in the index, self-syncing state batches, tier order and load spread (pure)."""
+
+from collections import Counter
+
+from warmfleet.server.events import (
+    GPU, NODE, AllBlocksCleared, BlockRemoved, BlockStored, EncoderStored, EventBatch, Snapshot,
+)
+from warmfleet.server.router.core.index import Applied, KVIndex, PrefixMatch
+from warmfleet.server.router.core.node_tiers import NodeFeed, node_key
+from warmfleet.server.router.core.policy import PREFIX_HIT, Candidate, PolicyConfig, choose
+from warmfleet.server.router.core.settings import RouterSettings, parse_node_tier_events
+
+import pytest
+
+B = 16
+H = [bytes([i]) * 32 for i in range(8)]
+NODE_A = node_key("node-a")
+
+
+def stored(hashes, medium=NODE):
+    return BlockStored(list(hashes), None, [], B, medium)
+
+
+def test_a_node_tier_syncs_from_a_batch_led_by_all_blocks_cleared_and_skips_gaps_until_the_next_one():
+    idx = KVIndex()
+    assert idx.apply_batch(NODE_A, EventBatch(NODE_A, 7, [stored(H[:2])]), self_syncing=True) is Applied.BUFFERED
+    state = EventBatch(NODE_A, 8, [AllBlocksCleared(), stored(H[:3]), EncoderStored(["img"])])
+    assert idx.apply_batch(NODE_A, state, self_syncing=True) is Applied.OK
+    assert idx.match(H[:4], [NODE_A])[NODE_A] == PrefixMatch(0, 0, 3)
+    assert idx.apply_batch(NODE_A, EventBatch(NODE_A, 9, [BlockRemoved([H[2]], NODE)]), self_syncing=True) is Applied.OK
+    assert idx.apply_batch(NODE_A, EventBatch(NODE_A, 11, [stored(H[5:6])]), self_syncing=True) is Applied.NEED_RESYNC
+    # it restarted: seq 1, empty; that replaces what the index knew, encoder outputs included
+    assert idx.apply_batch(NODE_A, EventBatch(NODE_A, 1, [AllBlocksCleared()]), self_syncing=True) is Applied.OK
+    assert idx.match(H[:2], [NODE_A])[NODE_A] == PrefixMatch(0, 0, 0) and not idx.encoder_hits(NODE_A, ["img"])
+    # a replica's own batches never self-sync: it has an HTTP snapshot
+    assert idx.apply_batch("r", EventBatch("r", 4, [AllBlocksCleared()])) is Applied.BUFFERED
+
+
+def test_a_replica_snapshot_names_its_node_and_a_feed_purges_on_disconnect():
+    idx = KVIndex()
+    snap = Snapshot("r0", 3, B, "fp", [H[0]], [], [], node="node-a")
+    assert Snapshot.from_json(snap.to_json()).node == "node-a"
+    idx.apply_snapshot("r0", snap)
+    assert idx.replicas["r0"].node_name == "node-a"
+    feed = NodeFeed("tcp://127.0.0.1:1", idx)
+    from warmfleet.server.events import encode
+
+    feed.on_frames(encode(EventBatch(NODE_A, 1, [AllBlocksCleared(), stored(H[:2])])))
+    feed.on_frames([b"junk"])
+    feed.on_frames(encode(EventBatch("r9", 1, [stored(H[:1], GPU)])))  # not a node tier's topic
+    assert feed.keys == {NODE_A} and feed.bad_batches == 2
+    assert idx.match(H[:2], [NODE_A])[NODE_A].node_blocks == 2
+    feed.on_disconnect()
+    assert idx.match(H[:2], [NODE_A])[NODE_A].blocks == 0
+
+
+def test_tiers_order_local_primary_then_swap_then_node_then_cold():
+    cands = [Candidate("cold"), Candidate("node", node_blocks=6), Candidate("cpu", cpu_blocks=6),
+             Candidate("gpu", gpu_blocks=6)]
+    d = choose(cands, block_size=B, num_prompt_tokens=8 * B, cold_key=b"k", cfg=PolicyConfig(common_prefix_free=False))
+    assert d.order == ["gpu", "cpu", "node", "cold"] and d.reason == PREFIX_HIT
+    assert d.hits["node"] == 6 * B
+
+
+def test_a_prefix_only_the_node_tier_holds_spreads_over_the_nodes_replicas():
+    """Four replicas of one node, every one able to load the 32-block prefix from the node tier: load decides."""
+    loads = Counter()
+    for i in range(200):
+        cands = [Candidate(f"r{j}", node_blocks=32, load=loads[f"r{j}"]) for j in range(4)]
+        d = choose(cands, block_size=B, num_prompt_tokens=33 * B, cold_key=b"k")
+        loads[d.order[0]] += 1
+        assert d.predicted_cached_tokens == 32 * B
+    assert max(loads.values()) - min(loads.values()) <= 1
+    # the same prefix in one replica's primary pool alone ties requests to it (within the warm slack)
+    first = Counter(choose([Candidate("warm", gpu_blocks=32)] + [Candidate(f"c{j}") for j in range(3)],
+                           block_size=B, num_prompt_tokens=33 * B, cold_key=b"k").order[0] for _ in range(5))
+    assert first == {"warm": 5}
+
+
+def test_node_tier_flags():
+    assert parse_node_tier_events("node-tier.ns.svc:5560") == ("node-tier.ns.svc", 5560)
+    with pytest.raises(ValueError, match="--node-tier-events"):
+        RouterSettings(model="/m", node_tier_events=["nohost"])
+    with pytest.raises(ValueError, match="--node-tier-weight"):
+        from warmfleet.server.router.core.settings import PolicyConfig as P
+
+        P(node_weight=2.0)
