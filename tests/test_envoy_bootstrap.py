@@ -18,6 +18,7 @@ VARIANTS = {
     "original-dst": GatewayConfig(lb="original-dst"),
     "original-dst-fail-open": GatewayConfig(lb="original-dst", endpoints=POOL, failure_mode_allow=True),
     "buffered": GatewayConfig(endpoints=POOL, request_body_mode="BUFFERED", response_body_mode="BUFFERED"),
+    "epp-plaintext": GatewayConfig(endpoints=POOL, epp_tls=False),
 }
 
 
@@ -85,3 +86,38 @@ def test_the_command_prints_the_builders_bootstrap(tmp_path):
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=60, check=True).stdout
     want = bootstrap(GatewayConfig(epp="10.0.0.2:9002", endpoints=POOL, failure_mode_allow=True, listen_port=8081))
     assert json.loads(out) == want
+
+
+def test_the_gateway_speaks_tls_to_the_epp_unless_told_plaintext():
+    tls = cluster(bootstrap(GatewayConfig(endpoints=POOL)), "epp")["transport_socket"]
+    assert tls["name"] == "envoy.transport_sockets.tls"
+    common = tls["typed_config"]["common_tls_context"]
+    assert common == {"alpn_protocols": ["h2"]}  # the self-signed certificate: not verified, no client certificate
+    assert "transport_socket" not in cluster(bootstrap(GatewayConfig(endpoints=POOL, epp_tls=False)), "epp")
+    mtls = cluster(bootstrap(GatewayConfig(endpoints=POOL, epp_ca_file="/ca.crt", epp_client_cert_file="/c.crt",
+                                           epp_client_key_file="/c.key")), "epp")["transport_socket"]
+    common = mtls["typed_config"]["common_tls_context"]
+    assert common["validation_context"] == {"trusted_ca": {"filename": "/ca.crt"}}
+    assert common["tls_certificates"] == [{"certificate_chain": {"filename": "/c.crt"},
+                                           "private_key": {"filename": "/c.key"}}]
+    with pytest.raises(ValueError, match="go together"):
+        bootstrap(GatewayConfig(endpoints=POOL, epp_client_cert_file="/c.crt"))
+    with pytest.raises(ValueError, match="contradicts"):
+        bootstrap(GatewayConfig(endpoints=POOL, epp_tls=False, epp_ca_file="/ca.crt"))
+
+
+def test_request_ids_are_kept_made_and_returned():
+    h = hcm(bootstrap(GatewayConfig(endpoints=POOL)))
+    assert h["preserve_external_request_id"] is True and h["always_set_request_id_in_response"] is True
+    assert h.get("generate_request_id", True) is not False
+
+
+def test_the_command_takes_the_tls_flags(tmp_path):
+    cmd = [sys.executable, "-P", "-m", "warmfleet.cli", "envoy-bootstrap", "--endpoint", POOL[0],
+           "--epp-ca-file", "/ca.crt", "--epp-client-cert-file", "/c.crt", "--epp-client-key-file", "/c.key"]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=60, check=True).stdout
+    assert json.loads(out) == bootstrap(GatewayConfig(endpoints=[POOL[0]], epp_ca_file="/ca.crt",
+                                                      epp_client_cert_file="/c.crt", epp_client_key_file="/c.key"))
+    plain = [sys.executable, "-P", "-m", "warmfleet.cli", "envoy-bootstrap", "--endpoint", POOL[0], "--epp-plaintext"]
+    out = subprocess.run(plain, cwd=tmp_path, capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "transport_socket" not in cluster(json.loads(out), "epp")
