@@ -57,7 +57,8 @@ def test_template_objects_validate_against_kubernetes_schemas(helm):
     docs = template(helm, "metrics.dashboard.enabled=true", "operator.watchNamespaces={ml,research}", "operator.verbose=true")
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == sorted(["CustomResourceDefinition", "ServiceAccount", "ClusterRole", "ClusterRole", "ClusterRoleBinding",
-                            "ClusterRoleBinding", "Deployment", "ConfigMap", "NetworkPolicy"])
+                            "ClusterRoleBinding", "Deployment", "ConfigMap", "NetworkPolicy",
+                            "PodDisruptionBudget", "Role", "RoleBinding", "Service"])  # the last four: leader election
     for d in docs:
         kv.validate(d, K8S_VERSION, strict=True)
 
@@ -106,7 +107,7 @@ def test_operator_deployment_is_hardened(helm):
     (dep,) = [d for d in template(helm) if d["kind"] == "Deployment"]
     pod = dep["spec"]["template"]["spec"]
     c = pod["containers"][0]
-    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"]["type"] == "Recreate"
+    assert dep["spec"]["replicas"] == 2 and dep["spec"]["strategy"]["type"] == "RollingUpdate"  # leader election
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
@@ -131,6 +132,46 @@ def test_operator_pod_takes_no_ingress(helm):
     assert pol["spec"]["podSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"] == dep["spec"]["template"]["metadata"]["labels"]
     assert pol["spec"]["policyTypes"] == ["Ingress"] and not pol["spec"].get("ingress")  # no rule: nothing may connect
     assert not [d for d in template(helm, "networkPolicy.enabled=false") if d["kind"] == "NetworkPolicy"]
+
+
+def test_operator_replicas_elect_a_leader_survive_drains_and_are_scraped(helm):
+    """operator.replicas (default 2) run with --leader-election on the Lease `<fullname>-operator`, the pods' names
+    as identities; a rolling update (never Recreate); a PDB and soft anti-affinity above 1 replica; a Role that may
+    create Leases and get/update only that one; /metrics behind a Service the operator's ServiceMonitor selects,
+    reachable through the NetworkPolicy only when the ServiceMonitor is on."""
+    docs = template(helm)
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    assert "--leader-election" in c["args"] and "--lease-name=wf-warmfleet-operator" in c["args"]
+    env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in c["env"]}
+    assert env["POD_NAME"] == "metadata.name" and env["POD_NAMESPACE"] == "metadata.namespace"
+    assert dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    selector = dep["spec"]["selector"]["matchLabels"]
+    (pdb,) = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+    assert pdb["spec"]["selector"]["matchLabels"] == selector and pdb["spec"]["maxUnavailable"] == 1
+    anti = dep["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert anti[0]["podAffinityTerm"]["labelSelector"]["matchLabels"] == selector
+    (role,) = [d for d in docs if d["kind"] == "Role"]
+    assert role["metadata"]["namespace"] == dep["metadata"]["namespace"]
+    assert [(r["verbs"], r.get("resourceNames")) for r in role["rules"]] == [
+        (["create"], None), (["get", "update"], ["wf-warmfleet-operator"])]
+    assert all(r["apiGroups"] == ["coordination.k8s.io"] and r["resources"] == ["leases"] for r in role["rules"])
+    (binding,) = [d for d in docs if d["kind"] == "RoleBinding"]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"][0]["name"] == dep["spec"]["template"]["spec"]["serviceAccountName"]
+    (svc,) = [d for d in docs if d["kind"] == "Service"]
+    assert svc["spec"]["selector"] == selector and svc["spec"]["ports"][0]["targetPort"] == "health"
+    assert {p["name"] for p in c["ports"]} == {"health"}
+    single = template(helm, "operator.replicas=1")
+    assert not [d for d in single if d["kind"] == "PodDisruptionBudget"]
+    (dep1,) = [d for d in single if d["kind"] == "Deployment"]
+    assert dep1["spec"]["replicas"] == 1 and "affinity" not in dep1["spec"]["template"]["spec"]
+    on = template(helm, "metrics.serviceMonitor.enabled=true")
+    (sm,) = [d for d in on if d["kind"] == "ServiceMonitor" and d["metadata"]["name"].endswith("-operator")]
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert sm["spec"]["endpoints"][0]["port"] == svc["spec"]["ports"][0]["name"] == "metrics"
+    (pol,) = [d for d in on if d["kind"] == "NetworkPolicy"]
+    assert pol["spec"]["ingress"] == [{"ports": [{"port": "health", "protocol": "TCP"}]}]
 
 
 def test_rbac_covers_exactly_what_the_operator_writes(helm):
@@ -235,7 +276,7 @@ def test_service_monitor_scrapes_every_metrics_port(helm):
 
     assert not [d for d in template(helm) if d["kind"] == "ServiceMonitor"]
     (sm,) = [d for d in template(helm, "metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.interval=15s")
-             if d["kind"] == "ServiceMonitor"]
+             if d["kind"] == "ServiceMonitor" and not d["metadata"]["name"].endswith("-operator")]
     assert sm["apiVersion"] == "monitoring.coreos.com/v1" and sm["spec"]["namespaceSelector"] == {"any": True}
     scraped = {e["port"] for e in sm["spec"]["endpoints"]}
     assert all(e["path"] == "/metrics" and e["interval"] == "15s" for e in sm["spec"]["endpoints"])
@@ -283,7 +324,8 @@ def test_service_monitor_gives_targets_the_labels_the_dashboard_filters_on(helm)
     def meta(label: str) -> str:
         return "__meta_kubernetes_service_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", label)
 
-    (sm,) = [d for d in template(helm, "metrics.serviceMonitor.enabled=true") if d["kind"] == "ServiceMonitor"]
+    (sm,) = [d for d in template(helm, "metrics.serviceMonitor.enabled=true")
+             if d["kind"] == "ServiceMonitor" and not d["metadata"]["name"].endswith("-operator")]
     dashboard = json.loads((CHART / "files" / "dashboard.json").read_text())
     (service_var,) = [v for v in dashboard["templating"]["list"] if v["name"] == "service"]
     for endpoint in sm["spec"]["endpoints"]:
@@ -349,7 +391,10 @@ def test_operator_pod_can_be_shaped(helm, tmp_path):
         assert pod[key] == op[key], key
     assert meta["annotations"] == op["podAnnotations"]
     assert meta["labels"]["team"] == "ml-platform" and meta["labels"] == {**dep["spec"]["selector"]["matchLabels"], "team": "ml-platform"}
-    assert c["env"] == [{"name": "HOME", "value": "/tmp"}, *op["extraEnv"]] and c["envFrom"] == op["extraEnvFrom"]
+    assert c["env"] == [{"name": "HOME", "value": "/tmp"},
+                        *({"name": n, "valueFrom": {"fieldRef": {"fieldPath": f}}}  # leader election's identity
+                          for n, f in (("POD_NAME", "metadata.name"), ("POD_NAMESPACE", "metadata.namespace"))),
+                        *op["extraEnv"]] and c["envFrom"] == op["extraEnvFrom"]
     assert [v["name"] for v in pod["volumes"]] == ["tmp", "ca"] and pod["volumes"][1] == op["volumes"][0]
     assert c["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}, *op["volumeMounts"]]
     for kind, quantities in op["resources"].items():  # merged over the chart's defaults (ephemeral-storage stays)
