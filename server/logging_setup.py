@@ -1,6 +1,7 @@
 """Structured logging for every warmfleet process: one JSON object (or key=value line) per record.
 
-`log.info("msg", extra={"fields": {...}})` adds keys; uvicorn access records become fields.
+`log.info("msg", extra={"fields": {...}})` adds keys; uvicorn access records become fields; a record written
+while a request is served carries its request_id and trace_id (tracing.py).
 The format comes from the caller or WARMFLEET_LOG_FORMAT (json | text); the default is json.
 """
 
@@ -12,6 +13,8 @@ import os
 import sys
 import time
 from typing import Any, Optional
+
+from .tracing import log_fields
 
 _ACCESS_FIELDS = ("client", "method", "path", "http_version", "status")
 # Probes and scrapes answered 200 are noise at info level (kubelets, routers and Prometheus poll them
@@ -47,6 +50,7 @@ class StructuredFormatter(logging.Formatter):
         }
         if record.name == "uvicorn.access" and isinstance(record.args, tuple) and len(record.args) == 5:
             d.update(zip(_ACCESS_FIELDS, record.args))
+        d.update(log_fields() or ())  # the request's ids, inside one (tracing.bind)
         d.update(getattr(record, "fields", None) or {})
         if record.exc_info:
             d["exc"] = self.formatException(record.exc_info)

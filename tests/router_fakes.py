@@ -81,6 +81,7 @@ class FakeReplica:
         self.gpu: list[bytes] = []
         self.seq = 0
         self.received: list[dict] = []
+        self.headers_seen: list[dict] = []  # the headers of each generate request (trace context, request id)
         self.running = self.waiting = 0  # load figures its /metrics reports
         self.gate: Optional[asyncio.Event] = None  # when set, every request waits for it
         self.health_script: list[str] = []  # answers for the next health checks: "slow" (past the timeout) or "503"
@@ -150,6 +151,7 @@ class FakeReplica:
         async def generate(request: Request):
             body = await request.json()
             self.received.append(body)
+            self.headers_seen.append(dict(request.headers))
             if self.gate is not None:
                 await self.gate.wait()
             mode = self.failures.take()
@@ -182,6 +184,12 @@ class FakeReplica:
                 yield b"data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+        @app.post("/tokenize")
+        async def tokenize(request: Request):
+            self.headers_seen.append(dict(request.headers))
+            return JSONResponse({"tokens": [1]}, headers={**headers, "x-request-id": request.headers.get("x-request-id",
+                                                                                                        "")})
 
         app.post("/v1/chat/completions")(generate)
         app.post("/v1/completions")(generate)

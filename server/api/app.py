@@ -13,6 +13,7 @@ from ..config import EngineConfig
 from ..engine.protocol import EngineClient
 from ..tokenizer import ChatTemplateError
 from .. import rendering
+from .. import tracing
 from . import errors
 from .errors import APIError, bad_request
 from .metrics import CONTENT_TYPE
@@ -250,7 +251,9 @@ async def _healthy(engine: EngineClient) -> bool:
 
 
 class ResponseObserver:
-    """ASGI middleware: stamps every response with the replica id and counts error statuses."""
+    """ASGI middleware: stamps every response with the replica id and its request id (the client's `x-request-id`,
+    or one made here), binds that id and the `traceparent`'s trace id to the request's log records (tracing.py),
+    and counts error statuses."""
 
     def __init__(self, app: Any, replica_id: str, state: ServerState):
         self.app = app
@@ -263,10 +266,19 @@ class ResponseObserver:
             return
 
         count = scope.get("path") not in _PROBES
+        given = parent = None
+        for name, value in scope["headers"]:
+            if name == b"x-request-id" and given is None:
+                given = value.decode("latin-1")
+            elif name == b"traceparent" and parent is None:
+                parent = value.decode("latin-1")
+        rid = tracing.request_id(given)
+        tracing.bind(rid, parent)
+        stamp = (self.header, (b"x-request-id", rid.encode()))
 
         async def send_with_header(message: dict) -> None:
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), self.header]}
+                message = {**message, "headers": [*message.get("headers", []), *stamp]}
                 if count and message["status"] >= 400:
                     self.state.metrics.error(message["status"])
             await send(message)

@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response
 
+from ... import tracing
 from ...bodies import BodyTooLarge, read_capped
 from ..core.admission import request_limits
 from ..core.errors import Refusal
@@ -43,6 +44,16 @@ async def receive_capped(receive, declared: Optional[bytes], limit: int) -> Opti
         chunks.append(chunk)
         if not message.get("more_body", False):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+TRACE_HEADERS = frozenset(h.encode() for h in tracing.HEADERS)
+
+
+def with_request_id(resp: Response, rid: str) -> Response:
+    """`resp` carrying `x-request-id` (the replica's echo if it sent one, else `rid`)."""
+    if not any(k == b"x-request-id" for k, _ in resp.raw_headers):
+        resp.raw_headers.append((b"x-request-id", rid.encode()))
+    return resp
 
 
 class Frontend:
@@ -90,11 +101,14 @@ class Frontend:
         """A cache-routed POST in raw ASGI: `respond` holding the client's slot (as `admit` does) until the response
         has been sent, streams included, without Starlette's Request object or a background task."""
         auth = declared = None
+        trace: dict = {}
         for name, value in scope["headers"]:  # ASGI header names are lower-case
             if name == b"authorization":
                 auth = auth if auth is not None else value.decode("latin-1")
             elif name == b"content-length":
                 declared = declared if declared is not None else value
+            elif name in TRACE_HEADERS:
+                trace.setdefault(name.decode(), value.decode("latin-1"))
         try:
             raw = await receive_capped(receive, declared, self.max_request_bytes)
         except BodyTooLarge as exc:
@@ -102,17 +116,24 @@ class Frontend:
         if raw is None:  # the client left before its body arrived: nobody to answer
             return None
         peer = scope.get("client")
-        resp, slot = await self.respond(scope["path"], kind, raw, auth, peer[0] if peer else "unknown")
+        resp, slot = await self.respond(scope["path"], kind, raw, auth, peer[0] if peer else "unknown", trace)
         try:
             await resp(scope, receive, send)
         finally:
             if slot is not None:
                 self.limiter.release(slot)
 
-    async def respond(self, path: str, kind: str, raw: bytes, auth: Optional[str],
-                      host: str) -> tuple[Response, Optional[str]]:
+    async def respond(self, path: str, kind: str, raw: bytes, auth: Optional[str], host: str,
+                      trace: Optional[dict] = None) -> tuple[Response, Optional[str]]:
         """The answer to a cache-routed POST whose body has been read, and the client slot it holds (None: none
-        taken); the caller releases the slot once the answer's last byte is sent (`limiter.release`)."""
+        taken); the caller releases the slot once the answer's last byte is sent (`limiter.release`). `trace`: the
+        request's trace headers (tracing.HEADERS), passed upstream; the answer carries its `x-request-id`."""
+        forward = tracing.forwarded(trace or {})
+        resp, slot = await self._respond(path, kind, raw, auth, host, forward)
+        return with_request_id(resp, forward[tracing.REQUEST_ID]), slot
+
+    async def _respond(self, path: str, kind: str, raw: bytes, auth: Optional[str], host: str,
+                       forward: dict) -> tuple[Response, Optional[str]]:
         parsed = parse_json_object(raw)
         if isinstance(parsed, Response):
             return parsed, None
@@ -125,9 +146,9 @@ class Frontend:
         try:
             tenants = self.tenants.enabled
             # the client's bytes go upstream as they came unless the router rewrote the body (tenant salt)
-            resp = await proxy.forward(path, kind, parsed,
-                                                     {"authorization": auth} if auth and not tenants else {},
-                                                     None if tenants else raw)
+            if auth and not tenants:
+                forward["authorization"] = auth
+            resp = await proxy.forward(path, kind, parsed, forward, None if tenants else raw)
         except BaseException:
             self.limiter.release(client)
             raise
@@ -141,8 +162,10 @@ class Frontend:
                 raw = await read_capped(request, self.max_request_bytes)
             except BodyTooLarge as exc:
                 return error_response(413, str(exc), "invalid_request_error")
-        return await self.admit(request, lambda: self.state["proxy"].forward_plain(
-            method, path, raw, self.client_headers(request)))
+        forward = tracing.forwarded({k: request.headers[k] for k in tracing.HEADERS if k in request.headers})
+        resp = await self.admit(request, lambda: self.state["proxy"].forward_plain(
+            method, path, raw, {**self.client_headers(request), **forward}))
+        return with_request_id(resp, forward[tracing.REQUEST_ID])
 
 
 # route name → (method, path, request kind): chat and completions are routed by cache (FastPath serves them

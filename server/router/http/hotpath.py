@@ -28,7 +28,7 @@ from starlette.responses import StreamingResponse
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from ...api.deadlines import deadline_protocol
-from .app import FAST_PATHS, Frontend
+from .app import FAST_PATHS, TRACE_HEADERS, Frontend
 from .transport import CoalescingTransport
 
 log = logging.getLogger(__name__)
@@ -52,11 +52,12 @@ _NO_WAITERS = _NoWaiters()
 class HotRequest:
     """One hot-route request on a connection: what uvicorn's protocol reads of a cycle, plus the parsed request."""
 
-    __slots__ = ("path", "kind", "auth", "body", "keep_alive", "message_event", "disconnected",
+    __slots__ = ("path", "kind", "auth", "trace", "body", "keep_alive", "message_event", "disconnected",
                  "response_started", "response_complete", "streaming")
 
-    def __init__(self, path: str, kind: str, auth: Optional[str], keep_alive: bool):
+    def __init__(self, path: str, kind: str, auth: Optional[str], keep_alive: bool, trace: dict):
         self.path, self.kind, self.auth, self.keep_alive = path, kind, auth, keep_alive
+        self.trace = trace  # the request's trace headers (tracing.HEADERS) by name
         self.body = bytearray()
         self.message_event = _NO_WAITERS  # set by uvicorn's connection_lost
         self.disconnected = False
@@ -97,6 +98,7 @@ class HotPathProtocol(HttpToolsProtocol):
             return None
         path, kind = target
         auth, length = None, None
+        trace: dict = {}
         for name, value in self.headers:  # lower-cased by on_header
             if name in _FALLBACK_HEADERS:
                 return None
@@ -104,10 +106,12 @@ class HotPathProtocol(HttpToolsProtocol):
                 auth = value.decode("latin-1")
             elif name == b"content-length" and length is None:
                 length = value
+            elif name in TRACE_HEADERS:
+                trace.setdefault(name.decode(), value.decode("latin-1"))
         if length is None or not length.isdigit() or int(length) > self.frontend.max_request_bytes:
             return None  # the ASGI path answers 411-less bodies and the 413 before buffering
         keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
-        return HotRequest(path, kind, auth, keep_alive)
+        return HotRequest(path, kind, auth, keep_alive, trace)
 
     def on_body(self, body: bytes) -> None:
         hot = self.cycle
@@ -127,7 +131,8 @@ class HotPathProtocol(HttpToolsProtocol):
         client_addr = self.client[0] if self.client else "unknown"
         started = False
         try:
-            resp, slot = await self.frontend.respond(hot.path, hot.kind, bytes(hot.body), hot.auth, client_addr)
+            resp, slot = await self.frontend.respond(hot.path, hot.kind, bytes(hot.body), hot.auth, client_addr,
+                                                     hot.trace)
             try:
                 started = True
                 await self._write(hot, resp)
