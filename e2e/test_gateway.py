@@ -155,9 +155,9 @@ def test_gateway_mode_objects_are_accepted_and_status_says_pool_and_epp_ready(
     epp = get(c, namespace, "deployment", f"{NAME}-epp")
     assert epp["spec"]["replicas"] == 2 and (epp.get("status") or {}).get("readyReplicas") == 2
     (ctr,) = epp["spec"]["template"]["spec"]["containers"]
-    assert ctr["args"][0] == "epp" and ctr["readinessProbe"]["grpc"] == {"port": 9002, "service": "readiness"}
+    assert ctr["args"][0] == "epp" and ctr["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     svc_epp = get(c, namespace, "service", f"{NAME}-epp")
-    assert {p["name"]: p.get("appProtocol") for p in svc_epp["spec"]["ports"]} == {"grpc": "kubernetes.io/h2c", "http": None}
+    assert {p["name"]: p.get("appProtocol") for p in svc_epp["spec"]["ports"]} == {"grpc": "http2", "http": None}
     assert get(c, namespace, "poddisruptionbudget", f"{NAME}-epp") is not None
     assert get(c, namespace, "deployment", f"{NAME}-router") is None and get(c, namespace, "service", NAME) is None
 

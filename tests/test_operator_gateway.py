@@ -4,6 +4,7 @@ the EPP's flags against EppSettings, pruning when the mode changes, and the cond
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -107,7 +108,7 @@ def test_router_and_picker_pods_sleep_in_prestop_and_drain_within_their_grace():
             assert pod["terminationGracePeriodSeconds"] > sleep
 
 
-def test_epp_pod_follows_the_router_conventions_with_grpc_probes():
+def test_epp_pod_follows_the_router_conventions_with_http_probes():
     body = gw_service(router={"apiKeySecret": {"name": "keys"}})
     items = render(body, NODES, IMAGES)
     epp = one(items, "Deployment", "qwen-epp")
@@ -116,8 +117,10 @@ def test_epp_pod_follows_the_router_conventions_with_grpc_probes():
     pod, rpod = epp["spec"]["template"]["spec"], router["spec"]["template"]["spec"]
     (c,), (rc,) = pod["containers"], rpod["containers"]
     assert c["image"] == "slim:1" and c["command"] == ["warmfleet"] and c["args"][0] == "epp"
-    assert c["readinessProbe"]["grpc"] == {"port": GRPC_PORT, "service": "readiness"}
-    assert c["livenessProbe"]["grpc"] == {"port": GRPC_PORT, "service": "liveness"}
+    # the kubelet's gRPC probes speak no TLS, and the picker's gRPC port is TLS: the side port's /ready and /health
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert "grpc" not in json.dumps(c["readinessProbe"]) + json.dumps(c["livenessProbe"])
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": GRPC_PORT, "http": EPP_HTTP_PORT}
     for key in ("resources", "securityContext", "env", "volumeMounts"):
         assert c[key] == rc[key], key

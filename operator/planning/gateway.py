@@ -56,14 +56,15 @@ def epp_args(owner: objects.Owner, spec: InferenceServiceSpec) -> list[str]:
 
 
 def epp_deployment(owner: objects.Owner, spec: InferenceServiceSpec, image: str) -> dict[str, Any]:
-    """The endpoint picker's Deployment: the router's pod (front_door_deployment) running `warmfleet epp`, with gRPC
-    probes on the health services the EPP serves beside ext_proc."""
+    """The endpoint picker's Deployment: the router's pod (front_door_deployment) running `warmfleet epp`, with HTTP
+    probes on its side port (/ready: a replica is routable, as the gRPC readiness service says): the kubelet's gRPC
+    probes speak no TLS, and the gRPC port serves only TLS."""
     return router_objects.front_door_deployment(owner, spec, image, router_objects.FrontDoorPod(
         name=names(owner)["epp"], component="epp", command=[EPP_COMMAND[0], *epp_args(owner, spec)],
         ports=[{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
                {"name": "http", "containerPort": EPP_HTTP_PORT, "protocol": "TCP"}],
-        probes={"readinessProbe": {"grpc": {"port": GRPC_PORT, "service": "readiness"}, "periodSeconds": 5},
-                "livenessProbe": {"grpc": {"port": GRPC_PORT, "service": "liveness"}, "periodSeconds": 10,
+        probes={"readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5},
+                "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
                                   "failureThreshold": 3}},
     ))
 
