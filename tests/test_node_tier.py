@@ -137,3 +137,22 @@ def test_evicted_blocks_go_to_the_node_tier_and_a_dead_tier_costs_a_recompute(ti
     out = a.generate([PROMPT], GREEDY)[0]
     assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == reference
     assert a.stats().node_failures >= 1
+
+
+def test_an_image_encoded_by_one_engine_is_not_encoded_again_by_another(tiny_vl_dir, node_tier):
+    from warmfleet.server.tiny_checkpoints.images import data_uri, image_bytes
+
+    def conv(text):
+        return [{"role": "user", "content": [{"type": "text", "text": text},
+                                             {"type": "image_url", "image_url": {"url": data_uri(image_bytes(112, 168, seed=5))}},
+                                             {"type": "text", "text": "What is it?"}]}]
+
+    cold = LLM(str(tiny_vl_dir), block_size=16, num_gpu_blocks=256, enable_prefix_caching=False, max_encoder_cache=0)
+    ref = cold.chat(conv("Another tenant's words come first. "), GREEDY)[0].outputs[0].token_ids
+    a = LLM(str(tiny_vl_dir), block_size=16, num_gpu_blocks=256, node_tier=node_tier.address)
+    a.chat(conv("Describe the picture below. "), GREEDY)
+    assert a.engine.node.flush()
+    b = LLM(str(tiny_vl_dir), block_size=16, num_gpu_blocks=256, node_tier=node_tier.address)
+    out = b.chat(conv("Another tenant's words come first. "), GREEDY)[0]  # no KV in common before the image
+    assert out.outputs[0].token_ids == ref
+    assert b.stats().node_encoder_hits == 1

@@ -99,6 +99,8 @@ class EngineStatsCollector(Collector):
                       s.node_in_blocks)
         yield counter("warmfleet:node_tier_out_blocks", "KV blocks handed to the node tier (computed here, or evicted from the primary pool).",
                       s.node_out_blocks)
+        yield counter("warmfleet:node_tier_encoder_hits", "Images whose vision-encoder output the node tier served.",
+                      s.node_encoder_hits)
         yield counter("warmfleet:node_tier_failures", "Node-tier calls that failed or timed out (each a miss: "
                       "recomputed).", s.node_failures)
         yield counter("vllm:num_preemptions", "Requests preempted for lack of KV blocks.", s.preemptions)

@@ -248,6 +248,13 @@ class CpuPagedAttention:
         if not ids:
             return []
         num_kv, slots, head_dim = caches[0].key.shape
+        views = [_host_view(t) for c in caches for t in (c.key, c.value)]
+        if all(v is not None for v in views):  # host float32: numpy slices of the cache's own memory
+            idx = np.asarray(ids, dtype=np.int64)
+            blocks = np.empty((len(ids), len(views), num_kv, block_size, head_dim), dtype=np.float32)
+            for j, v in enumerate(views):  # one gather per layer's K or V, straight into the blocks' order
+                blocks[:, j] = v.reshape(num_kv, slots // block_size, block_size, head_dim)[:, idx].transpose(1, 0, 2, 3)
+            return [b.tobytes() for b in blocks]
         rows = paddle.to_tensor(_head_rows(_block_slots(ids, block_size), num_kv, slots))
         wire = "float32" if caches[0].key.dtype == paddle.bfloat16 else None
         per_layer = []
@@ -268,6 +275,12 @@ class CpuPagedAttention:
         wire = np.float32 if dtype == paddle.bfloat16 else np.dtype(str(dtype).replace("paddle.", ""))
         n = len(ids)
         arr = np.frombuffer(b"".join(data), dtype=wire).reshape(n, len(caches) * 2, num_kv, block_size, head_dim)
+        views = [_host_view(t) for c in caches for t in (c.key, c.value)]
+        if all(v is not None for v in views):  # host float32: written in place through numpy views
+            idx = np.asarray(ids, dtype=np.int64)
+            for j, v in enumerate(views):
+                v.reshape(num_kv, slots // block_size, block_size, head_dim)[:, idx] = arr[:, j].transpose(1, 0, 2, 3)
+            return
         rows = paddle.to_tensor(_head_rows(_block_slots(ids, block_size), num_kv, slots))
         for i, c in enumerate(caches):
             for j, t in enumerate((c.key, c.value)):

@@ -210,6 +210,7 @@ class EngineCore:
             prefix_hits_tokens_cpu=kv.num_hit_tokens_cpu, prefix_hits_tokens_node=kv.num_hit_tokens_node,
             node_in_blocks=p.counters.node_in_blocks, node_out_blocks=p.counters.node_out_blocks,
             node_failures=self.node.counters.failures if self.node is not None else 0,
+            node_encoder_hits=self.runner.node_encoder_hits,
             swap_in_blocks=p.counters.swap_in_blocks,
             swap_out_blocks=p.counters.swap_out_blocks, preemptions=self.scheduler.num_preemptions,
             kv_events_dropped=self.publisher.num_dropped if self.publisher is not None else 0,

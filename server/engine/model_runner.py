@@ -66,6 +66,7 @@ class ModelRunner:
         self.lora = None  # models/lora.py LoraState when the engine serves adapters
         self.node = None  # nodetier.client.NodeTierClient when the node tier is on: evicted blocks go there
         self.node_layout = ""  # attention.interface.wire_layout of the blocks it reads out
+        self.node_encoder_hits = 0  # images whose encoder output the node tier served
 
     # ---- swap tier ------------------------------------------------------------------------
     def apply_swaps(self, plan: SwapPlan) -> None:
@@ -86,6 +87,25 @@ class ModelRunner:
         if plan.node_in:
             g, data = zip(*plan.node_in)
             self.backend.write_blocks(self.caches, g, data, bs)
+
+    # ---- node tier: encoder outputs -------------------------------------------------------
+    def _node_embedding(self, mm_hash: str, num_rows: int) -> Optional[paddle.Tensor]:
+        """The node tier's encoder output of `mm_hash` ([num_rows, hidden] in the model's dtype), or None (a miss,
+        a failure, or bytes of another shape: the encoder runs)."""
+        hidden = int(self.model.hidden_size)
+        wire = "float32" if self.layout.dtype == "bfloat16" else self.layout.dtype
+        got = self.node.get("enc", [mm_hash], _enc_layout(wire, hidden))
+        if not got or len(got[0]) != num_rows * hidden * np.dtype(wire).itemsize:
+            return None
+        self.node_encoder_hits += 1
+        emb = paddle.to_tensor(np.frombuffer(got[0], dtype=wire).reshape(num_rows, hidden))
+        return emb.astype(self.layout.dtype) if wire != self.layout.dtype else emb
+
+    def _put_embedding(self, mm_hash: str, emb: paddle.Tensor) -> None:
+        wire = "float32" if self.layout.dtype == "bfloat16" else self.layout.dtype
+        rows = emb.astype(wire).numpy() if wire != self.layout.dtype else emb.numpy()
+        self.node.put_async([{"kind": "enc", "key": mm_hash, "layout": _enc_layout(wire, int(rows.shape[-1])),
+                              "data": rows.tobytes()}])
 
     # ---- forward --------------------------------------------------------------------------
     @paddle.no_grad()
@@ -153,6 +173,10 @@ class ModelRunner:
         misses = []
         for sl in slices:
             hit = cache.lookup(sl.mm_hash) if cache is not None else None
+            if hit is None and self.node is not None:
+                hit = self._node_embedding(sl.mm_hash, r.mm_placeholders[sl.index].length)
+                if hit is not None and cache is not None:
+                    cache.store(sl.mm_hash, hit, int(hit.shape[0]))
             if hit is not None:
                 embs[sl.index] = hit
             else:
@@ -164,10 +188,17 @@ class ModelRunner:
                 embs[i] = emb
                 if cache is not None:
                     cache.store(r.mm_placeholders[i].mm_hash, emb, int(emb.shape[0]))
+                if self.node is not None:
+                    self._put_embedding(r.mm_placeholders[i].mm_hash, emb)
         if cache is not None:
             for sl in slices:
                 cache.pin(r.request_id, sl.mm_hash)
         return [(row + sl.dst[0], embs[sl.index][sl.rows[0]:sl.rows[1]]) for sl in slices]
+
+
+def _enc_layout(emb_dtype: str, hidden: int) -> str:
+    """Names the bytes of one image's encoder output in the node tier: [rows, hidden] of `emb_dtype`."""
+    return f"enc1:{emb_dtype}:{hidden}"
 
 
 def kv_layout(model, block_size: int, dtype: str) -> KVLayout:

@@ -45,6 +45,7 @@ class EngineStats:
     node_in_blocks: int = 0  # blocks loaded from the node tier
     node_out_blocks: int = 0  # blocks handed to the node tier (computed, or evicted)
     node_failures: int = 0  # node-tier calls that failed (each a miss, recomputed)
+    node_encoder_hits: int = 0  # images whose encoder output the node tier served (the vision encoder did not run)
     swap_in_blocks: int = 0
     swap_out_blocks: int = 0
     preemptions: int = 0

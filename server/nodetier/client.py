@@ -92,7 +92,7 @@ class Connection:
         sock.settimeout(max(0.001, deadline - time.monotonic()))
         sock.sendall(pack(msg))
         n = frame_length(self._recv(HEADER.size, deadline))
-        answer = unpack(self._recv(n, deadline))
+        answer = unpack(self._recv(n, deadline))  # bytes values are copied out of the buffer once, by msgpack
         if not answer.get("ok"):
             raise ConnectionError(f"node tier: {answer.get('error', 'refused')}")
         return answer
@@ -109,7 +109,7 @@ class Connection:
             if k == 0:
                 raise ConnectionError("node tier closed the connection")
             got += k
-        return bytes(buf)
+        return buf  # type: ignore[return-value]  (msgpack reads any bytes-like)
 
     def close(self) -> None:
         if self.sock is not None:
