@@ -83,3 +83,29 @@ async def test_a_drain_finishes_the_stream_in_flight_and_refuses_new_ones(tiny_m
         await s.close()
         await asyncio.wait_for(drained, 20)  # ends once the stream did, well before the grace period
         assert f.epp.processor.open_streams == 0
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--tls-cert-file", "CERT"], "--tls-cert-file and --tls-key-file go together"),
+    (["--tls-cert-file", "CERT", "--tls-key-file", "MISSING"], "--tls-key-file MISSING: No such file or directory"),
+    (["--tls-cert-file", "CERT", "--tls-key-file", "CERT", "--tls-client-ca-file", "NOTPEM"], "--tls-client-ca-file NOTPEM: not a PEM file"),
+    (["--no-secure-serving", "--tls-client-ca-file", "CERT"], "--no-secure-serving contradicts --tls-cert-file/--tls-client-ca-file"),
+    (["--drain-grace-s", "-1"], "--drain-grace-s must be >= 0"),
+])
+def test_bad_tls_and_drain_flags_exit_with_one_readable_line(tiny_model_dir, tmp_path, flags, line):
+    import subprocess
+    import sys
+
+    from tls_certs import make_pki
+
+    pki = make_pki(tmp_path)
+    (tmp_path / "notpem").write_text("hello")
+    names = {"CERT": str(pki.server_cert), "MISSING": str(tmp_path / "missing"), "NOTPEM": str(tmp_path / "notpem")}
+    argv = [names.get(a, a) for a in flags]
+    out = subprocess.run([sys.executable, "-P", "-m", "warmfleet.cli", "epp", "--model", str(tiny_model_dir),
+                          "--replica", "http://127.0.0.1:1", *argv], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=60)
+    want = line
+    for k, v in names.items():
+        want = want.replace(k, v)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [f"warmfleet epp: error: {want}"], out.stderr

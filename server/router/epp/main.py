@@ -26,6 +26,9 @@ def run(args: argparse.Namespace) -> int:
     if settings.peers:
         raise ValueError("--peers is a `warmfleet route` feature (its /v1/router/peer-load); an InferencePool has "
                          "one active EPP")
+    if settings.secure_serving:
+        from .tls import check_files
+        check_files(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
     setup_logging(settings.log_level)
     if settings.log_level != "debug":
         logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -26,6 +26,14 @@ def _read(path: str, what: str) -> bytes:
     return data
 
 
+def check_files(cert_file: Optional[str], key_file: Optional[str], client_ca_file: Optional[str]) -> None:
+    """Each given file readable and PEM (ValueError naming the flag), before anything starts."""
+    for path, flag in ((cert_file, "--tls-cert-file"), (key_file, "--tls-key-file"),
+                       (client_ca_file, "--tls-client-ca-file")):
+        if path:
+            _read(path, flag)
+
+
 def self_signed(hosts: tuple[str, ...] = ()) -> tuple[bytes, bytes]:
     """(certificate PEM, key PEM): an ECDSA P-256 certificate for localhost, this host's name and `hosts`."""
     import ipaddress
