@@ -326,3 +326,46 @@ def test_every_overlay_field_renders_pods_kubernetes_accepts():
     assert deployments(items, "server") and deployments(items, "router")
     for o in items:
         kv.validate(o, "1.32", strict=True)
+
+
+def test_tainted_gpu_example_validates_and_renders_its_overlays():
+    import jsonschema
+    import yaml
+
+    repo = Path(__file__).resolve().parents[1]
+    body = yaml.safe_load((repo / "examples/inferenceservice-tainted-gpu.yaml").read_text())
+    spec_schema = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    jsonschema.validate(body["spec"], spec_schema)
+    nodes = [node_info(n) for n in yaml.safe_load((repo / "examples/nodes.yaml").read_text())["items"]]
+    items = render(body, nodes, IMAGES)
+    servers, (router,) = deployments(items, "server"), deployments(items, "router")
+    assert servers
+    for dep in servers:
+        spec = pod(dep)
+        assert {"key": "dedicated", "operator": "Equal", "value": "inference", "effect": "NoSchedule"} in spec["tolerations"]
+        assert spec["imagePullSecrets"] == [{"name": "regcred"}] and spec["priorityClassName"] == "gpu-inference"
+        assert {"name": "HF_ENDPOINT", "value": "https://hf-mirror.example.com"} in main(dep)["env"]
+    assert pod(router)["priorityClassName"] == "gpu-inference" and "tolerations" not in pod(router)
+    assert main(router)["resources"]["limits"]["memory"] == "4Gi"
+
+
+def closed(schema):
+    """The schema as kubeconform -strict sees it (its openapi2jsonschema.py closes every object with properties)."""
+    if isinstance(schema, dict):
+        out = {k: closed(v) for k, v in schema.items()}
+        if "properties" in out:
+            out.setdefault("additionalProperties", False)
+        return out
+    return [closed(v) for v in schema] if isinstance(schema, list) else schema
+
+
+def test_kubeconform_strict_takes_volume_sources_and_quantities_and_refuses_typos():
+    import jsonschema
+
+    spec_schema = closed(crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"])
+    overlay = {"volumes": [{"name": "certs", "secret": {"secretName": "ca"}}, {"name": "scratch", "emptyDir": {}}],
+               "volumeMounts": [{"name": "certs", "mountPath": "/etc/ssl/custom"}],
+               "resources": {"limits": {"rdma/hca": 1, "hugepages-2Mi": "1Gi"}}}
+    jsonschema.validate({"model": {"path": "/m"}, "server": {"pod": overlay}}, spec_schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"model": {"path": "/m"}, "server": {"pod": {"tolerations": [{"keys": "typo"}]}}}, spec_schema)

@@ -59,11 +59,8 @@ class Volume:
     API server when the pod is applied. The one place the CRD keeps unknown fields: a full schema of every volume
     source would be most of the CRD."""
 
-    __openapi_schema__ = {
-        "type": "object", "required": ["name"], "x-kubernetes-preserve-unknown-fields": True,
-        "properties": {"name": {"type": "string", "description": "Volume name (a DNS label), unique in the pod.",
-                                "pattern": DNS_LABEL, "maxLength": 63}},
-    }
+    # no `properties`: kubeconform's schema conversion would close the object to every other key (a volume source)
+    __openapi_schema__ = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
 
     @staticmethod
     def __parse_spec__(value: Any, path: str) -> Any:
