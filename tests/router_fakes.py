@@ -71,7 +71,8 @@ class FakeSharedFailures:
 class FakeReplica:
     """Replica double: tokenizes like a replica, keeps a block set, publishes real KV events (events.encode).
 
-    Failure modes per request: "503", "400", "reset" (headers, then the connection drops before any byte),
+    Failure modes per request: "503", "400", "wait" (holds until `release`, counting a client that leaves),
+    "reset" (headers, then the connection drops before any byte),
     "break" (two SSE events, then the connection drops), "hold" (waits for `release`), "prefill" (waits
     for `release` before its first byte, as a replica computing the prompt).
     """
@@ -81,6 +82,7 @@ class FakeReplica:
         self.gpu: list[bytes] = []
         self.seq = 0
         self.received: list[dict] = []
+        self.client_left = 0  # requests in mode "wait" whose client (the router) went away before the answer
         self.headers_seen: list[dict] = []  # the headers of each generate request (trace context, request id)
         self.running = self.waiting = 0  # load figures its /metrics reports
         self.gate: Optional[asyncio.Event] = None  # when set, every request waits for it
@@ -155,6 +157,14 @@ class FakeReplica:
             if self.gate is not None:
                 await self.gate.wait()
             mode = self.failures.take()
+            if mode == "wait":  # a long generation: answers only when `release` is set; notes a client leaving
+                left = asyncio.ensure_future(request.receive())  # the body is read: the next message is a disconnect
+                await asyncio.wait({left, asyncio.ensure_future(self.release.wait())},
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if left.done() and left.result()["type"] == "http.disconnect":
+                    self.client_left += 1
+                    return Response(status_code=499)
+                left.cancel()
             if mode in ("503", "400"):
                 return JSONResponse({"error": {"message": "busy" if mode == "503" else "bad"}}, status_code=int(mode),
                                     headers=headers)

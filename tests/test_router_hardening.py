@@ -3,12 +3,14 @@ that may have killed its replica, never a retry on a 4xx."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
 from router_fakes import FakeSharedFailures, Fleet2, chat
 from warmfleet.server.api.limits import check_fanout
+from waiting import until
 from test_hardening_deadlines import assert_408, trickle
 from warmfleet.server.api.errors import APIError
 
@@ -98,3 +100,21 @@ async def test_a_body_sent_one_byte_per_5_s_to_the_router_is_cut_off(tiny_model_
 async def test_router_headers_sent_one_byte_per_5_s_are_cut_off(tiny_model_dir):
     async with Fleet2(tiny_model_dir, request_header_timeout_s=1.0) as f:
         assert_408(await trickle(f.router.port, b"P", b"OST /v1/chat/completions HTTP/1.1\r\n"), "head")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("forwarded_for", [False, True])  # the hot path, and the ASGI app (behind a proxy)
+async def test_a_client_leaving_a_request_closes_it_on_the_replica(tiny_model_dir, stream, forwarded_for):
+    """The router closes its upstream request when its client leaves, so the replica aborts the generation (the
+    replica's side: api/completions.until_disconnect); streamed or not."""
+    async with Fleet2(tiny_model_dir, failures=FakeSharedFailures(1, "wait"), health_interval_s=60) as f:
+        body = json.dumps(chat("a long answer", stream=stream)).encode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", f.router.port)
+        writer.write((f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                      f"{'x-forwarded-for: 10.1.2.3' + chr(13) + chr(10) if forwarded_for else ''}"
+                      f"content-length: {len(body)}\r\n\r\n").encode() + body)
+        await until(lambda: received(f) == 1, "the request reaching a replica")
+        writer.close()  # the client leaves before any answer
+        await until(lambda: sum(x.client_left for x in f.replicas) == 1, "the replica seeing its client leave")
+        await until(lambda: all(x.in_flight == 0 for x in f.fleet.registry.replicas.values()), "the booking's end")
+        assert received(f) == 1 and f.metric("warmfleet_router_retries_total") == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import asynccontextmanager
 from typing import Awaitable, Callable, Optional
 
@@ -54,6 +55,24 @@ def with_request_id(resp: Response, rid: str) -> Response:
     if not any(k == b"x-request-id" for k, _ in resp.raw_headers):
         resp.raw_headers.append((b"x-request-id", rid.encode()))
     return resp
+
+
+async def until_disconnect(receive, work: Awaitable):
+    """`work`'s result, or None when the ASGI client disconnects first (then `work` is cancelled and awaited)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(receive())  # the body is read: the next message can only be http.disconnect
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        watcher.cancel()
+        raise
+    watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return None
 
 
 class Frontend:
@@ -116,7 +135,11 @@ class Frontend:
         if raw is None:  # the client left before its body arrived: nobody to answer
             return None
         peer = scope.get("client")
-        resp, slot = await self.respond(scope["path"], kind, raw, auth, peer[0] if peer else "unknown", trace)
+        answer = await until_disconnect(receive, self.respond(scope["path"], kind, raw, auth,
+                                                              peer[0] if peer else "unknown", trace))
+        if answer is None:  # the client left first: its request was cancelled (the replica sees its connection close)
+            return None
+        resp, slot = answer
         try:
             await resp(scope, receive, send)
         finally:

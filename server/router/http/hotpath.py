@@ -53,7 +53,7 @@ class HotRequest:
     """One hot-route request on a connection: what uvicorn's protocol reads of a cycle, plus the parsed request."""
 
     __slots__ = ("path", "kind", "auth", "trace", "body", "keep_alive", "message_event", "disconnected",
-                 "response_started", "response_complete", "streaming")
+                 "response_started", "response_complete", "serving")
 
     def __init__(self, path: str, kind: str, auth: Optional[str], keep_alive: bool, trace: dict):
         self.path, self.kind, self.auth, self.keep_alive = path, kind, auth, keep_alive
@@ -63,7 +63,7 @@ class HotRequest:
         self.disconnected = False
         self.response_started = False  # read by the read deadlines (api/deadlines.py): nothing answered before the body
         self.response_complete = False
-        self.streaming: Optional[asyncio.Task] = None  # the task relaying a stream: cancelled if the client leaves
+        self.serving: Optional[asyncio.Task] = None  # the task serving it: cancelled if the client leaves first
 
 
 class HotPathProtocol(HttpToolsProtocol):
@@ -77,8 +77,10 @@ class HotPathProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Optional[Exception]) -> None:
         hot = self.cycle
         super().connection_lost(exc)
-        if isinstance(hot, HotRequest) and hot.streaming is not None and not hot.response_complete:
-            hot.streaming.cancel()  # as Starlette does on http.disconnect: the relay's finally frees the replica
+        if isinstance(hot, HotRequest) and hot.serving is not None and not hot.response_complete:
+            # the client left: stop serving it, whatever the phase (routing, awaiting the replica, relaying). The
+            # proxy closes its upstream connection, and the replica aborts the generation on that disconnect.
+            hot.serving.cancel()
 
     def on_headers_complete(self) -> None:
         hot = self._hot_request()
@@ -123,7 +125,7 @@ class HotPathProtocol(HttpToolsProtocol):
         hot = self.cycle
         if not isinstance(hot, HotRequest):
             return super().on_message_complete()
-        task = self.loop.create_task(self._serve(hot))
+        task = hot.serving = self.loop.create_task(self._serve(hot))
         task.add_done_callback(self.tasks.discard)
         self.tasks.add(task)
 
@@ -172,7 +174,6 @@ class HotPathProtocol(HttpToolsProtocol):
         # a stream is started even if the client has gone (a closing transport drops the bytes): closing a
         # relay that never started would skip its finally, which gives the replica's in-flight count back
         self._write_head(hot, resp.status_code, [*resp.raw_headers, (b"transfer-encoding", b"chunked")])
-        hot.streaming = asyncio.current_task()
         async with contextlib.aclosing(resp.body_iterator) as chunks:
             async for chunk in chunks:
                 if hot.disconnected:

@@ -148,6 +148,10 @@ class Proxy:
             resp.release()
             booking.usage(cached_tokens_in_json(content))
             return self._count(RelayedResponse(content, resp.status, self._reply_headers(resp, rep, booking)))
+        except asyncio.CancelledError:  # the client left: close the upstream request, so the replica aborts it
+            if resp is not None:
+                resp.close()
+            raise
         except CONNECT_TIMEOUT:
             booking.failed(f"{rid}: ConnectTimeout", timeout=True)
             return f"{rid}: ConnectTimeout"

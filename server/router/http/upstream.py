@@ -175,7 +175,11 @@ class _Connection(asyncio.Protocol):
         self.transport.write(head + body if len(body) < 65536 else head)  # type: ignore[union-attr]
         if len(body) >= 65536:
             self.transport.write(body)  # type: ignore[union-attr]
-        return await self.wait(self.head)
+        try:
+            return await self.wait(self.head)
+        except asyncio.CancelledError:  # the caller gave up (its client left): the replica sees the connection close
+            self.finish(False)
+            raise
 
     async def wait(self, fut: asyncio.Future):
         """`fut`'s result, or TimeoutError after `read_timeout_s` of it pending (the connection is closed then)."""
