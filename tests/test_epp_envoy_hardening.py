@@ -122,3 +122,37 @@ def test_a_client_leaving_a_non_streaming_request_aborts_it_on_the_replica(tiny_
             print(json.dumps({"abort_after_disconnect_s": round(time.monotonic() - t_close, 3)}))
     finally:
         epp.stop()
+
+
+def test_trace_headers_reach_the_replica_through_envoy_and_the_picker(tiny_model_dir, replica):
+    """traceparent/tracestate and x-request-id sent through Envoy + `warmfleet epp`: the replica's log lines for the
+    request carry the trace id and the request id, and the id comes back; without one, the gateway's comes back."""
+    r, cwd = replica
+    epp = Epp(tiny_model_dir, [r], cwd)
+    epp.name = "epp-trace"
+    trace = os.urandom(16).hex()
+    try:
+        epp.start()
+        epp.wait_synced()
+        with Envoy(gateway_config(epp, r), cwd, name="envoy-trace") as gw:
+            sent = {"traceparent": f"00-{trace}-{os.urandom(8).hex()}-01", "tracestate": "wf=1",
+                    "x-request-id": f"req-{trace[:8]}"}
+            resp = httpx.post(gw.url + "/v1/chat/completions", timeout=120, headers=sent,
+                              json={**LONG, "max_tokens": 2})
+            assert resp.status_code == 200, resp.text
+            assert resp.headers["x-request-id"] == sent["x-request-id"]
+
+            def logged() -> list[dict]:
+                out = []
+                for line in r.log_path.read_text(errors="replace").splitlines():
+                    if trace in line and line.startswith("{"):
+                        out.append(json.loads(line))
+                return out
+
+            wait_for(lambda: bool(logged()), "the replica logged the request with its trace id", [r, epp, gw], 30)
+            assert all(rec.get("trace_id") == trace and rec.get("request_id") == sent["x-request-id"]
+                       for rec in logged())
+            unnamed = httpx.post(gw.url + "/v1/chat/completions", timeout=120, json={**LONG, "max_tokens": 2})
+            assert unnamed.status_code == 200 and unnamed.headers.get("x-request-id")
+    finally:
+        epp.stop()

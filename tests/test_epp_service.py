@@ -295,6 +295,10 @@ async def test_a_request_id_is_made_when_absent_and_returned_with_the_answer(tin
         answer = (await s.exchange(response_headers()))[0]
         assert set_headers(answer.response_headers.response)["x-request-id"] == "client-id-1"
         s.cancel()
+        s, first, _, _ = await pick_full_duplex(f, raw(chat("which id?")), headers={"x-request-id": "bad id\x01"})
+        replaced = set_headers(first.request_headers.response)["x-request-id"]  # not a usable token: replaced
+        assert replaced != "bad id\x01" and len(replaced) == 32
+        s.cancel()
         refused = (await f.stream().exchange(request_headers(headers={
             "content-length": str(1 << 40), "x-request-id": "too-big"})))[0]
         assert refused.immediate_response.status.code == 413

@@ -5,7 +5,7 @@ One gRPC stream per HTTP request, FULL_DUPLEX_STREAMED (what GIE gateways config
     Envoy ─ request_headers ──────────▶  held: nothing is answered until the body is whole
           ─ request_body … (eos) ─────▶  Router.route → its Booking: enter(primary)
           ◀──────── headers response ─   destination header + envoy.lb metadata, clear_route_cache (and
-                                         x-request-id when the request came without one)
+                                         x-request-id when the request came without a usable one)
           ◀──── streamed body chunks ─   the body as hashed (rewritten if the router changed it)
           ─ response_headers ─────────▶  served endpoint: the load moves there if the gateway retried
                                          (enter again); served: the media header (URL image hashes) removed
@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 from typing import AsyncIterator, Optional
 
 import grpc
@@ -36,6 +35,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as mod
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
+from ... import tracing
 from ...multimodal.url_hashes import HEADER as MEDIA_HEADER
 from ..core.booking import Booking
 from ..core.errors import NO_REPLICA, Refusal, parse_json_object
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 FULL_DUPLEX = mode_pb.ProcessingMode.FULL_DUPLEX_STREAMED
 GENERATION_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
-REQUEST_ID = "x-request-id"  # made here when absent (Envoy makes one first unless told not to), returned on the answer
+REQUEST_ID = tracing.REQUEST_ID  # made here when absent or unusable (Envoy makes one first), returned on the answer
 NO_SUBSET_ENDPOINT = Refusal(503, "no endpoint of the gateway's subset hint is eligible", "service_unavailable")
 
 
@@ -64,7 +64,7 @@ class Exchange:
         self.kind: Optional[str] = None  # "chat" | "completion": routed by cache; None: by load
         self.auth: Optional[str] = None
         self.request_id = ""  # the request's x-request-id (the client's, the gateway's or made here)
-        self.made_id: dict = {}  # {x-request-id: id} when the EPP made it: set on the request to the replica
+        self.made_id: dict = {}  # {x-request-id: id} when the EPP made it: set (replacing one) on the request
         self.host = "unknown"
         self.subset: Optional[frozenset[str]] = None
         self.chunks: list[bytes] = []
@@ -87,9 +87,9 @@ class Exchange:
         path = (pick.header_value(h, ":path") or "/").split("?", 1)[0]
         method = pick.header_value(h, ":method") or "GET"
         self.auth = pick.header_value(h, "authorization")
-        self.request_id = pick.header_value(h, REQUEST_ID) or ""
-        if not self.request_id:
-            self.request_id = uuid.uuid4().hex
+        given = pick.header_value(h, REQUEST_ID)
+        self.request_id = tracing.request_id(given)  # the client's (or the gateway's) when usable, else made here
+        if self.request_id != given:
             self.made_id = {REQUEST_ID: self.request_id}
         xff = pick.header_value(h, "x-forwarded-for")
         self.host = xff.split(",")[-1].strip() if xff else "unknown"  # the gateway appends the peer it saw
