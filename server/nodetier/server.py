@@ -21,12 +21,13 @@ from typing import Optional
 
 from ..events import NODE_TOPIC_PREFIX, AllBlocksCleared, EventPublisher
 from .store import NodeStore
-from .wire import ENC, HEADER, KINDS, KV, FrameError, checksum, frame_length, pack, unpack
+from .wire import ENC, HEADER, KINDS, KV, MAX_FRAME_BYTES, FrameError, frame_length, pack, unpack
 
 log = logging.getLogger("warmfleet.nodetier")
 TOKEN_ENV = "WARMFLEET_NODE_TIER_TOKEN"
 SUBSCRIPTION_POLL_S = 0.05  # how often new subscriptions are looked for (each gets the whole state)
 MAX_GET_KEYS = 4096  # keys one get may name
+MAX_ANSWER_BYTES = MAX_FRAME_BYTES // 2  # entry bytes one get answers at most
 WRITE_CHUNK = 1 << 20  # bytes handed to the transport at a time (write_frame)
 
 
@@ -74,7 +75,13 @@ class NodeServer:
         if kind not in KINDS or not isinstance(keys, list) or len(keys) > MAX_GET_KEYS:
             raise ValueError(f"get needs a kind of {KINDS} and at most {MAX_GET_KEYS} keys")
         entries = self.store.get(kind, [k for k in keys if _key_ok(kind, k)], str(msg.get("layout", "")))
-        return {"ok": True, "entries": [{"data": e.data, "crc": e.crc} for e in entries]}
+        out, size = [], 0
+        for e in entries:  # the answer stays one frame: a longer run is cut (the caller gets a shorter prefix)
+            size += len(e.data) + 64
+            if size > MAX_ANSWER_BYTES:
+                break
+            out.append({"data": e.data, "crc": e.crc})
+        return {"ok": True, "entries": out}
 
     def stats(self) -> dict:
         s, c = self.store, self.store.counters
