@@ -1,4 +1,4 @@
-"""What every bench script shares: progress lines, quantiles, the spread, checkpoints, the LRU bound, routers, sibling scripts.
+"""What every bench script shares: progress lines, quantiles, the spread, checkpoints, the LRU bound, routers, the simulated fleet, sibling scripts.
 
 bench/ is no package; the scripts run as `python bench/X.py` (or `python -P`), and none is named after a
 standard-library module (tests/test_bench_harness.py checks), so bench/ on sys.path shadows nothing. Each script
@@ -96,6 +96,26 @@ def spread_panel(ax, res: dict, names: Sequence[str], colors: Sequence[str], whe
     ax.bar(names, [res[n]["spread"] or 0 for n in names], color=colors)
     ax.axhline(target, ls="--", color="k", lw=1)
     ax.set_title(f"{where}: spread (max / mean requests per replica, all replicas)", fontsize=9)
+
+
+def subplots(ncols: int, figsize: tuple[float, float]):
+    """(figure, axes): `ncols` axes side by side, on matplotlib's Agg backend (no display; imported on first use)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(1, ncols, figsize=figsize)
+
+
+def save_figure(fig, path: Path, title: str, fontsize: int = 10) -> None:
+    """`title` over `fig`, laid out, written to `path` (110 dpi) and closed."""
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title, fontsize=fontsize)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def model_dir(arg: str | None, size: str = "tiny", arch: str = "qwen2",
@@ -230,6 +250,25 @@ def start_router(name: str, cmd: list[str], port: int, cwd: str, *, env: dict | 
         stop(p)
         raise
     return base, p
+
+
+def start_simfleet(model: Path, cwd: str, flags: Sequence[str] = (), *, taskset: str | None = None,
+                   timeout_s: float = 120.0) -> tuple[subprocess.Popen, dict]:
+    """bench/simfleet.py over `model` with `flags` (pinned with `taskset -c` when given; stderr to cwd/sim.log),
+    and its description (the --ready-file JSON: replicas, control URL) once it listens. A failed wait stops it."""
+    from warmfleet.livefleet import wait_for
+
+    ready = Path(cwd) / f"sim-{time.monotonic_ns()}.json"
+    cmd = [*(["taskset", "-c", taskset] if taskset else []), sys.executable, "-P", str(BENCH / "simfleet.py"),
+           "--model", str(model), *flags, "--ready-file", str(ready)]
+    with (Path(cwd) / "sim.log").open("ab") as log:
+        p = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        wait_for(ready.exists, "simulated fleet", [p], timeout_s, poll_s=0.2)
+    except BaseException:
+        stop(p)
+        raise
+    return p, json.loads(ready.read_text())
 
 
 def log_tail(path: Path, lines: int = 6) -> str:

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import random
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from warmfleet.localprocs import free_port
@@ -32,13 +30,6 @@ PEERS = ("rr", "sglang", "vllm")
 
 
 # --- processes --------------------------------------------------------------------------------
-def wait_for(check, what: str, proc: subprocess.Popen | None, timeout_s: float = 120) -> None:
-    """Poll `check` until true, failing early when `proc` (if any) exits."""
-    from warmfleet.livefleet import wait_for as wait
-
-    wait(check, what, [proc] if proc is not None else [], timeout_s, poll_s=0.2)
-
-
 def slow_pool(spec: str) -> tuple[float, float]:
     """--slow-pool FRAC:F (argparse type)."""
     try:
@@ -51,27 +42,25 @@ def slow_pool(spec: str) -> tuple[float, float]:
 
 
 def start_sim(model: Path, n: int, args, cwd: str, time_model: str) -> tuple[subprocess.Popen, dict]:
-    ready = Path(cwd) / f"sim-{time.monotonic_ns()}.json"
-    cmd = [sys.executable, "-P", str(harness.BENCH / "simfleet.py"), "--model", str(model), "--replicas", str(n),
-           "--block-size", str(args.block_size), "--gpu-blocks", str(args.gpu_blocks),
-           "--cpu-blocks", str(args.cpu_blocks), "--time-model", time_model,
-           "--engine-speedup", str(args.engine_speedup), "--ready-file", str(ready)]
+    flags = ["--replicas", str(n), "--block-size", str(args.block_size), "--gpu-blocks", str(args.gpu_blocks),
+             "--cpu-blocks", str(args.cpu_blocks), "--time-model", time_model,
+             "--engine-speedup", str(args.engine_speedup)]
     if getattr(args, "node_tier_blocks", 0):  # one shared host tier per node of K replicas
-        cmd += ["--replicas-per-node", str(args.replicas_per_node), "--node-tier-blocks", str(args.node_tier_blocks)]
+        flags += ["--replicas-per-node", str(args.replicas_per_node), "--node-tier-blocks", str(args.node_tier_blocks)]
     if getattr(args, "slow_pool", None):  # other benches start the fleet with their own flags
         frac, factor = args.slow_pool
-        cmd += ["--slow-replicas", f"{round(frac * n)}:{factor}"]
-    log = open(Path(cwd) / "sim.log", "ab")
-    p = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=log)
-    wait_for(ready.exists, "simulated fleet", p, 120)
-    return p, json.loads(ready.read_text())
+        flags += ["--slow-replicas", f"{round(frac * n)}:{factor}"]
+    return harness.start_simfleet(model, cwd, flags)
 
 
 def router_command(kind: str, model: Path, sim: dict, port: int, block: int, extra: list[str] = ()) -> tuple[list, dict]:
     """Router `kind` in front of the simulated fleet `sim`: warmfleet with WARMFLEET_HEALTH, a peer `cache_aware`."""
     if kind.startswith("warmfleet"):
         replicas = [f"{r['url']},events={r['events']}" for r in sim["replicas"]]
-        return harness.route_command(model, port, block, replicas, [*WARMFLEET_HEALTH, *extra]), dict(os.environ)
+        nodes = [x for t in sim.get("node_tiers", []) if t.get("events")  # the node tiers' own events (issue 41)
+                 for x in ("--node-tier-events", t["events"].removeprefix("tcp://"))]
+        return (harness.route_command(model, port, block, replicas, [*WARMFLEET_HEALTH, *nodes, *extra]),
+                dict(os.environ))
     cmd = harness.peer_command(kind, [r["url"] for r in sim["replicas"]], port, listen_port(),
                                ["--policy", "cache_aware"], extra)
     return cmd, dict(os.environ, VLLM_ROUTER_TOKENIZER=str(model)) if kind == "vllm" else dict(os.environ)

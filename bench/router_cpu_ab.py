@@ -105,15 +105,11 @@ def main() -> int:
     base_dir = checkout(args.baseline, Path(tempfile.mkdtemp(prefix="wf-baseline-")))
     head = subprocess.run(["git", "-C", str(HERE.parent), "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True).stdout.strip()
-    sim = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-P", str(HERE / "simfleet.py"), "--model", str(model),
-                            "--replicas", str(args.replicas), "--time-model", "zero", "--gpu-blocks", "4096",
-                            "--ready-file", str(Path(cwd) / "sim.json")], cwd=cwd, stdout=subprocess.DEVNULL,
-                           stderr=open(Path(cwd) / "sim.log", "ab"))
+    sim, desc = harness.start_simfleet(model, cwd, ["--replicas", str(args.replicas), "--time-model", "zero",
+                                                    "--gpu-blocks", "4096"], taskset="1", timeout_s=60)
     routers: dict = {}
     runs: dict = {"baseline": {}, "head": {}}
     try:
-        replay_fleet.wait_for(lambda: (Path(cwd) / "sim.json").exists(), "simulator", sim, 60)
-        desc = json.loads((Path(cwd) / "sim.json").read_text())
         routers["baseline"] = start("baseline", str(base_dir), model, desc, cwd)
         routers["head"] = start("head", None, model, desc, cwd)
         for rnd in range(args.rounds):

@@ -124,16 +124,12 @@ def main() -> int:
     send = rt.load_sender(args.body, replay_workload.Words(Tokenizer(str(model)), 16), "1", 16)
     cwd = tempfile.mkdtemp(prefix="wf-profile-")
     path = "/v1/chat/completions" if args.body == "chat" else "/v1/completions"
-    sim = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-P", str(HERE / "simfleet.py"), "--model",
-                            str(model), "--replicas", "8", "--time-model", "zero", "--gpu-blocks", "4096",
-                            "--ready-file", str(Path(cwd) / "sim.json")], cwd=cwd, stdout=subprocess.DEVNULL,
-                           stderr=open(Path(cwd) / "sim.log", "ab"))
+    sim, desc = harness.start_simfleet(model, cwd, ["--replicas", "8", "--time-model", "zero", "--gpu-blocks", "4096"],
+                                       taskset="1", timeout_s=60)
     router = None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        replay_fleet.wait_for(lambda: (Path(cwd) / "sim.json").exists(), "simulator", sim, 60)
-        desc = json.loads((Path(cwd) / "sim.json").read_text())
         base, router = replay_fleet.start_router("warmfleet", model, desc, 16, cwd, [], taskset="0")
         send(base + path, args.rate, 2.0)  # warm
         formats = [("raw", out / "router_profile.txt")]

@@ -214,14 +214,10 @@ def load_sender(kind: str, words, core: str, concurrency: int, n_words: int = 96
 
 def measure(kinds: list[str], args, model: Path, cwd: str, send, rates: list[float]) -> dict:
     """Every router against the same simulated fleet, interleaved at each rate (same machine load)."""
-    sim_cmd = ["taskset", "-c", args.load_core, sys.executable, "-P", str(HERE / "simfleet.py"), "--model",
-               str(model), "--replicas", str(args.replicas), "--time-model", "zero",
-               "--gpu-blocks", "4096", "--ready-file", str(Path(cwd) / "sim.json")]
-    sim = subprocess.Popen(sim_cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=open(Path(cwd) / "sim.log", "ab"))
+    sim, desc = harness.start_simfleet(model, cwd, ["--replicas", str(args.replicas), "--time-model", "zero",
+                                                    "--gpu-blocks", "4096"], taskset=args.load_core, timeout_s=60)
     routers: dict = {}
     try:
-        replay_fleet.wait_for(lambda: (Path(cwd) / "sim.json").exists(), "simulator", sim, 60)
-        desc = json.loads((Path(cwd) / "sim.json").read_text())
         for kind in kinds:
             routers[kind] = replay_fleet.start_router(kind, model, desc, 16, cwd, harness.variants(args.variant).get(kind, []),
                                                taskset=args.router_core)

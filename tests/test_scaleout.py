@@ -1,6 +1,7 @@
-"""bench/scaleout.py in a tiny bounded run: the real router over simulated replicas under load gains a replica,
-loses one with drain, and replaces both one by one; no client sees an error and the joiner takes no normal
-request before its warm-up replays are done (order of arrivals in its own log, no timing)."""
+"""bench/scaleout.py's runs and figures (scaleout_runners.py, scaleout_report.py) in a tiny bounded run: the real
+router over simulated replicas under load gains a replica, loses one with drain, and replaces both one by one; no
+client sees an error and the joiner takes no normal request before its warm-up replays are done (order of arrivals
+in its own log, no timing)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ from bench_scripts import load_bench
 pytestmark = pytest.mark.slow
 
 
-scaleout = load_bench("scaleout.py")
+scaleout_report = load_bench("scaleout_report.py")
+scaleout_runners = load_bench("scaleout_runners.py")
 
 
 def test_scale_in_with_drain_loses_no_request_and_the_joiner_waits_for_its_warm_up(tiny_model_dir):
     with tempfile.TemporaryDirectory(prefix="scaleout-test-") as cwd:
-        res = scaleout.run_config("warmfleet", Path(tiny_model_dir), n=2, rate=8.0, warm_in_s=3.0, window_s=3.0,
+        res = scaleout_runners.run_config("warmfleet", Path(tiny_model_dir), n=2, rate=8.0, warm_in_s=3.0, window_s=3.0,
                                   gpu_blocks=512, cwd=cwd, router_extra=["--warmup-budget-s", "3"])
     w, joiner = res["windows"], res["joiner"]
     assert w["scale_in"]["requests"] > 0 and w["scale_in"]["errors"] == 0, w["scale_in"]
@@ -38,15 +40,15 @@ def test_autoscale_helpers_count_in_flight_requests_and_replica_seconds():
             'warmfleet_router_replica_in_flight{replica="http://b"} 2\n'
             '# TYPE warmfleet_router_replica_queued_tokens gauge\n'
             'warmfleet_router_replica_queued_tokens{replica="http://a"} 700\n')
-    assert scaleout.in_flight(text) == 5.0
+    assert scaleout_runners.in_flight(text) == 5.0
     # 2 replicas for 10 s, 4 for 5 s, 3 until the end at 20 s
-    assert scaleout.replica_seconds([(0.0, 2), (10.0, 4), (15.0, 3)], 20.0) == 55.0
+    assert scaleout_report.replica_seconds([(0.0, 2), (10.0, 4), (15.0, 3)], 20.0) == 55.0
     two = {"all": {"cached_ratio": 0.8}, "total_errors": 0, "scale_outs": 1, "scale_ins": 1}
     worse = {"all": {"cached_ratio": 0.7}, "total_errors": 2, "scale_outs": 1, "scale_ins": 0}
-    assert scaleout.verdict_auto({"cache_aware": two, "queue_only": worse}) == {
+    assert scaleout_report.verdict_auto({"cache_aware": two, "queue_only": worse}) == {
         "autoscale_cache_aware_zero_client_errors": True, "autoscale_cache_aware_scaled_out_and_in": True,
         "autoscale_cache_aware_cached_ratio_ge_queue_only": True}
-    assert scaleout.verdict_auto({"cache_aware": worse, "queue_only": two}) == {
+    assert scaleout_report.verdict_auto({"cache_aware": worse, "queue_only": two}) == {
         "autoscale_cache_aware_zero_client_errors": False, "autoscale_cache_aware_scaled_out_and_in": False,
         "autoscale_cache_aware_cached_ratio_ge_queue_only": False}
 
@@ -54,7 +56,7 @@ def test_autoscale_helpers_count_in_flight_requests_and_replica_seconds():
 def test_the_operators_decide_in_the_loop_scales_the_fleet_out_under_a_load_step(tiny_model_dir):
     phases = [("warm_in", 4.0, 3.0), ("low", 4.0, 2.0), ("high", 24.0, 8.0), ("low_again", 4.0, 2.0)]
     with tempfile.TemporaryDirectory(prefix="scaleout-auto-test-") as cwd:
-        res = scaleout.run_autoscale("cache_aware", Path(tiny_model_dir), lo=1, hi=3, phases=phases, target=1,
+        res = scaleout_runners.run_autoscale("cache_aware", Path(tiny_model_dir), lo=1, hi=3, phases=phases, target=1,
                                      window_s=2, up_s=0, down_s=2, interval_s=0.5, gpu_blocks=512, cwd=cwd,
                                      router_extra=["--warmup-budget-s", "2"])
     assert res["total_requests"] > 0 and res["total_errors"] == 0, res["all"]
