@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import pytest
 
@@ -118,3 +119,47 @@ async def test_a_client_leaving_a_request_closes_it_on_the_replica(tiny_model_di
         await until(lambda: sum(x.client_left for x in f.replicas) == 1, "the replica seeing its client leave")
         await until(lambda: all(x.in_flight == 0 for x in f.fleet.registry.replicas.values()), "the booking's end")
         assert received(f) == 1 and f.metric("warmfleet_router_retries_total") == 0
+
+
+class FakeSlowTextRenderer:
+    """The real renderer, except that a prompt over 1 MB waits for `release` (a huge whitespace-free prompt being
+    tokenized); a render on the event loop would hold every other request for as long."""
+
+    def __init__(self, real):
+        self.real, self.release, self.started = real, threading.Event(), threading.Event()
+        self.finished: list[str] = []  # the order renders ended in: "huge" or "small"
+
+    def _wait_if_huge(self, size: int) -> None:
+        if size > 1 << 20:
+            self.started.set()
+            assert self.release.wait(10), "never released"
+
+    def completion(self, body):
+        self._wait_if_huge(len(body["prompt"]))
+        out = self.real.completion(body)
+        self.finished.append("huge" if len(body["prompt"]) > 1 << 20 else "small")
+        return out
+
+    def chat(self, body):
+        size = sum(len(m["content"]) for m in body["messages"])
+        self._wait_if_huge(size)
+        out = self.real.chat(body)
+        self.finished.append("huge" if size > 1 << 20 else "small")
+        return out
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+async def test_a_huge_prompt_being_tokenized_does_not_hold_other_requests(tiny_model_dir, kind):
+    async with Fleet2(tiny_model_dir) as f:
+        router = f.app.state.router
+        router.renderer = slow = FakeSlowTextRenderer(router.renderer)
+        huge = "x" * (2 << 20)  # no whitespace: one pre-token of 2 MB
+        path, body = (("/v1/completions", {"model": "tiny", "prompt": huge, "max_tokens": 1}) if kind == "completion"
+                      else ("/v1/chat/completions", chat(huge)))
+        held = asyncio.create_task(f.client.post(path, content=json.dumps(body),
+                                                 headers={"content-type": "application/json"}))
+        await until(slow.started.is_set, "the huge prompt's tokenization")
+        r = await f.client.post("/v1/chat/completions", json=chat("a small question meanwhile"))
+        assert r.status_code == 200 and not held.done() and slow.finished == ["small"]
+        slow.release.set()
+        assert (await held).status_code == 200 and slow.finished == ["small", "huge"]

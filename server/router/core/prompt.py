@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import importlib
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -102,6 +103,7 @@ class BoundedMemo:
         self.used = 0  # sum of size(key) over the keys held (with a budget)
         self.data: dict = {}
         self.hits = self.misses = 0
+        self._lock = threading.Lock()
 
     def get(self, key: Any) -> Any:
         v = self.data.get(key)
@@ -112,6 +114,10 @@ class BoundedMemo:
         return v
 
     def put(self, key: Any, value: Any) -> None:
+        with self._lock:  # long prompts are rendered on a worker thread (router.py) while the loop renders others
+            self._put(key, value)
+
+    def _put(self, key: Any, value: Any) -> None:
         if self.budget is None:
             if len(self.data) >= self.capacity:
                 del self.data[next(iter(self.data))]

@@ -32,6 +32,27 @@ from .ttft import TtftModels
 
 log = logging.getLogger(__name__)
 
+OFF_LOOP_CHARS = 16_384  # a prompt with more characters is rendered on a worker thread (~4k tokens, ~1 ms)
+
+
+def prompt_chars(kind: str, body: dict) -> int:
+    """Characters of text a request's prompt holds (its messages' text, or its completion prompts), cheaply."""
+    if kind != "chat":
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            return len(prompt)
+        return sum(len(p) for p in prompt if isinstance(p, str)) if isinstance(prompt, list) else 0
+    n = 0
+    messages = body.get("messages")
+    for m in messages if isinstance(messages, list) else ():
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            n += len(content)
+        elif isinstance(content, list):
+            n += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return n
+
+
 def has_images(body: dict) -> bool:
     """Whether a chat body holds an image part (cheap: no decoding)."""
     messages = body.get("messages")
@@ -53,6 +74,7 @@ class Router:
         self.fleet, self.renderer, self.hash_cfg = fleet, renderer, hash_cfg
         self.metrics, self.policy, self.cold_key_blocks = metrics, policy, cold_key_blocks
         self._media_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None  # render_off_loop's thread
+        self._text_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None  # long text prompts' thread
         # fitted per replica from streamed first tokens when the policy scores by predicted TTFT
         self.ttft = TtftModels(policy.ttft_model_samples) if policy.ttft_model_samples else None
 
@@ -63,11 +85,15 @@ class Router:
         it (nothing booked yet); None if no replica is routable (among those `eligible` allows: a gateway's subset
         hint).
 
-        A chat request with images is rendered off the event loop first; the dialect may then rewrite
-        `body` in place so the engine names its blocks as predicted."""
+        A chat request with images, or a prompt of over OFF_LOOP_CHARS characters, is rendered off the event loop
+        first (a multi-MB prompt without whitespace takes seconds to tokenize: other requests must not wait for it);
+        the dialect may then rewrite `body` in place so the engine names its blocks as predicted."""
         rendered = None
-        if kind == "chat" and self.renderer is not None and has_images(body):
-            rendered = (await self.render_off_loop(kind, body),)
+        if self.renderer is not None:
+            if kind == "chat" and has_images(body):
+                rendered = (await self.render_off_loop(kind, body),)
+            elif prompt_chars(kind, body) > OFF_LOOP_CHARS:
+                rendered = (await self.render_text_off_loop(kind, body),)
         replicas = self.fleet.routable()  # after the render: the fleet may change while it runs
         if eligible is not None:
             replicas = [r for r in replicas if eligible(r)]
@@ -93,6 +119,13 @@ class Router:
             self._media_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="router-media")
         return await asyncio.get_running_loop().run_in_executor(self._media_pool, self.render, kind, body)
 
+    async def render_text_off_loop(self, kind: str, body: dict) -> Optional[Prompt]:
+        """`render` for a long text prompt on one worker thread of its own: long prompts queue behind each other
+        (one tokenization's memory at a time), never in front of short ones, which stay on the loop (no thread hop)."""
+        if self._text_pool is None:
+            self._text_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="router-text")
+        return await asyncio.get_running_loop().run_in_executor(self._text_pool, self.render, kind, body)
+
     def learn_media(self, body: dict, header: Optional[str]) -> None:
         """Remember what a replica's answer to `body` says its http(s) images hashed to (url_hashes.py), under the
         body's salt (the tenant's); a no-op without the header."""
@@ -105,9 +138,10 @@ class Router:
             self.metrics.media_urls_learned.inc(len(rows))
 
     def close(self) -> None:
-        """Stop render_off_loop's thread (a render under way finishes; nothing waits for it)."""
-        if self._media_pool is not None:
-            self._media_pool.shutdown(wait=False, cancel_futures=True)
+        """Stop the render threads (a render under way finishes; nothing waits for it)."""
+        for pool in (self._media_pool, self._text_pool):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
 
     def adapter_of(self, body: dict, replicas: list[Replica]) -> tuple[Optional[str], list[Replica]]:
         """The LoRA adapter `body` names (None: the base model or unknown) and the replicas to route it among: those
