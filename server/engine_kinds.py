@@ -2,8 +2,8 @@
 
 Stdlib only (the operator imports it): a kind's router dialect is named here as "module:class"
 and imported only when a router picks that kind. Adding an engine is one entry here, one dialect
-module (server/router/core/engines/) and one description (operator/engines.py); tests check that the
-three agree.
+module (server/router/core/engines/) and one description (operator/planning/engine_descriptions.py); tests
+check that the three agree.
 """
 
 from __future__ import annotations

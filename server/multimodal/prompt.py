@@ -23,8 +23,6 @@ from ..config import DEFAULT_MAX_IMAGE_PIXELS
 from .media import MediaError, decode_data_uri, image_size
 from .processor import ImageProcessorConfig
 
-VISION_START = "<|vision_start|>"
-VISION_END = "<|vision_end|>"
 IMAGE_PAD = "<|image_pad|>"
 
 

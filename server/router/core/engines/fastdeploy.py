@@ -41,7 +41,8 @@ class PredictedDialect:
     kind = "fastdeploy"
     contract = "predicted"
     lora_running_busy = False  # no LoRA
-    ready_path = "/health"  # the operator's readiness probe for FastDeploy (operator/engines.py)
+    # the operator's readiness probe for FastDeploy (operator/planning/engine_descriptions.py)
+    ready_path = "/health"
 
     def __init__(self, capacity_blocks: int, ttl_s: float, memo_capacity: int = 200_000):
         if capacity_blocks < 1 or ttl_s <= 0:
