@@ -309,7 +309,7 @@ def example(e2e_cluster: Cluster, local_operator: LocalOperator) -> Iterator[Exa
     c.kubectl("label", "nodes", "-l", "nvidia.com/gpu.present=true", f"{SERVING_LABEL}=true", "--overwrite")
     wait_for(lambda: not terminating(c, "-n", ns, "pvc", "model-store")
              and not terminating(c, "pv", f"e2e-model-store-{ns}")
-             and not terminating(c, "-n", ns, "inferenceservice", name),
+             and not terminating(c, "-n", ns, "wfis", name),
              120, "the example's objects of an earlier run to finish deleting")
     c.apply(model_store(ns))
     api_key = f"sk-e2e-{uuid.uuid4().hex[:12]}"
@@ -317,11 +317,11 @@ def example(e2e_cluster: Cluster, local_operator: LocalOperator) -> Iterator[Exa
     c.kubectl("-n", ns, "create", "secret", "generic", secret, f"--from-literal=api-key={api_key}")
     try:
         c.kubectl("apply", "-f", str(EXAMPLE))
-        wait_for(lambda: is_ready(c.kubectl_json("-n", ns, "get", "inferenceservice", name)), 120,
+        wait_for(lambda: is_ready(c.kubectl_json("-n", ns, "get", "wfis", name)), 120,
                  f"InferenceService {name} Ready")
         yield Example(name, ns, api_key)
     finally:
-        c.kubectl("-n", ns, "delete", "inferenceservice", name, "--ignore-not-found", "--wait=false", check=False)
+        c.kubectl("-n", ns, "delete", "wfis", name, "--ignore-not-found", "--wait=false", check=False)
         c.kubectl("-n", ns, "delete", "secret", secret, "--ignore-not-found", check=False)
         c.kubectl("-n", ns, "delete", "pvc", "model-store", "--ignore-not-found", "--wait=false", check=False)
         c.kubectl("delete", "pv", f"e2e-model-store-{ns}", "--ignore-not-found", "--wait=false", check=False)

@@ -55,7 +55,7 @@ def fake_router(e2e_cluster: Cluster, local_operator: LocalOperator, namespace: 
         try:
             yield router
         finally:
-            e2e_cluster.kubectl("-n", namespace, "delete", "inferenceservices", "--all", "--wait=true", "--timeout=60s",
+            e2e_cluster.kubectl("-n", namespace, "delete", "wfis", "--all", "--wait=true", "--timeout=60s",
                                 check=False)
             op.stop()
             for log in op.logs:
@@ -85,16 +85,16 @@ def test_kubectl_scale_works_within_the_bounds(e2e_cluster: Cluster, fake_router
     c = e2e_cluster
     c.apply(service(namespace, {"minReplicas": 1, "maxReplicas": 3}))
     wait_for(lambda: server_replicas(c, namespace) == 1, 120, "minReplicas 1 without spec.replicas")
-    c.kubectl("-n", namespace, "scale", "inferenceservice", "auto", "--replicas=2")
+    c.kubectl("-n", namespace, "scale", "wfis", "auto", "--replicas=2")
     wait_for(lambda: server_replicas(c, namespace) == 2, 60, "kubectl scale to 2")
-    c.kubectl("-n", namespace, "scale", "inferenceservice", "auto", "--replicas=9")
+    c.kubectl("-n", namespace, "scale", "wfis", "auto", "--replicas=9")
     wait_for(lambda: server_replicas(c, namespace) == 3, 60, "kubectl scale to 9, clamped to maxReplicas 3")
-    scale = c.kubectl_json("-n", namespace, "get", "inferenceservice", "auto", "--subresource=scale")
-    wait_for(lambda: c.kubectl_json("-n", namespace, "get", "inferenceservice", "auto", "--subresource=scale")
+    scale = c.kubectl_json("-n", namespace, "get", "wfis", "auto", "--subresource=scale")
+    wait_for(lambda: c.kubectl_json("-n", namespace, "get", "wfis", "auto", "--subresource=scale")
              ["status"]["replicas"] == 3, 60, "the scale subresource's status.replicas at 3")
     assert scale["spec"]["replicas"] == 9 and f"{SERVICE_LABEL}=auto" in scale["status"]["selector"]
     # without a target the operator never writes spec.replicas itself
-    assert c.kubectl_json("-n", namespace, "get", "inferenceservice", "auto")["spec"]["replicas"] == 9
+    assert c.kubectl_json("-n", namespace, "get", "wfis", "auto")["spec"]["replicas"] == 9
 
 
 def test_load_change_scales_the_pool_and_scale_in_removes_the_coldest_replica(
@@ -109,7 +109,7 @@ def test_load_change_scales_the_pool_and_scale_in_removes_the_coldest_replica(
     wait_for(lambda: server_replicas(c, namespace) == 3, 60, "the Deployment scaled to 3")
     pods = wait_for(lambda: (lambda p: p if len(p) == 3 else None)(ready_server_pods(c, namespace)), 120,
                     "three Ready server pods")
-    svc = c.kubectl_json("-n", namespace, "get", "inferenceservice", "auto")
+    svc = c.kubectl_json("-n", namespace, "get", "wfis", "auto")
     assert svc["spec"]["replicas"] == 3 and svc["status"]["autoscaling"]["desiredReplicas"] == 3
 
     # the routers say how much each replica caches: one warm, two colder; costs land on the pods
@@ -122,7 +122,7 @@ def test_load_change_scales_the_pool_and_scale_in_removes_the_coldest_replica(
         return {p["metadata"]["name"]: (p["metadata"].get("annotations") or {}).get(COST) for p in ready_server_pods(c, namespace)}
 
     wait_for(lambda: costs() == {n: str(b) for n, b in blocks.items()}, 60, "pod-deletion costs from the cached blocks")
-    warm = wait_for(lambda: c.kubectl_json("-n", namespace, "get", "inferenceservice", "auto")["status"].get("warmup"),
+    warm = wait_for(lambda: c.kubectl_json("-n", namespace, "get", "wfis", "auto")["status"].get("warmup"),
                     60, "status.warmup")
     assert warm["warm"] == 3
 

@@ -217,7 +217,7 @@ SYSTEM = ("You are the warmfleet vision assistant. You describe pictures precise
 
 def test_operator_rendered_fleet_serves_multimodal_conversation_with_prefix_hits(
         fleet: Fleet, example: Example, e2e_cluster: Cluster) -> None:
-    status = e2e_cluster.kubectl_json("-n", example.namespace, "get", "inferenceservice", example.name)["status"]
+    status = e2e_cluster.kubectl_json("-n", example.namespace, "get", "wfis", example.name)["status"]
     model = status["model"]
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png(7)).decode()}}
     with openai.OpenAI(base_url=fleet.router_url + "/v1", api_key=example.api_key, max_retries=0, timeout=180) as client:

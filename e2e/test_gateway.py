@@ -77,7 +77,7 @@ def service(namespace: str, **router: Any) -> dict[str, Any]:
 
 
 def wfis(c: Cluster, ns: str) -> dict[str, Any]:
-    return c.kubectl_json("-n", ns, "get", "inferenceservice", NAME)
+    return c.kubectl_json("-n", ns, "get", "wfis", NAME)
 
 
 def condition(c: Cluster, ns: str, type_: str) -> dict[str, Any]:
@@ -162,7 +162,7 @@ def test_gateway_mode_objects_are_accepted_and_status_says_pool_and_epp_ready(
     assert get(c, namespace, "deployment", f"{NAME}-router") is None and get(c, namespace, "service", NAME) is None
 
     # back to proxy mode: the gateway objects are pruned (delete is in the chart's RBAC), the router comes back
-    c.kubectl("-n", namespace, "patch", "inferenceservice", NAME, "--type", "merge",
+    c.kubectl("-n", namespace, "patch", "wfis", NAME, "--type", "merge",
               "-p", json.dumps({"spec": {"router": {"mode": "proxy", "gateway": None}}}))
     wait_for(lambda: get(c, namespace, "inferencepool", NAME) is None and get(c, namespace, "httproute", NAME) is None
              and get(c, namespace, "deployment", f"{NAME}-epp") is None, 120, "the gateway objects pruned")

@@ -42,7 +42,7 @@ def docs(text: str) -> list[dict[str, Any]]:
 
 
 def wfis(c: Cluster, ex: Example) -> dict[str, Any]:
-    return c.kubectl_json("-n", ex.namespace, "get", "inferenceservice", ex.name)
+    return c.kubectl_json("-n", ex.namespace, "get", "wfis", ex.name)
 
 
 def deployments(c: Cluster, ex: Example) -> dict[str, dict[str, Any]]:
@@ -140,7 +140,7 @@ def test_helm_install_establishes_crd_and_matches_template(e2e_cluster: Cluster,
             want["spec"].pop("replicas")
         assert is_subset(want, live), f"{want['kind']}/{want['metadata']['name']} differs from helm template"
 
-    # The chart's CRD template is the committed crds/ file (both generated from operator/spec.py).
+    # The chart's CRD template is the committed crds/ file (both generated from operator/spec/).
     committed = yaml.safe_load((REPO / "crds" / f"{CRD_NAME}.yaml").read_text())
     chart_crd = next(d for d in rendered if d["kind"] == "CustomResourceDefinition")
     assert chart_crd["spec"] == committed["spec"]

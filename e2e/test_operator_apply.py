@@ -37,7 +37,7 @@ def test_switching_to_a_baked_path_removes_the_fetch_init_container(
         # another manager's label on a child: the operator's applies must leave it alone
         server = next(n for n in before if not n.endswith("-router"))
         c.kubectl("-n", namespace, "label", "deployment", server, "team=ml")
-        c.kubectl("-n", namespace, "patch", "inferenceservice", ex.name, "--type=json", "-p", json.dumps([
+        c.kubectl("-n", namespace, "patch", "wfis", ex.name, "--type=json", "-p", json.dumps([
             {"op": "remove", "path": "/spec/model/source"}, {"op": "remove", "path": "/spec/model/hub"},
             {"op": "add", "path": "/spec/model/path", "value": "/models/baked"}]))
         wait_for(lambda: not any("initContainers" in t for t in templates(c, ex).values()), 120,
@@ -56,4 +56,4 @@ def test_switching_to_a_baked_path_removes_the_fetch_init_container(
         appliers = {f["manager"] for f in d["metadata"]["managedFields"] if f["operation"] == "Apply"}
         assert appliers == {FIELD_MANAGER}, appliers
     # gone before the namespace: a reconcile into a terminating namespace is refused (403) and logged
-    c.kubectl("-n", namespace, "delete", "inferenceservice", ex.name, "--wait=true", "--timeout=60s")
+    c.kubectl("-n", namespace, "delete", "wfis", ex.name, "--wait=true", "--timeout=60s")
