@@ -295,6 +295,34 @@ def test_service_monitor_scrapes_every_metrics_port(helm):
     assert engine_descriptions.ENGINES["fastdeploy"].load.port == "metrics"
 
 
+def test_service_monitor_scrapes_each_pod_port_once(helm):
+    """Each metrics port of a pod is one target: of the Services the ServiceMonitor selects, one only exposes a
+    scraped port onto it (two would count every router series twice: the routers' `NAME` and `NAME-router-peers`)."""
+    from operator_fixtures.shapes import l4, service
+    from warmfleet.operator.passes.reconcile import render
+    from warmfleet.operator.planning.nodes import node_info
+    from warmfleet.operator.planning.objects import Images
+
+    (sm,) = [d for d in template(helm, "metrics.serviceMonitor.enabled=true")
+             if d["kind"] == "ServiceMonitor" and not d["metadata"]["name"].endswith("-operator")]
+    scraped = {e["port"] for e in sm["spec"]["endpoints"]}
+    shapes = {"proxy": {}, "vllm": {"engine": {"kind": "vllm", "image": "v:1"}},
+              "fastdeploy": {"engine": {"kind": "fastdeploy", "image": "f:1"}},
+              "gateway": {"router": {"mode": "gateway", "gateway": {"name": "gw"}}}}
+    for shape, spec in shapes.items():
+        objs = render(service(spec=spec), [node_info(l4())], Images(engine="e:1", router="r:1"))
+        svcs = [o for o in objs if o["kind"] == "Service" and all(
+            o["metadata"]["labels"].get(k) == v for k, v in sm["spec"]["selector"]["matchLabels"].items())]
+        pods = [o["spec"]["template"]["metadata"]["labels"] for o in objs if o["kind"] == "Deployment"]
+        assert len(pods) >= 2, shape
+        for pod in pods:
+            targets = [(svc["metadata"]["name"], p["targetPort"]) for svc in svcs
+                       if all(pod.get(k) == v for k, v in svc["spec"]["selector"].items())
+                       for p in svc["spec"]["ports"] if p["name"] in scraped]
+            assert targets, (shape, pod)  # every pod is scraped
+            assert len({port for _, port in targets}) == len(targets), (shape, targets)
+
+
 def test_alerts_use_only_metrics_the_router_and_replicas_export(helm):
     """Every series an alert reads is one our code registers (promtool's unit tests, run by .ci/static.sh,
     check that each alert fires on its series)."""

@@ -149,9 +149,11 @@ def router_service(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
 
 
 def router_peers_service(owner: Owner) -> dict[str, Any]:
-    """Headless Service over the router pods: each router finds the others by its name (--peers) and shares load."""
+    """Headless Service over the router pods: each router finds the others by its name (--peers) and shares load.
+    Its port is `peers`, not `http`: the chart's ServiceMonitor scrapes `http`, which the endpoint Service `NAME`
+    already gives it for these pods (one target per router, not two)."""
     return service(owner, names(owner)["router_peers"], "router", front_door_selector(owner, "router"),
-                    [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"}], clusterIP="None")
+                    [{"name": "peers", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"}], clusterIP="None")
 
 
 
