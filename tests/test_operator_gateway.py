@@ -330,3 +330,27 @@ def test_epp_of_a_downloaded_model_fetches_only_the_tokenizer_like_the_router():
     assert init["name"] == model_volumes.FETCH_CONTAINER and "--tokenizer-only" in init["args"]
     args = pod["containers"][0]["args"]
     assert args[args.index("--model") + 1] == init["args"][init["args"].index("--dest") + 1]
+
+
+def test_a_picker_certificate_from_a_secret_is_mounted_and_named_by_the_tls_flags():
+    """Without spec.router.pickerCertificate the picker makes its own self-signed certificate (no TLS flags); with
+    it, the Secret's tls.crt/tls.key (and the client CA) are mounted and passed, and the args still parse."""
+    plain = one(render(gw_service(), NODES, IMAGES), "Deployment", "qwen-epp")["spec"]["template"]["spec"]
+    assert not any(a.startswith("--tls-") for a in plain["containers"][0]["args"])
+    body = gw_service(router={"pickerCertificate": {"secretName": "epp-tls", "verifyClientsWith": "ca.crt"}})
+    pod = one(render(body, NODES, IMAGES), "Deployment", "qwen-epp")["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    (vol,) = [v for v in pod["volumes"] if v["name"] == g.PICKER_TLS_VOLUME]
+    assert vol["secret"]["secretName"] == "epp-tls"
+    assert {i["key"]: i["path"] for i in vol["secret"]["items"]} == {"tls.crt": "tls.crt", "tls.key": "tls.key",
+                                                                      "ca.crt": "client-ca.crt"}
+    assert {"name": g.PICKER_TLS_VOLUME, "mountPath": g.PICKER_TLS_MOUNT, "readOnly": True} in c["volumeMounts"]
+    parser = argparse.ArgumentParser()
+    flagfields.add_arguments(parser, EppSettings)
+    got: EppSettings = flagfields.from_namespace(parser.parse_args(c["args"][1:]), EppSettings)
+    assert got.secure_serving and got.tls_cert_file == f"{g.PICKER_TLS_MOUNT}/tls.crt"
+    assert got.tls_key_file == f"{g.PICKER_TLS_MOUNT}/tls.key"
+    assert got.tls_client_ca_file == f"{g.PICKER_TLS_MOUNT}/client-ca.crt"
+    router = one(render(service(spec={"router": {"pickerCertificate": {"secretName": "epp-tls"}}}), NODES, IMAGES),
+                 "Deployment", "qwen-router")["spec"]["template"]["spec"]
+    assert not any(v["name"] == g.PICKER_TLS_VOLUME for v in router["volumes"])  # proxy mode: ignored

@@ -9,7 +9,7 @@ from typing import Any, Mapping, Optional
 from warmfleet.operator.planning import objects, router_objects
 from warmfleet.operator.planning.engine_descriptions import HTTP_PORT
 from warmfleet.operator.spec.inference_service import InferenceServiceSpec
-from warmfleet.server.flagfields import to_args
+from warmfleet.server.flagfields import flag_of, to_args
 from warmfleet.server.router.epp.settings import DRAIN_GRACE_S, EppSettings, GRPC_PORT
 from warmfleet.server.router.epp.settings import HTTP_PORT as EPP_HTTP_PORT
 
@@ -55,18 +55,43 @@ def epp_args(owner: objects.Owner, spec: InferenceServiceSpec) -> list[str]:
     return [*EPP_COMMAND[1:], *to_args(epp_settings(owner, spec), EPP_FIELDS)]
 
 
+PICKER_TLS_VOLUME, PICKER_TLS_MOUNT = "picker-tls", "/etc/warmfleet/picker-tls"  # spec.router.pickerCertificate
+
+
+def picker_certificate(spec: InferenceServiceSpec) -> tuple[list[str], list[dict[str, Any]], list[dict[str, Any]]]:
+    """spec.router.pickerCertificate as the picker takes it: (its --tls-* flags, the Secret volume, its mount); all
+    empty without one (the picker's self-signed certificate)."""
+    cert = spec.router.picker_certificate
+    if cert is None:
+        return [], [], []
+    items = [{"key": "tls.crt", "path": "tls.crt"}, {"key": "tls.key", "path": "tls.key"}]
+    args = [flag_of(EppSettings, "tls_cert_file"), f"{PICKER_TLS_MOUNT}/tls.crt",
+            flag_of(EppSettings, "tls_key_file"), f"{PICKER_TLS_MOUNT}/tls.key"]
+    if cert.verify_clients_with:
+        items.append({"key": cert.verify_clients_with, "path": "client-ca.crt"})
+        args += [flag_of(EppSettings, "tls_client_ca_file"), f"{PICKER_TLS_MOUNT}/client-ca.crt"]
+    volume = {"name": PICKER_TLS_VOLUME, "secret": {"secretName": cert.secret_name, "defaultMode": 0o440,
+                                                    "items": items}}
+    return args, [volume], [{"name": PICKER_TLS_VOLUME, "mountPath": PICKER_TLS_MOUNT, "readOnly": True}]
+
+
 def epp_deployment(owner: objects.Owner, spec: InferenceServiceSpec, image: str) -> dict[str, Any]:
     """The endpoint picker's Deployment: the router's pod (front_door_deployment) running `warmfleet epp`, with HTTP
     probes on its side port (/ready: a replica is routable, as the gRPC readiness service says): the kubelet's gRPC
     probes speak no TLS, and the gRPC port serves only TLS."""
-    return router_objects.front_door_deployment(owner, spec, image, router_objects.FrontDoorPod(
-        name=names(owner)["epp"], component="epp", command=[EPP_COMMAND[0], *epp_args(owner, spec)],
+    tls_args, tls_volumes, tls_mounts = picker_certificate(spec)
+    dep = router_objects.front_door_deployment(owner, spec, image, router_objects.FrontDoorPod(
+        name=names(owner)["epp"], component="epp", command=[EPP_COMMAND[0], *epp_args(owner, spec), *tls_args],
         ports=[{"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
                {"name": "http", "containerPort": EPP_HTTP_PORT, "protocol": "TCP"}],
         probes={"readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5},
                 "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
                                   "failureThreshold": 3}},
     ))
+    pod = dep["spec"]["template"]["spec"]
+    pod["volumes"] = [*pod.get("volumes", []), *tls_volumes]
+    pod["containers"][0]["volumeMounts"] = [*pod["containers"][0].get("volumeMounts", []), *tls_mounts]
+    return dep
 
 
 def epp_service(owner: objects.Owner) -> dict[str, Any]:

@@ -321,6 +321,17 @@ class GatewayRef:
 
 
 @dataclass(kw_only=True)
+class PickerCertificate:
+    """The endpoint picker's gRPC certificate from a Secret (gateway mode), instead of the self-signed one."""
+
+    secret_name: str = prop(doc="A Secret of the same namespace with `tls.crt` and `tls.key` (type kubernetes.io/tls, as "
+                                "cert-manager writes it), mounted into the picker pods.", pattern=DNS_LABEL, maxLength=253)
+    verify_clients_with: Optional[str] = prop(
+        None, doc="A key of that Secret holding a PEM CA (e.g. `ca.crt`): the picker then accepts only gateways with a "
+                  "client certificate that CA signed (mutual TLS).", minLength=1, maxLength=253, pattern=r"^[-._a-zA-Z0-9]+$")
+
+
+@dataclass(kw_only=True)
 class RouterSpec:
     """The cache-affinity router: the OpenAI endpoint (proxy mode) or a gateway's endpoint picker (gateway mode)."""
 
@@ -336,6 +347,10 @@ class RouterSpec:
         DEFAULT_FAILURE_MODE, doc=("gateway mode: what the gateway does while the endpoint picker does not answer: FailClose "
                                    "rejects requests (the GIE default), FailOpen sends them to a server pod it picks itself "
                                    "(InferencePool endpointPickerRef.failureMode). Ignored in proxy mode."),
+    )
+    picker_certificate: Optional[PickerCertificate] = prop(
+        None, doc=("gateway mode: the endpoint picker's gRPC certificate from a Secret (TLS either way: without it the "
+                   "picker makes a self-signed one at startup, as GIE's reference picker does). Ignored in proxy mode."),
     )
     replicas: int = prop(2, doc="Router pods (endpoint-picker pods in gateway mode).", minimum=1, maximum=64)
     load_bound: float = prop(1.25, doc="A replica loaded beyond this multiple of the mean loses its prefix affinity.", minimum=1, maximum=10)
