@@ -251,8 +251,10 @@ def start_front(kind: str, fleet, cwd: str, tools: dict, kube: Optional[KubePool
         grpc = free_port()
         kube.declare([int(u.rsplit(":", 1)[1]) for u, _, _ in fleet.replicas], grpc)
         cmd = [tools["lwepp"], "--pool-name", POOL, "--pool-namespace", NAMESPACE, "--grpc-port", str(grpc),
-               "--grpc-health-port", str(free_port()), "--metrics-port", str(free_port()), "--secure-serving=false",
+               "--grpc-health-port", str(free_port()), "--metrics-port", str(free_port()),
                "--health-checking", "--zap-log-level=error"]  # health: Envoy checks the ext_proc port (generator)
+        # TLS (lwepp's --secure-serving default, self-signed) as `warmfleet epp` serves it: the generator's bootstrap
+        # speaks TLS to both pickers, so their CPU is compared as each ships
         picker = start_logged(cmd, cwd, f"lwepp-{grpc}", env=dict(os.environ, KUBECONFIG=kube.kubeconfig))
         try:
             base, envoy = start_envoy(tools["envoy"], grpc, [u.removeprefix("http://") for u, _, _ in fleet.replicas],
