@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from urllib.parse import quote
 
+import httpx
 import pytest
 
 from router_fakes import FakeSharedFailures, Fleet2, chat
@@ -14,6 +16,7 @@ from warmfleet.server.api.limits import check_fanout
 from waiting import until
 from test_hardening_deadlines import assert_408, trickle
 from warmfleet.server.api.errors import APIError
+from warmfleet.server.router.core.tenants import Tenants
 
 
 def received(f: Fleet2) -> int:
@@ -163,3 +166,56 @@ async def test_a_huge_prompt_being_tokenized_does_not_hold_other_requests(tiny_m
         assert r.status_code == 200 and not held.done() and slow.finished == ["small"]
         slow.release.set()
         assert (await held).status_code == 200 and slow.finished == ["small", "huge"]
+
+
+def remote_client(f: Fleet2, host: str = "10.0.0.9") -> httpx.AsyncClient:
+    """A client of the router's app from another host (the app served in-process, `host` as the peer address)."""
+    return httpx.AsyncClient(transport=httpx.ASGITransport(f.app, client=(host, 40000)), base_url="http://router")
+
+
+async def test_without_an_admin_key_admin_routes_answer_only_on_the_routers_own_host(tiny_model_dir):
+    async with Fleet2(tiny_model_dir) as f:
+        victim = quote(f.served[0].url, safe="")
+        async with remote_client(f) as remote:
+            r = await remote.post(f"/v1/router/replicas/{victim}/drain")
+            assert r.status_code == 403 and "--admin-key" in r.json()["error"]["message"]
+            assert (await remote.get("/v1/router/peer-load")).status_code == 403
+            view = await remote.get("/v1/router/replicas")  # reduced to what is safe to publish
+            assert view.status_code == 200 and view.json()["states"] == {"ready": 2} and view.json()["redacted"]
+            assert all(s.url.split("//")[1] not in view.text for s in f.served) and "127.0.0.1" not in view.text
+        forwarded = {"x-forwarded-for": "10.0.0.9"}  # a local proxy speaking for a remote client
+        assert (await f.client.post(f"/v1/router/replicas/{victim}/drain", headers=forwarded)).status_code == 403
+        assert not f.fleet.registry.get(f.served[0].url).draining
+        full = (await f.client.get("/v1/router/replicas")).json()  # from the router's host: the full view
+        assert {x["id"] for x in full["replicas"]} == {s.url for s in f.served}
+        assert (await f.client.post(f"/v1/router/replicas/{victim}/drain")).status_code == 200
+        assert (await f.client.get("/v1/router/peer-load")).status_code == 200
+
+
+async def test_a_client_key_holder_is_refused_on_admin_routes(tiny_model_dir):
+    async with Fleet2(tiny_model_dir, tenants=Tenants({"client-key": None}), admin_key="adm") as f:
+        victim = quote(f.served[0].url, safe="")
+        client, admin = {"authorization": "Bearer client-key"}, {"authorization": "Bearer adm"}
+        for c in (f.client, remote_client(f)):  # the admin key is needed from the router's host too
+            for route in (c.post(f"/v1/router/replicas/{victim}/drain", headers=client),
+                          c.delete(f"/v1/router/replicas/{victim}/drain", headers=client),
+                          c.get("/v1/router/peer-load", headers=client)):
+                r = await route
+                assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+            view = (await c.get("/v1/router/replicas", headers=client)).json()
+            assert view["redacted"] and view["replicas"] == []
+            full = (await c.get("/v1/router/replicas", headers=admin)).json()
+            assert {x["id"] for x in full["replicas"]} == {s.url for s in f.served}
+        assert not f.fleet.registry.get(f.served[0].url).draining
+        assert (await f.client.post(f"/v1/router/replicas/{victim}/drain", headers=admin)).status_code == 200
+        r = await f.client.post("/v1/chat/completions", json=chat("still served"), headers=client)
+        assert r.status_code == 200
+
+
+def test_client_digests_on_the_wire_are_keyed_with_the_admin_key():
+    from warmfleet.server.router.core.peers import PeerLoad, client_digest
+
+    plain, keyed = client_digest("key:client-key"), client_digest("key:client-key", b"adm")
+    assert plain != keyed and keyed == client_digest("key:client-key", b"adm") != client_digest("key:client-key", b"x")
+    report = PeerLoad(["http://b"], digest_key=b"adm").local_report([], {"key:client-key": 2})
+    assert report["clients"] == {keyed: 2}

@@ -295,7 +295,7 @@ async def test_peer_load_is_an_admin_route_and_peers_send_the_admin_key(tiny_mod
         assert r.status_code == 200 and set(r.json()["replicas"]) == {s.url for s in t.served}
 
 
-async def test_without_an_admin_key_peer_load_stays_open_so_keyed_routers_still_share_load(tiny_model_dir):
+async def test_without_an_admin_key_peer_load_answers_routers_on_the_same_host(tiny_model_dir):
     async with TwoRouters(tiny_model_dir, api_keys={"client-key": None}) as t:
         for app in t.apps:
             await until(lambda: live_peers(app.state.peers) == 1, "the other router answering")

@@ -6,6 +6,7 @@ Shared by `warmfleet route` (http/) and the EPP's side port (epp/); imports the 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 from typing import Optional
 
 from fastapi import FastAPI, Request
@@ -26,8 +27,8 @@ def refusal_response(refusal: Refusal) -> JSONResponse:
     return JSONResponse(refusal.payload(), status_code=refusal.status)
 
 
-def add_status_routes(app: FastAPI, state: dict, metrics: RouterMetrics) -> None:
-    """Liveness, readiness, Prometheus metrics and the replicas view."""
+def add_status_routes(app: FastAPI, rt: RouterRuntime, state: dict, metrics: RouterMetrics) -> None:
+    """Liveness, readiness, Prometheus metrics and the replicas view (full with the admin key: `admin_denied`)."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -48,9 +49,12 @@ def add_status_routes(app: FastAPI, state: dict, metrics: RouterMetrics) -> None
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/router/replicas")
-    async def replicas() -> Response:
-        """Debug view: members, health, load and how much of each one's cache the index knows."""
+    async def replicas(request: Request) -> Response:
+        """Debug view: members, health, load and how much of each one's cache the index knows. Members are named by
+        their URLs (pod IPs), so the full view is an admin route; anyone else gets `public_view`."""
         fleet: Fleet = state["fleet"]
+        if admin_denied(request, rt) is not None:
+            return JSONResponse(public_view(fleet))
         ttft = state["router"].ttft if "router" in state else None
         out = []
         for r in fleet.registry.replicas.values():
@@ -70,6 +74,17 @@ def add_status_routes(app: FastAPI, state: dict, metrics: RouterMetrics) -> None
                              "node_tiers": fleet.node_tiers.view() if fleet.node_tiers is not None else []})
 
 
+def public_view(fleet: Fleet) -> dict:
+    """The replicas view without the admin key: how many members are in each state and what the index holds, no
+    member's URL, address, event endpoint, adapter or error."""
+    states: dict[str, int] = {}
+    for r in fleet.registry.replicas.values():
+        st = phase(r)
+        states[st] = states.get(st, 0) + 1
+    return {"redacted": True, "states": states, "replicas": [], "index_blocks": fleet.index.num_blocks(),
+            "engine": fleet.dialect.kind, "contract": fleet.dialect.contract}
+
+
 def _num_urls(state: dict) -> Optional[int]:
     """How many image URLs the router has learned (url_memo.UrlHashMemo); None without a renderer."""
     urls = getattr(getattr(state.get("router"), "renderer", None), "urls", None)
@@ -83,16 +98,34 @@ def phase(r) -> str:
     return "warming" if r.warming else "ready" if r.healthy else "down"
 
 
+def is_local(request: Request) -> bool:
+    """Whether `request` came from this host's loopback and was not forwarded for another client (no
+    X-Forwarded-For or Forwarded: a local proxy speaks for someone else)."""
+    host = request.client.host if request.client else ""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+    return loopback and "x-forwarded-for" not in request.headers and "forwarded" not in request.headers
+
+
 def admin_denied(request: Request, rt: RouterRuntime, keyless_ok: bool = False) -> Optional[Response]:
-    """None if `request` may use an admin route; else the 401/403 answer. With `--admin-key` it needs
-    `Authorization: Bearer KEY`; without one, the routes are open only while no API key is checked (or, with
-    `keyless_ok`, always: peer load, which routers rendered without an admin key still poll)."""
+    """None if `request` may use an admin route; else the 401/403 answer.
+
+    With `--admin-key` every admin route needs `Authorization: Bearer KEY` (a client's API key is refused). Without
+    one they answer only requests from this host's loopback (`is_local`: kubectl port-forward or exec, a local
+    script), as Redis's protected mode does, and none while the router checks API keys, unless `keyless_ok` (peer
+    load: routers on one host). Anyone else gets a 403 naming the flag."""
     admin_key = rt.settings.admin_key
     if admin_key:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), admin_key.encode()):
             return error_response(401, "admin routes need `Authorization: Bearer <admin key>`",
                                   "authentication_error")
+    elif not is_local(request):
+        return error_response(403, "this router has no admin key: its admin routes answer only on its own host; "
+                              "start it with --admin-key (or WARMFLEET_ADMIN_KEY) to use them from elsewhere",
+                              "permission_error")
     elif rt.tenants.enabled and not keyless_ok:
         return error_response(403, "this router checks API keys: start it with --admin-key (or "
                               "WARMFLEET_ADMIN_KEY) to use its admin routes", "permission_error")
@@ -104,7 +137,7 @@ def add_admin_routes(app: FastAPI, rt: RouterRuntime, state: dict) -> None:
 
     The replica id is its base URL as `/v1/router/replicas` lists it (percent-encode it:
     `/v1/router/replicas/http%3A%2F%2F10.0.0.7%3A8000/drain`). With `--admin-key` the call needs
-    `Authorization: Bearer KEY`; without one it is open only while the router checks no API keys.
+    `Authorization: Bearer KEY`; without one it is answered only on the router's own host (`admin_denied`).
     """
 
     async def drain_call(request: Request, rid: str, start: bool) -> Response:

@@ -52,7 +52,8 @@ requests; a partitioned one is then counted as zero, so a limit can be exceeded 
 holds). A URL that answers with this router's own id is itself (one `--peers` list for every
 router, e.g. a headless Service) and is not polled again. No pickle: JSON both ways. With `--admin-key`
 the endpoint needs `Authorization: Bearer <admin key>` and polls send it, so the routers of one service
-share one admin key; without one it is open to anyone who reaches the router.
+share one admin key, which also keys the client digests; without one it answers only on the router's own
+host (router/status.py, `admin_denied`), so routers on other hosts need the key to share load.
 
 A `--peers` URL whose host is a name (http only) stands for every address the name resolves to,
 looked up again every `resolve_s`: on Kubernetes the operator passes the routers' headless Service
@@ -83,9 +84,10 @@ PEER_LOAD_PATH = "/v1/router/peer-load"
 ZERO = (0, 0, 0.0)
 
 
-def client_digest(client: str) -> str:
-    """A client's name as peers see it: API keys and addresses never leave the router in clear."""
-    return hashlib.blake2b(client.encode(), digest_size=12).hexdigest()
+def client_digest(client: str, key: bytes = b"") -> str:
+    """A client's name as peers see it: API keys and addresses never leave the router in clear, and with `key` (the
+    routers' shared admin key) not even as a digest one could test guesses against."""
+    return hashlib.blake2b(client.encode(), digest_size=12, key=key[:64]).hexdigest()
 
 
 def balanced_owners(replicas: Iterable[str], routers: Sequence[str]) -> dict[str, str]:
@@ -146,7 +148,8 @@ class PeerLoad:
 
     def __init__(self, peers: Iterable[str], *, interval_s: float = 0.1, stale_s: float = 1.0,
                  timeout_s: float = 0.5, router_id: Optional[str] = None, jitter: float = 4.0,
-                 resolve_s: float = 5.0, headers: Optional[dict] = None, partition_tokens: int = 0):
+                 resolve_s: float = 5.0, headers: Optional[dict] = None, partition_tokens: int = 0,
+                 digest_key: bytes = b""):
         self.router_id = router_id or secrets.token_hex(8)  # random per process: a restarted router is a new peer
         self.configured = list(peers)  # as given; a name's addresses are polled (resolve)
         self.peers = {u: PeerState(u) for u in self.configured}
@@ -162,6 +165,7 @@ class PeerLoad:
         self._owned: dict[frozenset, frozenset] = {}  # replica set -> the part this router owns (see `owned`)
         self._session: Optional[aiohttp.ClientSession] = None
         self.headers = headers or {}  # sent with every poll: the admin key, when the routers have one
+        self.digest_key = digest_key  # keys client_digest: the routers' admin key (shared by them, by no client)
 
     # --- what the policy and the limiter read -------------------------------------------------
     def replica_load(self, rid: str) -> tuple[int, int, float]:
@@ -198,14 +202,14 @@ class PeerLoad:
 
     def client_open(self, client: str) -> int:
         """Requests `client` has open on fresh peers."""
-        return self._clients.get(client_digest(client), 0) if self._clients else 0
+        return self._clients.get(client_digest(client, self.digest_key), 0) if self._clients else 0
 
     # --- what this router tells its peers -------------------------------------------------------
     def local_report(self, replicas: Iterable, open_by_client: dict[str, int]) -> dict:
         """This router's own figures (never the sums: a peer adds every router once)."""
         return {"router": self.router_id,
                 "replicas": {r.id: [r.in_flight, r.queued_tokens, round(r.sent, 3)] for r in replicas},
-                "clients": {client_digest(c): n for c, n in open_by_client.items() if n > 0}}
+                "clients": {client_digest(c, self.digest_key): n for c, n in open_by_client.items() if n > 0}}
 
     def view(self) -> list[dict]:
         now = time.monotonic()

@@ -14,6 +14,6 @@ def build_side_app(rt: RouterRuntime, state: dict, metrics: RouterMetrics) -> Fa
     """The side port's app; `state["fleet"]` is set by the server once the core runs."""
     app = FastAPI(title="warmfleet endpoint picker")
     app.state.metrics = metrics
-    add_status_routes(app, state, metrics)
+    add_status_routes(app, rt, state, metrics)
     add_admin_routes(app, rt, state)
     return app

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from contextlib import asynccontextmanager
 from typing import Awaitable, Callable, Optional
 
@@ -21,6 +22,9 @@ from ..core.runtime import RouterRuntime, running, upstream_headers
 from ..core.tenants import ConcurrencyLimiter, admit_client
 from ..status import add_admin_routes, add_status_routes, admin_denied, error_response, refusal_response
 from .proxy import Proxy, upstream_session
+
+
+log = logging.getLogger(__name__)
 
 
 def parse_json_object(raw: bytes) -> dict | Response:
@@ -281,8 +285,8 @@ def _lifespan(rt: RouterRuntime, metrics: RouterMetrics, state: dict, peers: Opt
 def _add_peer_route(app: FastAPI, rt: RouterRuntime, state: dict, open_by_client: Callable[[], dict],
                     peers: Optional[PeerLoad]) -> None:
     """`GET /v1/router/peer-load`: this router's own figures (served even without --peers, so others can poll it).
-    With `--admin-key` it needs that key, which peers send (per-client open counts and replica loads are no one
-    else's business); without one it stays open, as routers rendered without an admin key poll it."""
+    An admin route (per-client open counts and replica loads by URL are no one else's business): with
+    `--admin-key` it needs that key, which peers send; without one it answers only on this host (status.py)."""
     local = peers or PeerLoad([])
 
     @app.get(PEER_LOAD_PATH, response_model=None)  # no schema from the return annotation
@@ -302,8 +306,12 @@ def build_app(rt: RouterRuntime) -> FastAPI:
     settings = rt.settings
     peers = (PeerLoad(rt.peers, interval_s=settings.peer_interval_s, jitter=settings.peer_jitter,
                       partition_tokens=settings.peer_partition_tokens,
-                      headers={"authorization": f"Bearer {settings.admin_key}"} if settings.admin_key else None)
+                      headers={"authorization": f"Bearer {settings.admin_key}"} if settings.admin_key else None,
+                      digest_key=(settings.admin_key or "").encode())
              if rt.peers else None)
+    if peers is not None and not settings.admin_key:
+        log.warning("--peers without --admin-key: peer load is an admin route, answered only on this host; routers "
+                    "on other hosts need one --admin-key (WARMFLEET_ADMIN_KEY) to share load and client limits")
     limiter = ConcurrencyLimiter(settings.max_concurrent_per_client, remote=peers.client_open if peers else None)
     state: dict = {}  # "fleet" and "proxy", set by the lifespan
     front = Frontend(rt, limiter, state)
@@ -313,7 +321,7 @@ def build_app(rt: RouterRuntime) -> FastAPI:
     app.state.limiter = limiter
     app.state.peers = peers
     _add_openai_routes(app, front)
-    add_status_routes(app, state, metrics)
+    add_status_routes(app, rt, state, metrics)
     add_admin_routes(app, rt, state)
     _add_peer_route(app, rt, state, lambda: limiter.open, peers)
     return FastPath(app, front)  # type: ignore[return-value]  # an ASGI app that forwards attributes to `app`
