@@ -258,8 +258,10 @@ class RouterSettings:
     replica_api_key: Optional[str] = field(default=None, metadata=opt(  # sent upstream as Bearer
         "--replica-api-key", "Key sent to replicas as Bearer (env WARMFLEET_REPLICA_API_KEY)."))
     admin_key: Optional[str] = field(default=None, metadata=opt(  # None: admin routes open only if no API keys
-        "--admin-key", "Bearer key of the admin routes (POST/DELETE /v1/router/replicas/ID/drain; env "
-        "WARMFLEET_ADMIN_KEY). Without it they are open only while the router checks no API keys."))
+        "--admin-key", "Bearer key of the admin routes (POST/DELETE /v1/router/replicas/ID/drain, "
+        "/v1/router/peer-load, the full /v1/router/replicas; env WARMFLEET_ADMIN_KEY); peer routers share it. "
+        "Without it they answer only requests from this host's loopback, and the replicas view is reduced to "
+        "counts for anyone else."))
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     peers: Optional[str] = field(default=None, metadata=opt(  # peer routers' base URLs (peers.parse_peers)
         "--peers", "Other router processes in front of the same fleet (base URLs; this router's own URL may be "
