@@ -9,6 +9,7 @@ record written while it serves the request (`bind`, read by logging_setup's form
 from __future__ import annotations
 
 import contextvars
+import itertools
 import os
 import re
 from typing import Optional
@@ -25,8 +26,21 @@ _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f
 _current: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("warmfleet_request", default=None)
 
 
+_PREFIX = os.urandom(8).hex()  # this process's; with a counter, unique without a syscall per request
+_count = itertools.count(1)
+
+
+def _new_prefix() -> None:  # a forked child must not repeat its parent's ids
+    global _PREFIX
+    _PREFIX = os.urandom(8).hex()
+
+
+os.register_at_fork(after_in_child=_new_prefix)
+
+
 def new_request_id() -> str:
-    return os.urandom(16).hex()
+    """32 hex digits: a random per-process prefix and a counter (unique, not a secret)."""
+    return f"{_PREFIX}{next(_count):016x}"
 
 
 def request_id(given: Optional[str]) -> str:
