@@ -86,12 +86,16 @@ def test_tainted_pool_schedules_only_with_the_overlay_toleration_and_pull_secret
 
     # without the toleration: a pool, a Deployment, and a server pod the scheduler refuses for the taint
     c.apply(obj)
-    wait_for(lambda: any("dedicated" in unschedulable(p) for p in pods(c, namespace, name, "server")), 90,
-             "the server pod Unschedulable for the untolerated taint")
-    svc = c.kubectl_json("-n", namespace, "get", "wfis", name)
-    assert [p["nodes"] for p in svc["status"]["pools"]] == [[node]]
-    wait_for(lambda: next((x.get("reason") for x in c.kubectl_json("-n", namespace, "get", "wfis", name)["status"]["conditions"]
-                           if x["type"] == "Ready"), None) == "Unschedulable", 60, "Ready reason Unschedulable")
+    why = wait_for(lambda: next((m for m in map(unschedulable, pods(c, namespace, name, "server")) if m), None), 90,
+                   "the server pod Unschedulable")
+    assert "untolerated taint" in why, why  # "... node(s) had untolerated taint {dedicated: inference}"
+    pools = wait_for(lambda: (c.kubectl_json("-n", namespace, "get", "wfis", name).get("status") or {}).get("pools"), 60,
+                     "status.pools")
+    assert [p["nodes"] for p in pools] == [[node]]
+    ready = wait_for(lambda: next((x for x in c.kubectl_json("-n", namespace, "get", "wfis", name)["status"]["conditions"]
+                                   if x["type"] == "Ready" and x.get("reason") == "Unschedulable"), None),
+                     60, "Ready reason Unschedulable")
+    assert "untolerated taint" in ready["message"], ready
 
     # the overlays: the taint tolerated, a pull secret and a priorityClass for servers and routers
     overlay = {"tolerations": [TOLERATION], "imagePullSecrets": [{"name": "regcred"}], "priorityClassName": pclass}
