@@ -13,7 +13,7 @@ operator lists (docs/lora.md "On Kubernetes") the same way, one directory each, 
 Directory layout under DEST (the model directory the server is started on):
 
     config.json, *.safetensors, tokenizer files, ...    the model, as the engine reads it
-    .warmfleet/state.json                               files verified so far (size + digest), revision
+    .warmfleet/state.json                               files verified so far (size, digest, inode, ctime), revision
     .warmfleet/partial/<id>.part                        downloads in progress (resumed by the next run)
     .warmfleet/config-summary.json                      what config.json says (hidden size, dtype, ...)
     .warmfleet/lock                                     flock held while one process fetches
@@ -48,6 +48,7 @@ PROGRESS_EVERY_S = 5.0
 DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_RETRIES = 5
 HUB_ENDPOINT = "https://huggingface.co"
+CONFIG_MAX_BYTES = 1 << 20  # config.json as the operator reads it: a few KiB (multimodal ones ~100 KiB)
 
 
 class FetchError(Exception):
@@ -575,9 +576,11 @@ def fetch(remote: Remote, dest: Path, *, patterns: Sequence[str] = MODEL_PATTERN
         for f in wanted:
             entry = {"size": f.size, "digest": f.digest}
             path = dest / f.name
-            if path.is_file() and (known.get(f.name) == entry and path.stat().st_size == f.size
-                                   or f.name not in known and _hash_file(path, f.digest, f.size)):
-                known[f.name] = entry
+            # trusted without reading only if nothing touched the file since it was verified (same inode, ctime:
+            # a write or a replacement changes them and no user can set them back); else verified by content again
+            if path.is_file() and (_unchanged(known.get(f.name), entry, path)
+                                   or _hash_file(path, f.digest, f.size)):
+                known[f.name] = {**entry, **_stamp(path)}
                 progress.cached_files += 1
                 progress.done_files += 1
                 progress.done_bytes += f.size
@@ -591,7 +594,7 @@ def fetch(remote: Remote, dest: Path, *, patterns: Sequence[str] = MODEL_PATTERN
         for f in todo:
             t0 = time.monotonic()
             _download(remote, f, dest, meta, progress, retries, retry_delay_s)
-            known[f.name] = {"size": f.size, "digest": f.digest}
+            known[f.name] = {"size": f.size, "digest": f.digest, **_stamp(dest / f.name)}
             state.update(revision=listing.revision, complete=False)
             _write_json(state_path, state)
             progress.done_files += 1
@@ -610,6 +613,21 @@ def fetch(remote: Remote, dest: Path, *, patterns: Sequence[str] = MODEL_PATTERN
         return Result(dest, listing.revision, [f.name for f in wanted], summary, progress)
 
 
+def _stamp(path: Path) -> dict[str, int]:
+    """What changes whenever a file's bytes do: its inode and ctime (nanoseconds), with its size."""
+    st = path.stat()
+    return {"ino": st.st_ino, "ctime_ns": st.st_ctime_ns}
+
+
+def _unchanged(known: dict[str, Any] | None, entry: dict[str, Any], path: Path) -> bool:
+    """Whether `path` is the very file verified as `entry` (digest and size) and untouched since."""
+    if not known or {k: known.get(k) for k in entry} != entry or "ctime_ns" not in known:
+        return False
+    st = path.stat()
+    return st.st_size == entry["size"] and {"ino": st.st_ino, "ctime_ns": st.st_ctime_ns} == {
+        "ino": known.get("ino"), "ctime_ns": known.get("ctime_ns")}
+
+
 def _offline_copy(dest: Path, state: dict[str, Any], remote: Remote, exc: FetchError,
                   config_file: str = CONFIG_FILE) -> Result | None:
     """A complete earlier copy when the source is unreachable; only for copies fetched without credentials,
@@ -617,7 +635,8 @@ def _offline_copy(dest: Path, state: dict[str, Any], remote: Remote, exc: FetchE
     if exc.reason != "Unreachable" or not state.get("complete") or not state.get("anonymous") or not remote.anonymous:
         return None
     files = state.get("files", {})
-    if not files or any(not (dest / n).is_file() or (dest / n).stat().st_size != e["size"] for n, e in files.items()):
+    if not files or any(not (dest / n).is_file() or not _unchanged(e, {"size": e["size"], "digest": e["digest"]}, dest / n)
+                        for n, e in files.items()):
         return None
     log.warning("source unreachable, using the complete copy fetched earlier",
                 extra={"fields": {"error": exc.message, "revision": state.get("revision")}})
@@ -638,12 +657,14 @@ def _summary(path: Path, source: str) -> ConfigSummary:
 
 def read_config(src: ModelSource, *, hf_token: str | None = None, hub_endpoint: str | None = None,
                 s3_creds: S3Credentials | None = None, s3_endpoint: str | None = None, s3_region: str | None = None,
-                anonymous: bool = False, timeout_s: float = 10.0) -> tuple[ConfigSummary, str]:
+                anonymous: bool = False, timeout_s: float = 10.0, follow_redirects: bool = True,
+                max_bytes: int = CONFIG_MAX_BYTES) -> tuple[ConfigSummary, str]:
     """config.json of an hf:// or s3:// source, summarized, and the revision read (hub commit, S3 ETag).
 
     Blocking (run it in a thread); raises FetchError. `anonymous` skips ambient credentials
     (HF_TOKEN and ~/.cache/huggingface, boto3's default chain): the operator reads a source only
-    with the credentials its spec names.
+    with the credentials its spec names, follows no redirect (`follow_redirects` False: a tenant's endpoint
+    cannot bounce it to an address it would refuse) and reads at most `max_bytes`.
     """
     what = f"{src.raw}: {CONFIG_FILE}"
     if src.kind == "hf":
@@ -656,8 +677,13 @@ def read_config(src: ModelSource, *, hf_token: str | None = None, hub_endpoint: 
         token: str | bool | None = hf_token or (False if anonymous else None)
         url = hf_hub_url(src.repo, CONFIG_FILE, revision=src.revision, endpoint=endpoint)
         try:
-            resp = get_session().get(url, headers=build_hf_headers(token=token), timeout=timeout_s, follow_redirects=True)
+            resp = _bounded_get(get_session(), url, build_hf_headers(token=token), timeout_s, follow_redirects, max_bytes)
+            if resp.is_redirect:
+                raise FetchError("Unreachable", f"{what}: HTTP {resp.status_code}: the endpoint redirects, and the operator "
+                                                "follows no redirect (name the final URL in hub.endpoint)")
             hf_raise_for_status(resp)
+        except FetchError:
+            raise
         except Exception as exc:  # noqa: BLE001
             raise _hub_error(exc, what) from exc
         raw, revision = resp.content, resp.headers.get("X-Repo-Commit") or src.revision
@@ -667,16 +693,33 @@ def read_config(src: ModelSource, *, hf_token: str | None = None, hub_endpoint: 
         key = remote.key_prefix + CONFIG_FILE
         try:
             resp = remote.client.get_object(Bucket=src.bucket, Key=key)
-            raw, revision = resp["Body"].read(), str(resp.get("ETag", "")).strip('"')
+            raw, revision = resp["Body"].read(max_bytes + 1), str(resp.get("ETag", "")).strip('"')
         except Exception as exc:  # noqa: BLE001
             err = remote._error(exc, what)
             raise (err if isinstance(err, FetchError) else FetchError("Unreachable", str(err))) from exc
     else:
         raise ValueError(f"{src.raw}: the operator cannot read config.json of a {src.kind} source")
+    if len(raw) > max_bytes:
+        raise FetchError("BadConfig", f"{what}: larger than {max_bytes} bytes")
     try:
         return summarize_config(json.loads(raw)), revision
     except ValueError as exc:
         raise FetchError("BadConfig", f"{what}: not a JSON object ({exc})") from exc
+
+
+def _bounded_get(session: Any, url: str, headers: dict[str, str], timeout_s: float, follow_redirects: bool,
+                 max_bytes: int) -> Any:
+    """GET `url` reading at most `max_bytes` of body (FetchError past it); a complete httpx.Response otherwise."""
+    import httpx
+
+    with session.stream("GET", url, headers=headers, timeout=timeout_s, follow_redirects=follow_redirects) as resp:
+        body = bytearray()
+        for chunk in resp.iter_bytes():
+            body += chunk
+            if len(body) > max_bytes:
+                raise FetchError("BadConfig", f"{url}: answer larger than {max_bytes} bytes")
+        headers = [(k, v) for k, v in resp.headers.multi_items() if k.lower() not in ("content-encoding", "content-length")]
+        return httpx.Response(resp.status_code, headers=headers, content=bytes(body), request=resp.request)
 
 
 # ---- the command ----

@@ -6,6 +6,7 @@ Shared by the operator (spec validation, rendering, learning sizes) and `warmfle
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
@@ -50,7 +51,7 @@ class ModelSource:
         return self.kind in ("hf", "s3")
 
     def cache_subdir(self) -> str:
-        """The model's directory relative to the cache root: hf/ORG/NAME/REVISION or s3/BUCKET/PREFIX.
+        """The model's path as the containers see it, relative to /models: hf/ORG/NAME/REVISION or s3/BUCKET/PREFIX.
 
         A revision with '/' (refs/pr/1) becomes one segment ('refs--pr--1'), so revisions never nest.
         """
@@ -59,6 +60,32 @@ class ModelSource:
         if self.kind == "s3":
             return "/".join(p for p in ("s3", self.bucket, self.prefix) if p)
         raise ValueError(f"{self.raw}: only hf:// and s3:// sources live in the model cache")
+
+    def node_cache_subdir(self, endpoint: str | None, namespace: str | None) -> str:
+        """The model's directory in a node's shared cache, keyed by everything that identifies its bytes:
+        [ns/NAMESPACE/]hf|s3/ORIGIN/... where ORIGIN names the endpoint (host and a digest of the whole URL) and the
+        rest is `cache_subdir`'s. `namespace` None: shared across namespaces (an admin's choice).
+
+        Two services naming the same source through different endpoints, or in different namespaces, never
+        share a directory, so one cannot serve or overwrite bytes the other fetched.
+        """
+        kind, rest = self.cache_subdir().split("/", 1)
+        head = f"ns/{namespace}/" if namespace else ""
+        return f"{head}{kind}/{origin_key(self.kind, endpoint)}/{rest}"
+
+
+DEFAULT_ENDPOINTS = {"hf": "https://huggingface.co", "s3": "https://s3.amazonaws.com"}
+
+
+def origin_key(kind: str, endpoint: str | None) -> str:
+    """One path segment naming where bytes come from: the endpoint's host (readable) and a digest of its normalized
+    URL (so two endpoints on one host, or http vs https, differ). None: the kind's default endpoint."""
+    url = (endpoint or DEFAULT_ENDPOINTS[kind]).strip().rstrip("/")
+    scheme, _, rest = url.partition("://")
+    host, _, path = rest.partition("/")
+    normal = f"{scheme.lower()}://{host.lower()}/{path}"
+    readable = re.sub(r"[^a-z0-9.-]", "_", host.lower())[:64] or "endpoint"
+    return f"{readable}-{hashlib.sha256(normal.encode()).hexdigest()[:12]}"
 
 
 def check_source(value: str) -> str | None:

@@ -3,26 +3,30 @@ server pod gets spec.adapters loaded and nothing else, through its /v1/load_lora
 (vLLM's routes, which warmfleet's engine serves too); status.adapters says on how many replicas each one is loaded.
 
 Adapters never enter the pod template (lora_plan.py), so adding or removing one restarts nothing; a replica started later
-is brought in line by the next pass. The admin key is spec.lora.adminKeySecret (warmfleet only), else the service's
-API key (spec.router.apiKeySecret), which the server pods also read as their admin key (warmfleet) or API key (vLLM);
-without either the routes are open, as every route of those pods is.
+is brought in line by the next pass. The admin key (warmfleet) is spec.lora.adminKeySecret, else the Secret the
+operator generated for the service (admin_secret.py), never the client API key; vLLM's LoRA routes take its API key.
+Reads are bounded and follow no redirect (bounded_http.py); status.adapters names HTTP statuses, never a body.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
+import json
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, MutableMapping
 
 import httpx
 
 from warmfleet.kube import KubeError
+from warmfleet.operator.passes import bounded_http
+from warmfleet.operator.passes.admin_secret import secret_value
 from warmfleet.operator.passes.reconcile import OperatorState, plan_for
 from warmfleet.operator.planning import engine_descriptions, lora_plan, objects
 from warmfleet.operator.planning.nodes import NodeInfo
+from warmfleet.operator.spec.inference_service import SecretKeyRef
 from warmfleet.operator.spec.schema import SpecError
 
 INTERVAL_ENV = "WARMFLEET_ADAPTERS_INTERVAL_S"
@@ -73,10 +77,11 @@ async def sync_pod(http: httpx.AsyncClient, url: str, wanted: Mapping[str, str],
     res = PodResult()
     admin = headers if admin_headers is None else admin_headers
     try:
-        r = await http.get(url + "/v1/models", headers=headers, timeout=TIMEOUT_S)
-        r.raise_for_status()
-        have = {c["id"]: c.get("root") for c in r.json().get("data", []) if c.get("parent")}
-    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        r = await bounded_http.request(http, "GET", url + "/v1/models", headers=headers, timeout_s=TIMEOUT_S,
+                                       limit=bounded_http.JSON_MAX_BYTES)
+        r.raise_for_status(url + "/v1/models")
+        have = {c["id"]: c.get("root") for c in json.loads(r.content).get("data", []) if c.get("parent")}
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
         res.errors = {name: f"GET /v1/models: {_why(exc)}" for name in wanted}
         return res
     for name, root in sorted(have.items()):
@@ -100,23 +105,33 @@ async def sync_pod(http: httpx.AsyncClient, url: str, wanted: Mapping[str, str],
 
 
 async def _post(http: httpx.AsyncClient, url: str, path: str, body: dict[str, str], headers: Mapping[str, str]) -> str:
-    """'' on success, else why (the server's error message where it gives one)."""
+    """'' on success, else why: the HTTP status and the error's code where it is a plain identifier. Never the body's
+    text: it becomes status, which tenants read, and a replica (or whatever answers at its address) chose it."""
     try:
-        r = await http.post(url + path, json=body, headers=headers, timeout=TIMEOUT_S)
+        r = await bounded_http.request(http, "POST", url + path, json=body, headers=headers, timeout_s=TIMEOUT_S,
+                                       limit=bounded_http.JSON_MAX_BYTES)
     except httpx.HTTPError as exc:
         return f"POST {path}: {_why(exc)}"
     if r.status_code < 300:
         return ""
+    return f"POST {path}: HTTP {r.status_code}{_error_code(r.content)} (the replica's log says why)"
+
+
+ERROR_CODE = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
+
+
+def _error_code(content: bytes) -> str:
+    """' (CODE)' for an OpenAI-shaped error's code or type when it is a plain identifier, else ''."""
     try:
-        detail = r.json()
-        msg = (detail.get("error") or {}).get("message") if isinstance(detail.get("error"), dict) else detail.get("message")
-    except ValueError:
-        msg = None
-    return f"POST {path}: HTTP {r.status_code}: {msg or r.text[:300]}"
+        err = json.loads(content).get("error")
+    except (ValueError, AttributeError):
+        return ""
+    code = next((c for c in (err.get("code"), err.get("type")) if isinstance(c, str)), None) if isinstance(err, dict) else None
+    return f" ({code})" if code and ERROR_CODE.fullmatch(code) else ""
 
 
 def _why(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+    return f"{type(exc).__name__}: {exc}"  # the client's words (status, timeout, cap), not the peer's
 
 
 async def _auth_headers(kube: Any, ref: Any, ns: str) -> tuple[dict[str, str], str]:
@@ -132,8 +147,7 @@ async def _auth_headers(kube: Any, ref: Any, ns: str) -> tuple[dict[str, str], s
         raise
     if secret is None:
         return {}, f"Secret {ns}/{ref.name} not found"
-    raw = (secret.get("data") or {}).get(ref.key)
-    value = base64.b64decode(raw).decode(errors="replace").strip() if raw else (secret.get("stringData") or {}).get(ref.key)
+    value = secret_value(secret, ref.key)
     if not value:
         return {}, f"Secret {ns}/{ref.name} has no key {ref.key}"
     return {"Authorization": f"Bearer {value}"}, ""
@@ -157,7 +171,7 @@ async def run_pass(state: OperatorState, body: Mapping[str, Any], nodes: list[No
     it changed). None when the spec is invalid (the reconcile reports it) or has no spec.lora."""
     meta = body.get("metadata") or {}
     try:
-        owner, spec, _ = plan_for(body, nodes, state.default_images)
+        owner, spec, _ = plan_for(body, nodes, state.default_images, policy=state.policy)
     except SpecError:
         return None
     previous = (body.get("status") or {}).get("adapters")
@@ -170,9 +184,10 @@ async def run_pass(state: OperatorState, body: Mapping[str, Any], nodes: list[No
     pods = await kube.list("Pod", owner.namespace, objects.server_selector(owner))
     urls = ready_server_urls(pods, template or os.environ.get(URL_TEMPLATE_ENV))
     headers, problem = await _auth_headers(kube, spec.router.api_key_secret, owner.namespace)
-    admin_headers = headers
-    if not problem and spec.lora.admin_key_secret is not None:
-        admin_headers, problem = await _auth_headers(kube, spec.lora.admin_key_secret, owner.namespace)
+    admin_headers = headers  # vLLM: its LoRA routes take the API key
+    if not problem and engine_descriptions.engine_of(spec).kind == "warmfleet":
+        name, key = objects.admin_key_ref(owner, spec)
+        admin_headers, problem = await _auth_headers(kube, SecretKeyRef(name=name, key=key), owner.namespace)
     results: dict[str, PodResult] = {}
     if not problem:
         async def one(client: httpx.AsyncClient, name: str, url: str) -> tuple[str, PodResult]:

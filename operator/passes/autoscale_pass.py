@@ -5,6 +5,7 @@ and status.warmup, and the servers' pod-deletion costs."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from typing import Any, Callable, Mapping, MutableMapping, Sequence
@@ -12,6 +13,8 @@ from typing import Any, Callable, Mapping, MutableMapping, Sequence
 import httpx
 
 from warmfleet.kube import KubeError
+from warmfleet.operator.passes import bounded_http
+from warmfleet.operator.passes.admin_secret import secret_value
 from warmfleet.operator.passes.reconcile import OperatorState, plan_for, utcnow
 from warmfleet.operator.planning import engine_descriptions, gateway, objects, router_objects
 from warmfleet.operator.planning import autoscale_policy as a
@@ -52,7 +55,7 @@ async def run_pass(state: OperatorState, body: Mapping[str, Any], nodes: list[No
     meta = body.get("metadata") or {}
     uid = meta.get("uid") or f"{meta.get('namespace')}/{meta.get('name')}"
     try:
-        owner, spec, plan = plan_for(body, nodes, state.default_images)
+        owner, spec, plan = plan_for(body, nodes, state.default_images, policy=state.policy)
     except SpecError:
         return None  # the reconcile reports it
     kube = state.client()
@@ -63,11 +66,12 @@ async def run_pass(state: OperatorState, body: Mapping[str, Any], nodes: list[No
         component, port, pod_port, service = "router", spec.router.port, engine_descriptions.HTTP_PORT, None
     router_pods = [] if template else await kube.list("Pod", owner.namespace, router_objects.front_door_selector(owner, component))
     urls = router_urls(template, owner, port, router_pods, pod_port=pod_port, service=service)
+    admin = await _admin_headers(kube, owner, spec)
     if http is None:
         async with httpx.AsyncClient() as client:
-            metrics, views, errors = await scrape(client, urls)
+            metrics, views, errors = await scrape(client, urls, headers=admin)
     else:
-        metrics, views, errors = await scrape(http, urls)
+        metrics, views, errors = await scrape(http, urls, headers=admin)
     failure = "; ".join(f"{u}: {e}" for u, e in errors.items()) if errors and not metrics else None
     if failure != hist.failure:  # said when it starts or changes, not on every pass
         if failure:
@@ -113,6 +117,19 @@ async def run_pass(state: OperatorState, body: Mapping[str, Any], nodes: list[No
     return d
 
 
+async def _admin_headers(kube: Any, owner: objects.Owner, spec: Any) -> dict[str, str]:
+    """The service's admin key as a Bearer header for the routers' admin routes; {} when it cannot be read (the
+    routers then answer 401/403 and the scrape says so)."""
+    name, key = objects.admin_key_ref(owner, spec)
+    try:
+        value = secret_value(await kube.get("Secret", owner.namespace, name), key)
+    except KubeError as exc:
+        if exc.status != 403:
+            raise
+        return {}
+    return {"Authorization": f"Bearer {value}"} if value else {}
+
+
 async def _deletion_costs(kube: Any, owner: objects.Owner, views: list[dict[str, Any]], hist: a.History) -> None:
     """Annotate server pods with what their loss would cost the fleet's caches (only values that changed)."""
     if hist.costs_forbidden:
@@ -143,16 +160,24 @@ async def _deletion_costs(kube: Any, owner: objects.Owner, views: list[dict[str,
 
 # ---- scrape --------------------------------------------------------------------------------
 
-async def scrape(http: httpx.AsyncClient, urls: Sequence[str], timeout_s: float = 5.0
+async def scrape(http: httpx.AsyncClient, urls: Sequence[str], timeout_s: float = 5.0,
+                 headers: Mapping[str, str] | None = None,
                  ) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]], dict[str, str]]:
-    """GET /metrics and /v1/router/replicas of every router: (parsed metrics by URL, replica views, errors by URL)."""
+    """GET /metrics and /v1/router/replicas of every router: (parsed metrics by URL, replica views, errors by URL).
+    `headers`: the service's admin key (the routers' replica view is an admin route). Each read is capped
+    (bounded_http) and follows no redirect: one router cannot run the operator out of memory."""
     async def one(url: str) -> tuple[str, Any, Any, str | None]:
         try:
-            m = await http.get(url + "/metrics", timeout=timeout_s)
-            v = await http.get(url + "/v1/router/replicas", timeout=timeout_s)
-            m.raise_for_status()
-            v.raise_for_status()
-            return url, a.parse_metrics(m.text), v.json(), None
+            m = await bounded_http.request(http, "GET", url + "/metrics", timeout_s=timeout_s, headers=headers,
+                                           limit=bounded_http.METRICS_MAX_BYTES)
+            v = await bounded_http.request(http, "GET", url + "/v1/router/replicas", timeout_s=timeout_s,
+                                           headers=headers, limit=bounded_http.JSON_MAX_BYTES)
+            m.raise_for_status(url + "/metrics")
+            v.raise_for_status(url + "/v1/router/replicas")
+            view = json.loads(v.content)
+            if not isinstance(view, dict):
+                raise ValueError("/v1/router/replicas: not a JSON object")
+            return url, a.parse_metrics(m.text), view, None
         except (httpx.HTTPError, ValueError) as exc:
             return url, None, None, f"{type(exc).__name__}: {exc}"
 

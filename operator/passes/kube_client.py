@@ -14,13 +14,14 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "ConfigMap": ("v1", "configmaps"),
     "Pod": ("v1", "pods"),  # list (router and server pods' IPs) and apply of the pod-deletion-cost annotation (autoscale_pass.py)
     "PersistentVolumeClaim": ("v1", "persistentvolumeclaims"),  # read only: does a pod's claim exist?
-    "Secret": ("v1", "secrets"),  # read only: spec.model.credentialsSecret, to read config.json (model_config.py)
+    "Secret": ("v1", "secrets"),  # get: credentials, API and admin keys; create: the generated admin key (admin_secret.py)
     "Service": ("v1", "services"),
     "ServiceAccount": ("v1", "serviceaccounts"),
     "Deployment": ("apps/v1", "deployments"),
     "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
     "Role": ("rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": ("rbac.authorization.k8s.io/v1", "rolebindings"),
+    "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies"),  # the server pods' (network_policy.py)
     "InferenceService": (f"{GROUP}/{VERSION}", PLURAL),
     # gateway mode (gateway.py); served only where their CRDs are installed, which reconcile asks discovery first
     "InferencePool": ("inference.networking.k8s.io/v1", "inferencepools"),

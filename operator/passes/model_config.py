@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from warmfleet.kube import Kube, KubeError
+from warmfleet.operator.passes import bounded_http
 from warmfleet.operator.planning.engine_descriptions import engine_of
 from warmfleet.operator.planning.service_status import merge_conditions
 from warmfleet.operator.spec.inference_service import (
@@ -77,10 +78,18 @@ def _decode(secret: Mapping[str, Any]) -> dict[str, str]:
     return out
 
 
-def _read(spec: InferenceServiceSpec, secret: Mapping[str, str] | None, anonymous: bool) -> Learned:
-    """Blocking: read and summarize config.json; every failure is a Learned with its error."""
+def _read(spec: InferenceServiceSpec, secret: Mapping[str, str] | None, anonymous: bool,
+          allowed: tuple[str, ...] | None = None) -> Learned:
+    """Blocking: read and summarize config.json; every failure is a Learned with its error. `allowed` (the operator's
+    reads, not `render`'s): the spec's endpoint is first checked like an image URL (bounded_http.endpoint_problem),
+    redirects are not followed and the answer is capped."""
     m = spec.model
     src = parse_source(m.source or "")
+    endpoint = (m.hub.endpoint if m.hub else None) if src.kind == "hf" else (m.s3.endpoint if m.s3 else None)
+    if allowed is not None and endpoint:
+        problem = bounded_http.endpoint_problem(endpoint, allowed)
+        if problem:
+            return Learned(src.raw, None, error=problem, reason="EndpointRefused")
     try:
         from warmfleet.fetch import FetchError, S3Credentials, read_config
     except ImportError as exc:  # the operator image lacks the fetch extra
@@ -92,13 +101,14 @@ def _read(spec: InferenceServiceSpec, secret: Mapping[str, str] | None, anonymou
         summary, revision = read_config(
             src, hf_token=s.get("HF_TOKEN"), hub_endpoint=m.hub.endpoint if m.hub else None, s3_creds=creds,
             s3_endpoint=m.s3.endpoint if m.s3 else None, s3_region=m.s3.region if m.s3 else None,
-            anonymous=anonymous, timeout_s=READ_TIMEOUT_S)
+            anonymous=anonymous, timeout_s=READ_TIMEOUT_S, follow_redirects=allowed is None)
     except FetchError as exc:
         return Learned(src.raw, None, error=exc.message, reason=exc.reason)
     return Learned(src.raw, summary, revision)
 
 
-async def learn(cache: ConfigCache, kube: Kube, namespace: str, body: Mapping[str, Any]) -> Learned | None:
+async def learn(cache: ConfigCache, kube: Kube, namespace: str, body: Mapping[str, Any],
+                allowed: tuple[str, ...] = ()) -> Learned | None:
     """config.json of the service's hf:// or s3:// source (None for other sources or a spec that does not parse).
 
     Only the credentials the spec names are used (its Secret, read here), never the operator's own:
@@ -131,7 +141,7 @@ async def learn(cache: ConfigCache, kube: Kube, namespace: str, body: Mapping[st
             return with_earlier(cache.put(key, missing), body)
         secret = _decode(obj)
     try:
-        learned = await asyncio.wait_for(asyncio.to_thread(_read, spec, secret, True), READ_TIMEOUT_S * 2 + 5)
+        learned = await asyncio.wait_for(asyncio.to_thread(_read, spec, secret, True, allowed), READ_TIMEOUT_S * 2 + 5)
     except asyncio.TimeoutError:
         learned = Learned(m.source or "", None, error=f"reading config.json took longer than {READ_TIMEOUT_S * 2 + 5:g}s",
                           reason="Unreachable")

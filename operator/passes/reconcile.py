@@ -13,8 +13,9 @@ import kopf
 
 from warmfleet.kube import Kube, KubeError, Login
 from warmfleet.operator.passes import model_config as mc
+from warmfleet.operator.passes.admin_secret import ensure_admin_secret
 from warmfleet.operator.passes.kube_client import connect
-from warmfleet.operator.planning import gateway, lora_plan, objects
+from warmfleet.operator.planning import admin_policy, gateway, lora_plan, objects
 from warmfleet.operator.planning.diagnose import claims_to_check, diagnose
 from warmfleet.operator.planning.engine_descriptions import check_spec
 from warmfleet.operator.planning.nodes import NodeInfo
@@ -43,6 +44,7 @@ class OperatorState:
     """Operator-wide state, created in the startup hook and shared through kopf's memo."""
 
     default_images: objects.Images  # the engine and router images when a service names none
+    policy: admin_policy.AdminPolicy = field(default_factory=admin_policy.AdminPolicy)  # what the admin allows specs
     connection: Any = None  # kopf ConnectionInfo from the login handler
     login: Login | None = None  # the login handler again: fresh credentials when the client needs them
     kube: Kube | None = None
@@ -87,8 +89,10 @@ def owned(children: list[dict[str, Any]], body: Mapping[str, Any]) -> list[dict[
 
 
 def plan_for(body: Mapping[str, Any], nodes: list[NodeInfo], default_images: objects.Images,
-             learned: mc.Learned | None = None) -> tuple[objects.Owner, Any, Plan]:
-    """Parse the spec, check it against its engine's capabilities and plan; raises SpecError for a bad spec.
+             learned: mc.Learned | None = None, policy: admin_policy.AdminPolicy | None = None,
+             ) -> tuple[objects.Owner, Any, Plan]:
+    """Parse the spec, check it against its engine's capabilities and the admin's `policy`, and plan; raises
+    SpecError for a bad spec.
 
     The hidden size and dtype come from the spec, else from config.json (`learned`, or what the
     service's status remembers of it), else defaults; the returned spec carries the values used.
@@ -100,9 +104,11 @@ def plan_for(body: Mapping[str, Any], nodes: list[NodeInfo], default_images: obj
     if previous_model and previous_model != served_name(spec, owner.name):
         raise SpecError("spec.model.servedName", f"is immutable: was {previous_model!r}, now {served_name(spec, owner.name)!r}")
     check_spec(spec)
+    policy = policy or admin_policy.AdminPolicy()
+    admin_policy.check(spec, policy)
     spec = mc.effective(spec, mc.resolve(spec, learned if learned is not None else mc.from_status(body)))
     lora_plan.check(spec, served_name(spec, owner.name))
-    return owner, spec, make_plan(owner, spec, nodes, objects.images_for(spec, default_images))
+    return owner, spec, make_plan(owner, spec, nodes, objects.images_for(spec, default_images), policy)
 
 
 def fingerprint(plan: Plan) -> str:
@@ -153,9 +159,9 @@ async def _reconcile(state: OperatorState, body: Mapping[str, Any], nodes: list[
     generation = meta.get("generation")
     previous = dict(body.get("status") or {})
     out = Outcome()
-    learned = await mc.learn(state.model_configs, kube, ns, body)
+    learned = await mc.learn(state.model_configs, kube, ns, body, state.policy.allowed_endpoint_hosts)
     try:
-        owner, spec, plan = plan_for(body, nodes, state.default_images, learned)
+        owner, spec, plan = plan_for(body, nodes, state.default_images, learned, state.policy)
     except SpecError as exc:
         out.invalid = str(exc)
         out.status_written = await _report_invalid_spec(state, kube, body, uid, str(exc), learned, post_event, now)
@@ -164,9 +170,12 @@ async def _reconcile(state: OperatorState, body: Mapping[str, Any], nodes: list[
     digest = fingerprint(plan)  # before owner references are added, as the node watch computes it
     out.pools = len(plan.pools)
     served = await _served_gateway_kinds(kube, spec, previous)
+    admin = await ensure_admin_secret(kube, owner, spec, lambda objs: owned(objs, body))  # before pods read it
     children = [c for c in owned(plan.children, body) if served.get(c["kind"], True)]  # a kind not served waits
     live, out.actions = await _apply_and_prune(kube, children, name, ns, meta.get("uid"),
                                                PRUNED_KINDS + tuple(k for k, ok in served.items() if ok))
+    if admin == "created":
+        out.actions[f"Secret/{objects.names(owner)['admin']}"] = "created"
     state.fingerprints[uid] = digest
     ready_by_pool, router_ready = ready_replicas(plan, live, name, owner)
     gw = None
@@ -211,7 +220,7 @@ async def _report_invalid_spec(state: OperatorState, kube: Kube, body: Mapping[s
 # Kinds of children that some specs render and others do not (a pool's Deployment, the router's objects in proxy
 # mode, the endpoint picker's in gateway mode): what is labelled ours, owned by the service and no longer wanted is
 # deleted. InferencePool and HTTPRoute join them where the cluster serves them. ConfigMap is always rendered.
-PRUNED_KINDS = ("Deployment", "Service", "PodDisruptionBudget", "ServiceAccount", "Role", "RoleBinding")
+PRUNED_KINDS = ("Deployment", "Service", "PodDisruptionBudget", "ServiceAccount", "Role", "RoleBinding", "NetworkPolicy")
 GATEWAY_KINDS = ("InferencePool", "HTTPRoute")
 
 

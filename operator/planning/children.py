@@ -7,6 +7,8 @@ from typing import Any
 
 from warmfleet.operator.planning import gateway, lora_plan
 from warmfleet.operator.planning.adapter_objects import adapters_config_map
+from warmfleet.operator.planning.admin_policy import AdminPolicy
+from warmfleet.operator.planning.network_policy import server_network_policy
 from warmfleet.operator.planning.objects import Images, Owner, endpoint_url, k8s_name, meta, names
 from warmfleet.operator.planning.router_objects import (
     router_deployment,
@@ -57,14 +59,18 @@ def lora_report(spec: InferenceServiceSpec) -> dict[str, Any]:
     }
 
 
-def build_children(owner: Owner, spec: InferenceServiceSpec, images: Images, plan: list[PlannedPool]) -> list[dict[str, Any]]:
+def build_children(owner: Owner, spec: InferenceServiceSpec, images: Images, plan: list[PlannedPool],
+                   policy: AdminPolicy = AdminPolicy()) -> list[dict[str, Any]]:
     """Every child object, in apply order; pools that cannot host replicas get no Deployment. Proxy mode: the router's
-    Deployment, Services and PDB; gateway mode instead the endpoint picker's objects and the InferencePool (gateway.py)."""
+    Deployment, Services and PDB; gateway mode instead the endpoint picker's objects and the InferencePool (gateway.py).
+    The server pods' NetworkPolicy comes before their Deployments, so no pod ever runs unguarded."""
     gateway_mode = spec.router.mode == "gateway"
     objs = [config_map(owner, spec, plan)] + ([adapters_config_map(owner, spec)] if spec.lora else [])
     objs += gateway.epp_rbac(owner) if gateway_mode else router_rbac(owner)
     objs.append(replicas_service(owner, spec))
-    objs += [server_deployment(owner, spec, images.engine, p, images.router) for p in plan if p.sizing.fits]
+    netpol = server_network_policy(owner, spec, policy)
+    objs += [netpol] if netpol is not None else []
+    objs += [server_deployment(owner, spec, images.engine, p, images.fetch_image, policy) for p in plan if p.sizing.fits]
     objs.append(server_pdb(owner, spec))
     if gateway_mode:
         return objs + gateway.gateway_children(owner, spec, images.router)

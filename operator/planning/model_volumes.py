@@ -42,14 +42,25 @@ def _claim(spec: InferenceServiceSpec) -> str | None:
     return src.claim if src is not None and src.kind == "pvc" else (spec.model.pvc if src is None else None)
 
 
-def model_volume(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
+def node_cache_dir(spec: InferenceServiceSpec, namespace: str | None) -> str:
+    """The model's directory in the node cache (hf://, s3://), keyed by endpoint, source, revision and `namespace`
+    (None: shared across namespaces, an admin's choice): source.ModelSource.node_cache_subdir."""
+    src, m = spec.model.parsed_source, spec.model
+    assert src is not None and src.downloads
+    endpoint = (m.hub.endpoint if m.hub else None) if src.kind == "hf" else (m.s3.endpoint if m.s3 else None)
+    return src.node_cache_subdir(endpoint, namespace)
+
+
+def model_volume(spec: InferenceServiceSpec, cache_dir: str | None = None) -> tuple[list[dict], list[dict]]:
     """Volumes and server mounts of the model: a claim at /models (pvc://, path + pvc), or the model cache's
-    directory of this model (hf://, s3://; the fetch-model init container fills it), or nothing (baked in)."""
+    directory of this model (hf://, s3://; `cache_dir`, from node_cache_dir; the fetch-model init container fills
+    it) at model_dir, or nothing (baked in)."""
     src = spec.model.parsed_source
     if src is not None and src.downloads:
         vol = cache_volume(spec)
         # only this model's directory, read-only (a node-wide cache holds other services' models too)
-        mount = {"name": MODEL_CACHE_VOLUME, "mountPath": model_dir(spec), "subPath": src.cache_subdir(), "readOnly": True}
+        mount = {"name": MODEL_CACHE_VOLUME, "mountPath": model_dir(spec), "subPath": cache_dir or src.cache_subdir(),
+                 "readOnly": True}
         return [vol], [mount]
     return _local_model_volume(spec)
 
@@ -83,13 +94,14 @@ def _credentials_env(spec: InferenceServiceSpec, src: ModelSource) -> list[dict[
 
 
 def fetch_container(spec: InferenceServiceSpec, image: str, volume: str, *, tokenizer_only: bool = False,
-                    ephemeral: dict[str, str] | None = None) -> dict[str, Any]:
-    """The init container that downloads an hf:// or s3:// model into `volume` (mounted at /models) before the
-    server (or, with only tokenizer files, the router) starts. Same security as every container; /tmp is its HOME."""
+                    ephemeral: dict[str, str] | None = None, dest: str | None = None) -> dict[str, Any]:
+    """The init container that downloads an hf:// or s3:// model into `volume` (mounted at /models; `dest`, default
+    model_dir) before the server (or, with only tokenizer files, the router) starts. Same security as every
+    container; /tmp is its HOME. Where `volume` is the node cache, `image` must be the operator's own."""
     src = spec.model.parsed_source
     assert src is not None and src.downloads
     m = spec.model
-    values: list[tuple[str, str | None]] = [("dest", model_dir(spec)), ("termination_log", "/dev/termination-log")]
+    values: list[tuple[str, str | None]] = [("dest", dest or model_dir(spec)), ("termination_log", "/dev/termination-log")]
     if tokenizer_only:
         values.append(("tokenizer_only", None))
     if m.s3 is not None and m.s3.endpoint:
@@ -117,12 +129,13 @@ def fetch_container(spec: InferenceServiceSpec, image: str, volume: str, *, toke
 
 
 def init_containers(spec: InferenceServiceSpec, image: str, volume: str, *, tokenizer_only: bool = False,
-                     ephemeral: dict[str, str] | None = None) -> dict[str, Any]:
+                     ephemeral: dict[str, str] | None = None, dest: str | None = None) -> dict[str, Any]:
     """{"initContainers": [fetch-model]} for hf:// and s3:// sources, else nothing (templates stay as they were)."""
     src = spec.model.parsed_source
     if src is None or not src.downloads:
         return {}
-    return {"initContainers": [fetch_container(spec, image, volume, tokenizer_only=tokenizer_only, ephemeral=ephemeral)]}
+    return {"initContainers": [fetch_container(spec, image, volume, tokenizer_only=tokenizer_only, ephemeral=ephemeral,
+                                               dest=dest)]}
 
 
 def router_model_volume(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict]]:

@@ -28,19 +28,27 @@ class Owner:
 
 @dataclass(frozen=True)
 class Images:
-    """The engine image of the server pods, and the slim `warmfleet` image (no Paddle) of the router pods and
-    the fetch-model init step."""
+    """The engine image of the server pods, the slim `warmfleet` image (no Paddle) of the router pods, and the
+    operator's own slim image that alone writes the node-wide model cache (the fetch steps of server pods)."""
 
     engine: str
     router: str
+    fetch: str = ""  # '' = router (the operator's defaults, where both are the operator's)
+
+    @property
+    def fetch_image(self) -> str:
+        """The image of the steps that write the node cache: never one a tenant chose."""
+        return self.fetch or self.router
 
 
 def images_for(spec: InferenceServiceSpec, defaults: Images) -> Images:
     """spec.server.image runs the router and, unless engine.image is set, the engine too (one image for both);
-    without it the operator's two default images. engine.image (CEL requires it for vllm and fastdeploy) wins."""
+    without it the operator's two default images. engine.image (CEL requires it for vllm and fastdeploy) wins.
+    The node cache is written by the operator's own image whatever the spec says (a tenant's image could plant or
+    read another namespace's files there)."""
     if spec.server.image:
-        return Images(engine=spec.engine.image or spec.server.image, router=spec.server.image)
-    return Images(engine=spec.engine.image or defaults.engine, router=defaults.router)
+        return Images(engine=spec.engine.image or spec.server.image, router=spec.server.image, fetch=defaults.fetch_image)
+    return Images(engine=spec.engine.image or defaults.engine, router=defaults.router, fetch=defaults.fetch_image)
 
 
 
@@ -64,6 +72,8 @@ def names(owner: Owner) -> dict[str, str]:
         "endpoint": k8s_name(owner.name),
         "pdb": k8s_name(owner.name, "server"),
         "router_pdb": k8s_name(owner.name, "router"),
+        "admin": k8s_name(owner.name, "admin"),
+        "server_policy": k8s_name(owner.name, "server"),
     }
 
 
@@ -107,6 +117,22 @@ def api_key_env(spec: InferenceServiceSpec, *names: str) -> list[dict]:
         return []
     return [{"name": n, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
             for n in names or ("WARMFLEET_API_KEY",)]
+
+
+ADMIN_KEY = "admin-key"  # the key of the generated admin Secret (passes/admin_secret.py creates it once)
+
+
+def admin_key_ref(owner: Owner, spec: InferenceServiceSpec) -> tuple[str, str]:
+    """(Secret, key) of the admin key the servers' and routers' admin routes take: spec.lora.adminKeySecret, else
+    the Secret NAME-admin the operator generates once per service. Never the client API key."""
+    ref = spec.lora.admin_key_secret if spec.lora is not None else None
+    return (ref.name, ref.key) if ref is not None else (names(owner)["admin"], ADMIN_KEY)
+
+
+def admin_key_env(owner: Owner, spec: InferenceServiceSpec, name: str = "WARMFLEET_ADMIN_KEY") -> list[dict[str, Any]]:
+    """The env var carrying the admin key into a container."""
+    secret, key = admin_key_ref(owner, spec)
+    return [{"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}]
 
 
 def pod_security() -> dict[str, Any]:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from warmfleet.operator.planning import children, objects, server_pool
+from warmfleet.operator.planning.admin_policy import AdminPolicy
 from warmfleet.operator.planning.nodes import NodeInfo, Pool, derive_pools
 from warmfleet.operator.planning.sizing import PoolSizing, assign_replicas, size_pool
 from warmfleet.operator.spec.inference_service import (
@@ -33,15 +34,17 @@ class Plan:
         return sum(p.replicas for p in self.pools)
 
 
-def make_plan(owner: objects.Owner, spec: InferenceServiceSpec, nodes: list[NodeInfo], images: objects.Images) -> Plan:
-    """Derive pools from nodes, size each, split the replicas and build every child object."""
+def make_plan(owner: objects.Owner, spec: InferenceServiceSpec, nodes: list[NodeInfo], images: objects.Images,
+              policy: AdminPolicy = AdminPolicy()) -> Plan:
+    """Derive pools from nodes, size each, split the replicas and build every child object (within the admin's
+    `policy`, which the caller has checked the spec against: admin_policy.check)."""
     sized = [(pool, size_pool(spec, pool)) for pool in derive_pools(spec, nodes)]
     caps, floors = pool_limits(spec, sized)
     desired = spec.desired_replicas()
     split = assign_replicas(desired, caps, floors)
     desired = max(desired, sum(split))  # per-pool minima raise the total
     planned = [server_pool.PlannedPool(pool, sizing, n) for (pool, sizing), n in zip(sized, split)]
-    return Plan(planned, desired, sum(caps), children.build_children(owner, spec, images, planned), spec.engine.kind)
+    return Plan(planned, desired, sum(caps), children.build_children(owner, spec, images, planned, policy), spec.engine.kind)
 
 
 def pool_limits(spec: InferenceServiceSpec, sized: list[tuple[Pool, PoolSizing]]) -> tuple[list[int], list[int]]:

@@ -10,6 +10,7 @@ from warmfleet.operator.planning.engine_descriptions import HTTP_PORT
 from warmfleet.operator.planning.model_volumes import init_containers, model_dir, router_model_volume
 from warmfleet.operator.planning.objects import (
     Owner,
+    admin_key_env,
     api_key_env,
     container_security,
     labels,
@@ -24,7 +25,7 @@ from warmfleet.operator.planning.objects import (
 from warmfleet.operator.planning.pod_overlay import overlay_router_pod
 from warmfleet.operator.spec.constants import COMPONENT_LABEL, SERVICE_LABEL
 from warmfleet.operator.spec.inference_service import InferenceServiceSpec
-from warmfleet.server.flagfields import to_args
+from warmfleet.server.flagfields import flag_of, to_args
 from warmfleet.server.router.core.settings import PolicyConfig, RouterSettings
 from warmfleet.server.router.epp.settings import DRAIN_GRACE_S
 
@@ -38,6 +39,18 @@ ROUTER_RESOURCES = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"cpu":
 # inside terminationGracePeriodSeconds
 PRE_STOP_SLEEP_S = 5
 FRONT_DOOR_GRACE_S = PRE_STOP_SLEEP_S + int(DRAIN_GRACE_S) + 5
+KEYS_MOUNT, KEYS_FILE, KEYS_VOLUME = "/etc/warmfleet/keys", "keys.json", "client-keys"  # spec.router.keysSecret
+
+
+def keys_file(spec: InferenceServiceSpec) -> tuple[list[str], list[dict[str, Any]], list[dict[str, Any]]]:
+    """spec.router.keysSecret as the front doors take it: (`--api-keys-file PATH`, the Secret volume, its mount)."""
+    ref = spec.router.keys_secret
+    if ref is None:
+        return [], [], []
+    vol = {"name": KEYS_VOLUME, "secret": {"secretName": ref.name, "items": [{"key": ref.key, "path": KEYS_FILE}],
+                                          "defaultMode": 0o440}}
+    mount = {"name": KEYS_VOLUME, "mountPath": KEYS_MOUNT, "readOnly": True}
+    return [flag_of(RouterSettings, "api_keys_file"), f"{KEYS_MOUNT}/{KEYS_FILE}"], [vol], [mount]
 
 
 def front_door_values(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
@@ -87,7 +100,8 @@ def front_door_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, 
     """A Deployment of `spec.router.replicas` routing pods: the tokenizer-only model volume (and fetch-model init
     container), /tmp as HOME, the API key env, the router's resources and hardening; `pod` says the rest."""
     model_vols, model_mounts = router_model_volume(spec)
-    volumes = [{"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}}, *model_vols]
+    keys_args, keys_vols, keys_mounts = keys_file(spec)
+    volumes = [{"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}}, *model_vols, *keys_vols]
     ephemeral = pod_ephemeral_storage(volumes)
     match = front_door_selector(owner, pod.component)
     dep = {
@@ -110,17 +124,19 @@ def front_door_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, 
                         "image": image,
                         "imagePullPolicy": spec.server.image_pull_policy,
                         "command": [pod.command[0]],
-                        "args": pod.command[1:],
-                        # The router checks clients' keys (WARMFLEET_API_KEY) and, since it then does not
-                        # forward theirs, authenticates to the replicas itself (WARMFLEET_REPLICA_API_KEY).
+                        "args": [*pod.command[1:], *keys_args],
+                        # The router checks clients' keys (WARMFLEET_API_KEY, --api-keys-file) and, since it then
+                        # does not forward theirs, authenticates to the replicas itself (WARMFLEET_REPLICA_API_KEY);
+                        # its admin routes take the service's admin key (never a client's).
                         "env": [{"name": "HOME", "value": "/tmp"},
-                                *api_key_env(spec, "WARMFLEET_API_KEY", "WARMFLEET_REPLICA_API_KEY")],
+                                *api_key_env(spec, "WARMFLEET_API_KEY", "WARMFLEET_REPLICA_API_KEY"),
+                                *admin_key_env(owner, spec)],
                         "ports": pod.ports,
                         "resources": with_ephemeral(ROUTER_RESOURCES, ephemeral),
                         **pod.probes,
                         "lifecycle": {"preStop": {"sleep": {"seconds": PRE_STOP_SLEEP_S}}},
                         "securityContext": container_security(),
-                        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *model_mounts],
+                        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *model_mounts, *keys_mounts],
                     }],
                     "volumes": volumes,
                 },

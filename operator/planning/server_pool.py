@@ -7,11 +7,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from warmfleet.operator.planning.adapter_objects import adapter_fetch_container, lora_volumes
+from warmfleet.operator.planning.admin_policy import AdminPolicy
 from warmfleet.operator.planning.engine_descriptions import Engine, LoraLimits, RenderInput, engine_of
-from warmfleet.operator.planning.model_volumes import MODEL_CACHE_VOLUME, init_containers, model_dir, model_volume
+from warmfleet.operator.planning.model_volumes import (
+    MODEL_CACHE_VOLUME,
+    MODEL_MOUNT,
+    init_containers,
+    model_dir,
+    model_volume,
+    node_cache_dir,
+)
 from warmfleet.operator.planning.nodes import GPU_MEMORY_LABEL, GPU_PRODUCT_LABEL, GPU_RESOURCE, Pool, format_bytes
 from warmfleet.operator.planning.objects import (
     Owner,
+    admin_key_env,
     api_key_env,
     container_security,
     k8s_name,
@@ -88,11 +97,12 @@ ENGINE_SIGTERM_DRAIN_S = 30  # what an engine gives in-flight requests after SIG
 
 
 def server_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, planned: PlannedPool,
-                      fetch_image: str | None = None) -> dict[str, Any]:
+                      fetch_image: str | None = None, policy: AdminPolicy = AdminPolicy()) -> dict[str, Any]:
     """One pool's server Deployment; the pod template carries the sizing hash so only changed pools roll.
 
     hf:// and s3:// models are downloaded first by a `warmfleet fetch-model` init container running
-    `fetch_image` (the warmfleet image, whatever the engine's; default `image`).
+    `fetch_image` (the operator's own warmfleet image, whatever the engine's or the spec's; default `image`) into
+    the node cache's directory for this endpoint, source and (unless `policy` shares the cache) namespace.
     """
     pool, sizing = planned.pool, planned.sizing
     assert sizing.sizes is not None
@@ -100,7 +110,10 @@ def server_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, plan
     match = {**server_selector(owner), POOL_LABEL: pool.name}
     d = spec.disruption
     engine = engine_of(spec)
-    model_vols, model_mounts = model_volume(spec)
+    src = spec.model.parsed_source
+    cache_dir = (node_cache_dir(spec, None if policy.share_model_cache else owner.namespace)
+                 if src is not None and src.downloads else None)
+    model_vols, model_mounts = model_volume(spec, cache_dir)
     lora_vols, lora_mounts = lora_volumes(owner, spec, model_vols)
     model_mounts = model_mounts + lora_mounts
     volumes = [
@@ -110,7 +123,8 @@ def server_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, plan
         *lora_vols,
     ]
     ephemeral = pod_ephemeral_storage(volumes)
-    inits = init_containers(spec, fetch_image or image, MODEL_CACHE_VOLUME, ephemeral=ephemeral)
+    inits = init_containers(spec, fetch_image or image, MODEL_CACHE_VOLUME, ephemeral=ephemeral,
+                            dest=f"{MODEL_MOUNT}/{cache_dir}" if cache_dir else None)
     sidecars: list[dict[str, Any]] = []
     if spec.lora is not None:
         inits.setdefault("initContainers", []).append(
@@ -161,7 +175,7 @@ def _server_container(owner: Owner, spec: InferenceServiceSpec, image: str, sizi
         "imagePullPolicy": spec.server.image_pull_policy,
         "command": list(engine.command),
         "args": server_args(owner, spec, sizing),
-        "env": _engine_env(spec, engine),
+        "env": _engine_env(owner, spec, engine),
         "ports": [{"name": p.name, "containerPort": p.number, "protocol": "TCP"} for p in engine.ports],
         "resources": {"requests": dict(amounts), "limits": dict(amounts)},
         **_server_probes(engine, spec.disruption.startup_timeout_seconds),
@@ -192,15 +206,12 @@ def _server_probes(engine: Engine, startup_timeout_seconds: int) -> dict[str, An
     }
 
 
-def _engine_env(spec: InferenceServiceSpec, engine: Engine) -> list[dict[str, Any]]:
+def _engine_env(owner: Owner, spec: InferenceServiceSpec, engine: Engine) -> list[dict[str, Any]]:
     pod_name = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}] if engine.pod_name_env else []
     static = [{"name": k, "value": v} for k, v in engine.env + (engine.lora_env if spec.lora else ())]
-    # warmfleet's load/unload routes take the admin key; the operator sends the service's API key (docs/lora_plan.md)
-    admin: list[dict[str, Any]] = []
-    if spec.lora and engine.kind == "warmfleet":
-        ref = spec.lora.admin_key_secret
-        admin = ([{"name": "WARMFLEET_ADMIN_KEY", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
-                 if ref else api_key_env(spec, "WARMFLEET_ADMIN_KEY"))
+    # warmfleet's admin routes (load/unload adapters) always take the admin key: spec.lora.adminKeySecret, else the
+    # one the operator generated (never the client API key, which every client holds)
+    admin = admin_key_env(owner, spec) if engine.kind == "warmfleet" else []
     return [*pod_name, *static, *api_key_env(spec, engine.api_key_env), *admin]
 
 

@@ -200,6 +200,11 @@ class ServerSpec:
         16.0, doc="Host memory the engine needs besides its caches (runtime, weight staging), in GiB.", minimum=1, maximum=4096,
     )
     max_num_batched_tokens: int = prop(2048, doc="Token budget of one engine step; the encoder cache never drops below it.", minimum=1)
+    network_policy: bool = prop(
+        True, doc=("Render a NetworkPolicy over the server pods: their KV-event ports admit only this service's routers "
+                   "(endpoint pickers), their HTTP port also the operator's namespace (and, in gateway mode, any pod: the "
+                   "gateway's proxies). false: no policy (your own, or none; docs/security.md)."),
+    )
     extra_args: list[str] = prop([], doc="Extra engine arguments appended after the rendered ones, before engine.extraArgs (kept for compatibility; prefer engine.extraArgs).", maxItems=64)
     pod: Optional[ServerPodOverlay] = prop(
         None, doc=("Kubernetes pod fields added to the server pods of every pool (tolerations, affinity, nodeSelector, env, "
@@ -303,6 +308,15 @@ class SecretKeyRef:
     key: str = prop("api-key", doc="Key within the Secret.", minLength=1)
 
 
+@dataclass(kw_only=True)
+class KeysSecretRef:
+    """A Secret of the same namespace holding a JSON object of client API keys to cache salts."""
+
+    name: str = prop(doc="Secret name.", pattern=DNS_LABEL, maxLength=253)
+    key: str = prop("keys.json", doc="Key within the Secret: JSON {\"API key\": \"salt\" or null} (null: a salt derived from the key).",
+                    minLength=1, maxLength=253, pattern=r"^[-._a-zA-Z0-9]+$")
+
+
 RouterMode = Literal["proxy", "gateway"]
 FailureMode = Literal["FailOpen", "FailClose"]
 DEFAULT_FAILURE_MODE: FailureMode = "FailClose"  # the InferencePool CRD's default for endpointPickerRef.failureMode (GIE v1)
@@ -355,6 +369,11 @@ class RouterSpec:
     replicas: int = prop(2, doc="Router pods (endpoint-picker pods in gateway mode).", minimum=1, maximum=64)
     load_bound: float = prop(1.25, doc="A replica loaded beyond this multiple of the mean loses its prefix affinity.", minimum=1, maximum=10)
     api_key_secret: Optional[SecretKeyRef] = prop(None, doc="Secret holding the API key clients must send (router and servers read WARMFLEET_API_KEY).")
+    keys_secret: Optional[KeysSecretRef] = prop(
+        None, doc=("Per-client isolation: a Secret with the client keys and one cache salt per client or team, mounted into the "
+                   "routers (endpoint pickers) as `--api-keys-file`; clients with different salts never share cached "
+                   "prefixes. Without it every client of apiKeySecret shares one salt (docs/security.md)."),
+    )
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = prop("ClusterIP", doc="Type of the router Service.")
     port: int = prop(8000, doc="Port of the router Service (the endpoint URL's port; proxy mode).", minimum=1, maximum=65535)
     pod: Optional[RouterPodOverlay] = prop(
@@ -442,9 +461,10 @@ class LoraSpec:
     fetch_interval_seconds: int = prop(30, doc="How often the adapter-fetch sidecar of a running pod looks for new hf:// and s3:// adapters.",
                                        minimum=5, maximum=3600)
     admin_key_secret: Optional[SecretKeyRef] = prop(
-        None, doc=("engine warmfleet: the key of the servers' admin routes (load/unload adapters), which the operator "
-                   "reads and sends. Default: the API key (spec.router.apiKeySecret), so every API client may load and "
-                   "unload adapters. vLLM has no separate admin key: its runtime LoRA routes take the API key."),
+        None, doc=("engine warmfleet: the key of the servers' and routers' admin routes (load/unload adapters, drain), "
+                   "which the operator reads and sends. Default: a random key the operator generates once per service "
+                   "into the Secret NAME-admin (key admin-key), never the client API key. vLLM has no separate admin "
+                   "key: its runtime LoRA routes take the API key."),
     )
 
     RULES: ClassVar[list[Rule]] = [

@@ -86,8 +86,14 @@ def run(args: argparse.Namespace) -> int:
 
 def run_operator(args: argparse.Namespace) -> int:
     """Run kopf with our registry until interrupted (wiring/process.py: health, metrics, leader election)."""
+    from warmfleet.operator.planning.admin_policy import policy_from_env
     from warmfleet.operator.wiring.process import run_operator as run_process
 
+    try:  # the admin's policy (chart values → env), read again at startup: a bad value stops here, in one line
+        policy_from_env(os.environ)
+    except ValueError as exc:
+        print(f"warmfleet operator: error: {exc}", file=sys.stderr)
+        return 2
     return run_process(args)
 
 

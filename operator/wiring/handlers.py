@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any, Awaitable, Callable
 
@@ -14,6 +15,7 @@ from warmfleet.operator.passes import model_config as mc
 from warmfleet.operator.passes.operator_metrics import OperatorMetrics
 from warmfleet.operator.passes.reconcile import OperatorState, fingerprint, plan_for, pod_digest, reconcile
 from warmfleet.operator.planning import objects
+from warmfleet.operator.planning.admin_policy import policy_from_env
 from warmfleet.operator.planning.diagnose import slim_pod
 from warmfleet.operator.planning.nodes import NodeInfo, node_info
 from warmfleet.operator.spec.constants import GROUP, MANAGED_BY, PLURAL, SERVICE_LABEL, VERSION
@@ -108,7 +110,7 @@ def _add_lifecycle(registry: kopf.OperatorRegistry, default_images: objects.Imag
         settings.posting.level = logging.WARNING  # only warnings become Kubernetes Events
         settings.peering.standalone = True  # one active replica: the chart runs one pod with a Recreate strategy
         settings.execution.max_workers = 4
-        memo.state = OperatorState(default_images=default_images)
+        memo.state = OperatorState(default_images=default_images, policy=policy_from_env(os.environ))
         memo.metrics, memo.leading = metrics, leading
 
     @kopf.on.cleanup(registry=registry)
@@ -241,7 +243,7 @@ def _node_list(index: kopf.Index) -> list[NodeInfo]:
 def _plan_changed(state: OperatorState, body: Any, nodes: list[NodeInfo], uid: str | None) -> bool:
     """Whether a node event changes what this service should look like (cheap, pure)."""
     try:
-        _, _, plan = plan_for(body, nodes, state.default_images)
+        _, _, plan = plan_for(body, nodes, state.default_images, policy=state.policy)
     except SpecError:
         return False  # an invalid spec waits for a spec change, not a node change
     return state.fingerprints.get(uid or "") != fingerprint(plan)

@@ -1,0 +1,66 @@
+"""What the cluster admin (the chart, the operator's flags) allows tenants' InferenceServices, and the checks of a spec
+against it: hostPath prefixes, a shared model cache, the operator's namespace for NetworkPolicies; pure, no I/O."""
+
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass
+from typing import Mapping
+
+from warmfleet.operator.spec.inference_service import DEFAULT_MODEL_CACHE, InferenceServiceSpec
+from warmfleet.operator.spec.schema import SpecError
+
+DEFAULT_HOST_PATH_PREFIXES = (posixpath.dirname(DEFAULT_MODEL_CACHE),)  # /var/cache/warmfleet
+
+
+@dataclass(frozen=True)
+class AdminPolicy:
+    """Operator-wide settings that bound what a tenant's spec may ask for (flags of `warmfleet operator run`)."""
+
+    # spec.model.cache.hostPath must lie under one of these directories (the node-wide cache default lies under the
+    # first); empty: no hostPath may be named at all (the default cache still is used)
+    host_path_prefixes: tuple[str, ...] = DEFAULT_HOST_PATH_PREFIXES
+    # True: one node cache directory per (endpoint, source) for every namespace (bytes are still checked against each
+    # service's own listing, with its own credentials); False: one per namespace as well
+    share_model_cache: bool = False
+    # the operator's own namespace: server pods' NetworkPolicy admits it on the HTTP port (adapters, probes of
+    # the routers' view); None: any namespace may reach the HTTP port (the API key still guards it)
+    operator_namespace: str | None = None
+    # hosts or networks (CIDR) a spec's hub or S3 endpoint may resolve to although private (an in-cluster mirror);
+    # every other private, loopback, link-local or metadata address is refused before the operator connects
+    allowed_endpoint_hosts: tuple[str, ...] = ()
+
+
+def policy_from_env(env: Mapping[str, str]) -> AdminPolicy:
+    """The policy the chart sets through the operator's environment: WARMFLEET_HOST_PATH_PREFIXES (comma-separated
+    absolute directories; unset: the default, empty: none), WARMFLEET_SHARE_MODEL_CACHE (true/false),
+    WARMFLEET_ALLOWED_ENDPOINT_HOSTS (comma-separated hosts or CIDRs), POD_NAMESPACE (the operator's own).
+    Raises ValueError with one readable line for a bad value."""
+    raw = env.get("WARMFLEET_HOST_PATH_PREFIXES")
+    prefixes = DEFAULT_HOST_PATH_PREFIXES if raw is None else tuple(p.strip() for p in raw.split(",") if p.strip())
+    bad = [p for p in prefixes if not p.startswith("/") or ".." in p.split("/")]
+    if bad:
+        raise ValueError(f"WARMFLEET_HOST_PATH_PREFIXES: {', '.join(bad)}: each prefix must be an absolute path without '..'")
+    share = (env.get("WARMFLEET_SHARE_MODEL_CACHE") or "false").strip().lower()
+    if share not in ("true", "false"):
+        raise ValueError(f"WARMFLEET_SHARE_MODEL_CACHE: must be true or false, got {share!r}")
+    hosts = tuple(h.strip() for h in (env.get("WARMFLEET_ALLOWED_ENDPOINT_HOSTS") or "").split(",") if h.strip())
+    return AdminPolicy(host_path_prefixes=prefixes, share_model_cache=share == "true",
+                       operator_namespace=(env.get("POD_NAMESPACE") or "").strip() or None, allowed_endpoint_hosts=hosts)
+
+
+def under(path: str, prefix: str) -> bool:
+    """Whether `path` is `prefix` or lies below it, after normalizing both (no `..` escapes, no trailing '/')."""
+    p, root = posixpath.normpath(path), posixpath.normpath(prefix)
+    return root == "/" or p == root or p.startswith(root + "/")
+
+
+def check(spec: InferenceServiceSpec, policy: AdminPolicy) -> None:
+    """Refuse what the admin does not allow; raises SpecError naming the field."""
+    cache = spec.model.cache
+    host = cache.host_path if cache is not None else None
+    if host is not None and not any(under(host, p) for p in policy.host_path_prefixes):
+        allowed = ", ".join(policy.host_path_prefixes) or "none (the operator allows no hostPath)"
+        raise SpecError("spec.model.cache.hostPath",
+                        f"{host} is outside the directories the cluster admin allows ({allowed}; chart value "
+                        "operator.hostPathPrefixes, flag --host-path-prefix)")
