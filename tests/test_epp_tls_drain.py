@@ -88,8 +88,10 @@ async def test_a_drain_finishes_the_stream_in_flight_and_refuses_new_ones(tiny_m
 @pytest.mark.parametrize("flags, line", [
     (["--tls-cert-file", "CERT"], "--tls-cert-file and --tls-key-file go together"),
     (["--tls-cert-file", "CERT", "--tls-key-file", "MISSING"], "--tls-key-file MISSING: No such file or directory"),
-    (["--tls-cert-file", "CERT", "--tls-key-file", "CERT", "--tls-client-ca-file", "NOTPEM"], "--tls-client-ca-file NOTPEM: not a PEM file"),
-    (["--no-secure-serving", "--tls-client-ca-file", "CERT"], "--no-secure-serving contradicts --tls-cert-file/--tls-client-ca-file"),
+    (["--tls-cert-file", "CERT", "--tls-key-file", "CERT", "--tls-client-ca-file", "NOTPEM"],
+     "--tls-client-ca-file NOTPEM: not a PEM file"),
+    (["--no-secure-serving", "--tls-client-ca-file", "CERT"],
+     "--no-secure-serving contradicts --tls-cert-file/--tls-client-ca-file"),
     (["--drain-grace-s", "-1"], "--drain-grace-s must be >= 0"),
 ])
 def test_bad_tls_and_drain_flags_exit_with_one_readable_line(tiny_model_dir, tmp_path, flags, line):
