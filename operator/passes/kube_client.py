@@ -18,9 +18,11 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "Service": ("v1", "services"),
     "ServiceAccount": ("v1", "serviceaccounts"),
     "Deployment": ("apps/v1", "deployments"),
+    "DaemonSet": ("apps/v1", "daemonsets"),  # the node tier, one per pool (node_tier_objects.py)
     "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
     "Role": ("rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": ("rbac.authorization.k8s.io/v1", "rolebindings"),
+    "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies"),  # the server pods' (network_policy.py)
     "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies"),  # the server pods' (network_policy.py)
     "InferenceService": (f"{GROUP}/{VERSION}", PLURAL),
     # gateway mode (gateway.py); served only where their CRDs are installed, which reconcile asks discovery first

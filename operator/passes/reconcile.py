@@ -220,7 +220,8 @@ async def _report_invalid_spec(state: OperatorState, kube: Kube, body: Mapping[s
 # Kinds of children that some specs render and others do not (a pool's Deployment, the router's objects in proxy
 # mode, the endpoint picker's in gateway mode): what is labelled ours, owned by the service and no longer wanted is
 # deleted. InferencePool and HTTPRoute join them where the cluster serves them. ConfigMap is always rendered.
-PRUNED_KINDS = ("Deployment", "Service", "PodDisruptionBudget", "ServiceAccount", "Role", "RoleBinding", "NetworkPolicy")
+PRUNED_KINDS = ("Deployment", "Service", "PodDisruptionBudget", "ServiceAccount", "Role", "RoleBinding", "NetworkPolicy",
+                "DaemonSet")
 GATEWAY_KINDS = ("InferencePool", "HTTPRoute")
 
 

@@ -9,6 +9,7 @@ from warmfleet.operator.planning import gateway, lora_plan
 from warmfleet.operator.planning.adapter_objects import adapters_config_map
 from warmfleet.operator.planning.admin_policy import AdminPolicy
 from warmfleet.operator.planning.network_policy import server_network_policy
+from warmfleet.operator.planning.node_tier_objects import node_tier_children
 from warmfleet.operator.planning.objects import Images, Owner, endpoint_url, k8s_name, meta, names
 from warmfleet.operator.planning.router_objects import (
     router_deployment,
@@ -72,7 +73,8 @@ def build_children(owner: Owner, spec: InferenceServiceSpec, images: Images, pla
     objs += [netpol] if netpol is not None else []
     objs += [server_deployment(owner, spec, images.engine, p, images.fetch_image, policy) for p in plan if p.sizing.fits]
     objs.append(server_pdb(owner, spec))
-    if gateway_mode:
-        return objs + gateway.gateway_children(owner, spec, images.router)
-    return objs + [router_pdb(owner), router_deployment(owner, spec, images.router), router_service(owner, spec),
-                   router_peers_service(owner)]
+    objs += (gateway.gateway_children(owner, spec, images.router) if gateway_mode else
+             [router_pdb(owner), router_deployment(owner, spec, images.router), router_service(owner, spec),
+              router_peers_service(owner)])
+    # spec.cache.nodeTier: its DaemonSets, Services and NetworkPolicy; server, router and picker pods pointed at it
+    return node_tier_children(owner, plan, images.router, spec.server.image_pull_policy, objs)

@@ -8,7 +8,8 @@ from typing import Any
 from warmfleet.operator.planning import children, objects, server_pool
 from warmfleet.operator.planning.admin_policy import AdminPolicy
 from warmfleet.operator.planning.nodes import NodeInfo, Pool, derive_pools
-from warmfleet.operator.planning.sizing import PoolSizing, assign_replicas, size_pool
+from warmfleet.operator.planning.node_tier import size_pool
+from warmfleet.operator.planning.sizing import PoolSizing, assign_replicas
 from warmfleet.operator.spec.inference_service import (
     EngineKind,
     InferenceServiceSpec,
@@ -86,4 +87,5 @@ def pool_status(p: server_pool.PlannedPool, ready: int, engine: EngineKind) -> P
         ready_replicas=ready,
         sizes=p.sizing.sizes,
         inputs=p.sizing.inputs,
+        node_tier=p.sizing.node_tier,
     )

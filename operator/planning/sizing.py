@@ -19,6 +19,7 @@ from warmfleet.operator.spec.inference_service import (
     PoolSizes,
     TokenSize,
 )
+from warmfleet.operator.spec.node_tier import NodeTierStatus
 from warmfleet.server.config import DTYPE_BYTES
 
 PROCESSOR_GIB_PER_FRONTEND = 4.0  # Auto processor cache ceiling per API frontend
@@ -40,6 +41,7 @@ class PoolSizing:
     replicas_per_node: int
     sizes: PoolSizes | None
     inputs: PoolInputs | None
+    node_tier: NodeTierStatus | None = None  # spec.cache.nodeTier on: the tier's size (planning/node_tier.py)
 
     @property
     def capacity_per_node(self) -> int:

@@ -7,6 +7,7 @@ from functools import cached_property
 from typing import Any, ClassVar, Literal, Optional
 
 from warmfleet.operator.spec.pod_overlay import RouterPodOverlay, ServerPodOverlay
+from warmfleet.operator.spec.node_tier import NodeTierSpec, NodeTierStatus
 from warmfleet.operator.spec.schema import Rule, from_dict, prop
 from warmfleet.server import engine_kinds
 from warmfleet.source import DOTDOT_PATTERN, ModelSource, SOURCE_FORMS, SOURCE_PATTERN, check_source, parse_source
@@ -298,6 +299,9 @@ class CacheSpec:
     host_reserve_fraction: float = prop(0.1, doc="Share of a node's allocatable memory kept free for kubelet, daemons and page cache.", minimum=0, maximum=0.9)
     swap_fraction: float = prop(0.9, doc="Share of the host memory left per replica (after engine and processor cache) given to the swap tier.", minimum=0, maximum=1)
     encoder_fraction: float = prop(0.05, doc="Share of each replica's GPU memory set aside for the encoder cache.", minimum=0, maximum=0.5)
+    node_tier: NodeTierSpec = prop(NodeTierSpec(), doc=(
+        "One cache per node (`warmfleet node-tier`, a DaemonSet per pool) shared by the service's replicas there, in "
+        "place of their own swap tier (--swap-space 0); warmfleet's engine only (docs/node-tier-operator.md)."))
 
 
 @dataclass(kw_only=True)
@@ -600,6 +604,7 @@ class PoolStatus:
     ready_replicas: int = prop(0, doc="Ready replicas of the pool's Deployment.")
     sizes: Optional[PoolSizes] = prop(None, doc="Derived sizes.")
     inputs: Optional[PoolInputs] = prop(None, doc="Inputs of the sizes.")
+    node_tier: Optional[NodeTierStatus] = prop(None, doc="The pool's node tier and its inputs (spec.cache.nodeTier on).")
 
 
 LearnedFrom = Literal["config.json", "spec", "default"]

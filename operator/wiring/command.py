@@ -121,6 +121,11 @@ def render_warnings(plan: Any) -> list[str]:
         for size, src in sorted(sources.items()):
             if src in ("min", "max"):
                 out.append(f"pool {p.pool.name}: {size} clamped to its {src}")
+        tier = p.sizing.node_tier
+        if tier is not None and tier.message:
+            out.append(f"pool {p.pool.name}: no node tier: {tier.message}")
+        elif tier is not None and tier.source == "spare":
+            out.append(f"pool {p.pool.name}: node tier lowered to the {tier.size_gib:g} GiB a node can spare")
     if plan.pools and plan.capacity < plan.desired:
         out.append(f"{plan.desired} replicas wanted, the pools can host {plan.capacity}")
     return out
