@@ -1,5 +1,4 @@
-"""bench/gateway.py's fronts: the routing tiers it compares (proxy, Envoy + EPP, Envoy + lwepp and its kwok
-control plane, Envoy + proxy, the peers), the tools they need, and the simulated fleet of --sim-rates."""
+"""bench/gateway.py's fronts: the routing tiers it compares, the tools they need, lwepp's kwok pool, the simulated fleet."""
 
 from __future__ import annotations
 

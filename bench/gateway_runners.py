@@ -1,5 +1,4 @@
-"""bench/gateway.py's runs: every front on fresh replicas per (rate, seed), and the tier at a gateway's rates
-in front of simulated replicas (--sim-rates)."""
+"""bench/gateway.py's runs: every front on fresh replicas per (rate, seed); the tier at simulated rates (--sim-rates)."""
 
 from __future__ import annotations
 
