@@ -23,7 +23,6 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "Role": ("rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": ("rbac.authorization.k8s.io/v1", "rolebindings"),
     "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies"),  # the server pods' (network_policy.py)
-    "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies"),  # the server pods' (network_policy.py)
     "InferenceService": (f"{GROUP}/{VERSION}", PLURAL),
     # gateway mode (gateway.py); served only where their CRDs are installed, which reconcile asks discovery first
     "InferencePool": ("inference.networking.k8s.io/v1", "inferencepools"),
