@@ -219,3 +219,14 @@ def test_client_digests_on_the_wire_are_keyed_with_the_admin_key():
     assert plain != keyed and keyed == client_digest("key:client-key", b"adm") != client_digest("key:client-key", b"x")
     report = PeerLoad(["http://b"], digest_key=b"adm").local_report([], {"key:client-key": 2})
     assert report["clients"] == {keyed: 2}
+
+
+async def test_a_keyless_router_checking_api_keys_shows_the_full_view_only_on_its_own_host(tiny_model_dir):
+    async with Fleet2(tiny_model_dir, tenants=Tenants({"client-key": None})) as f:
+        client = {"authorization": "Bearer client-key"}
+        full = (await f.client.get("/v1/router/replicas", headers=client)).json()
+        assert {x["id"] for x in full["replicas"]} == {s.url for s in f.served}
+        async with remote_client(f) as remote:
+            assert (await remote.get("/v1/router/replicas", headers=client)).json()["redacted"]
+        victim = quote(f.served[0].url, safe="")  # tenants' keys never drain replicas, not even from the host
+        assert (await f.client.post(f"/v1/router/replicas/{victim}/drain", headers=client)).status_code == 403

@@ -53,7 +53,7 @@ def add_status_routes(app: FastAPI, rt: RouterRuntime, state: dict, metrics: Rou
         """Debug view: members, health, load and how much of each one's cache the index knows. Members are named by
         their URLs (pod IPs), so the full view is an admin route; anyone else gets `public_view`."""
         fleet: Fleet = state["fleet"]
-        if admin_denied(request, rt) is not None:
+        if admin_denied(request, rt, keyless_ok=True) is not None:  # keyless: full on the router's own host
             return JSONResponse(public_view(fleet))
         ttft = state["router"].ttft if "router" in state else None
         out = []
