@@ -54,11 +54,14 @@ def test_helm_lint_strict(helm):
 
 def test_template_objects_validate_against_kubernetes_schemas(helm):
     import kubernetes_validate as kv
-    docs = template(helm, "metrics.dashboard.enabled=true", "operator.watchNamespaces={ml,research}", "operator.verbose=true")
+    docs = template(helm, "metrics.dashboard.enabled=true", "operator.watchNamespaces={ml,research}", "operator.verbose=true",
+                    "admission.enabled=true", "admission.allowedImagePrefixes={ghcr.io/warmfleet/,vllm/}")
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == sorted(["CustomResourceDefinition", "ServiceAccount", "ClusterRole", "ClusterRole", "ClusterRoleBinding",
                             "ClusterRoleBinding", "Deployment", "ConfigMap", "NetworkPolicy",
-                            "PodDisruptionBudget", "Role", "RoleBinding", "Service"])  # the last four: leader election
+                            "PodDisruptionBudget", "Role", "RoleBinding", "Service",  # the last four: leader election
+                            "Role", "RoleBinding", "Role", "RoleBinding",  # Secrets in each watched namespace
+                            "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"])
     for d in docs:
         kv.validate(d, K8S_VERSION, strict=True)
 
@@ -191,8 +194,8 @@ def test_rbac_covers_exactly_what_the_operator_writes(helm):
             assert granted[(group, plural)] == {"get", "list", "watch", "create", "patch", "delete"}
         elif kind == "PersistentVolumeClaim":  # read only: does a not-Ready pod's claim exist?
             assert granted[(group, plural)] == {"get"}
-        elif kind == "Secret":  # a GET of spec.model.credentialsSecret, to read config.json; never list or watch
-            assert granted[(group, plural)] == {"get"}
+        elif kind == "Secret":  # GET of the Secrets a spec names (never list or watch); create: the admin key
+            assert granted[(group, plural)] == {"get", "create"}
         elif kind == "Pod":  # the pod index (why not Ready), router pod IPs, and the autoscaler's pod-deletion cost
             assert granted[(group, plural)] == {"get", "list", "watch", "patch"}
         elif kind == "Gateway":  # read only: spec.router.gateway's address for status.endpoint
@@ -204,9 +207,16 @@ def test_rbac_covers_exactly_what_the_operator_writes(helm):
     assert granted[("", "nodes")] == {"list", "watch"}
     assert granted[("discovery.k8s.io", "endpointslices")] == {"get", "list", "watch"}  # re-granted to routers
     assert all("*" not in v for v in granted.values())
-    # without readModelCredentials the operator holds no Secret permission at all
+    # without readModelCredentials the operator reads no Secret: it only creates the admin keys it generates
     off = [r for d in template(helm, "operator.readModelCredentials=false") if d["kind"] == "ClusterRole" for r in d["rules"]]
-    assert not any("secrets" in r["resources"] for r in off)
+    assert [r["verbs"] for r in off if "secrets" in r["resources"]] == [["create"]]
+    # with watched namespaces, Secret permissions are a Role in each of them, none cluster-wide
+    docs = template(helm, "operator.watchNamespaces={ml,research}")
+    assert not any("secrets" in r["resources"] for d in docs if d["kind"] == "ClusterRole" for r in d["rules"])
+    roles = {d["metadata"]["namespace"]: d["rules"] for d in docs if d["kind"] == "Role" and "secrets" in str(d["rules"])}
+    assert roles == {ns: [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create"]}] for ns in ("ml", "research")}
+    bindings = [d for d in docs if d["kind"] == "RoleBinding" and d["roleRef"]["name"].endswith("-secrets")]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["ml", "research"]
     # without podDeletionCost the operator cannot patch pods: only its pod index (list, watch) remains
     off = [r for d in template(helm, "operator.podDeletionCost=false") if d["kind"] == "ClusterRole" for r in d["rules"]]
     assert [r["verbs"] for r in off if "pods" in r["resources"]] == [["list", "watch"]]
@@ -422,6 +432,9 @@ def test_operator_pod_can_be_shaped(helm, tmp_path):
     assert c["env"] == [{"name": "HOME", "value": "/tmp"},
                         *({"name": n, "valueFrom": {"fieldRef": {"fieldPath": f}}}  # leader election's identity
                           for n, f in (("POD_NAME", "metadata.name"), ("POD_NAMESPACE", "metadata.namespace"))),
+                        {"name": "WARMFLEET_HOST_PATH_PREFIXES", "value": "/var/cache/warmfleet"},  # the admin's policy
+                        {"name": "WARMFLEET_SHARE_MODEL_CACHE", "value": "false"},
+                        {"name": "WARMFLEET_ALLOWED_ENDPOINT_HOSTS", "value": ""},
                         *op["extraEnv"]] and c["envFrom"] == op["extraEnvFrom"]
     assert [v["name"] for v in pod["volumes"]] == ["tmp", "ca"] and pod["volumes"][1] == op["volumes"][0]
     assert c["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}, *op["volumeMounts"]]
@@ -431,3 +444,23 @@ def test_operator_pod_can_be_shaped(helm, tmp_path):
     for bad in ("operator.extraEnv[0].name=HOME", "operator.volumes[0].name=tmp",
                 "operator.volumeMounts[0].name=x,operator.volumeMounts[0].mountPath=/tmp"):
         assert run(helm, "template", "wf", str(CHART), "--set", bad).returncode != 0, bad
+
+
+def test_admission_policy_is_opt_in_and_says_what_it_refuses(helm):
+    """Issue 40: image allow-lists, the hostPath prefixes and no keyless LoadBalancer, checked by the API server (the
+    rules as rendered here; test_template_objects_validate_against_kubernetes_schemas checks the objects' shape)."""
+    assert not [d for d in template(helm) if d["kind"].startswith("ValidatingAdmissionPolicy")]
+    docs = template(helm, "admission.enabled=true", "admission.allowedImagePrefixes={registry.internal/}",
+                    "operator.hostPathPrefixes={/var/cache/warmfleet,/mnt/models}", "operator.watchNamespaces={ml}")
+    (policy,) = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicy"]
+    (binding,) = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding"]
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"] and binding["spec"]["validationActions"] == ["Deny"]
+    assert binding["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"][0]["values"] == ["ml"]
+    rules = [v["expression"] for v in policy["spec"]["validations"]]
+    assert any('["registry.internal/"].exists(p, object.spec.server.image.startsWith(p))' in e for e in rules)
+    assert any('["registry.internal/"].exists(p, object.spec.engine.image.startsWith(p))' in e for e in rules)
+    assert any('["/var/cache/warmfleet","/mnt/models"].exists(' in e and "contains('..')" in e for e in rules)
+    assert any("serviceType != 'LoadBalancer'" in e and "has(object.spec.router.apiKeySecret)" in e for e in rules)
+    # no image list: images are left alone, the other rules stay
+    plain = [d for d in template(helm, "admission.enabled=true") if d["kind"] == "ValidatingAdmissionPolicy"][0]
+    assert not any("image" in v["expression"] for v in plain["spec"]["validations"]) and len(plain["spec"]["validations"]) == 2

@@ -145,11 +145,11 @@ def test_fastdeploy_with_lora_is_an_invalid_spec():
         objs(body)
 
 
-def test_admin_key_comes_from_the_api_key_secret_for_warmfleet():
+def test_admin_key_is_the_generated_secret_not_the_api_key_for_warmfleet():
     (dep,) = servers(objs(lora_service(router={"apiKeySecret": {"name": "keys", "key": "k"}})))
     env = {e["name"]: e.get("valueFrom") for e in server_container(dep)["env"]}
-    assert env["WARMFLEET_ADMIN_KEY"] == {"secretKeyRef": {"name": "keys", "key": "k"}}
-    assert env["WARMFLEET_API_KEY"] == env["WARMFLEET_ADMIN_KEY"]
+    assert env["WARMFLEET_ADMIN_KEY"] == {"secretKeyRef": {"name": "qwen-admin", "key": "admin-key"}}
+    assert env["WARMFLEET_API_KEY"] == {"secretKeyRef": {"name": "keys", "key": "k"}}
 
 
 def test_a_separate_admin_key_for_warmfleet():
@@ -461,9 +461,16 @@ class FakeServer:
         return httpx.Response(404)
 
 
+GENERATED_ADMIN_KEY = "generated-admin"  # what the reconcile put into qwen-admin (passes/admin_secret.py)
+
+
 class SecretKube(MemoryKube):
-    async def get(self, kind, ns, name):
-        return self.objects.get((kind, name))
+    """Objects by (kind, name), the service's generated admin Secret among them unless `admin` is False."""
+
+    def __init__(self, objs, admin=True):
+        generated = {"kind": "Secret", "metadata": {"name": "qwen-admin"},
+                     "data": {"admin-key": base64.b64encode(GENERATED_ADMIN_KEY.encode()).decode()}}
+        super().__init__([*objs, *([generated] if admin else [])])
 
 
 def server_pod(name, ip, ready=True):
@@ -502,7 +509,9 @@ def test_pass_loads_missing_unloads_extra_and_reports_per_adapter():
     assert a.loras == {"sql": p["sql"], "chat": p["chat"]} and b.loras == {"sql": p["sql"]}
     status = {s["name"]: s for s in patch["status"]["adapters"]}
     assert (status["sql"]["loadedReplicas"], status["sql"]["readyReplicas"]) == (2, 2) and "message" not in status["sql"]
-    assert status["chat"]["loadedReplicas"] == 1 and "no adapter_config.json" in status["chat"]["message"]
+    # the status names the HTTP status, never the replica's own words (issue 40: no response body in status)
+    assert status["chat"]["loadedReplicas"] == 1 and "load_lora_adapter: HTTP 400" in status["chat"]["message"]
+    assert "adapter_config" not in status["chat"]["message"]
     assert status["chat"]["path"] == p["chat"] and status["chat"]["source"] == CHAT["source"]
 
 
@@ -531,12 +540,16 @@ def test_pass_removes_every_adapter_when_spec_adapters_empties():
     assert srv.loras == {} and patch["status"]["adapters"] == []
 
 
-def test_pass_authenticates_with_the_api_key_secret():
+def test_pass_lists_with_the_api_key_and_loads_with_the_generated_admin_key():
     body = lora_service(router={"apiKeySecret": {"name": "keys", "key": "api-key"}})
     secret = {"kind": "Secret", "metadata": {"name": "keys"}, "data": {"api-key": base64.b64encode(b"s3cret").decode()}}
-    srv = FakeServer(key="s3cret")
+    srv = FakeServer(key="s3cret", admin_key=GENERATED_ADMIN_KEY)
     _, patch = run_pass(body, [srv], SecretKube([server_pod("s-1", "10.0.0.1"), secret]))
     assert "sql" in srv.loras and patch["status"]["adapters"][0]["loadedReplicas"] == 1
+    # the client API key alone no longer loads adapters (issue 40: any client could)
+    srv = FakeServer(key="s3cret", admin_key=GENERATED_ADMIN_KEY)
+    _, patch = run_pass(body, [srv], SecretKube([server_pod("s-1", "10.0.0.1"), secret], admin=False))
+    assert srv.loras == {} and "Secret default/qwen-admin not found" in patch["status"]["adapters"][0]["message"]
 
 
 def test_pass_sends_the_admin_key_to_load_and_the_api_key_to_list():

@@ -24,7 +24,7 @@ from warmfleet.operator.planning.nodes import node_info
 from warmfleet.operator.spec import constants
 from warmfleet.operator.spec.inference_service import parse_spec
 from warmfleet.operator.spec.schema import SpecError
-from warmfleet.source import ConfigSummary
+from warmfleet.source import ConfigSummary, origin_key
 
 SECRETS = "v1/secrets"
 CONFIG = {"architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl", "hidden_size": 1536,
@@ -45,7 +45,7 @@ def secret(name: str, **data: str) -> dict:
 
 
 def with_secrets(cluster: kmock.KubernetesEmulator, *secrets: dict) -> None:
-    cluster.resources[SECRETS] = kmock.ResourceInfo(kind="Secret", namespaced=True, verbs={"get", "list", "watch"})
+    cluster.resources[SECRETS] = kmock.ResourceInfo(kind="Secret", namespaced=True, verbs={"get", "list", "watch", "create"})
     for s in secrets:
         seed(cluster, s, res=SECRETS)
 
@@ -248,9 +248,11 @@ def test_hf_source_renders_a_fetch_init_container_and_the_cache_volume():
     p = pods(rendered({"source": "hf://Qwen/Qwen2-VL-2B-Instruct@v1.0", "credentialsSecret": "hf", "hub": {"endpoint": "https://mirror.example"}}))
     server, router = p["server"], p["router"]
     model_dir = "/models/hf/Qwen/Qwen2-VL-2B-Instruct/v1.0"
+    # in the node cache: per namespace and per endpoint (docs/security.md "Model cache")
+    node_dir = "ns/default/hf/mirror.example-" + origin_key("hf", "https://mirror.example")[-12:] + "/Qwen/Qwen2-VL-2B-Instruct/v1.0"
     (init,) = server["initContainers"]
     assert init["name"] == "fetch-model" and init["image"] == "slim:1" and init["command"] == ["warmfleet"]
-    assert init["args"] == ["fetch-model", "hf://Qwen/Qwen2-VL-2B-Instruct@v1.0", "--dest", model_dir,
+    assert init["args"] == ["fetch-model", "hf://Qwen/Qwen2-VL-2B-Instruct@v1.0", "--dest", f"/models/{node_dir}",
                             "--termination-log", "/dev/termination-log"]
     assert init["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
     assert {e["name"]: e.get("value") for e in init["env"]} == {"HOME": "/tmp", "HF_HUB_DISABLE_TELEMETRY": "1",
@@ -259,7 +261,7 @@ def test_hf_source_renders_a_fetch_init_container_and_the_cache_volume():
     cache = next(v for v in server["volumes"] if v["name"] == "model-cache")
     assert cache["hostPath"] == {"path": "/var/cache/warmfleet/models", "type": "DirectoryOrCreate"}
     c = server["containers"][0]
-    assert {"name": "model-cache", "mountPath": model_dir, "subPath": "hf/Qwen/Qwen2-VL-2B-Instruct/v1.0", "readOnly": True} in c["volumeMounts"]
+    assert {"name": "model-cache", "mountPath": model_dir, "subPath": node_dir, "readOnly": True} in c["volumeMounts"]
     assert c["args"][c["args"].index("--model") + 1] == model_dir
     # the router gets only tokenizer files, into an emptyDir: no node cache needed on router nodes
     (rinit,) = router["initContainers"]

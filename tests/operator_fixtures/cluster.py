@@ -21,6 +21,7 @@ KINDS = {
     "v1/events": "Event", DEPLOY: "Deployment", "policy/v1/poddisruptionbudgets": "PodDisruptionBudget",
     "rbac.authorization.k8s.io/v1/roles": "Role", "rbac.authorization.k8s.io/v1/rolebindings": "RoleBinding",
     PODS: "Pod", "v1/persistentvolumeclaims": "PersistentVolumeClaim",
+    "v1/secrets": "Secret", "networking.k8s.io/v1/networkpolicies": "NetworkPolicy",
 }
 TIMEOUT_S = 15
 

@@ -1,4 +1,4 @@
-"""An in-memory stand-in for the operator's Kube client (apply, list, delete, patch_status), recording each call."""
+"""An in-memory stand-in for the operator's Kube client (get, create, apply, list, delete, patch_status), recording each call."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 
 class MemoryKube:
-    """apply / list / delete / patch_status over a dict, recording each call."""
+    """get / create / apply / list / delete / patch_status over a dict, recording each call."""
 
     def __init__(self, existing: list[dict[str, Any]] = ()) -> None:
         self.objects = {(o["kind"], o["metadata"]["name"]): o for o in existing}
@@ -18,6 +18,18 @@ class MemoryKube:
         action = "unchanged" if self.objects.get(key) == obj else "patched" if key in self.objects else "created"
         self.objects[key] = obj
         return obj, action
+
+    async def get(self, kind: str, ns: str, name: str) -> dict[str, Any] | None:
+        return self.objects.get((kind, name))
+
+    async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        from warmfleet.kube import KubeError
+
+        key = (obj["kind"], obj["metadata"]["name"])
+        if key in self.objects:
+            raise KubeError(409, f"{key[0]} {key[1]} already exists")
+        self.objects[key] = obj
+        return obj
 
     async def list(self, kind: str, ns: str, selector: dict[str, str]) -> list[dict[str, Any]]:
         return [o for (k, _), o in self.objects.items() if k == kind

@@ -17,6 +17,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import itertools
+import os
 import threading
 from typing import Any, AsyncIterator
 
@@ -133,6 +134,8 @@ async def run_operator(cluster: kmock.KubernetesEmulator, timeout_s: float, **op
 
 
 def make_operator_registry(cluster: kmock.KubernetesEmulator, **options: Any) -> kopf.OperatorRegistry:
-    """The operator's registry (make_registry with `options`), logging in to `cluster`."""
+    """The operator's registry (make_registry with `options`), logging in to `cluster`. The tests' fake hubs and
+    stores listen on loopback, which the admin allows here (the operator refuses private endpoints by default)."""
+    os.environ["WARMFLEET_ALLOWED_ENDPOINT_HOSTS"] = "127.0.0.1,::1,localhost"
     return make_registry(default_image="img:test", login=lambda **_: kopf.ConnectionInfo(server=str(cluster.url)),
                          **options)

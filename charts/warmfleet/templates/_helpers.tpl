@@ -49,3 +49,15 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name }}
 {{- end }}
 {{- end }}
+
+{{/*
+The operator's Secret permissions (a ClusterRole's rules, or a Role's in each of operator.watchNamespaces):
+create, for the admin key it generates per InferenceService (NAME-admin; never read back unless GET is granted);
+GET (never list or watch) of the Secrets a service names (credentials, API and admin keys) with
+operator.readModelCredentials.
+*/}}
+{{- define "warmfleet.secretRules" -}}
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: [{{ if .Values.operator.readModelCredentials }}"get", {{ end }}"create"]
+{{- end }}
