@@ -254,3 +254,33 @@ def test_render_warns_when_a_pool_gets_no_tier_or_a_smaller_one():
     assert "no node tier: " in w and "too little for a node tier" in w
     assert any("node tier lowered to the" in w for w in render_warnings(planned(svc({"mode": "Manual", "size": 4000}), [l4()])))
     assert not [w for w in render_warnings(planned(svc({"mode": "Auto"}), [l4()])) if "node tier" in w]
+
+
+def test_the_flags_parse_with_each_processs_own_parser():
+    """Server, router and picker args as their own argparse and settings read them (contract 3, and the routers')."""
+    import argparse
+
+    from warmfleet.server import config as server_config
+    from warmfleet.server import flagfields
+    from warmfleet.server.router.core import runtime
+    from warmfleet.server.router.epp.settings import EppSettings
+    from warmfleet.server.router.http import main
+
+    objs = render(svc({"mode": "Auto"}), [node_info(l4())], IMAGES)
+    deps = {d["metadata"]["labels"]["app.kubernetes.io/component"]: d for d in of(objs, "Deployment")}
+    args = server_container(deps["server"])["args"]
+    parser = argparse.ArgumentParser()
+    server_config.add_arguments(parser)
+    cfg = server_config.from_namespace(parser.parse_args(args[1:]))
+    assert cfg.cache.node_tier == "qwen-node-tier:7100" and cfg.cache.swap_space == 0
+    assert cfg.server.node_name == "$(NODE_NAME)"  # the kubelet expands it from the env before the process starts
+    router_args = deps["router"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    parser = argparse.ArgumentParser()
+    main.add_arguments(parser)
+    assert runtime.settings_from_args(parser.parse_args(router_args[1:])).node_tier_events == ["qwen-node-tier-events:5560"]
+    gw = render(svc({"mode": "Auto"}, router={"mode": "gateway", "gateway": {"name": "gw"}}), [node_info(l4())], IMAGES)
+    epp = next(d for d in of(gw, "Deployment") if d["metadata"]["labels"]["app.kubernetes.io/component"] == "epp")
+    parser = argparse.ArgumentParser()
+    flagfields.add_arguments(parser, EppSettings)
+    got = flagfields.from_namespace(parser.parse_args(epp["spec"]["template"]["spec"]["containers"][0]["args"][1:]), EppSettings)
+    assert got.node_tier_events == ["qwen-node-tier-events:5560"]
