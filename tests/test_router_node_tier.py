@@ -85,3 +85,52 @@ def test_node_tier_flags():
         from warmfleet.server.router.core.settings import PolicyConfig as P
 
         P(node_weight=2.0)
+
+
+async def test_a_feed_follows_a_simulated_node_tier_over_zmq_and_forgets_it_when_it_goes():
+    """The simulator's node tier publishes as `warmfleet node-tier` does; the router's feed syncs from its state."""
+    import asyncio
+
+    from bench_scripts import load_bench
+    from warmfleet.localprocs import free_port
+
+    node = load_bench("simfleet_node.py").NodeTier("n0", 4)
+    node.publish_to(f"tcp://127.0.0.1:{free_port()}", B)
+    for h in H[:3]:
+        node.store(h)  # before anyone listens: the state batch a new subscription gets carries them
+    idx = KVIndex()
+    feed = NodeFeed(node.events_endpoint, idx)
+    task = asyncio.create_task(feed.run())
+    try:
+        for _ in range(200):
+            node.publish()
+            await asyncio.sleep(0.01)
+            if idx.match(H, [node_key("n0")])[node_key("n0")].node_blocks == 3:
+                break
+        assert idx.match(H, [node_key("n0")])[node_key("n0")].node_blocks == 3
+        for h in H[3:6]:  # capacity 4: H[0] and H[1] are evicted
+            node.store(h)
+        for _ in range(200):
+            node.publish()
+            await asyncio.sleep(0.01)
+            if idx.replicas[node_key("n0")].node == set(H[2:6]):
+                break
+        assert idx.replicas[node_key("n0")].node == set(H[2:6])
+        node.publisher.close()
+        for _ in range(300):
+            await asyncio.sleep(0.01)
+            if not idx.replicas[node_key("n0")].node:
+                break
+        assert not idx.replicas[node_key("n0")].node  # its connection dropped: what it published is forgotten
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def test_the_node_run_starts_where_the_replicas_own_prefix_ends():
+    """A replica holding a conversation's head in its primary pool and the node tier holding the tail (evicted
+    there): the engine loads the tail after its own head, so the router counts it too."""
+    idx = KVIndex()
+    idx.add_blocks("r0", H[:3], GPU)
+    idx.add_blocks(NODE_A, H[3:6], NODE)
+    assert idx.node_run(H, 3, NODE_A) == 3 and idx.node_run(H, 0, NODE_A) == 0 and idx.node_run(H, 4, NODE_A) == 2

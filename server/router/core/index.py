@@ -325,6 +325,17 @@ class KVIndex:
             _credit(counts, alive, run_owners, run)
         return {r: (PrefixMatch(*counts[r]) if r in counts else NO_MATCH) for r in replicas}
 
+    def node_run(self, hashes: Sequence[bytes], start: int, node: str) -> int:
+        """Blocks of `hashes` from `start` on that index entry `node` (a node tier) holds without a gap: what an
+        engine whose own prefix ends at `start` loads from its node's tier."""
+        n = 0
+        for h in hashes[start:]:
+            owners = self._where.get(h)
+            if not owners or node not in owners:
+                break
+            n += 1
+        return n
+
     def encoder_hits(self, replica: str, mm_hashes: Iterable[str]) -> set:
         st = self.replicas.get(replica)
         return set() if st is None else st.encoder.intersection(mm_hashes)

@@ -204,8 +204,9 @@ class Router:
         return next(iter(names.values()), []), names, matches
 
     def _node_blocks(self, hashes: list[bytes], names: Optional[dict], matches: dict) -> dict[str, int]:
-        """replica -> blocks of the prompt past its own prefix that its node's tier holds (the engine loads them
-        from there on a local miss); replicas on one node share the figure, so that prefix ties none of them."""
+        """replica -> blocks of the prompt right after its own prefix that its node's tier holds without a gap (what
+        the engine loads from there once its local tiers miss); replicas of one node with the same own prefix get
+        the same figure, so a prefix only the node holds ties none of them."""
         tiers, index, out = self.fleet.node_tiers, self.fleet.index, {}
         memo: dict[tuple, int] = {}
         for rid, m in matches.items():
@@ -213,10 +214,10 @@ class Router:
             if key is None:
                 continue
             h = names.get(rid, hashes) if names is not None else hashes
-            mk = (key, id(h))
+            mk = (key, id(h), m.blocks)
             if mk not in memo:
-                memo[mk] = index.match(h, [key])[key].blocks
-            out[rid] = max(0, memo[mk] - m.blocks)
+                memo[mk] = index.node_run(h, m.blocks, key)
+            out[rid] = memo[mk]
         return out
 
     def _candidates(self, replicas: list[Replica], matches: dict, prompt: Optional[Prompt], adapter: Optional[str],
