@@ -315,8 +315,11 @@ def example(e2e_cluster: Cluster, local_operator: LocalOperator) -> Iterator[Exa
     api_key = f"sk-e2e-{uuid.uuid4().hex[:12]}"
     c.kubectl("-n", ns, "delete", "secret", secret, "--ignore-not-found")
     c.kubectl("-n", ns, "create", "secret", "generic", secret, f"--from-literal=api-key={api_key}")
+    # The example names no engine (kind auto: vLLM on these fake GPU nodes). The data-plane test starts the rendered
+    # servers as local processes, and on this machine only warmfleet's own engine runs: pin it, as a user may.
+    doc["spec"]["engine"] = {"kind": "warmfleet"}
     try:
-        c.kubectl("apply", "-f", str(EXAMPLE))
+        c.apply(doc)
         wait_for(lambda: is_ready(c.kubectl_json("-n", ns, "get", "wfis", name)), 120,
                  f"InferenceService {name} Ready")
         yield Example(name, ns, api_key)

@@ -215,13 +215,16 @@ def test_example_children_status_columns_and_pools(e2e_cluster: Cluster, example
     assert st["ready"] == "True" and st["observedGeneration"] == svc["metadata"]["generation"]
     assert st["readyReplicas"] == st["desiredReplicas"] == spec["replicas"] == 12
     conds = {x["type"]: (x["status"], x["reason"]) for x in st["conditions"]}
+    # the fixture pins warmfleet's engine on these (fake) GPU nodes: Ready, with the EngineFit warning
     assert conds == {"Ready": ("True", "AllReplicasReady"), "Progressing": ("False", "Stable"),
-                     "Degraded": ("False", "AsExpected"), "InvalidSpec": ("False", "SpecValid")}, conds
+                     "Degraded": ("False", "AsExpected"), "InvalidSpec": ("False", "SpecValid"),
+                     "EngineFit": ("False", "NoGPUAttentionBackend"), "GPUMemoryKnown": ("True", "GPUMemoryFound")}, conds
+    assert st["engine"]["kind"] == "warmfleet" and st["engine"]["chosenBy"] == "spec"
 
     # printer columns
     table = c.kubectl("-n", example.namespace, "get", "wfis", n).stdout.splitlines()
-    assert table[0].split() == ["NAME", "READY", "REASON", "REPLICAS", "DESIRED", "MODEL", "ENDPOINT", "AGE"], table
-    assert table[1].split()[:7] == [n, "True", "AllReplicasReady", "12", "12", "qwen2-vl-7b",
+    assert table[0].split() == ["NAME", "READY", "REASON", "REPLICAS", "DESIRED", "MODEL", "ENGINE", "ENDPOINT", "AGE"], table
+    assert table[1].split()[:8] == [n, "True", "AllReplicasReady", "12", "12", "qwen2-vl-7b", "warmfleet",
                                     f"http://{n}.{example.namespace}.svc:8000/v1"]
     assert n in c.kubectl("-n", example.namespace, "get", "warmfleet", "-o", "name").stdout  # category
 
@@ -289,8 +292,6 @@ CREATE_CASES = [
      ["spec.autoscaling.pools[0]", "minReplicas must be <= maxReplicas"]),
     ("cel-unique-pool-names", _with(pools=[{"name": "a"}, {"name": "a"}]),
      ["spec.pools[1]: Duplicate value", "pool names must be unique"]),
-    ("cel-engine-image-required", _with(engine={"kind": "vllm"}),
-     ["spec.engine", "image is required when kind is vllm or fastdeploy"]),
     ("cel-adapters-need-lora", _with(adapters=[{"name": "sql", "source": "/adapters/sql"}]),
      ["spec", "adapters need spec.lora (the limits every replica starts with)"]),
     ("cel-unique-adapter-names", _with(lora={"maxLoras": 1}, adapters=[{"name": "a", "source": "/a"}, {"name": "a", "source": "/b"}]),
@@ -541,7 +542,8 @@ def test_peer_engines_reconcile_to_ready_with_their_rendered_flags(e2e_cluster: 
     assert st["ready"] == "True" and st["readyReplicas"] == st["desiredReplicas"] == 2
     conds = {x["type"]: (x["status"], x["reason"]) for x in st["conditions"]}
     assert conds == {"Ready": ("True", "AllReplicasReady"), "Progressing": ("False", "Stable"),
-                     "Degraded": ("False", "AsExpected"), "InvalidSpec": ("False", "SpecValid")}, conds
+                     "Degraded": ("False", "AsExpected"), "InvalidSpec": ("False", "SpecValid"),
+                     "EngineFit": ("True", "EngineFromSpec"), "GPUMemoryKnown": ("True", "GPUMemoryFound")}, conds
     assert st["pools"] and {p["engine"] for p in st["pools"]} == {kind}
     assert all(("encoderCacheTokens" in p["sizes"]) == (kind == "fastdeploy") for p in st["pools"])
 
@@ -556,7 +558,9 @@ def test_peer_engines_reconcile_to_ready_with_their_rendered_flags(e2e_cluster: 
         if dep["metadata"]["labels"][COMPONENT_LABEL] == "router":
             assert ctr["args"] == wctr["args"] and ctr["args"][ctr["args"].index("--engine") + 1] == kind
             continue
-        assert ctr["image"] == obj["spec"]["engine"]["image"] and ctr["command"] == PEER_COMMANDS[kind]
+        # the example names no image: the engine's pinned official one (engine_descriptions.VLLM_IMAGE, ...)
+        image = obj["spec"]["engine"].get("image") or engine_descriptions.ENGINES[kind].default_image
+        assert ctr["image"] == image and ctr["command"] == PEER_COMMANDS[kind]
         assert ctr["args"] == wctr["args"], name
         args = ctr["args"]
         assert args[args.index("--tensor-parallel-size") + 1] == str(gpr)

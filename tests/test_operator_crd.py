@@ -76,7 +76,9 @@ def test_subresources_printer_columns_and_names():
     assert v["subresources"]["status"] == {}
     assert v["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
     cols = [c["name"] for c in v["additionalPrinterColumns"]]
-    assert cols == ["Ready", "Reason", "Replicas", "Desired", "Model", "Endpoint", "Age"]
+    assert cols == ["Ready", "Reason", "Replicas", "Desired", "Model", "Engine", "Endpoint", "Age"]
+    engine = next(c for c in v["additionalPrinterColumns"] if c["name"] == "Engine")
+    assert engine["jsonPath"] == ".status.engine.kind"
     reason = next(c for c in v["additionalPrinterColumns"] if c["name"] == "Reason")
     assert reason["jsonPath"] == '.status.conditions[?(@.type=="Ready")].reason'
     names = crd()["spec"]["names"]
@@ -103,16 +105,17 @@ def test_example_validates_against_the_crd_schema(name):
 
 def test_engine_kind_image_and_extra_args():
     engine = version()["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["engine"]
-    assert engine["properties"]["kind"]["enum"] == ["warmfleet", "vllm", "fastdeploy"]
-    assert engine["properties"]["kind"]["default"] == "warmfleet"
+    assert engine["properties"]["kind"]["enum"] == ["auto", "warmfleet", "vllm", "fastdeploy"]
+    assert engine["properties"]["kind"]["default"] == "auto"
     assert engine["properties"]["extraArgs"]["items"] == {"type": "string"}
     assert "default" not in engine["properties"]["image"]
-    rules = {r["message"]: r["rule"] for r in engine["x-kubernetes-validations"]}
-    assert rules == {"image is required when kind is vllm or fastdeploy": "self.kind == 'warmfleet' || has(self.image)"}
+    assert "x-kubernetes-validations" not in engine  # the image is optional for every kind (pinned defaults)
     # one description per kind, and the schema's enum is the set of descriptions
     assert set(typing.get_args(EngineKind)) == set(ENGINES)
     s = parse_spec({"model": {"path": "/m"}})
-    assert (s.engine.kind, s.engine.image, s.engine.extra_args) == ("warmfleet", None, [])
+    assert (s.engine.kind, s.engine.image, s.engine.extra_args) == ("auto", None, [])
+    s = parse_spec({"model": {"path": "/m"}, "engine": {"kind": "fastdeploy"}})  # no image: the pinned default
+    assert (s.engine.kind, s.engine.image) == ("fastdeploy", None)
     s = parse_spec({"model": {"path": "/m"}, "engine": {"kind": "vllm", "image": "v:1"}})
     assert (s.engine.kind, s.engine.image) == ("vllm", "v:1")
 
@@ -155,9 +158,9 @@ def test_replicas_beside_autoscaling_are_clamped_to_the_bounds(replicas, want):
     ({"model": {"path": "/m"}, "sever": {}}, "unknown field(s) sever"),
     ({"model": {"path": "/m"}, "pools": [{"name": "a"}, {"name": "a"}]}, "pool names must be unique"),
     ({"model": {"path": "/m"}, "pools": [{"name": "Bad_Name"}]}, "must match"),
-    ({"model": {"path": "/m"}, "engine": {"kind": "vllm"}}, "spec.engine: image is required when kind is vllm or fastdeploy"),
-    ({"model": {"path": "/m"}, "engine": {"kind": "fastdeploy"}}, "spec.engine: image is required when kind is vllm or fastdeploy"),
-    ({"model": {"path": "/m"}, "engine": {"kind": "sglang", "image": "x"}}, "must be one of warmfleet, vllm, fastdeploy"),
+    ({"model": {"path": "/m"}, "engine": {"kind": "sglang", "image": "x"}}, "must be one of auto, warmfleet, vllm, fastdeploy"),
+    ({"model": {"path": "/m"}, "server": {"gpuResource": "gpu"}}, "spec.server.gpuResource: must match"),
+    ({"model": {"path": "/m"}, "server": {"gpuMemoryGib": 0}}, "spec.server.gpuMemoryGib: must be >= 1"),
 ])
 def test_bad_specs_are_readable_errors(spec, needle):
     with pytest.raises(SpecError) as err:

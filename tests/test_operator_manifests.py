@@ -237,7 +237,8 @@ def test_render_command_prints_the_example(tmp_path, monkeypatch):
     # without --default-image / --router-image: the two images released with this version, never `latest`
     router = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "qwen-vl-router")
     assert container(router)["image"] == f"ghcr.io/warmfleet/warmfleet-slim:{version('warmfleet')}"
-    assert {container(d)["image"] for d in servers(docs)} == {f"ghcr.io/warmfleet/warmfleet:{version('warmfleet')}"}
+    # the example's engine.kind is auto: its GPU pools run vLLM's pinned official image
+    assert {container(d)["image"] for d in servers(docs)} == {engine_descriptions.VLLM_IMAGE}
 
 
 def test_render_ends_with_status_and_warns_about_what_will_not_run(tmp_path, capsys):
@@ -489,19 +490,23 @@ def test_peer_engine_objects_match_kubernetes_schemas(kind):
         kv.validate(o, "1.32", strict=True)
 
 
-def test_render_command_shows_all_three_engines():
+def test_render_command_shows_all_three_engines(tmp_path):
     from warmfleet.cli import main
 
+    ours = yaml.safe_load((REPO / "examples/inferenceservice.yaml").read_text())
+    ours["spec"]["engine"] = {"kind": "warmfleet"}  # on GPU pools only by choice (a warning, not an error)
+    (tmp_path / "inferenceservice.yaml").write_text(yaml.safe_dump(ours))
     seen = {}
-    for example in ("inferenceservice.yaml", "inferenceservice-vllm.yaml", "inferenceservice-fastdeploy.yaml"):
+    for example in (tmp_path / "inferenceservice.yaml", REPO / "examples/inferenceservice-vllm.yaml",
+                    REPO / "examples/inferenceservice-fastdeploy.yaml"):
         out = io.StringIO()
         with redirect_stdout(out):
-            rc = main(["operator", "render", "-f", str(REPO / "examples" / example), "--nodes", str(REPO / "examples/nodes.yaml")])
+            rc = main(["operator", "render", "-f", str(example), "--nodes", str(REPO / "examples/nodes.yaml")])
         assert rc == 0, example
         docs = list(yaml.safe_load_all(out.getvalue()))
         report = json.loads(next(d for d in docs if d["kind"] == "ConfigMap")["data"]["sizing.json"])
         deps = servers(docs)
-        assert deps and sum(d["spec"]["replicas"] for d in deps) == yaml.safe_load((REPO / "examples" / example).read_text())["spec"]["replicas"]
+        assert deps and sum(d["spec"]["replicas"] for d in deps) == yaml.safe_load(example.read_text())["spec"]["replicas"]
         seen[report["engine"]] = container(deps[0])["command"]
     assert seen == {"warmfleet": ["warmfleet"], "vllm": ["python3", "-m", "vllm.entrypoints.openai.api_server"],
                     "fastdeploy": ["python3", "-m", "fastdeploy.entrypoints.openai.api_server"]}

@@ -200,7 +200,7 @@ def test_resolve_explicit_then_config_json_then_default(model, learn, want):
 
 def test_hidden_size_is_required_only_when_an_engine_takes_our_encoder_cache():
     with pytest.raises(SpecError) as err:
-        mc.resolve(parse_spec({"model": {"source": "s3://bkt/m"}}), learned(None, None, error="HTTP 403"))
+        mc.resolve(parse_spec({"model": {"source": "s3://bkt/m"}, "engine": {"kind": "warmfleet"}}), learned(None, None, error="HTTP 403"))
     assert err.value.path == "spec.model.hiddenSize" and "config.json could not be read (HTTP 403)" in err.value.message
     vllm = parse_spec({"model": {"source": "s3://bkt/m"}, "engine": {"kind": "vllm", "image": "v:1"}})
     assert mc.resolve(vllm, None).hidden_from == "default"  # vLLM sizes its own encoder cache

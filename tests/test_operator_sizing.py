@@ -20,7 +20,8 @@ FD = {"kind": "fastdeploy", "image": "fastdeploy:2.3"}
 
 
 def spec(**over):
-    return parse_spec({"model": {"path": "/m"}, **over})
+    """A spec for warmfleet's engine unless `engine` says otherwise (auto's choice: test_operator_engine_choice.py)."""
+    return parse_spec({"model": {"path": "/m"}, "engine": {"kind": "warmfleet"}, **over})
 
 
 def only_pool(s, *nodes):
@@ -114,7 +115,7 @@ def test_h200_2tib():
     # encoder: floor(0.05 * 143771 MiB / (4096 * 2 bytes)) = floor(920134.4)
     assert sz.sizes.encoder_cache_tokens == 920134
     assert sz.inputs.host_bytes_per_replica == int(2 * TiB * 0.9 / 8)
-    assert sz.inputs.sources == {"processorCache": "auto", "swapSpace": "auto", "encoderCache": "auto"}
+    assert sz.inputs.sources == {"processorCache": "auto", "swapSpace": "auto", "encoderCache": "auto", "gpuMemory": "label"}
 
 
 def test_a100_1tib():
@@ -179,7 +180,7 @@ def test_fixed_sizes_win_over_auto():
     sz = size_pool(s, only_pool(s, l4()))
     assert (sz.sizes.swap_space_gib, sz.sizes.processor_cache_gib, sz.sizes.encoder_cache_tokens) == (10.0, 0.0, 4096)
     assert sz.sizes.shm_bytes == GiB
-    assert set(sz.inputs.sources.values()) == {"fixed"}
+    assert set(sz.inputs.sources.values()) == {"fixed", "label"}  # gpuMemory: nvidia.com/gpu.memory
 
 
 def test_fixed_swap_too_large_does_not_fit():
@@ -192,7 +193,7 @@ def test_min_max_clamp_auto():
     s = spec(cache={"swapSpace": {"max": 64}, "processorCache": {"min": 8}, "encoderCache": {"max": 100000}})
     sz = size_pool(s, only_pool(s, h200()))
     assert (sz.sizes.swap_space_gib, sz.sizes.processor_cache_gib, sz.sizes.encoder_cache_tokens) == (64, 8, 100000)
-    assert sz.inputs.sources == {"swapSpace": "max", "processorCache": "min", "encoderCache": "max"}
+    assert sz.inputs.sources == {"swapSpace": "max", "processorCache": "min", "encoderCache": "max", "gpuMemory": "label"}
 
 
 def test_encoder_cache_never_below_one_step():

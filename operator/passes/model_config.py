@@ -198,7 +198,7 @@ def resolve(spec: InferenceServiceSpec, learned: Learned | None) -> Resolved:
         hidden, hidden_from = m.hidden_size, "spec"
     elif s is not None and s.hidden_size:
         hidden, hidden_from = s.hidden_size, "config.json"
-    elif downloads(spec) and engine_of(spec).sizes_encoder_cache:
+    elif downloads(spec) and _takes_our_encoder_cache(spec):
         why = (f"config.json could not be read ({learned.error})" if learned and learned.error and s is None
                else "config.json has no hidden_size" if s is not None else "config.json has not been read")
         raise SpecError("spec.model.hiddenSize", f"is needed to size the encoder cache and {why}; set spec.model.hiddenSize")
@@ -252,6 +252,11 @@ def _condition(learned: Learned | None) -> Condition | None:
                      message=f"config.json read at revision {learned.revision[:12]}" if learned.revision else "config.json read")
 
 
+def _takes_our_encoder_cache(spec: InferenceServiceSpec) -> bool:
+    """Whether the engine takes our encoder-cache size; engine.kind auto not yet resolved (no plan) counts as yes."""
+    return spec.engine.kind == "auto" or engine_of(spec).sizes_encoder_cache
+
+
 def with_model_config(status: dict[str, Any], body: Mapping[str, Any], learned: Learned | None, now: str,
                       generation: int | None) -> dict[str, Any]:
     """`status` plus status.modelConfig and the ModelConfigUnavailable condition (only for hf:// and s3:// sources)."""
@@ -259,6 +264,9 @@ def with_model_config(status: dict[str, Any], body: Mapping[str, Any], learned: 
         spec = parse_spec(body.get("spec"))
     except SpecError:
         return status
+    chosen = (status.get("engine") or {}).get("kind")
+    if spec.engine.kind == "auto" and chosen:  # the engine the plan resolved auto to (status.engine)
+        spec = dataclasses.replace(spec, engine=dataclasses.replace(spec.engine, kind=chosen))
     if learned is None and downloads(spec):
         learned = from_status(body)
     try:

@@ -15,7 +15,7 @@ from warmfleet.kube import Kube, KubeError, Login
 from warmfleet.operator.passes import model_config as mc
 from warmfleet.operator.passes.admin_secret import ensure_admin_secret
 from warmfleet.operator.passes.kube_client import connect
-from warmfleet.operator.planning import admin_policy, gateway, lora_plan, objects
+from warmfleet.operator.planning import admin_policy, engine_choice, gateway, lora_plan, objects
 from warmfleet.operator.planning.diagnose import claims_to_check, diagnose
 from warmfleet.operator.planning.engine_descriptions import check_spec
 from warmfleet.operator.planning.nodes import NodeInfo
@@ -103,12 +103,13 @@ def plan_for(body: Mapping[str, Any], nodes: list[NodeInfo], default_images: obj
     previous_model = (body.get("status") or {}).get("model")
     if previous_model and previous_model != served_name(spec, owner.name):
         raise SpecError("spec.model.servedName", f"is immutable: was {previous_model!r}, now {served_name(spec, owner.name)!r}")
+    spec, choice = engine_choice.resolve(spec, nodes)  # engine.kind auto -> the engine the pools fit
     check_spec(spec)
     policy = policy or admin_policy.AdminPolicy()
     admin_policy.check(spec, policy)
     spec = mc.effective(spec, mc.resolve(spec, learned if learned is not None else mc.from_status(body)))
     lora_plan.check(spec, served_name(spec, owner.name))
-    return owner, spec, make_plan(owner, spec, nodes, objects.images_for(spec, default_images), policy)
+    return owner, spec, make_plan(owner, spec, nodes, objects.images_for(spec, default_images), policy, choice)
 
 
 def fingerprint(plan: Plan) -> str:

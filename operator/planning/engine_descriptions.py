@@ -38,6 +38,11 @@ VLLM_OFFLOAD_HOST_OVERHEAD = 2.0
 # mm_processor_cache_gb x (api_server_count + data_parallel_size) = 2 copies with one of each.
 VLLM_PROCESSOR_CACHE_COPIES = 2
 
+# Default images, pinned by version (never `latest`): vLLM's official OpenAI-server image of the release whose
+# flags VLLM_FLAGS were checked against; FastDeploy's official CUDA 12.6 release image (its installation docs).
+VLLM_IMAGE = "vllm/vllm-openai:v0.32.0"
+FASTDEPLOY_IMAGE = "ccr-2vdh3abv-pub.cnc.bj.baidubce.com/paddlepaddle/fastdeploy-cuda-12.6:2.3.0"
+
 CacheContract = Literal["exact-ours", "exact-vllm", "predicted"]
 
 
@@ -137,6 +142,8 @@ class Engine:
     cache_contract: CacheContract
     load: LoadSource
     lora_env: tuple[tuple[str, str], ...] = ()  # environment with spec.lora (runtime adapter updates)
+    default_image: str | None = None  # pinned official image when spec.engine.image is unset (None: the operator's own)
+    gpu_attention: bool = True  # has GPU attention kernels; False: on a GPU pool it runs on the CPU (a Warning)
 
     def args(self, ri: RenderInput) -> list[str]:
         """Arguments after `command` for one pool."""
@@ -297,6 +304,7 @@ WARMFLEET = Engine(
     footprint=HostFootprint(processor_in_shm=True, processor_copies=0, swap_in_shm=False, swap_overhead=1.0),
     sizes_encoder_cache=True, encoder_note="", gpu_memory_utilization=None, tensor_parallel=False,
     cache_contract="exact-ours", load=LoadSource("kv-events", "kv-events"),
+    gpu_attention=False,  # docs/performance.md: CPU attention only, never run on a GPU
 )
 
 VLLM = Engine(
@@ -314,6 +322,7 @@ VLLM = Engine(
     gpu_memory_utilization=PEER_GPU_MEMORY_UTILIZATION, tensor_parallel=True,
     cache_contract="exact-vllm", load=LoadSource("prometheus", "http", "/metrics"),
     lora_env=((VLLM_RUNTIME_LORA_ENV, "True"),),
+    default_image=VLLM_IMAGE,
 )
 
 FASTDEPLOY = Engine(
@@ -326,6 +335,7 @@ FASTDEPLOY = Engine(
     footprint=HostFootprint(processor_in_shm=False, processor_copies=1, swap_in_shm=False, swap_overhead=1.0),
     sizes_encoder_cache=True, encoder_note="", gpu_memory_utilization=PEER_GPU_MEMORY_UTILIZATION,
     tensor_parallel=True, cache_contract="predicted", load=LoadSource("prometheus", "metrics", "/metrics"),
+    default_image=FASTDEPLOY_IMAGE,
 )
 
 ENGINES: Mapping[str, Engine] = MappingProxyType({e.kind: e for e in (WARMFLEET, VLLM, FASTDEPLOY)})
@@ -333,7 +343,9 @@ assert tuple(ENGINES) == engine_kinds.KINDS, "one description per registered eng
 
 
 def engine_of(spec: InferenceServiceSpec) -> Engine:
-    """The description of the spec's engine kind."""
+    """The description of the spec's engine kind, which engine_choice.resolve has made concrete (never auto)."""
+    if spec.engine.kind not in ENGINES:
+        raise ValueError(f"engine kind {spec.engine.kind!r} is not resolved: planning/engine_choice.resolve runs first")
     return ENGINES[spec.engine.kind]
 
 

@@ -8,12 +8,16 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Mapping
 
-from warmfleet.operator.spec.inference_service import InferenceServiceSpec
+from warmfleet.operator.planning import gpu_products
+from warmfleet.operator.spec.inference_service import InferenceServiceSpec, MemorySource
 from warmfleet.operator.spec.pod_overlay import server_node_selector
 
 GPU_RESOURCE = "nvidia.com/gpu"
+AMD_GPU_RESOURCE = "amd.com/gpu"
+GPU_RESOURCES = (GPU_RESOURCE, AMD_GPU_RESOURCE)  # counted without spec.server.gpuResource, first one present wins
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"  # MiB, as GPU feature discovery writes it
+INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
 GiB = 1 << 30
 MiB = 1 << 20
 HOST_MEMORY_BUCKET = 16 * GiB  # host memory granularity of a node shape
@@ -49,10 +53,38 @@ class NodeInfo:
     name: str
     labels: Mapping[str, str] = field(hash=False, compare=True)
     gpu_product: str  # label value, "unknown" without GPU feature discovery
-    gpu_memory_mib: int  # per GPU; 0 when the label is missing
-    gpus: int  # allocatable nvidia.com/gpu
+    gpu_memory_mib: int  # per GPU, from the first source that knows (gpu_memory_source); 0 when none does
+    gpus: int  # allocatable nvidia.com/gpu, else amd.com/gpu (gpu_resource says which)
     memory_bytes: int  # allocatable host memory
     schedulable: bool  # Ready and not cordoned
+    gpu_resource: str = GPU_RESOURCE  # the resource `gpus` counts
+    gpu_memory_source: MemorySource | None = None  # label, product or instance-type; None: unknown
+    instance_type: str = ""  # node.kubernetes.io/instance-type
+    device_counts: Mapping[str, int] = field(default_factory=dict, hash=False)  # allocatable extended resources (x/y)
+
+    def gpus_of(self, resource: str | None) -> tuple[str, int]:
+        """(resource, allocatable count): spec.server.gpuResource when set, else this node's own GPU resource."""
+        return (resource, self.device_counts.get(resource, 0)) if resource else (self.gpu_resource, self.gpus)
+
+
+def gpu_memory(labels: Mapping[str, str]) -> tuple[int, MemorySource | None]:
+    """MiB per GPU and its source: GFD's memory label, else the product table (GFD's product label), else the
+    cloud's instance type; (0, None) when none knows. A MIG slice or a time-shared GPU is never looked up."""
+    try:
+        mib = int(labels.get(GPU_MEMORY_LABEL, "0"))
+    except ValueError:
+        mib = 0
+    if mib > 0:
+        return mib, "label"
+    product = labels.get(GPU_PRODUCT_LABEL)
+    if product is not None and not gpu_products.whole_gpu(product):
+        return 0, None
+    if product is not None and (known := gpu_products.product_memory_mib(product)):
+        return known, "product"
+    by_type = gpu_products.instance_type_product(labels.get(INSTANCE_TYPE_LABEL, ""))
+    if by_type is not None and (known := gpu_products.product_memory_mib(by_type)):
+        return known, "instance-type"
+    return 0, None
 
 
 def node_info(body: Mapping[str, Any]) -> NodeInfo:
@@ -63,24 +95,33 @@ def node_info(body: Mapping[str, Any]) -> NodeInfo:
     alloc = status.get("allocatable") or {}
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
     cordoned = bool((body.get("spec") or {}).get("unschedulable"))
+    gpu_mem, source = gpu_memory(labels)
+    devices = {k: _count(v) for k, v in alloc.items() if "/" in k}
+    resource = next((r for r in GPU_RESOURCES if devices.get(r)), GPU_RESOURCE)
     try:
-        gpu_mem = int(labels.get(GPU_MEMORY_LABEL, "0"))
-    except ValueError:
-        gpu_mem = 0
-    try:
-        gpus = int(parse_quantity(alloc.get(GPU_RESOURCE, "0")))
         memory = int(parse_quantity(alloc.get("memory", "0")))
     except ValueError:
-        gpus, memory = 0, 0
+        memory = 0
     return NodeInfo(
         name=meta.get("name", ""),
         labels=labels,
         gpu_product=labels.get(GPU_PRODUCT_LABEL, "unknown"),
         gpu_memory_mib=gpu_mem,
-        gpus=gpus,
+        gpus=devices.get(resource, 0),
         memory_bytes=memory,
         schedulable=ready and not cordoned,
+        gpu_resource=resource,
+        gpu_memory_source=source,
+        instance_type=labels.get(INSTANCE_TYPE_LABEL, ""),
+        device_counts=devices,
     )
+
+
+def _count(text: Any) -> int:
+    try:
+        return int(parse_quantity(text))
+    except ValueError:
+        return 0
 
 
 @dataclass(frozen=True)
@@ -90,11 +131,19 @@ class Pool:
     name: str  # DNS-label suffix, stable for a shape
     named: str | None  # spec.pools[].name, or None
     gpu_product: str
-    gpu_memory_mib: int
+    gpu_memory_mib: int  # 0: unknown (gpu_memory_source None)
     gpus_per_node: int
     host_memory_bytes: int  # the smallest allocatable memory among the nodes
     nodes: tuple[str, ...]
     selector: tuple[tuple[str, str], ...]  # node labels the pool's pods require (named-pool selector)
+    gpu_resource: str = GPU_RESOURCE  # the extended resource replicas request
+    gpu_memory_source: MemorySource | None = None  # label, product, instance-type or spec; None: unknown
+    instance_types: tuple[str, ...] = ()  # the members' instance types, when the memory came from them
+
+    @property
+    def has_gpus(self) -> bool:
+        """Whether the pool's nodes have allocatable GPUs (of its resource)."""
+        return self.gpus_per_node > 0
 
 
 def _matches(labels: Mapping[str, str], selector: Mapping[str, str]) -> bool:
@@ -107,23 +156,26 @@ def _slug(text: str, limit: int) -> str:
     return (s[:limit].strip("-")) or "gpu"
 
 
-def pool_name(named: str | None, product: str, gpus: int, gpu_memory_mib: int) -> str:
-    """Stable name of a GPU shape, e.g. `h200-8g-1a2b3`; prefixed by the named pool."""
-    key = f"{named}|{product}|{gpu_memory_mib}|{gpus}"
+def pool_name(named: str | None, product: str, gpus: int, gpu_memory_mib: int, resource: str = GPU_RESOURCE,
+              source: MemorySource | None = "label", shown: str | None = None) -> str:
+    """Stable name of a GPU shape, e.g. `h200-8g-1a2b3`; prefixed by the named pool. `shown` (the product an
+    instance type carries) names a pool GFD did not label; shapes with labels keep the names they always had."""
+    key = f"{named}|{product}|{gpu_memory_mib}|{gpus}" + ("" if resource == GPU_RESOURCE else f"|{resource}")
+    key += "" if source in (None, "label") else f"|{source}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:5]
-    base = f"{_slug(product, 16)}-{gpus}g-{digest}"
+    base = f"{_slug(shown or product, 16)}-{gpus}g-{digest}"
     return f"{named}-{base}" if named else base
 
 
 def derive_pools(spec: InferenceServiceSpec, nodes: list[NodeInfo]) -> list[Pool]:
     """Group Ready, schedulable nodes matching the selector by shape; sorted by name.
 
-    Host memory joins a shape rounded to the nearest HOST_MEMORY_BUCKET (kubelet reservations
-    differ by MiB to a few GiB between otherwise identical nodes); the pool is sized for its
-    smallest node, so a replica fits on every member. The name leaves host memory out, so a
-    change of allocatable memory re-sizes (rolls) the pool in place instead of renaming it;
-    only when one GPU shape comes in several memory sizes do the smaller groups (by node
-    count) get a `-<GiB>gi` suffix.
+    A shape is the GPU product, memory per GPU (and where that figure came from), the GPU resource and its
+    count, and host memory. Host memory joins a shape rounded to the nearest HOST_MEMORY_BUCKET (kubelet
+    reservations differ by MiB to a few GiB between otherwise identical nodes); the pool is sized for its
+    smallest node, so a replica fits on every member. The name leaves host memory out, so a change of
+    allocatable memory re-sizes (rolls) the pool in place instead of renaming it; only when one GPU shape
+    comes in several memory sizes do the smaller groups (by node count) get a `-<GiB>gi` suffix.
     """
     named = [(p.name, p.node_selector) for p in spec.pools] or [(None, {})]
     groups: dict[tuple, list[NodeInfo]] = {}
@@ -132,27 +184,42 @@ def derive_pools(spec: InferenceServiceSpec, nodes: list[NodeInfo]) -> list[Pool
             continue
         for pname, selector in named:
             if _matches(node.labels, selector):
-                key = (pname, node.gpu_product, node.gpu_memory_mib, node.gpus, round(node.memory_bytes / HOST_MEMORY_BUCKET))
+                resource, gpus = node.gpus_of(spec.server.gpu_resource)
+                mib, source = _memory(spec, node, gpus)
+                key = (pname, node.gpu_product, mib, source, resource, gpus, round(node.memory_bytes / HOST_MEMORY_BUCKET))
                 groups.setdefault(key, []).append(node)
                 break
     selectors = dict(named)
-    by_name: dict[str, list[tuple[int, list[NodeInfo]]]] = {}
-    for (pname, product, mem_mib, gpus, bucket), members in groups.items():
-        by_name.setdefault(pool_name(pname, product, gpus, mem_mib), []).append((bucket, members))
+    by_name: dict[str, list[tuple[tuple, list[NodeInfo]]]] = {}
+    for key, members in groups.items():
+        pname, product, mib, source, resource, gpus, _ = key
+        shown = product if product != "unknown" else _inferred_product(members[0])
+        by_name.setdefault(pool_name(pname, product, gpus, mib, resource, source, shown), []).append((key, members))
     pools = []
     for base, variants in by_name.items():
-        variants.sort(key=lambda v: (-len(v[1]), v[0]))  # the largest group keeps the plain name
-        for i, (bucket, members) in enumerate(variants):
-            first = members[0]
-            pname = next(k[0] for k, v in groups.items() if v is members)
+        variants.sort(key=lambda v: (-len(v[1]), v[0][-1]))  # the largest group keeps the plain name
+        for i, ((pname, product, mib, source, resource, gpus, bucket), members) in enumerate(variants):
             pools.append(Pool(
                 name=base if i == 0 else f"{base}-{bucket * HOST_MEMORY_BUCKET // GiB}gi",
-                named=pname,
-                gpu_product=first.gpu_product,
-                gpu_memory_mib=first.gpu_memory_mib,
-                gpus_per_node=first.gpus,
+                named=pname, gpu_product=product, gpu_memory_mib=mib, gpus_per_node=gpus,
                 host_memory_bytes=min(n.memory_bytes for n in members),
                 nodes=tuple(n.name for n in members),
                 selector=tuple(sorted(selectors[pname].items())),
+                gpu_resource=resource, gpu_memory_source=source,
+                instance_types=tuple(sorted({n.instance_type for n in members})) if source == "instance-type" else (),
             ))
     return sorted(pools, key=lambda p: p.name)
+
+
+def _memory(spec: InferenceServiceSpec, node: NodeInfo, gpus: int) -> tuple[int, MemorySource | None]:
+    """The node's GPU memory figure, else spec.server.gpuMemoryGib for a node with GPUs, else (0, None)."""
+    if node.gpu_memory_source is not None:
+        return node.gpu_memory_mib, node.gpu_memory_source
+    if gpus and spec.server.gpu_memory_gib is not None:
+        return int(spec.server.gpu_memory_gib * 1024), "spec"
+    return 0, None
+
+
+def _inferred_product(node: NodeInfo) -> str:
+    """For a pool's name only: the product its instance type carries, when GFD did not label one."""
+    return gpu_products.instance_type_product(node.instance_type) or "unknown"

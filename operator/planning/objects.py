@@ -1,5 +1,5 @@
 """What every child of an InferenceService shares: owner, images, names, labels, metadata, the Service shell, pod
-and container hardening, ephemeral storage; pure (plain dicts), imports spec/ only."""
+and container hardening, ephemeral storage; pure (plain dicts), imports spec/ and the engine descriptions only."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
+from warmfleet.operator.planning.engine_descriptions import engine_of
 from warmfleet.operator.spec.constants import COMPONENT_LABEL, MANAGED_BY, POOL_LABEL, SERVICE_LABEL
 from warmfleet.operator.spec.inference_service import InferenceServiceSpec
 
@@ -43,12 +44,14 @@ class Images:
 
 def images_for(spec: InferenceServiceSpec, defaults: Images) -> Images:
     """spec.server.image runs the router and, unless engine.image is set, the engine too (one image for both);
-    without it the operator's two default images. engine.image (CEL requires it for vllm and fastdeploy) wins.
+    without it the operator's two default images. engine.image wins; vLLM and FastDeploy without it run their
+    description's pinned default image (the engine kind is resolved: engine_choice.resolve).
     The node cache is written by the operator's own image whatever the spec says (a tenant's image could plant or
     read another namespace's files there)."""
+    pinned = spec.engine.image or engine_of(spec).default_image
     if spec.server.image:
-        return Images(engine=spec.engine.image or spec.server.image, router=spec.server.image, fetch=defaults.fetch_image)
-    return Images(engine=spec.engine.image or defaults.engine, router=defaults.router, fetch=defaults.fetch_image)
+        return Images(engine=pinned or spec.server.image, router=spec.server.image, fetch=defaults.fetch_image)
+    return Images(engine=pinned or defaults.engine, router=defaults.router, fetch=defaults.fetch_image)
 
 
 

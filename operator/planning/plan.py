@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from warmfleet.operator.planning import children, objects, server_pool
+from warmfleet.operator.planning import children, engine_choice, objects, server_pool
 from warmfleet.operator.planning.admin_policy import AdminPolicy
 from warmfleet.operator.planning.nodes import NodeInfo, Pool, derive_pools
 from warmfleet.operator.planning.node_tier import size_pool
@@ -28,6 +28,7 @@ class Plan:
     capacity: int  # replicas the fitting pools can host
     children: list[dict[str, Any]]
     engine: EngineKind  # every pool runs the service's engine
+    engine_choice: engine_choice.EngineChoice | None = None  # who chose it and why (None: a plan made before the choice)
 
     @property
     def placed(self) -> int:
@@ -36,16 +37,20 @@ class Plan:
 
 
 def make_plan(owner: objects.Owner, spec: InferenceServiceSpec, nodes: list[NodeInfo], images: objects.Images,
-              policy: AdminPolicy = AdminPolicy()) -> Plan:
+              policy: AdminPolicy = AdminPolicy(), choice: engine_choice.EngineChoice | None = None) -> Plan:
     """Derive pools from nodes, size each, split the replicas and build every child object (within the admin's
-    `policy`, which the caller has checked the spec against: admin_policy.check)."""
+    `policy`, which the caller has checked the spec against: admin_policy.check). engine.kind auto is resolved here
+    unless the caller did (`choice`: engine_choice.resolve, whose spec it passes)."""
+    if choice is None:
+        spec, choice = engine_choice.resolve(spec, nodes)
     sized = [(pool, size_pool(spec, pool)) for pool in derive_pools(spec, nodes)]
     caps, floors = pool_limits(spec, sized)
     desired = spec.desired_replicas()
     split = assign_replicas(desired, caps, floors)
     desired = max(desired, sum(split))  # per-pool minima raise the total
     planned = [server_pool.PlannedPool(pool, sizing, n) for (pool, sizing), n in zip(sized, split)]
-    return Plan(planned, desired, sum(caps), children.build_children(owner, spec, images, planned, policy), spec.engine.kind)
+    return Plan(planned, desired, sum(caps), children.build_children(owner, spec, images, planned, policy), choice.kind,
+                choice)
 
 
 def pool_limits(spec: InferenceServiceSpec, sized: list[tuple[Pool, PoolSizing]]) -> tuple[list[int], list[int]]:
@@ -80,7 +85,8 @@ def pool_status(p: server_pool.PlannedPool, ready: int, engine: EngineKind) -> P
         engine=engine,
         nodes=list(pool.nodes),
         shape=PoolShape(gpu_product=pool.gpu_product, gpu_memory_mib=pool.gpu_memory_mib,
-                        gpus_per_node=pool.gpus_per_node, host_memory_bytes=pool.host_memory_bytes),
+                        gpus_per_node=pool.gpus_per_node, host_memory_bytes=pool.host_memory_bytes,
+                        gpu_resource=pool.gpu_resource),
         fits=p.sizing.fits,
         message=p.sizing.message,
         replicas=p.replicas,

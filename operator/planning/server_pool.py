@@ -17,7 +17,14 @@ from warmfleet.operator.planning.model_volumes import (
     model_volume,
     node_cache_dir,
 )
-from warmfleet.operator.planning.nodes import GPU_MEMORY_LABEL, GPU_PRODUCT_LABEL, GPU_RESOURCE, Pool, format_bytes
+from warmfleet.operator.planning.nodes import (
+    GPU_MEMORY_LABEL,
+    GPU_PRODUCT_LABEL,
+    GPU_RESOURCE,
+    INSTANCE_TYPE_LABEL,
+    Pool,
+    format_bytes,
+)
 from warmfleet.operator.planning.objects import (
     Owner,
     admin_key_env,
@@ -88,8 +95,10 @@ def node_affinity(spec: InferenceServiceSpec, pool: Pool) -> dict[str, Any]:
         exprs.append({"key": GPU_PRODUCT_LABEL, "operator": "DoesNotExist"})
     else:
         exprs.append({"key": GPU_PRODUCT_LABEL, "operator": "In", "values": [pool.gpu_product]})
-    if pool.gpu_memory_mib:
+    if pool.gpu_memory_source == "label":  # a figure from a table or the spec is on no node's labels
         exprs.append({"key": GPU_MEMORY_LABEL, "operator": "In", "values": [str(pool.gpu_memory_mib)]})
+    if pool.instance_types:  # the memory came from the instance type: only nodes of those types have it
+        exprs.append({"key": INSTANCE_TYPE_LABEL, "operator": "In", "values": list(pool.instance_types)})
     return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": exprs}]}}}
 
 
@@ -144,14 +153,16 @@ def server_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, plan
                 "spec": {
                     "affinity": node_affinity(spec, pool),
                     "topologySpreadConstraints": spread_over_nodes(match),
-                    "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
+                    "tolerations": [{"key": key, "operator": "Exists", "effect": "NoSchedule"}
+                                    for key in dict.fromkeys((GPU_RESOURCE, pool.gpu_resource))],
                     "securityContext": _server_pod_security(spec),
                     # engines never call the API server: no token of the namespace's default ServiceAccount in the pod
                     "automountServiceAccountToken": False,
                     # preStop, then the engine's SIGTERM drain (`warmfleet serve --drain-timeout-s`, 30 s), then its exit
                     "terminationGracePeriodSeconds": d.drain_seconds + ENGINE_SIGTERM_DRAIN_S + 15,
                     **inits,
-                    "containers": [_server_container(owner, spec, image, sizing, model_mounts, ephemeral), *sidecars],
+                    "containers": [_server_container(owner, spec, image, sizing, model_mounts, ephemeral, pool.gpu_resource),
+                                   *sidecars],
                     "volumes": volumes,
                 },
             },
@@ -163,12 +174,12 @@ def server_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, plan
 
 
 def _server_container(owner: Owner, spec: InferenceServiceSpec, image: str, sizing: PoolSizing,
-                      model_mounts: list[dict], ephemeral: dict[str, str]) -> dict[str, Any]:
-    """The engine's container: its command and rendered arguments, GPU resources, probes, preStop drain."""
+                      model_mounts: list[dict], ephemeral: dict[str, str], gpu_resource: str = GPU_RESOURCE) -> dict[str, Any]:
+    """The engine's container: its command and rendered arguments, GPU resources (the pool's), probes, preStop drain."""
     assert sizing.sizes is not None
     engine = engine_of(spec)
     mem = format_bytes(sizing.sizes.memory_bytes)
-    amounts = {"cpu": str(spec.server.cpus), "memory": mem, GPU_RESOURCE: str(spec.server.gpus_per_replica), **ephemeral}
+    amounts = {"cpu": str(spec.server.cpus), "memory": mem, gpu_resource: str(spec.server.gpus_per_replica), **ephemeral}
     container = {
         "name": "server",
         "image": image,

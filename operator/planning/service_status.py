@@ -12,7 +12,12 @@ from warmfleet.operator.spec.inference_service import Condition
 from warmfleet.operator.spec.schema import to_dict
 
 # ModelConfigUnavailable: passes/model_config.py; the last three (gateway mode only): gateway.py
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "InvalidSpec", "ModelConfigUnavailable", *GATEWAY_CONDITIONS)
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "InvalidSpec", "ModelConfigUnavailable", "EngineFit", "GPUMemoryKnown",
+                   *GATEWAY_CONDITIONS)
+# Conditions whose False is a warning about the pools (the service may still be Ready): a Warning Event when they turn
+# False with a new reason. EngineFit: the engine has no GPU attention backend on GPU pools; GPUMemoryKnown: no
+# source gave a GPU pool's memory (nodes.py), so its encoder cache stays at the floor.
+POOL_WARNING_CONDITIONS = ("EngineFit", "GPUMemoryKnown")
 # Ready=False reasons that are progress, not a problem: every other Ready=False reason (a pod problem,
 # NoMatchingNodes, InsufficientCapacity) is worth a Warning Event when it appears.
 PROGRESS_READY_REASONS = frozenset({STARTING, "NotReady"})
@@ -38,6 +43,10 @@ def warnings(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, str]]:
     if degraded.get("status") == "True" and (was.get("status"), was.get("reason")) != ("True", degraded.get("reason")) \
             and degraded.get("reason") not in {r for r, _ in out}:
         out.append((degraded["reason"], degraded.get("message", "")))
+    for type_ in POOL_WARNING_CONDITIONS:
+        now, was = cond(new, type_), cond(old, type_)
+        if now.get("status") == "False" and (was.get("status"), was.get("reason")) != ("False", now.get("reason")):
+            out.append((now["reason"], now.get("message", "")))
     return out
 
 
@@ -80,7 +89,7 @@ def healthy_status(
     """
     pools = [pool_status(p, ready_by_pool.get(p.pool.name, 0), plan.engine) for p in plan.pools]
     ready = min(sum(p.ready_replicas for p in pools), plan.placed)
-    conds = [_cond("InvalidSpec", False, "SpecValid"), *_capacity_conditions(plan, ready)]
+    conds = [_cond("InvalidSpec", False, "SpecValid"), *_capacity_conditions(plan, ready), *pool_conditions(plan)]
     routers, missing = "routers", None
     if gateway is not None:
         conds += gateway_conditions(gateway)
@@ -102,6 +111,7 @@ def healthy_status(
         "selector": selector,
         "endpoint": endpoint,
         "model": model,
+        **({"engine": to_dict(plan.engine_choice.status())} if plan.engine_choice is not None else {}),
         "pools": [to_dict(p) for p in pools],
         # written by the autoscaler's timer (autoscale_pass.py), carried over as they were
         **{k: previous[k] for k in AUTOSCALER_KEYS if previous.get(k) is not None},
@@ -122,6 +132,35 @@ def _capacity_conditions(plan: Plan, ready: int) -> list[Condition]:
     if ready < plan.placed:
         return [degraded, _cond("Progressing", True, "ReplicasStarting", f"{ready}/{plan.placed} server replicas ready")]
     return [degraded, _cond("Progressing", False, "Stable")]
+
+
+def pool_conditions(plan: Plan) -> list[Condition]:
+    """EngineFit (the engine chosen and why; False: no GPU attention backend on GPU pools) and GPUMemoryKnown
+    (False names the GPU pools whose memory no source gave: nodes.py's order)."""
+    out = []
+    choice = plan.engine_choice
+    if choice is not None and choice.lacks_gpu_backend:
+        out.append(_cond("EngineFit", False, "NoGPUAttentionBackend", choice.no_gpu_backend_message()))
+    elif choice is not None and choice.chosen_by == "spec":
+        out.append(_cond("EngineFit", True, "EngineFromSpec", choice.reason))
+    elif choice is not None and choice.gpu_pools:
+        out.append(_cond("EngineFit", True, "AutoGPUPools", choice.reason))
+    elif choice is not None:
+        out.append(_cond("EngineFit", True, "AutoCPUOnly", choice.reason))
+    unknown = [p.pool.name for p in plan.pools if p.pool.has_gpus and p.pool.gpu_memory_source is None]
+    if unknown:
+        out.append(_cond("GPUMemoryKnown", False, "GPUMemoryUnknown", unknown_gpu_memory_message(unknown)))
+    else:
+        out.append(_cond("GPUMemoryKnown", True, "GPUMemoryFound", "every GPU pool's memory per GPU is known "
+                                                                   "(status.pools[].inputs.sources.gpuMemory)"))
+    return out
+
+
+def unknown_gpu_memory_message(pools: list[str]) -> str:
+    """Why a GPU pool's memory is unknown and how to tell the operator (condition, Event, render warning)."""
+    return (f"GPU memory per GPU unknown for pools {', '.join(pools)}: no nvidia.com/gpu.memory label (GPU feature "
+            "discovery), a product and an instance type the operator's table does not know; their encoder cache "
+            "stays at its floor. Set spec.server.gpuMemoryGib, or install GPU feature discovery")
 
 
 def _ready_condition(plan: Plan, ready: int, routers: str, routing: bool, missing: tuple[str, str] | None,

@@ -77,7 +77,7 @@ def size_pool(spec: InferenceServiceSpec, pool: Pool) -> PoolSizing:
     cache = spec.cache
     H = int(pool.host_memory_bytes * (1 - cache.host_reserve_fraction) / R)
     E = int(spec.server.engine_memory_gib * GiB)
-    sources: dict[str, str] = {}
+    sources: dict[str, str] = {"gpuMemory": pool.gpu_memory_source or "unknown"}  # nodes.py: label, product, instance-type, spec
     adapter, lora_device, lora_host = _lora_budget(spec, sources)
     P_gib = _processor_cache_gib(cache, H, sources)
     P = int(P_gib * GiB)

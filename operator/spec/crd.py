@@ -77,6 +77,8 @@ def crd() -> dict[str, Any]:
                         {"name": "Replicas", "type": "integer", "jsonPath": ".status.readyReplicas", "description": "Ready server replicas."},
                         {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredReplicas", "description": "Desired server replicas."},
                         {"name": "Model", "type": "string", "jsonPath": ".status.model"},
+                        {"name": "Engine", "type": "string", "jsonPath": ".status.engine.kind",
+                         "description": "The engine the replicas run (spec.engine.kind, or auto's choice: status.engine.reason)."},
                         {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint"},
                         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
                     ],

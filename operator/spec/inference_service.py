@@ -15,6 +15,8 @@ from warmfleet.source import DOTDOT_PATTERN, ModelSource, SOURCE_FORMS, SOURCE_P
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 Mode = Literal["Auto", "Fixed"]
 EngineKind = Literal[engine_kinds.KINDS]  # type: ignore[valid-type]  # the registered kinds; one description each in planning/engine_descriptions.py
+EngineChoice = Literal[("auto", *engine_kinds.KINDS)]  # type: ignore[valid-type]  # spec.engine.kind: auto, or a kind
+MemorySource = Literal["label", "product", "instance-type", "spec"]  # where a pool's GPU memory figure came from
 
 
 # Shared by every Auto/Fixed size: CEL for the API server, the same check in Python for `render`.
@@ -168,19 +170,18 @@ class ModelSpec:
 class EngineSpec:
     """The inference engine each replica runs."""
 
-    kind: EngineKind = prop(
-        "warmfleet", doc="warmfleet (`warmfleet serve`), vllm (vLLM's OpenAI server) or fastdeploy (FastDeploy's api_server).",
+    kind: EngineChoice = prop(
+        "auto", doc=("auto (vllm where the service's pools have GPUs, warmfleet where they are all CPU-only; status.engine "
+                     "says which and why), warmfleet (`warmfleet serve`: no GPU attention backend, see docs/performance.md), "
+                     "vllm (vLLM's OpenAI server) or fastdeploy (FastDeploy's api_server)."),
     )
     image: Optional[str] = prop(
-        None, doc="Engine image; required for vllm and fastdeploy. For warmfleet the default is spec.server.image, else the operator's --default-image (the engine image).",
+        None, doc=("Engine image. Default: vllm/vllm-openai:v0.32.0 for vllm, FastDeploy's 2.3.0 CUDA 12.6 image for "
+                   "fastdeploy (pinned by version: docs/gpu-cluster.md), and for warmfleet spec.server.image, else the "
+                   "operator's --default-image (the engine image)."),
         minLength=1,
     )
     extra_args: list[str] = prop([], doc="Engine arguments appended after every rendered one (a repeated flag overrides the rendered value).", maxItems=64)
-
-    RULES: ClassVar[list[Rule]] = [
-        ("self.kind == 'warmfleet' || has(self.image)", "image is required when kind is vllm or fastdeploy",
-         lambda s: s.kind == "warmfleet" or s.image is not None),
-    ]
 
 
 @dataclass(kw_only=True)
@@ -193,7 +194,7 @@ class ServerSpec:
     )
     image_pull_policy: Literal["IfNotPresent", "Always", "Never"] = prop("IfNotPresent", doc="Kubernetes image pull policy.")
     gpus_per_replica: int = prop(
-        1, doc="nvidia.com/gpu per replica; replicas per node = GPUs per node ÷ this. Above 1 the engine runs tensor parallel (vllm, fastdeploy; warmfleet runs one device per replica).",
+        1, doc="GPUs (nvidia.com/gpu, or gpuResource) per replica; replicas per node = GPUs per node ÷ this. Above 1 the engine runs tensor parallel (vllm, fastdeploy; warmfleet runs one device per replica).",
         minimum=1, maximum=16,
     )
     cpus: int = prop(4, doc="CPU cores requested per replica (also the limit).", minimum=1, maximum=512)
@@ -201,6 +202,17 @@ class ServerSpec:
         16.0, doc="Host memory the engine needs besides its caches (runtime, weight staging), in GiB.", minimum=1, maximum=4096,
     )
     max_num_batched_tokens: int = prop(2048, doc="Token budget of one engine step; the encoder cache never drops below it.", minimum=1)
+    gpu_resource: Optional[str] = prop(
+        None, doc=("Extended resource a replica requests gpusPerReplica of, and that counts a node's GPUs (allocatable). "
+                   "Default: nvidia.com/gpu, or amd.com/gpu on nodes that have it; e.g. gpu.intel.com/i915."),
+        pattern=r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?\.)+[a-z]{2,}/[-._a-zA-Z0-9]+$", maxLength=253,
+    )
+    gpu_memory_gib: Optional[float] = prop(
+        None, doc=("Memory per GPU, GiB, for nodes whose GPU memory nothing else tells: no nvidia.com/gpu.memory label "
+                   "(GPU feature discovery), a product and an instance type the operator's tables do not know "
+                   "(status.pools[].inputs.sources.gpuMemory says which source each pool's figure came from)."),
+        minimum=1, maximum=4096,
+    )
     network_policy: bool = prop(
         True, doc=("Render a NetworkPolicy over the server pods: their KV-event ports admit only this service's routers "
                    "(endpoint pickers), their HTTP port also the operator's namespace (and, in gateway mode, any pod: the "
@@ -535,8 +547,8 @@ SERVED_NAME_RULE = {
 class Condition:
     """A standard Kubernetes condition."""
 
-    type: Literal["Ready", "Progressing", "Degraded", "InvalidSpec", "ModelConfigUnavailable", "InferencePoolReady",
-                  "EndpointPickerReady", "HTTPRouteReady"] = prop(doc="Condition type.")
+    type: Literal["Ready", "Progressing", "Degraded", "InvalidSpec", "ModelConfigUnavailable", "EngineFit", "GPUMemoryKnown",
+                  "InferencePoolReady", "EndpointPickerReady", "HTTPRouteReady"] = prop(doc="Condition type.")
     status: Literal["True", "False", "Unknown"] = prop(doc="Condition status.")
     reason: str = prop(doc="CamelCase reason.")
     message: str = prop("", doc="Human-readable detail.")
@@ -549,8 +561,10 @@ class PoolShape:
     """What nodes of one pool share."""
 
     gpu_product: str = prop(doc="nvidia.com/gpu.product label ('unknown' if absent).")
-    gpu_memory_mib: int = prop(doc="Per-GPU memory from nvidia.com/gpu.memory, MiB (0 if absent).", format="int64")
-    gpus_per_node: int = prop(doc="Allocatable nvidia.com/gpu per node.")
+    gpu_memory_mib: int = prop(doc="Per-GPU memory, MiB, from inputs.sources.gpuMemory's source (0: no source knows it; GPUMemoryKnown says so).",
+                               format="int64")
+    gpus_per_node: int = prop(doc="Allocatable GPUs (gpuResource) per node.")
+    gpu_resource: str = prop("nvidia.com/gpu", doc="The extended resource counted as GPUs and requested by replicas.")
     host_memory_bytes: int = prop(doc="Smallest allocatable host memory among the pool's nodes, bytes.", format="int64")
 
 
@@ -587,7 +601,10 @@ class PoolInputs:
     bytes_per_adapter: Optional[int] = prop(
         None, doc="The adapter every LoRA slot is budgeted for: layers x maxLoraRank x sum over projections of (in + out) x dtype bytes.",
         format="int64")
-    sources: dict[str, str] = prop({}, doc="Per size: auto, fixed, min or max (which bound clamped it); lora: the adapter's inputs.")
+    sources: dict[str, str] = prop({}, doc=("Per size: auto, fixed, min or max (which bound clamped it); lora: the adapter's inputs; "
+                                             "gpuMemory: label (nvidia.com/gpu.memory), product (the table of nvidia.com/gpu.product "
+                                             "values), instance-type (node.kubernetes.io/instance-type), spec (server.gpuMemoryGib) "
+                                             "or unknown."))
 
 
 @dataclass(kw_only=True)
@@ -605,6 +622,15 @@ class PoolStatus:
     sizes: Optional[PoolSizes] = prop(None, doc="Derived sizes.")
     inputs: Optional[PoolInputs] = prop(None, doc="Inputs of the sizes.")
     node_tier: Optional[NodeTierStatus] = prop(None, doc="The pool's node tier and its inputs (spec.cache.nodeTier on).")
+
+
+@dataclass(kw_only=True)
+class EngineStatus:
+    """The engine the replicas run, and why that one."""
+
+    kind: EngineKind = prop(doc="The engine every pool runs.")
+    chosen_by: Literal["spec", "auto"] = prop(doc="spec (engine.kind names it) or auto (picked from the pools' GPUs).")
+    reason: str = prop("", doc="Why this engine, in a sentence (the pools that decided it).")
 
 
 LearnedFrom = Literal["config.json", "spec", "default"]
@@ -704,7 +730,7 @@ class InferenceServiceStatus:
     """Observed state of an InferenceService."""
 
     observed_generation: Optional[int] = prop(None, doc="metadata.generation last reconciled.", format="int64")
-    conditions: list[Condition] = prop([], doc=("Ready, Progressing, Degraded, InvalidSpec, ModelConfigUnavailable; in gateway "
+    conditions: list[Condition] = prop([], doc=("Ready, Progressing, Degraded, InvalidSpec, ModelConfigUnavailable, EngineFit, GPUMemoryKnown; in gateway "
                                                  "mode also InferencePoolReady, EndpointPickerReady and (spec.router.gateway) HTTPRouteReady."))
     replicas: int = prop(0, doc="Server replicas that exist (scale subresource).")
     desired_replicas: int = prop(0, doc="Server replicas wanted.")
@@ -715,6 +741,7 @@ class InferenceServiceStatus:
                                    "(gateway mode with spec.router.gateway), else empty (gateway mode: the pool is reached "
                                    "through a route of your own)."))
     model: str = prop("", doc="Served model name.")
+    engine: Optional[EngineStatus] = prop(None, doc="The engine the replicas run and why (spec.engine.kind, or auto's choice).")
     pools: list[PoolStatus] = prop([], doc="Node pools and their sizes.")
     model_config: Optional[ModelConfigStatus] = prop(None, doc="Model facts (hidden size, dtype, config.json) and their origin.")
     warmup: Optional[WarmupStatus] = prop(None, doc="Warm-up state of the replicas, as the routers report it.")

@@ -109,7 +109,8 @@ def load_docs(path: str) -> list[dict[str, Any]]:
 
 
 def render_warnings(plan: Any) -> list[str]:
-    """What a user should know before applying: no matching node, pools that fit nothing, clamped sizes."""
+    """What a user should know before applying: no matching node, pools that fit nothing, clamped sizes, the engine
+    on GPU pools without a GPU backend, GPU memory no source knows."""
     out = []
     if not plan.pools:
         out.append("matches no Ready, schedulable node: no server Deployment would be created "
@@ -128,7 +129,16 @@ def render_warnings(plan: Any) -> list[str]:
             out.append(f"pool {p.pool.name}: node tier lowered to the {tier.size_gib:g} GiB a node can spare")
     if plan.pools and plan.capacity < plan.desired:
         out.append(f"{plan.desired} replicas wanted, the pools can host {plan.capacity}")
+    out += pool_condition_warnings(plan)
     return out
+
+
+def pool_condition_warnings(plan: Any) -> list[str]:
+    """The EngineFit and GPUMemoryKnown warnings the operator would write (an engine without GPU attention on GPU
+    pools, GPU pools of unknown memory), in the status conditions' own words."""
+    from warmfleet.operator.planning.service_status import pool_conditions
+
+    return [c.message for c in pool_conditions(plan) if c.status == "False"]
 
 
 def render_cmd(args: argparse.Namespace) -> int:

@@ -46,8 +46,9 @@ def l4(name: str = "l4-a", **kw: Any) -> dict[str, Any]:
 
 
 def service(name: str = "qwen", spec: dict[str, Any] | None = None, **meta: Any) -> dict[str, Any]:
-    """An InferenceService dict with a minimal spec merged with `spec`."""
-    body_spec = {"model": {"path": "/models/qwen"}, **(spec or {})}
+    """An InferenceService dict with a minimal spec merged with `spec`; warmfleet's engine unless `spec` names an
+    engine (these tests check warmfleet's flags; engine.kind auto is tested in test_operator_engine_choice.py)."""
+    body_spec = {"model": {"path": "/models/qwen"}, "engine": {"kind": "warmfleet"}, **(spec or {})}
     return {
         "apiVersion": "serving.warmfleet.io/v1alpha1", "kind": "InferenceService",
         "metadata": {"name": name, "namespace": "default", "uid": f"uid-{name}", "generation": 1,

@@ -1,0 +1,68 @@
+"""spec.engine.kind `auto` -> the engine that fits the service's pools (vLLM on GPUs, warmfleet on CPUs), and why; pure."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+from warmfleet.operator.planning.engine_descriptions import ENGINES
+from warmfleet.operator.planning.nodes import NodeInfo, Pool, derive_pools
+from warmfleet.operator.spec.inference_service import EngineKind, EngineStatus, InferenceServiceSpec
+
+AUTO_GPU_ENGINE: EngineKind = "vllm"  # auto's pick where any pool has GPUs: the engine with GPU kernels and exact hashes
+AUTO_CPU_ENGINE: EngineKind = "warmfleet"  # auto's pick where every pool is CPU-only (or none matches yet)
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    """The engine every pool runs, who chose it, and the pools that decided it."""
+
+    kind: EngineKind
+    chosen_by: Literal["spec", "auto"]
+    gpu_pools: tuple[str, ...]  # pools whose nodes have allocatable GPUs
+    pools: int  # pools in all
+
+    @property
+    def reason(self) -> str:
+        """Why this engine, in one sentence."""
+        gpus = f"{'pool' if len(self.gpu_pools) == 1 else 'pools'} {', '.join(self.gpu_pools)}"
+        if self.chosen_by == "spec":
+            return f"{self.kind}: spec.engine.kind says so" + (f" (GPUs on {gpus})" if self.gpu_pools else "")
+        if self.gpu_pools:
+            return f"{self.kind}: spec.engine.kind is auto and {gpus} {'has' if len(self.gpu_pools) == 1 else 'have'} GPUs"
+        if self.pools:
+            return f"{self.kind}: spec.engine.kind is auto and every pool is CPU-only"
+        return (f"{self.kind}: spec.engine.kind is auto and no node matches yet (nodes with GPUs would make it "
+                f"{AUTO_GPU_ENGINE})")
+
+    @property
+    def lacks_gpu_backend(self) -> bool:
+        """The engine has no GPU attention backend but some pools have GPUs: it would run on their CPUs."""
+        return bool(self.gpu_pools) and not ENGINES[self.kind].gpu_attention
+
+    def no_gpu_backend_message(self) -> str:
+        """The warning for `lacks_gpu_backend` (condition, Event and `warmfleet operator render`)."""
+        return (f"engine {self.kind} has no GPU attention backend (docs/performance.md): on pools "
+                f"{', '.join(self.gpu_pools)} it runs on the CPU and leaves the GPUs idle; set spec.engine.kind to auto "
+                f"or {AUTO_GPU_ENGINE}")
+
+    def status(self) -> EngineStatus:
+        """status.engine."""
+        return EngineStatus(kind=self.kind, chosen_by=self.chosen_by, reason=self.reason)
+
+
+def choose(spec: InferenceServiceSpec, pools: list[Pool]) -> EngineChoice:
+    """spec.engine.kind when it names one; for auto, vLLM if any pool has GPUs, else warmfleet."""
+    gpu_pools = tuple(p.name for p in pools if p.has_gpus)
+    if spec.engine.kind != "auto":
+        return EngineChoice(spec.engine.kind, "spec", gpu_pools, len(pools))
+    return EngineChoice(AUTO_GPU_ENGINE if gpu_pools else AUTO_CPU_ENGINE, "auto", gpu_pools, len(pools))
+
+
+def resolve(spec: InferenceServiceSpec, nodes: list[NodeInfo]) -> tuple[InferenceServiceSpec, EngineChoice]:
+    """The spec with engine.kind resolved for these nodes (every later step sees a concrete kind), and the choice."""
+    choice = choose(spec, derive_pools(spec, nodes))
+    if spec.engine.kind == choice.kind:
+        return spec, choice
+    return dataclasses.replace(spec, engine=dataclasses.replace(spec.engine, kind=choice.kind)), choice
