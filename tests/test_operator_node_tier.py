@@ -174,6 +174,9 @@ def test_servers_routers_and_pickers_are_pointed_at_the_tier_through_its_service
     assert tier_rule["from"][0]["podSelector"]["matchLabels"] == {"serving.warmfleet.io/service": "qwen",
                                                                   "app.kubernetes.io/component": "server"}
     assert events_rule["ports"] == [{"port": 5560, "protocol": "TCP"}]
+    assert events_rule["from"][0]["podSelector"]["matchExpressions"] == [
+        {"key": "serving.warmfleet.io/service", "operator": "In", "values": ["qwen"]},
+        {"key": "app.kubernetes.io/component", "operator": "In", "values": ["router", "epp"]}]
     # gateway mode: the endpoint picker follows the tiers' events
     gw = render(svc({"mode": "Auto"}, router={"mode": "gateway", "gateway": {"name": "gw"}}), [node_info(l4())], IMAGES)
     epp = next(d for d in of(gw, "Deployment") if d["metadata"]["labels"]["app.kubernetes.io/component"] == "epp")

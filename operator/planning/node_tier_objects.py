@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from warmfleet.operator.planning.network_policy import front_door_peers
 from warmfleet.operator.planning.nodes import format_bytes
 from warmfleet.operator.planning.objects import (
     Owner,
@@ -115,9 +116,6 @@ def services(owner: Owner) -> list[dict[str, Any]]:
 
 def network_policy(owner: Owner) -> dict[str, Any]:
     """Only this service's server pods reach the tier's port, and only its routers and pickers the events."""
-    svc = owner.name[:63]
-    fronts = {"matchExpressions": [{"key": SERVICE_LABEL, "operator": "In", "values": [svc]},
-                                   {"key": COMPONENT_LABEL, "operator": "In", "values": ["router", "epp"]}]}
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -128,7 +126,7 @@ def network_policy(owner: Owner) -> dict[str, Any]:
             "ingress": [
                 {"from": [{"podSelector": {"matchLabels": server_selector(owner)}}],
                  "ports": [{"port": TIER_PORT, "protocol": "TCP"}]},
-                {"from": [{"podSelector": fronts}], "ports": [{"port": EVENTS_PORT, "protocol": "TCP"}]},
+                {"from": front_door_peers(owner), "ports": [{"port": EVENTS_PORT, "protocol": "TCP"}]},
             ],
         },
     }
