@@ -163,7 +163,8 @@ class SimFleet:
     def __init__(self, model: str, n: int, *, block_size: int = 16, gpu_blocks: int = 1024, cpu_blocks: int = 0,
                  tm: TimeModel = TimeModel(), host: str = "127.0.0.1", events: bool = True,
                  max_model_len: int = 1 << 20, calibration: Optional[dict] = None, spares: int = 0,
-                 slow: tuple[int, float] = (0, 1.0), replicas_per_node: int = 8, node_tier_blocks: int = 0):
+                 slow: tuple[int, float] = (0, 1.0), replicas_per_node: int = 8, node_tier_blocks: int = 0,
+                 node_tier_exclusive: bool = False):
         from warmfleet.server.tokenizer import Tokenizer
 
         self.model, self.n, self.host = model, n, host
@@ -174,7 +175,8 @@ class SimFleet:
         self.vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
         self.fingerprint = model_fingerprint(model)
         self.replicas_per_node, self.node_tier_blocks = replicas_per_node, node_tier_blocks
-        self.nodes = simfleet_node.nodes_for(n + spares, replicas_per_node, node_tier_blocks)  # slot i: i // K
+        self.nodes = simfleet_node.nodes_for(n + spares, replicas_per_node, node_tier_blocks,  # slot i: i // K
+                                             node_tier_exclusive)
         self.replicas: list[simfleet_replica.SimReplica] = []
         self.urls: list[str] = []
         self.servers: list[asyncio.AbstractServer] = []  # the control port's
@@ -191,6 +193,9 @@ class SimFleet:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
+        if self.events:
+            for t in self.nodes:  # each node tier's own KV events (a router follows them with --node-tier-events)
+                t.publish_to(f"tcp://{self.host}:{simfleet_http._free_port(self.host)}", self.block_size)
         for i in range(self.n + self.spares):
             sock = simfleet_http._bound(self.host)
             port = sock.getsockname()[1]
@@ -292,6 +297,9 @@ class SimFleet:
         for r in self.replicas:
             if r.publisher is not None:
                 r.publisher.close()
+        for t in self.nodes:
+            if t.publisher is not None:
+                t.publisher.close()
 
     async def _load_loop(self) -> None:
         while True:
@@ -299,6 +307,8 @@ class SimFleet:
             now = time.monotonic()
             for r in self.replicas:
                 r.publish_load(now)
+            for t in self.nodes:  # new subscriptions get the state even while no replica steps
+                t.publish()
 
     def describe(self) -> dict:
         return {"replicas": [{"id": r.rid, "url": u, "events": r.events_endpoint, "state": self.state.get(r.rid),
@@ -307,6 +317,7 @@ class SimFleet:
                 "control": self.control_url, "model": self.model, "model_fingerprint": self.fingerprint,
                 "block_size": self.block_size, "gpu_blocks": self.gpu_blocks, "cpu_blocks": self.cpu_blocks,
                 "replicas_per_node": self.replicas_per_node, "node_tier_blocks": self.node_tier_blocks,
+                "node_tiers": [{"id": t.node_id, "events": t.events_endpoint} for t in self.nodes],
                 "time_model": asdict(self.tm), "pid": os.getpid()}
 
     def stats(self) -> dict:
@@ -510,7 +521,7 @@ async def serve(args) -> None:
     fleet = SimFleet(args.model, args.replicas, block_size=args.block_size, gpu_blocks=args.gpu_blocks,
                      cpu_blocks=args.cpu_blocks, tm=tm, events=not args.no_events, calibration=cal, spares=args.spares,
                      slow=parse_slow(args.slow_replicas, args.replicas), replicas_per_node=args.replicas_per_node,
-                     node_tier_blocks=args.node_tier_blocks)
+                     node_tier_blocks=args.node_tier_blocks, node_tier_exclusive=args.node_tier_exclusive)
     await fleet.start()
     desc = json.dumps(fleet.describe())
     if args.ready_file:
@@ -541,6 +552,9 @@ def main() -> int:
     ap.add_argument("--time-model", default="calibrated",
                     help="'calibrated' (this machine's CPU engine), 'h200' (Qwen2.5-7B on one H200), 'zero' or a JSON file.")
     ap.add_argument("--replicas-per-node", type=int, default=8, help="Replicas per node (slot i on node i // K).")
+    ap.add_argument("--node-tier-exclusive", action="store_true",
+                    help="A node-tier hit moves the block into the replica (evicting it brings it back) instead of "
+                    "leaving a copy in the tier: no block is held twice on a node.")
     ap.add_argument("--node-tier-blocks", type=int, default=0,
                     help="One shared host-memory KV tier of this many blocks per node (0: none); needs --cpu-blocks 0.")
     ap.add_argument("--slow-replicas", default=None, metavar="K:F",

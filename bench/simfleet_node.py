@@ -12,7 +12,10 @@ chain's root, so only what a replica on the node could hit itself is ever shared
   the node tier keeps them for the other replicas.
 
 The engine's KV cache manager and scheduler are unchanged: they see a host tier and the copies it costs. The
-replica's KV events stay those of its primary pool (the node tier's content is not the replica's own).
+replica's KV events stay those of its primary pool (the node tier's content is not the replica's own); the node
+tier publishes its own, as `warmfleet node-tier` does (contract 2: topic node:<id>, medium NODE, its own sequence
+numbers, its whole state led by AllBlocksCleared to every new subscription), when `publish_to` gave it a socket.
+Replicas name their node in their snapshot, so a router with `--node-tier-events` scores what the node holds.
 Imports only the engine's block pool (no HTTP, no asyncio).
 """
 
@@ -22,7 +25,9 @@ from collections import OrderedDict
 from typing import Optional
 
 from warmfleet.server.engine.block_pool import BlockPool
-from warmfleet.server.events import CPU, GPU
+from warmfleet.server.events import (
+    CPU, GPU, NODE, NODE_TOPIC_PREFIX, AllBlocksCleared, BlockRemoved, BlockStored, EventPublisher,
+)
 from warmfleet.server.hashing import BlockHash
 
 NO_HOST_BLOCK = -1  # the host side of a node-tier copy in a SwapPlan (the simulator executes no copies)
@@ -41,6 +46,34 @@ class NodeTier:
         self.evicted_blocks = 0
         self.hit_blocks = 0  # copies out to a replica's primary pool
         self.hit_blocks_by_replica: dict[str, int] = {}
+        self.exclusive = False  # a hit moves the block to the replica (--node-tier-exclusive), else copies it
+        self.block_size = 16
+        self.publisher: Optional[EventPublisher] = None
+        self.events_endpoint: Optional[str] = None
+        self._stored: list[BlockHash] = []  # since the last publish
+        self._removed: list[BlockHash] = []
+
+    def publish_to(self, endpoint: str, block_size: int) -> None:
+        """Publish this tier's KV events on `endpoint` (bound now); the first batch says it starts empty."""
+        self.block_size, self.events_endpoint = block_size, endpoint
+        self.publisher = EventPublisher(NODE_TOPIC_PREFIX + self.node_id, endpoint, verbose=True)
+        self.publisher.publish([AllBlocksCleared()])
+
+    def publish(self) -> None:
+        """The stores and evictions since the last call, as one batch; the whole state to new subscribers."""
+        if self.publisher is None:
+            return
+        events = []
+        if self._stored:
+            events.append(BlockStored(self._stored, None, [], self.block_size, NODE))
+        if self._removed:
+            events.append(BlockRemoved(self._removed, NODE))
+        self._stored, self._removed = [], []
+        self.publisher.publish(events)
+        if self.publisher.take_new_subscriptions():
+            state = [AllBlocksCleared()] + ([BlockStored(list(self.lru), None, [], self.block_size, NODE)]
+                                            if self.lru else [])
+            self.publisher.publish(state)
 
     def __contains__(self, h: BlockHash) -> bool:
         return h in self.lru
@@ -56,15 +89,25 @@ class NodeTier:
             return False
         self.lru[h] = None
         self.stored_blocks += 1
+        if self.publisher is not None:
+            self._stored.append(h)
         while len(self.lru) > self.capacity:
-            self.lru.popitem(last=False)
+            gone, _ = self.lru.popitem(last=False)
             self.evicted_blocks += 1
+            if self.publisher is not None:
+                self._removed.append(gone)
         return True
 
     def hit(self, h: BlockHash, replica: str) -> None:
-        """Replica `replica` copies `h` out: it becomes the most recent entry (the tier keeps it)."""
+        """Replica `replica` copies `h` out: it becomes the most recent entry (the tier keeps it), or with
+        `exclusive` it leaves the tier (the replica's primary pool holds it now; its eviction brings it back)."""
         if h in self.lru:
-            self.lru.move_to_end(h)
+            if self.exclusive:
+                del self.lru[h]
+                if self.publisher is not None:
+                    self._removed.append(h)
+            else:
+                self.lru.move_to_end(h)
         self.hit_blocks += 1
         self.hit_blocks_by_replica[replica] = self.hit_blocks_by_replica.get(replica, 0) + 1
 
@@ -114,10 +157,14 @@ class NodePool(BlockPool):
             self.node_stored_blocks += 1
 
 
-def nodes_for(num_slots: int, per_node: int, blocks: int) -> list[NodeTier]:
-    """One node tier of `blocks` for every `per_node` replica slots (none when `blocks` is 0)."""
+def nodes_for(num_slots: int, per_node: int, blocks: int, exclusive: bool = False) -> list[NodeTier]:
+    """One node tier of `blocks` for every `per_node` replica slots (none when `blocks` is 0); `exclusive`: a hit
+    moves the block into the replica's primary pool (its eviction brings it back), else the tier keeps a copy."""
     if blocks <= 0:
         return []
     if per_node < 1:
         raise ValueError(f"replicas per node must be at least 1, got {per_node}")
-    return [NodeTier(f"n{j}", blocks) for j in range(-(-num_slots // per_node))]
+    tiers = [NodeTier(f"n{j}", blocks) for j in range(-(-num_slots // per_node))]
+    for t in tiers:
+        t.exclusive = exclusive
+    return tiers

@@ -178,6 +178,8 @@ class SimReplica:
         events = self.pool.take_events()
         if self.publisher is not None and events:
             self.publisher.publish(events)
+        if self.node is not None:
+            self.node.publish()
 
     def publish_load(self, now: float) -> None:
         if self.publisher is None:
@@ -192,7 +194,7 @@ class SimReplica:
         self._publish()
         gpu, cpu = self.pool.snapshot()
         return Snapshot(self.rid, self.publisher.seq if self.publisher else 0, self.block_size, self.fingerprint,
-                        gpu, cpu, [], self.load())
+                        gpu, cpu, [], self.load(), node=self.node.node_id if self.node is not None else None)
 
     def stats(self) -> dict:
         c = self.pool.counters

@@ -94,6 +94,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--time-model", default="calibrated",
                     help="'calibrated' (bench/sim_calibration.json), 'h200' (bench/sim_h200.json), 'zero', or a file.")
     ap.add_argument("--replicas-per-node", type=int, default=8, help="Simulated replicas per node (with the node tier).")
+    ap.add_argument("--node-tier-exclusive", action="store_true",
+                    help="With --node-tier-blocks: a hit moves the block from the node tier into the replica.")
     ap.add_argument("--node-tier-blocks", type=int, default=0,
                     help="One shared host-memory KV tier of this many blocks per node (needs --cpu-blocks 0; equal host "
                          "memory to --cpu-blocks C is K x C).")
@@ -134,6 +136,7 @@ def header(args, trace_path: Path, reqs: list[dict], oracle: float, routers: lis
         "mean_output_tokens": round(statistics.mean(r["max_tokens"] for r in reqs), 1),
         "gpu_blocks_per_replica": args.gpu_blocks, "cpu_blocks_per_replica": args.cpu_blocks,
         "replicas_per_node": args.replicas_per_node, "node_tier_blocks_per_node": args.node_tier_blocks,
+        "node_tier_exclusive": args.node_tier_exclusive,
         "time_model": args.time_model,
         "time_model_calibrated": vars(tm) if hasattr(tm, "__dict__") else None,
         "engine_speedup": args.engine_speedup,
