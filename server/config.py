@@ -203,6 +203,17 @@ class ServerConfig:
                                    "/v1/unload_lora_adapter; env WARMFLEET_ADMIN_KEY). Without it they are open only "
                                    "while the server checks no API key.")
     )
+    api_keys_file: Optional[str] = field(
+        default=None, metadata=opt("--api-keys-file", "Also accept the client keys of this JSON file {\"KEY\": "
+                                   "\"SALT\" | null} (the router's and picker's --api-keys-file): a request with one runs "
+                                   "under that key's cache salt (a body cache_salt only partitions further inside it), "
+                                   "as through the router, so a client cannot reach another tenant's cached prefixes. "
+                                   "--api-key stays the fleet key of routers, whose cache_salt is trusted.")
+    )
+    salt_secret: Optional[str] = field(
+        default=None, metadata=opt("--salt-secret", "HMAC secret of the salts --api-keys-file derives for keys mapped "
+                                   "to null (env WARMFLEET_SALT_SECRET); the routers' --salt-secret.")
+    )
     allowed_local_media_path: Optional[str] = field(
         default=None, metadata=opt("--allowed-local-media-path", "Directory under which file:// images may be read.")
     )
@@ -309,6 +320,10 @@ class EngineConfig:
             raise ValueError("--media-request-timeout-s and --media-max-pixels must be > 0")
         if (self.server.kv_events_curve_secret_key is None) != (self.server.kv_events_curve_clients is None):
             raise ValueError("--kv-events-curve-secret-key and --kv-events-curve-clients go together")
+        if self.server.api_keys_file is not None:
+            from .tenant_keys import read_keys_file
+
+            read_keys_file(self.server.api_keys_file)
         if self.server.request_header_timeout_s <= 0 or self.server.request_body_timeout_s <= 0:
             raise ValueError("--request-header-timeout-s and --request-body-timeout-s must be > 0")
         if c.node_tier is not None:

@@ -14,6 +14,7 @@ from ..engine.protocol import EngineClient
 from ..tokenizer import ChatTemplateError
 from .. import rendering
 from .. import tracing
+from ..tenant_keys import bearer_key
 from . import errors
 from .errors import APIError, bad_request
 from .metrics import CONTENT_TYPE
@@ -59,14 +60,26 @@ def get_state(request: Request) -> ServerState:
 
 
 def require_key(request: Request) -> None:
-    """The API key check of every API route (none when the server has no key)."""
-    key = get_state(request).api_key
-    if not key:
+    """The API key check of every API route (none when the server has no key). `--api-key` is the fleet key (routers,
+    pickers): its requests' cache_salt is trusted. A client key of `--api-keys-file` runs under its tenant's salt
+    (request.state.tenant_salt, enforced by parse_body), whatever salt the body names."""
+    s = get_state(request)
+    if not s.api_key and not s.client_salts:
         return
     auth = request.headers.get("authorization", "")
-    scheme, _, token = auth.partition(" ")
-    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
+    if s.api_key and bearer_key((s.api_key,), auth) is not None:
+        return
+    client = bearer_key(s.client_salts, auth) if s.client_salts else None
+    if client is None:
         raise APIError(401, "invalid or missing API key (send `Authorization: Bearer KEY`)", code="invalid_api_key")
+    request.state.tenant_salt = s.client_salts[client]
+
+
+def require_fleet_key(request: Request) -> None:
+    """Routes for routers only (the KV snapshot: every tenant's cached blocks): a client key of --api-keys-file is
+    refused."""
+    if getattr(request.state, "tenant_salt", None) is not None:
+        raise APIError(403, "this route takes the fleet key (--api-key), not a client key", code="fleet_key_required")
 
 
 def _api_routes() -> APIRouter:
@@ -120,7 +133,7 @@ def _api_routes() -> APIRouter:
         check_token_ids(s, body.tokens, "tokens")
         return JSONResponse({"prompt": await s.run_sync(s.tokenizer.decode, body.tokens)})
 
-    @api.get("/v1/kv/snapshot")
+    @api.get("/v1/kv/snapshot", dependencies=[Depends(require_fleet_key)])
     async def _snapshot(request: Request) -> JSONResponse:
         s = get_state(request)
         engine = s.require_engine()
@@ -140,7 +153,7 @@ def require_admin(request: Request) -> None:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), s.admin_key.encode()):
             raise APIError(401, "admin routes need `Authorization: Bearer <admin key>`", code="invalid_api_key")
-    elif s.api_key:
+    elif s.api_key or s.client_salts:
         raise APIError(403, "this server checks API keys: start it with --admin-key (or WARMFLEET_ADMIN_KEY) "
                        "to use its admin routes", code="admin_key_required")
 

@@ -29,6 +29,7 @@ from ..engine.protocol import GenerateRequest
 from ..engine.sampling_params import SamplingParams
 from ..hashing import MMPlaceholder
 from ..outputs import EngineError, OutputStream, chat_logprobs, completion_logprobs
+from ..tenant_keys import tenant_salt
 from ..tokenizer import ChatTemplateError, IncrementalDetokenizer
 from ..bodies import BodyTooLarge, read_capped
 from .errors import APIError, bad_request, error_body, validation_error
@@ -61,6 +62,10 @@ async def parse_body(request: Request, model: type[M], state: ServerState) -> M:
         raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object", code="invalid_json")
+    salt = getattr(request.state, "tenant_salt", None)  # a client key of --api-keys-file (app.require_key)
+    if salt is not None and "cache_salt" in model.model_fields and (data.get("cache_salt") is None
+                                                                    or isinstance(data["cache_salt"], str)):
+        data["cache_salt"] = tenant_salt(salt, data.get("cache_salt"))  # never another tenant's entries
     try:
         return model.model_validate(data)
     except ValidationError as exc:

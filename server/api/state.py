@@ -11,6 +11,7 @@ import anyio
 
 from ..config import EngineConfig, replica_id
 from ..engine.protocol import EngineClient
+from ..tenant_keys import SALT_SECRET_ENV, key_salts, read_keys_file
 from .errors import APIError
 from .metrics import CacheConfigInfo, Metrics, ProcessorCacheView
 from .snapshots import SnapshotGate
@@ -27,6 +28,15 @@ def served_model_name(cfg: EngineConfig) -> str:
     return cfg.model.served_model_name or Path(cfg.model.model.rstrip("/")).name or "model"
 
 
+def client_salts(cfg: EngineConfig) -> dict[str, str]:
+    """The client keys of --api-keys-file and their tenant salts (--salt-secret or WARMFLEET_SALT_SECRET derives the
+    ones mapped to null), as the router and the picker compute them; empty without the flag."""
+    if not cfg.server.api_keys_file:
+        return {}
+    secret = cfg.server.salt_secret or os.environ.get(SALT_SECRET_ENV) or None
+    return key_salts(read_keys_file(cfg.server.api_keys_file), secret)
+
+
 class ServerState:
     """Engine and tokenizer are attached once the model has loaded; until then /v1 answers 503."""
 
@@ -35,6 +45,7 @@ class ServerState:
         self.replica_id = replica_id(cfg.server)
         self.api_key = cfg.server.api_key or os.environ.get("WARMFLEET_API_KEY") or None
         self.admin_key = cfg.server.admin_key or os.environ.get("WARMFLEET_ADMIN_KEY") or None
+        self.client_salts = client_salts(cfg)  # --api-keys-file: client key -> the cache salt it runs under
         self.lora_enabled = cfg.lora.enabled
         self.loras: dict[str, str] = cfg.lora.modules() if cfg.lora.enabled else {}  # adapter name -> path
         self.model_name = engine.model_info.served_model_name if engine is not None else served_model_name(cfg)

@@ -1,43 +1,32 @@
 """Tenants: API keys, each key's cache salt, and per-client concurrency limits; no I/O beyond reading the key file.
 
-A key's salt is the mapping file's value if it gives one, else HMAC-SHA256(secret, key). Every
-router process with the same keys and secret derives the same salt, so routers agree, and a
-tenant cannot name another tenant's salt without that tenant's key.
+A key's salt is the mapping file's value if it gives one, else HMAC-SHA256(secret, key) (server/tenant_keys.py, shared
+with the replicas' `--api-keys-file`). Every router process with the same keys and secret derives the same salt, so
+routers agree, and a tenant cannot name another tenant's salt without that tenant's key.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
-from pathlib import Path
 from typing import Callable, Optional
 
+from ...tenant_keys import DEFAULT_SALT_SECRET, bearer_key, derive_salt, key_salts, read_keys_file, tenant_salt
 from .errors import Refusal
 
-DEFAULT_SALT_SECRET = "warmfleet-cache-salt-v1"
-
-
-def derive_salt(key: str, secret: str = DEFAULT_SALT_SECRET) -> str:
-    return hmac.new(secret.encode(), key.encode(), hashlib.sha256).hexdigest()[:32]
+__all__ = ["DEFAULT_SALT_SECRET", "derive_salt", "Tenants", "ConcurrencyLimiter", "admit_client"]
 
 
 class Tenants:
     """Known API keys → cache salt; an empty set means the router is open (no key required)."""
 
     def __init__(self, keys: dict[str, Optional[str]], secret: str = DEFAULT_SALT_SECRET):
-        self._salts = {k: (s or derive_salt(k, secret)) for k, s in keys.items()}
+        self._salts = key_salts(keys, secret)
 
     @classmethod
     def from_flags(cls, api_keys: list[str], keys_file: Optional[str], secret: Optional[str]) -> "Tenants":
-        """`--api-key` values plus a JSON file `{"key": "salt" | null, ...}`."""
+        """`--api-key` values plus a JSON file `{"key": "salt" | null, ...}` (server/tenant_keys.py)."""
         keys: dict[str, Optional[str]] = {k: None for k in api_keys if k}
         if keys_file:
-            data = json.loads(Path(keys_file).read_text(encoding="utf-8"))
-            if not isinstance(data, dict) or not all(isinstance(k, str) and (v is None or isinstance(v, str))
-                                                     for k, v in data.items()):
-                raise ValueError(f"{keys_file}: expected a JSON object mapping API keys to salts (or null)")
-            keys.update(data)
+            keys.update(read_keys_file(keys_file))
         return cls(keys, secret or DEFAULT_SALT_SECRET)
 
     @property
@@ -46,19 +35,12 @@ class Tenants:
 
     def authenticate(self, authorization: Optional[str]) -> Optional[str]:
         """The key from `Authorization: Bearer KEY` if it is known, else None (constant time per key)."""
-        if not authorization or not authorization.startswith("Bearer "):
-            return None
-        given = authorization[len("Bearer "):].strip().encode()
-        found = None
-        for key in self._salts:
-            if hmac.compare_digest(key.encode(), given):
-                found = key
-        return found
+        return bearer_key(self._salts, authorization)
 
     def salt_for(self, key: str, client_salt: Optional[str]) -> str:
-        """The tenant's salt; a client-given salt partitions further inside the tenant, never across tenants."""
-        salt = self._salts[key]
-        return salt if not client_salt else f"{salt}/{client_salt}"
+        """The tenant's salt; a client-given salt partitions further inside the tenant, never across tenants (the
+        same recipe as a replica's `--api-keys-file`, so both doors give the same salt)."""
+        return tenant_salt(self._salts[key], client_salt)
 
 
 class ConcurrencyLimiter:
