@@ -156,3 +156,19 @@ def test_an_image_encoded_by_one_engine_is_not_encoded_again_by_another(tiny_vl_
     out = b.chat(conv("Another tenant's words come first. "), GREEDY)[0]  # no KV in common before the image
     assert out.outputs[0].token_ids == ref
     assert b.stats().node_encoder_hits == 1
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["node-tier", "--capacity-bytes", "0", "--node-name", "n"], "--capacity-bytes"),
+    (["node-tier", "--capacity-bytes", "10", "--node-name", "a b"], "--node-name"),
+    (["serve", "--model", "/nonexistent", "--node-tier", "nohost"], "--node-tier"),
+    (["route", "--model", "/nonexistent", "--replica", "http://127.0.0.1:1", "--node-tier-events", "x"],
+     "--node-tier-events"),
+])
+def test_bad_node_tier_flags_exit_2_with_one_line(args, needle, tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-P", "-m", "warmfleet.cli", *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
