@@ -256,6 +256,12 @@ class ServerConfig:
                                                           "'{\"image\": 4}'; more is a 400 before any is loaded. "
                                                           "Bounds one request's downloads and decoding.")
     )
+    otlp_traces_endpoint: Optional[str] = field(
+        default=None, metadata=opt("--otlp-traces-endpoint", "OTLP/HTTP traces URL (vLLM's flag), e.g. "
+                                   "http://collector:4318/v1/traces: a span per request continuing its traceparent "
+                                   "(server/otel.py). Also on with OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT; needs the "
+                                   "tracing extra.", metavar="URL")
+    )
     log_level: str = field(default="info", metadata=opt("--log-level", "Log level.", choices=("debug", "info", "warning", "error")))
 
 
@@ -320,10 +326,6 @@ class EngineConfig:
             raise ValueError("--media-request-timeout-s and --media-max-pixels must be > 0")
         if (self.server.kv_events_curve_secret_key is None) != (self.server.kv_events_curve_clients is None):
             raise ValueError("--kv-events-curve-secret-key and --kv-events-curve-clients go together")
-        if self.server.api_keys_file is not None:
-            from .tenant_keys import read_keys_file
-
-            read_keys_file(self.server.api_keys_file)
         if self.server.request_header_timeout_s <= 0 or self.server.request_body_timeout_s <= 0:
             raise ValueError("--request-header-timeout-s and --request-body-timeout-s must be > 0")
         if c.node_tier is not None:

@@ -24,7 +24,7 @@ from warmfleet.kube import KubeError
 from warmfleet.operator.passes import bounded_http
 from warmfleet.operator.passes.admin_secret import secret_value
 from warmfleet.operator.passes.reconcile import OperatorState, plan_for
-from warmfleet.operator.planning import engine_descriptions, lora_plan, objects
+from warmfleet.operator.planning import client_keys, engine_descriptions, lora_plan, objects
 from warmfleet.operator.planning.nodes import NodeInfo
 from warmfleet.operator.spec.inference_service import SecretKeyRef
 from warmfleet.operator.spec.schema import SpecError
@@ -183,7 +183,8 @@ async def run_pass(state: OperatorState, body: Mapping[str, Any], nodes: list[No
     wanted = {a.name: lora_plan.adapter_path(spec, a) for a in spec.adapters}
     pods = await kube.list("Pod", owner.namespace, objects.server_selector(owner))
     urls = ready_server_urls(pods, template or os.environ.get(URL_TEMPLATE_ENV))
-    headers, problem = await _auth_headers(kube, spec.router.api_key_secret, owner.namespace)
+    fleet = client_keys.fleet_key_ref(owner, spec)  # apiKeySecret, or the admin key when replicas check client keys
+    headers, problem = await _auth_headers(kube, fleet and SecretKeyRef(name=fleet[0], key=fleet[1]), owner.namespace)
     admin_headers = headers  # vLLM: its LoRA routes take the API key
     if not problem and engine_descriptions.engine_of(spec).kind == "warmfleet":
         name, key = objects.admin_key_ref(owner, spec)
