@@ -287,3 +287,29 @@ def test_the_flags_parse_with_each_processs_own_parser():
     flagfields.add_arguments(parser, EppSettings)
     got = flagfields.from_namespace(parser.parse_args(epp["spec"]["template"]["spec"]["containers"][0]["args"][1:]), EppSettings)
     assert got.node_tier_events == ["qwen-node-tier-events:5560"]
+
+
+async def test_the_operator_applies_the_tier_and_prunes_it_when_turned_off(cluster):
+    """In-process operator against kmock: the DaemonSet and Services applied with the rest, status shows the tier,
+    `mode: Off` prunes them and gives the replicas their swap tier back."""
+    from operator_fixtures.cluster import ISVC, eventually, obj, operator, seed, server_deployments, status
+
+    seed(cluster, l4("l1"))
+    seed(cluster, svc({"mode": "Auto"}), res=ISVC)
+    async with operator(cluster):
+        await eventually(lambda: (status(cluster).get("pools") or [{}])[0].get("nodeTier"), "status with the node tier")
+        (pool,) = status(cluster)["pools"]
+        ds = obj(cluster, "apps/v1/daemonsets", f"qwen-node-tier-{pool['name']}")
+        assert ds is not None and ds["metadata"]["ownerReferences"][0]["uid"] == "uid-qwen"
+        assert obj(cluster, "v1/services", "qwen-node-tier") and obj(cluster, "v1/services", "qwen-node-tier-events")
+        (dep,) = server_deployments(cluster).values()
+        assert "--node-tier" in server_container(dep)["args"]
+        await cluster.patch(f"/apis/{ISVC.rsplit('/', 1)[0]}/namespaces/default/inferenceservices/qwen",
+                            json={"metadata": {"generation": 2}, "spec": {"cache": {"nodeTier": {"mode": "Off"}}}})
+        await eventually(lambda: status(cluster).get("observedGeneration") == 2, "generation 2 observed")
+        await eventually(lambda: obj(cluster, "apps/v1/daemonsets", f"qwen-node-tier-{pool['name']}") is None,
+                         "the DaemonSet pruned")
+        assert obj(cluster, "v1/services", "qwen-node-tier") is None
+        assert "nodeTier" not in status(cluster)["pools"][0] and status(cluster)["pools"][0]["sizes"]["swapSpaceGib"] > 0
+        (dep,) = server_deployments(cluster).values()
+        assert "--node-tier" not in server_container(dep)["args"]

@@ -22,6 +22,7 @@ KINDS = {
     "rbac.authorization.k8s.io/v1/roles": "Role", "rbac.authorization.k8s.io/v1/rolebindings": "RoleBinding",
     PODS: "Pod", "v1/persistentvolumeclaims": "PersistentVolumeClaim",
     "v1/secrets": "Secret", "networking.k8s.io/v1/networkpolicies": "NetworkPolicy",
+    "apps/v1/daemonsets": "DaemonSet",
 }
 TIMEOUT_S = 15
 
