@@ -20,7 +20,7 @@ COPY server ./server
 COPY operator ./operator
 RUN python -m pip install --quiet build && python -m build --wheel --outdir /dist .
 
-# ---- slim: python:3.11-slim + warmfleet[router,operator,fetch,gateway], no Paddle ----
+# ---- slim: python:3.11-slim + warmfleet[router,operator,fetch,gateway,tracing], no Paddle ----
 FROM ${SLIM_BASE} AS slim
 ENV PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 WARMFLEET_LOG_FORMAT=json
 COPY scripts/image-steps.sh /usr/local/bin/warmfleet-image-steps
@@ -33,7 +33,7 @@ EXPOSE 8000
 ENTRYPOINT ["warmfleet"]
 CMD ["route", "--help"]
 
-# ---- engine: the Paddle base + warmfleet[engine-gpu,fetch] and the prebuilt decode-attention kernel ----
+# ---- engine: the Paddle base + warmfleet[engine-gpu,fetch,tracing] and the prebuilt decode-attention kernel ----
 FROM ${ENGINE_BASE} AS engine
 ARG ENGINE_EXTRA=engine-gpu
 ENV PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 WARMFLEET_LOG_FORMAT=json

@@ -4,10 +4,10 @@
 #
 #   scripts/image-steps.sh engine|slim WHEEL_OR_DIR
 #
-#   engine  warmfleet[$ENGINE_EXTRA,fetch]: the engine image (ENGINE_EXTRA=engine-gpu on a base that ships
+#   engine  warmfleet[$ENGINE_EXTRA,fetch,tracing]: the engine image (ENGINE_EXTRA=engine-gpu on a base that ships
 #           paddlepaddle-gpu; engine installs Paddle's CPU build from PyPI), with the decode-attention
 #           kernel built into $WARMFLEET_KERNEL_DIR when that is set.
-#   slim    warmfleet[router,operator,fetch,gateway]: operator, router and EPP pods and the fetch-model init step;
+#   slim    warmfleet[router,operator,fetch,gateway,tracing]: operator, router and EPP pods and the fetch-model init step;
 #           no Paddle.
 #
 # Env: PYTHON (default: python3) is the interpreter installed into. Every smoke step runs from / with -P,
@@ -26,8 +26,8 @@ fi
 wheel=$(cd "$(dirname "$wheel")" && pwd)/$(basename "$wheel")
 
 case $target in
-  engine) extras="${ENGINE_EXTRA:-engine-gpu},fetch" ;;
-  slim) extras="router,operator,fetch,gateway" ;;
+  engine) extras="${ENGINE_EXTRA:-engine-gpu},fetch,tracing" ;;  # tracing: spec.tracing renders OTEL_* env
+  slim) extras="router,operator,fetch,gateway,tracing" ;;
   *) fail "unknown target '$target' (engine or slim)" ;;
 esac
 

@@ -121,8 +121,9 @@ class EppFleet:
     def __init__(self, model_dir, *, tenants: Optional[Tenants] = None, max_concurrent_per_client: int = 0,
                  engine: str = "warmfleet", replica_urls: Optional[list[str]] = None, events: bool = True,
                  replica_api_key: Optional[str] = None, drain_grace_s: float = 1.0,
-                 settings: Optional[dict] = None):
+                 settings: Optional[dict] = None, spans=None):
         self.tok = Tokenizer(model_dir)
+        self.spans = spans  # otel.Spans of the EPP (tests/test_otel.py), None: no tracing
         self.fp = model_fingerprint(model_dir)
         self.model_dir, self.tenants, self.engine = model_dir, tenants or Tenants({}), engine
         self.max_concurrent_per_client = max_concurrent_per_client
@@ -140,7 +141,7 @@ class EppFleet:
                  [ReplicaSpec(s.url, r.events if self.events else None) for s, r in zip(self.served, self.replicas)])
         rt = RouterRuntime(
             hash_cfg=HashConfig(BLOCK, self.fp), replicas=specs,
-            renderer=PromptRenderer(str(self.model_dir), tokenizer=self.tok), tenants=self.tenants,
+            renderer=PromptRenderer(str(self.model_dir), tokenizer=self.tok), tenants=self.tenants, spans=self.spans,
             settings=EppSettings(health_interval_s=0.1, health_timeout_s=0.5, engine=self.engine,
                                  max_concurrent_per_client=self.max_concurrent_per_client, block_size=BLOCK,
                                  replica_api_key=self.replica_api_key, drain_grace_s=self.drain_grace_s,

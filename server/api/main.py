@@ -26,11 +26,13 @@ from typing import Any, Optional
 import prometheus_client
 import uvicorn
 
+from .. import otel
 from ..attention import registry as attention_backends
 from ..config import EngineConfig, add_arguments as add_config_arguments, from_namespace
 from ..logging_setup import setup_logging
 from .app import attach_engine, build_app
 from .deadlines import deadline_protocol
+from .spans import RequestSpans
 
 log = logging.getLogger("warmfleet.serve")
 
@@ -55,18 +57,26 @@ def run(args: argparse.Namespace) -> int:
     drain_timeout_s = getattr(args, "serve.drain_timeout_s", 30.0)
     if drain_timeout_s < 0:
         raise ValueError(f"--drain-timeout-s must be >= 0, got {drain_timeout_s}")
+    spans = otel.start("warmfleet-server", cfg.server.otlp_traces_endpoint)  # TracingUnavailable: one line, exit 2
     setup_logging(cfg.server.log_level, getattr(args, "serve.log_format", None))
-    return asyncio.run(serve(cfg, drain_timeout_s))
+    try:
+        return asyncio.run(serve(cfg, drain_timeout_s, spans))
+    finally:
+        if spans is not None:
+            spans.shutdown()  # the last batch of spans leaves before the process does
 
 
-async def serve(cfg: EngineConfig, drain_timeout_s: float = 30.0) -> int:
-    """Serve until SIGTERM/SIGINT; returns the exit code (1 if the engine could not start)."""
+async def serve(cfg: EngineConfig, drain_timeout_s: float = 30.0, spans: Optional[otel.Spans] = None) -> int:
+    """Serve until SIGTERM/SIGINT; returns the exit code (1 if the engine could not start). `spans`: a span per
+    API request (otel.py), None: none."""
     # NOTE: importing the engine client pulls in paddle, which installs its own SIGTERM handler; import it
     # before uvicorn installs the graceful-shutdown handler, so uvicorn's wins.
     from ..engine.async_engine import AsyncEngine  # noqa: F401
 
     prometheus_client.disable_created_metrics()
     app = build_app(None, None, cfg)
+    if spans is not None:  # outermost: the span sees the request id and status the replica answers with
+        app.add_middleware(RequestSpans, spans=spans, replica_id=app.state.wf.replica_id)
     server = _Server(uvicorn_config(app, cfg, drain_timeout_s), app)
     log.info("starting replica", extra={"fields": {"replica_id": app.state.wf.replica_id, "host": cfg.server.host,
                                                      "port": cfg.server.port, "model": cfg.model.model}})

@@ -8,7 +8,7 @@ import gc
 import os
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
-from typing import AsyncIterator, Awaitable, Callable, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 import httpx
 
@@ -43,6 +43,7 @@ class RouterRuntime:
     peers: list[str] = field(default_factory=list)  # peer routers' base URLs (--peers): load and client limits shared
     freeze_gc: bool = False  # gc.freeze() once started (`warmfleet route` sets it; a process-wide act, not for tests)
     event_curve: Optional[CurveKeys] = None  # KV events over CURVE (--kv-events-curve-*), read at startup
+    spans: Any = None  # otel.Spans of --otlp-traces-endpoint / OTEL_EXPORTER_OTLP_*ENDPOINT; None: no tracing
 
 
 def settings_from_args(args: argparse.Namespace, cls: type = RouterSettings) -> RouterSettings:

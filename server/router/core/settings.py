@@ -276,6 +276,11 @@ class RouterSettings:
         "--peer-partition-tokens", "With --peers: replicas that are not this router's by rendezvous over the routers "
         "(or are, but above the mean recent share) count this many prompt tokens of queued work more when little is "
         "cached, so routers deciding at the same moment prefer different replicas (0: off)."))
+    otlp_traces_endpoint: Optional[str] = field(default=None, metadata=opt(  # server/otel.py
+        "--otlp-traces-endpoint", "OTLP/HTTP traces URL (vLLM's flag), e.g. http://collector:4318/v1/traces: a span "
+        "per routing decision (chosen replica, reason, predicted cached tokens) continuing the request's traceparent, "
+        "whose own traceparent goes upstream. Also on with OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT; needs the tracing "
+        "extra.", metavar="URL"))
     log_level: str = field(default="info", metadata=opt("--log-level", None, choices=LOG_LEVELS))
 
     def __post_init__(self) -> None:

@@ -6,7 +6,7 @@ import argparse
 import logging
 from dataclasses import replace
 
-from ... import flagfields
+from ... import flagfields, otel
 from .settings import EppSettings
 
 
@@ -29,10 +29,11 @@ def run(args: argparse.Namespace) -> int:
     if settings.secure_serving:
         from .tls import check_files
         check_files(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
+    spans = otel.start("warmfleet-epp", settings.otlp_traces_endpoint)  # TracingUnavailable: one line, exit 2
     setup_logging(settings.log_level)
     if settings.log_level != "debug":
         logging.getLogger("httpx").setLevel(logging.WARNING)
-    rt = replace(runtime_from_settings(settings), freeze_gc=True)
+    rt = replace(runtime_from_settings(settings), freeze_gc=True, spans=spans)
 
     async def serve() -> None:
         stop = asyncio.Event()
@@ -44,8 +45,12 @@ def run(args: argparse.Namespace) -> int:
                                              epp.grpc_port, epp.host, epp.http_port)
             await stop.wait()
 
-    with event_loop_runner() as runner:
-        runner.run(serve())
+    try:
+        with event_loop_runner() as runner:
+            runner.run(serve())
+    finally:
+        if spans is not None:
+            spans.shutdown()  # the last batch of spans leaves before the process does
     return 0
 
 

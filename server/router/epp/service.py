@@ -20,7 +20,8 @@ the body response, which carries the header mutation). Paths other than chat and
 cache: they go to the least-loaded eligible endpoint, picked from the headers, and the body passes unchanged.
 
 Headers the EPP does not name pass as they came: the client's `authorization` (the replicas check it too, or trust
-the gateway's network: docs/security.md) and W3C `traceparent`/`tracestate`. The EPP sets no secret on a request.
+the gateway's network: docs/security.md) and W3C `traceparent`/`tracestate` (with --otlp-traces-endpoint the EPP sets
+them to its routing-decision span's, the child of the client's: otel.py). The EPP sets no secret on a request.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as mod
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from ... import tracing
+from ... import otel, tracing
 from ...multimodal.url_hashes import HEADER as MEDIA_HEADER
 from ..core.booking import Booking
 from ..core.errors import NO_REPLICA, Refusal, parse_json_object
@@ -64,7 +65,9 @@ class Exchange:
         self.kind: Optional[str] = None  # "chat" | "completion": routed by cache; None: by load
         self.auth: Optional[str] = None
         self.request_id = ""  # the request's x-request-id (the client's, the gateway's or made here)
-        self.made_id: dict = {}  # {x-request-id: id} when the EPP made it: set (replacing one) on the request
+        self.upstream: dict = {}  # headers set on the request: x-request-id when the EPP made it, its span's
+        # traceparent/tracestate when it traces (otel.py)
+        self.trace: dict = {}  # the request's traceparent/tracestate, kept only when the EPP traces
         self.host = "unknown"
         self.subset: Optional[frozenset[str]] = None
         self.chunks: list[bytes] = []
@@ -90,7 +93,10 @@ class Exchange:
         given = pick.header_value(h, REQUEST_ID)
         self.request_id = tracing.request_id(given)  # the client's (or the gateway's) when usable, else made here
         if self.request_id != given:
-            self.made_id = {REQUEST_ID: self.request_id}
+            self.upstream = {REQUEST_ID: self.request_id}
+        if self.door.spans is not None:
+            names = (tracing.TRACEPARENT, tracing.TRACESTATE)
+            self.trace = {k: v for k in names if (v := pick.header_value(h, k))}
         xff = pick.header_value(h, "x-forwarded-for")
         self.host = xff.split(",")[-1].strip() if xff else "unknown"  # the gateway appends the peer it saw
         self.subset = pick.subset_of(req)
@@ -129,6 +135,24 @@ class Exchange:
 
     async def route(self, end_of_stream: bool) -> list[pb.ProcessingResponse]:
         """The whole body is here: parse, admit, route, and send the pick (and the body as the router hashed it)."""
+        spans = self.door.spans
+        if spans is None:
+            return await self._route(end_of_stream)
+        span = spans.start("warmfleet.route", self.trace, {otel.REQUEST_ID: self.request_id})
+        try:  # the replica's span becomes this decision's child
+            self.upstream = spans.hand_on(span, {**self.upstream})
+            out = await self._route(end_of_stream)
+            b = self.booking
+            if b is not None and b.rep is not None and b.decision is not None:
+                d = b.decision
+                span.set_attributes(otel.decision_attributes(b.rep.id, d.reason, d.predicted_for(b.rep.id)))
+            if self.answered:
+                spans.error(span, self.status)
+        finally:
+            span.end()
+        return out
+
+    async def _route(self, end_of_stream: bool) -> list[pb.ProcessingResponse]:
         raw = b"".join(self.chunks)
         self.chunks = []
         body = parse_json_object(raw)
@@ -152,10 +176,10 @@ class Exchange:
         self.picked = True
         if self.request_mode == FULL_DUPLEX:  # Envoy drops content-length itself in this mode
             return [pick.request_headers_response(pick.pick_common(value, len(out_body) if changed else None,
-                                                                   extra=self.made_id),
+                                                                   extra=self.upstream),
                                                   value), *pick.streamed_request_body(out_body, end_of_stream)]
         return [pick.request_body_response(pick.pick_common(
-            value, len(out_body) if changed else None, out_body if changed else None, self.made_id), value)]
+            value, len(out_body) if changed else None, out_body if changed else None, self.upstream), value)]
 
     def eligible(self):
         if self.subset is None:
@@ -178,10 +202,11 @@ class Exchange:
         self.book(reps[0])
         self.picked = True
         value = pick.destination(pick.endpoint_of(r) for r in reps)
-        return pick.request_headers_response(pick.pick_common(value, extra=self.made_id), value)
+        return pick.request_headers_response(pick.pick_common(value, extra=self.upstream), value)
 
     def refuse(self, refusal: Refusal) -> pb.ProcessingResponse:
         self.picked = self.done = self.answered = True
+        self.status = refusal.status
         self.door.metrics.requests.labels(f"{refusal.status // 100}xx").inc()
         self.close()
         return pick.immediate(refusal, {REQUEST_ID: self.request_id} if self.request_id else None)
@@ -289,6 +314,7 @@ class EppDoor:
         self.rt, self.router, self.limiter, self.metrics = rt, router, limiter, router.metrics
         self.max_request_bytes = rt.settings.max_request_bytes
         self.max_attempts = rt.settings.proxy.max_attempts
+        self.spans = rt.spans  # otel.Spans, None: no spans
 
     def replica_at(self, endpoint: str) -> Optional[Replica]:
         return next((r for r in self.router.fleet.registry.replicas.values() if pick.endpoint_of(r) == endpoint),

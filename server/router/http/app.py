@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response
 
-from ... import tracing
+from ... import otel, tracing
 from ...bodies import BodyTooLarge, read_capped
 from ..core.admission import request_limits
 from ..core.errors import Refusal
@@ -85,6 +85,7 @@ class Frontend:
     def __init__(self, rt: RouterRuntime, limiter: ConcurrencyLimiter, state: dict):
         self.tenants, self.max_request_bytes = rt.tenants, rt.settings.max_request_bytes
         self.limiter, self.state = limiter, state
+        self.spans = rt.spans  # otel.Spans, None: no spans (one test per request)
 
     def client_headers(self, request: Request) -> dict:
         """Headers passed upstream: the client's auth only when the router itself checks none."""
@@ -156,8 +157,28 @@ class Frontend:
         taken); the caller releases the slot once the answer's last byte is sent (`limiter.release`). `trace`: the
         request's trace headers (tracing.HEADERS), passed upstream; the answer carries its `x-request-id`."""
         forward = tracing.forwarded(trace or {})
+        if self.spans is not None:
+            return await self._respond_traced(path, kind, raw, auth, host, forward)
         resp, slot = await self._respond(path, kind, raw, auth, host, forward)
         return with_request_id(resp, forward[tracing.REQUEST_ID]), slot
+
+    async def _respond_traced(self, path: str, kind: str, raw: bytes, auth: Optional[str], host: str,
+                              forward: dict) -> tuple[Response, Optional[str]]:
+        """`respond` inside a routing-decision span (otel.py): the child of the client's traceparent, its own sent
+        upstream, the decision (replica, reason, predicted cached tokens) read from the answer's headers."""
+        spans, rid = self.spans, forward[tracing.REQUEST_ID]
+        span = spans.start("warmfleet.route", forward, {otel.REQUEST_ID: rid, "url.path": path})
+        try:
+            spans.hand_on(span, forward)
+            resp, slot = await self._respond(path, kind, raw, auth, host, forward)
+            headers = {k: v for k, v in resp.raw_headers if k in (b"x-warmfleet-replica", b"x-warmfleet-route")}
+            span.set_attributes(otel.route_header_attributes(
+                headers.get(b"x-warmfleet-replica", b"").decode("latin-1"),
+                headers.get(b"x-warmfleet-route", b"").decode("latin-1")))
+            spans.error(span, resp.status_code)
+        finally:
+            span.end()
+        return with_request_id(resp, rid), slot
 
     async def _respond(self, path: str, kind: str, raw: bytes, auth: Optional[str], host: str,
                        forward: dict) -> tuple[Response, Optional[str]]:
