@@ -111,3 +111,15 @@ def test_tenant_salts_never_cross_and_keys_files_are_checked(tmp_path):
     cfg = cfg_with(tmp_path, api_keys_file=str(tmp_path / "slash.json"))
     with pytest.raises(ValueError, match="may not contain"):  # `warmfleet serve` exits with this line at startup
         build_app(None, None, cfg)
+
+
+def test_a_bad_keys_file_stops_serve_with_one_line(tiny_model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    bad = tmp_path / "keys.json"
+    bad.write_text(json.dumps({"k": "team/a"}))
+    out = subprocess.run([sys.executable, "-m", "warmfleet.cli", "serve", "--model", str(tiny_model_dir),
+                          "--api-keys-file", str(bad)], capture_output=True, text=True, timeout=120)
+    lines = [ln for ln in out.stderr.strip().splitlines() if ln.strip()]
+    assert out.returncode == 2 and len(lines) == 1 and "may not contain '/'" in lines[0], out.stderr

@@ -8,6 +8,7 @@ from typing import Any
 from warmfleet.operator.planning import gateway, lora_plan
 from warmfleet.operator.planning.adapter_objects import adapters_config_map
 from warmfleet.operator.planning.client_keys import with_client_keys
+from warmfleet.operator.planning.kv_curve import with_kv_curve
 from warmfleet.operator.planning.admin_policy import AdminPolicy
 from warmfleet.operator.planning.network_policy import server_network_policy
 from warmfleet.operator.planning.node_tier_objects import node_tier_children
@@ -78,5 +79,6 @@ def build_children(owner: Owner, spec: InferenceServiceSpec, images: Images, pla
              [router_pdb(owner), router_deployment(owner, spec, images.router), router_service(owner, spec),
               router_peers_service(owner)])
     objs = with_client_keys(owner, spec, objs)  # spec.router.keysSecret: the replicas check client keys too
+    objs = with_kv_curve(owner, spec, objs)  # spec.router.kvEventsCurve: KV events over CURVE
     # spec.cache.nodeTier: its DaemonSets, Services and NetworkPolicy; server, router and picker pods pointed at it
     return node_tier_children(owner, plan, images.router, spec.server.image_pull_policy, objs)

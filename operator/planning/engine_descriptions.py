@@ -362,6 +362,9 @@ def check_spec(spec: InferenceServiceSpec) -> None:
     if spec.lora is not None and spec.lora.admin_key_secret is not None and engine.kind != "warmfleet":
         raise SpecError("spec.lora.adminKeySecret", f"applies to engine warmfleet only: {engine.kind}'s runtime LoRA routes "
                                                    "take its API key (spec.router.apiKeySecret)")
+    if spec.router.kv_events_curve and engine.kind != "warmfleet":
+        raise SpecError("spec.router.kvEventsCurve", f"applies to engine warmfleet only: {engine.kind}'s KV-event "
+                                                    "socket has no CURVE (keep spec.server.networkPolicy on instead)")
     gpr = spec.server.gpus_per_replica
     if gpr > 1 and not engine.tensor_parallel:
         raise SpecError(

@@ -9,6 +9,7 @@ from typing import Any, ClassVar, Literal, Optional
 from warmfleet.operator.spec.pod_overlay import RouterPodOverlay, ServerPodOverlay
 from warmfleet.operator.spec.node_tier import NodeTierSpec, NodeTierStatus
 from warmfleet.operator.spec.schema import Rule, from_dict, prop
+from warmfleet.operator.spec.tracing import TracingSpec
 from warmfleet.server import engine_kinds
 from warmfleet.source import DOTDOT_PATTERN, ModelSource, SOURCE_FORMS, SOURCE_PATTERN, check_source, parse_source
 
@@ -390,6 +391,12 @@ class RouterSpec:
                    "routers (endpoint pickers) as `--api-keys-file`; clients with different salts never share cached "
                    "prefixes. Without it every client of apiKeySecret shares one salt (docs/security.md)."),
     )
+    kv_events_curve: bool = prop(
+        False, doc=("Authenticate and encrypt the replicas' KV-event sockets with ZMQ CURVE (engine warmfleet only): the "
+                    "operator generates the replicas' and the routers' (pickers') key pairs once into the Secret "
+                    "NAME-kv-curve (never rotated by a reconcile: delete it to rotate) and passes them as "
+                    "--kv-events-curve-*; a pod without the routers' key gets no event, whatever the network allows."),
+    )
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = prop("ClusterIP", doc="Type of the router Service.")
     port: int = prop(8000, doc="Port of the router Service (the endpoint URL's port; proxy mode).", minimum=1, maximum=65535)
     pod: Optional[RouterPodOverlay] = prop(
@@ -511,6 +518,8 @@ class InferenceServiceSpec:
     router: RouterSpec = prop(RouterSpec(), doc="Router.")
     disruption: DisruptionSpec = prop(DisruptionSpec(), doc="Disruption and startup.")
     lora: Optional[LoraSpec] = prop(None, doc="LoRA limits per replica; set it to serve spec.adapters (docs/lora.md).")
+    tracing: Optional[TracingSpec] = prop(None, doc="OpenTelemetry spans of the service's pods (docs/observability.md); "
+                                                    "unset: none (trace headers still pass through).")
     adapters: list[AdapterSpec] = prop(
         [], doc="LoRA adapters, loaded into and unloaded from running replicas by the operator (no restart); needs spec.lora.",
         maxItems=256,
