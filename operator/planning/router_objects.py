@@ -23,6 +23,7 @@ from warmfleet.operator.planning.objects import (
     with_ephemeral,
 )
 from warmfleet.operator.planning.pod_overlay import overlay_router_pod
+from warmfleet.operator.planning.tracing import front_door_env
 from warmfleet.operator.spec.constants import COMPONENT_LABEL, SERVICE_LABEL
 from warmfleet.operator.spec.inference_service import InferenceServiceSpec
 from warmfleet.server.flagfields import flag_of, to_args
@@ -130,7 +131,8 @@ def front_door_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, 
                         # its admin routes take the service's admin key (never a client's).
                         "env": [{"name": "HOME", "value": "/tmp"},
                                 *api_key_env(spec, "WARMFLEET_API_KEY", "WARMFLEET_REPLICA_API_KEY"),
-                                *admin_key_env(owner, spec)],
+                                *admin_key_env(owner, spec),
+                                *front_door_env(owner, spec, pod.component)],  # spec.tracing: OTEL_* env
                         "ports": pod.ports,
                         "resources": with_ephemeral(ROUTER_RESOURCES, ephemeral),
                         **pod.probes,

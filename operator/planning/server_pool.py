@@ -42,6 +42,7 @@ from warmfleet.operator.planning.objects import (
 )
 from warmfleet.operator.planning.pod_overlay import overlay_server_pod
 from warmfleet.operator.planning.sizing import PoolSizing
+from warmfleet.operator.planning.tracing import engine_tracing
 from warmfleet.operator.spec.constants import POOL_LABEL, SIZING_HASH_ANNOTATION
 from warmfleet.operator.spec.inference_service import DEFAULT_DTYPE, InferenceServiceSpec, served_name
 from warmfleet.operator.spec.pod_overlay import server_node_selector
@@ -72,8 +73,10 @@ def render_input(owner: Owner, spec: InferenceServiceSpec, sizing: PoolSizing) -
 
 
 def server_args(owner: Owner, spec: InferenceServiceSpec, sizing: PoolSizing) -> list[str]:
-    """The engine's arguments for one pool (its description's flags), then server.extraArgs and engine.extraArgs."""
-    rendered = engine_of(spec).args(render_input(owner, spec, sizing))
+    """The engine's arguments for one pool (its description's flags and spec.tracing's), then server.extraArgs and
+    engine.extraArgs."""
+    engine = engine_of(spec)
+    rendered = engine.args(render_input(owner, spec, sizing)) + engine_tracing(owner, spec, engine.kind)[0]
     return rendered + list(spec.server.extra_args) + list(spec.engine.extra_args)
 
 
@@ -223,7 +226,8 @@ def _engine_env(owner: Owner, spec: InferenceServiceSpec, engine: Engine) -> lis
     # warmfleet's admin routes (load/unload adapters) always take the admin key: spec.lora.adminKeySecret, else the
     # one the operator generated (never the client API key, which every client holds)
     admin = admin_key_env(owner, spec) if engine.kind == "warmfleet" else []
-    return [*pod_name, *static, *api_key_env(spec, engine.api_key_env), *admin]
+    tracing = engine_tracing(owner, spec, engine.kind)[1]  # spec.tracing: the engine's own switches
+    return [*pod_name, *static, *api_key_env(spec, engine.api_key_env), *admin, *tracing]
 
 
 
