@@ -1,6 +1,7 @@
 """Node-tier benchmark: its copy path (bytes/s, cost per block) and TTFT of a prefix found only there vs cold.
 
-    python bench/node_tier.py [--quick] [--json] [--model DIR] [--prefix-tokens 2048] [--runs N] [--out DIR]
+    python -P bench/node_tier.py [--quick] [--json] [--model DIR] [--prefix-tokens 2048] [--runs N]
+                                 [--images N] [--vl-model DIR] [--out DIR]
 
 One real `warmfleet node-tier` (loopback TCP, as replicas reach it through a node-local Service) and two engines
 in this process (offline `LLM`, the `bench` checkpoint, fp32, block size 64) that share it: replica A and
@@ -10,6 +11,13 @@ replica B of one node. Per run a fresh random prefix of --prefix-tokens (+ one 6
     node   A prefills it (its blocks are written through to the node tier), then B serves it: B's primary pool
            has never held it, so every cached token comes from the node tier (checked: B's node-hit counter
            grows by the cached tokens, and the first token equals the cold run's)
+
+Images (`--images`, the bench qwen2_vl checkpoint; --quick: the tiny one): per run a fresh 224 x 224 image
+after a fixed text, then a question. `cold` on a third engine of the same shape without the node tier (so B never
+encodes the image itself); `node`: A answers it first, then B, whose KV prefix (the
+image's tokens included) and encoder output come from the node tier; `encoder only` (measured before `node`):
+B with other text before the same image (same tenant salt: image keys are salted too), so only the encoder output
+can come from the node tier.
 
 TTFT = the wall time of a 1-token completion. Runs interleave cold and node; medians are reported with their
 ratio, and issue 41's target (node <= 0.25x cold) as a boolean under `targets`. The copy path is measured
@@ -30,7 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-import harness
+sys.path.append(str(Path(__file__).resolve().parent))  # bench/harness.py, after the stdlib
+import harness  # noqa: E402
 
 BLOCK_SIZE = 64
 progress = harness.reporter("node_tier")
@@ -47,6 +56,60 @@ def ttft(llm, prompt: list[int], salt: str) -> tuple[float, int, int]:
     t0 = time.perf_counter()
     out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), cache_salt=salt)[0]
     return time.perf_counter() - t0, out.num_cached_tokens, out.outputs[0].token_ids[0]
+
+
+def image_chat(text: str, seed: int) -> list[dict]:
+    from routing_workload import photo_uri
+
+    return [{"role": "user", "content": [{"type": "text", "text": text},
+                                         {"type": "image_url", "image_url": {"url": photo_uri(seed)}},
+                                         {"type": "text", "text": "What is in the picture?"}]}]
+
+
+def chat_ttft(llm, msgs: list[dict], salt: str) -> tuple[float, int, int]:
+    from warmfleet import SamplingParams
+
+    t0 = time.perf_counter()
+    out = llm.chat(msgs, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), cache_salt=salt)[0]
+    return time.perf_counter() - t0, out.num_cached_tokens, out.outputs[0].token_ids[0]
+
+
+def measure_images(model_dir: Path, runs: int, cwd: Path) -> dict:
+    """TTFT of an image request whose KV and encoder output sit in the node tier, and of one whose encoder output
+    only does, against a cold one (module docstring)."""
+    from warmfleet import LLM
+    from warmfleet.livefleet import NodeTier
+
+    head = "Look at this photograph carefully and describe every object, colour and shape you can see. " * 4
+    nt = NodeTier(cwd, "node-img", capacity_bytes=4 << 30).start()
+    try:
+        nt.wait_ready()
+        kw = dict(block_size=BLOCK_SIZE, num_gpu_blocks=256, node_tier=nt.address, node_tier_timeout_ms=30_000)
+        a, b = LLM(str(model_dir), **kw), LLM(str(model_dir), **kw)
+        c = LLM(str(model_dir), block_size=BLOCK_SIZE, num_gpu_blocks=256)  # the cold runs: B must not see the image
+        for llm in (b, c):
+            chat_ttft(llm, image_chat(head, 999), "warm-up")
+        cold, node, enc, ok = [], [], [], []
+        for r in range(runs):
+            t_cold, _, tok_cold = chat_ttft(c, image_chat(head, 1000 + r), f"cold-{r}")
+            chat_ttft(a, image_chat(head, 1000 + r), f"node-{r}")
+            assert a.engine.node.flush(60.0)
+            hits = b.stats().node_encoder_hits
+            # the same tenant (an image's key is salted too), other text first: only the encoder output is shared
+            t_enc, _, tok_enc = chat_ttft(b, image_chat("Other words first. " + head, 1000 + r), f"node-{r}")
+            enc_hit = b.stats().node_encoder_hits - hits
+            t_node, c_node, tok_node = chat_ttft(b, image_chat(head, 1000 + r), f"node-{r}")
+            progress(f"image run {r}: cold {t_cold * 1e3:.1f} ms, node {t_node * 1e3:.1f} ms ({c_node} cached), "
+                     f"encoder only {t_enc * 1e3:.1f} ms ({enc_hit} encoder hit)")
+            cold.append(t_cold)
+            node.append(t_node)
+            enc.append(t_enc)
+            ok.append(c_node > 0 and enc_hit == 1 and tok_node == tok_cold)
+    finally:
+        nt.stop()
+    med = statistics.median
+    return {"model": str(model_dir), "runs": runs, "ttft_cold_s": cold, "ttft_node_s": node, "ttft_encoder_only_s": enc,
+            "ttft_ratio": med(node) / med(cold), "encoder_only_ratio": med(enc) / med(cold), "hits_ok": all(ok)}
 
 
 def copy_path(llm, address: str, num_blocks: int) -> dict:
@@ -149,7 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="checkpoint directory (default: the bench checkpoint, made on first run)")
     p.add_argument("--prefix-tokens", type=int, default=2048)
     p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--quick", action="store_true", help="512-token prefix, 2 runs")
+    p.add_argument("--images", type=int, default=3, help="image runs (0: none)")
+    p.add_argument("--vl-model", help="qwen2_vl checkpoint for the image runs (default: the bench one)")
+    p.add_argument("--quick", action="store_true", help="512-token prefix, 2 runs, the tiny VL checkpoint")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
@@ -159,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     model = harness.model_dir(args.model, "bench", say=progress)
     with tempfile.TemporaryDirectory() as cwd:
         res = measure(model, prefix, runs, Path(cwd))
+        if args.images:
+            vl = harness.model_dir(args.vl_model, "tiny" if args.quick else "bench", "qwen2_vl", say=progress)
+            res["images"] = measure_images(vl, 2 if args.quick else args.images, Path(cwd))
+            res["targets"]["image_node_ttft_le_0.25x_cold"] = res["images"]["ttft_ratio"] <= TARGET_RATIO
+            res["targets"]["image_hits_from_node_and_output_equal"] = res["images"]["hits_ok"]
     res["model"] = str(model)
     res["command"] = " ".join(["python", "bench/node_tier.py", *(argv if argv is not None else sys.argv[1:])])
     harness.write_results(Path(args.out), "node_tier", res, chart, progress)
