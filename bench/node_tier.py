@@ -192,11 +192,21 @@ def measure(model_dir: Path, prefix_tokens: int, runs: int, cwd: Path) -> dict:
 
 
 def chart(res: dict, path: Path) -> None:
-    fig, (ax1, ax2) = harness.subplots(2, (10, 4))
-    ax1.bar(["cold prefill", "node-tier hit"], [res["ttft_cold_median_s"] * 1e3, res["ttft_node_median_s"] * 1e3],
-            color=["#999999", "#2a7ab9"])
+    fig, (ax1, ax2) = harness.subplots(2, (11, 4))
+    names, values, colors = ["text: cold", "text: node tier"], [res["ttft_cold_median_s"], res["ttft_node_median_s"]], \
+        ["#999999", "#2a7ab9"]
+    title = f"{res['prefix_tokens']}-token prefix: {res['ttft_ratio']:.2f}x"
+    img = res.get("images")
+    if img:
+        med = statistics.median
+        names += ["image: cold", "image: node tier", "image: encoder only"]
+        values += [med(img["ttft_cold_s"]), med(img["ttft_node_s"]), med(img["ttft_encoder_only_s"])]
+        colors += ["#999999", "#2a7ab9", "#7fb3d5"]
+        title += f", image {img['ttft_ratio']:.2f}x"
+    ax1.bar(names, [v * 1e3 for v in values], color=colors)
     ax1.set_ylabel("TTFT, ms (median)")
-    ax1.set_title(f"{res['prefix_tokens']}-token prefix: {res['ttft_ratio']:.2f}x (target <= {TARGET_RATIO})")
+    ax1.tick_params(axis="x", labelsize=7, labelrotation=12)
+    ax1.set_title(f"{title} (target <= {TARGET_RATIO})", fontsize=9)
     c = res["copy_path"]
     names = ["engine read-out", "put (TCP)", "get (TCP)", "engine write-in"]
     ax2.bar(names, [c["engine_read_us_per_block"], c["put_us_per_block"], c["get_us_per_block"],
