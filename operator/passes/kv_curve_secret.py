@@ -1,6 +1,7 @@
-"""The CURVE key pairs of spec.router.kvEventsCurve: generated once into the owned Secret NAME-kv-curve (zmq's own
-key generation, libsodium) and never rewritten, so the running replicas and routers keep agreeing; delete the Secret
-to rotate (every pod of the service then needs a restart to read the new keys)."""
+"""The CURVE key pairs of spec.router.kvEventsCurve, generated once into the owned Secret NAME-kv-curve.
+
+zmq's own key generation (libsodium); never rewritten, so the running replicas and routers keep agreeing; delete the
+Secret to rotate (every pod of the service then needs a restart to read the new keys)."""
 
 from __future__ import annotations
 

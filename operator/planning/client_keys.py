@@ -1,5 +1,4 @@
-"""spec.router.keysSecret on the server pods: the client keys file mounted into warmfleet replicas (`--api-keys-file`),
-and the fleet key the routers, pickers and the operator send them; pure, no kopf, no I/O.
+"""spec.router.keysSecret on the server pods (`--api-keys-file`) and the fleet key doors send them; pure, no kopf, no I/O.
 
 With the keys file a replica accepts each client key under that key's cache salt (the recipe of the routers and
 pickers, server/tenant_keys.py), so a client reaching a replica directly (gateway mode, or any pod the NetworkPolicy

@@ -1,6 +1,6 @@
-"""spec.router.kvEventsCurve: the Secret of CURVE key pairs (replicas', front doors') and the `--kv-events-curve-*`
-flags and mounts that put server, router and picker pods on it; pure, no kopf, no I/O (passes/kv_curve_secret.py
-creates the Secret once).
+"""spec.router.kvEventsCurve: the CURVE key Secret's shape and the pods' `--kv-events-curve-*` flags; pure, no I/O.
+
+passes/kv_curve_secret.py creates the Secret once; this module says what it holds and what each pod mounts:
 
     Secret NAME-kv-curve: replica.key_secret, replica.key (public), router.key_secret, router.key (public)
     server pods: --kv-events-curve-secret-key .../replica.key_secret --kv-events-curve-clients .../clients (router.key)
