@@ -709,9 +709,8 @@ def read_config(src: ModelSource, *, hf_token: str | None = None, hub_endpoint: 
 
 def _bounded_get(session: Any, url: str, headers: dict[str, str], timeout_s: float, follow_redirects: bool,
                  max_bytes: int) -> Any:
-    """GET `url` reading at most `max_bytes` of body (FetchError past it); a complete httpx.Response otherwise."""
-    import httpx
-
+    """GET `url` reading at most `max_bytes` of body (FetchError past it); a complete response of the session's own
+    class otherwise (huggingface_hub's error mapping catches its own httpx's exceptions)."""
     with session.stream("GET", url, headers=headers, timeout=timeout_s, follow_redirects=follow_redirects) as resp:
         body = bytearray()
         for chunk in resp.iter_bytes():
@@ -719,7 +718,7 @@ def _bounded_get(session: Any, url: str, headers: dict[str, str], timeout_s: flo
             if len(body) > max_bytes:
                 raise FetchError("BadConfig", f"{url}: answer larger than {max_bytes} bytes")
         headers = [(k, v) for k, v in resp.headers.multi_items() if k.lower() not in ("content-encoding", "content-length")]
-        return httpx.Response(resp.status_code, headers=headers, content=bytes(body), request=resp.request)
+        return type(resp)(resp.status_code, headers=headers, content=bytes(body), request=resp.request)
 
 
 # ---- the command ----
