@@ -161,3 +161,21 @@ def test_the_generated_keys_carry_events_to_the_routers_and_to_nobody_else(tmp_p
         stranger.close(0)
         ctx.term()
         pub.close()
+
+
+def test_a_reconcile_creates_the_owned_secret_before_the_pods_and_the_next_keeps_it():
+    from operator_fixtures.memory import MemoryKube
+    from warmfleet.operator.passes.reconcile import OperatorState, reconcile
+
+    body = service("qwen", spec={"router": {"kvEventsCurve": True}})
+    kube = MemoryKube()
+    state = OperatorState(default_images=IMAGES, kube=kube)
+    out = asyncio.run(reconcile(state, body, [node_info(l4())], post_event=lambda *a: None,
+                                now=lambda: "2026-01-01T00:00:00Z"))
+    assert not out.invalid and out.actions["Secret/qwen-kv-curve"] == "created"
+    secret = kube.objects["Secret", "qwen-kv-curve"]
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-qwen"  # garbage-collected with the service
+    keys = dict(secret["stringData"])
+    again = asyncio.run(reconcile(state, body, [node_info(l4())], post_event=lambda *a: None,
+                                  now=lambda: "2026-01-01T00:00:00Z"))
+    assert "Secret/qwen-kv-curve" not in again.actions and kube.objects["Secret", "qwen-kv-curve"]["stringData"] == keys
