@@ -95,3 +95,11 @@ def test_the_rendered_env_turns_our_processes_spans_on_and_no_env_leaves_them_of
     assert otel.wanted(None, env_of(router))  # warmfleet route reads exactly these variables
     (plain,) = deployments({"replicas": 2}, "router")
     assert not otel.wanted(None, {k: v for k, v in env_of(plain).items() if v is not None})
+
+
+def test_an_overlay_env_naming_a_rendered_otel_variable_is_refused_only_with_spec_tracing():
+    overlay = {"pod": {"env": [{"name": "OTEL_SERVICE_NAME", "value": "mine"}]}}
+    with pytest.raises(SpecError, match="OTEL_SERVICE_NAME"):
+        render(service(spec={"tracing": TRACING, "router": overlay}), NODES, IMAGES)
+    (router,) = deployments({"router": overlay}, "router")  # without spec.tracing the name is the user's
+    assert env_of(router)["OTEL_SERVICE_NAME"] == "mine"
