@@ -256,3 +256,15 @@ def test_reads_are_capped_redirects_not_followed_and_bodies_kept_out_of_status()
         assert err == "POST /v1/load_lora_adapter: HTTP 400 (bad_adapter) (the replica's log says why)"
         assert secret not in err
     asyncio.run(main())
+
+
+def test_a_config_json_error_reaches_status_as_one_bounded_line(monkeypatch):
+    spec = parse_spec({"model": {"source": "hf://acme/m", "hub": {"endpoint": "https://hub.example"}}})
+    chatty = "HTTP 500 from the hub\n" + "whatever the endpoint wrote " * 100
+
+    def refuse(*_, **__):
+        raise f.FetchError("Unreachable", chatty)
+    monkeypatch.setattr(f, "read_config", refuse)
+    monkeypatch.setattr(bounded_http, "endpoint_problem", lambda *_: None)
+    learned = _read(spec, None, True, ())
+    assert learned.error == "HTTP 500 from the hub" and learned.reason == "Unreachable"

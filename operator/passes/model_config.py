@@ -37,6 +37,7 @@ READ_TIMEOUT_S = 15.0  # one attempt to read config.json (the hub's HEAD + GET, 
 FRESH_S = 900.0  # a config.json read is trusted this long (a branch may move), then read again
 RETRY_S = 30.0  # a failed read is tried again after this
 RETRY_DELAY_S = 60.0  # while config.json cannot be read, a timer reconciles the service this often
+STATUS_MESSAGE_CHARS = 300  # of a read's error, as status.modelConfig.message and the condition carry it
 
 
 @dataclass(frozen=True)
@@ -102,8 +103,9 @@ def _read(spec: InferenceServiceSpec, secret: Mapping[str, str] | None, anonymou
             src, hf_token=s.get("HF_TOKEN"), hub_endpoint=m.hub.endpoint if m.hub else None, s3_creds=creds,
             s3_endpoint=m.s3.endpoint if m.s3 else None, s3_region=m.s3.region if m.s3 else None,
             anonymous=anonymous, timeout_s=READ_TIMEOUT_S, follow_redirects=allowed is None)
-    except FetchError as exc:
-        return Learned(src.raw, None, error=exc.message, reason=exc.reason)
+    except FetchError as exc:  # status carries it: one line, bounded (a tenant's endpoint chose the rest)
+        message = exc.message if allowed is None else exc.message.strip().splitlines()[0][:STATUS_MESSAGE_CHARS]
+        return Learned(src.raw, None, error=message, reason=exc.reason)
     return Learned(src.raw, summary, revision)
 
 
