@@ -36,6 +36,9 @@ def kserve_crd(e2e_cluster: Cluster) -> Iterator[None]:
     c.kubectl("apply", "-f", str(KSERVE_CRD))
     wait_for(lambda: c.kubectl("get", "isvc", "-A", check=False).returncode == 0, 60,
              "KServe's InferenceService CRD served (kubectl get isvc)")
+    # its schema reaches the API server's OpenAPI a little after the CRD is established (kubectl explain reads it)
+    wait_for(lambda: c.kubectl("explain", f"{KSERVE_CRD_NAME}.spec", check=False).returncode == 0, 60,
+             "KServe's schema published (kubectl explain)")
     try:
         yield
     finally:
