@@ -63,4 +63,4 @@ def check(spec: InferenceServiceSpec, policy: AdminPolicy) -> None:
         allowed = ", ".join(policy.host_path_prefixes) or "none (the operator allows no hostPath)"
         raise SpecError("spec.model.cache.hostPath",
                         f"{host} is outside the directories the cluster admin allows ({allowed}; chart value "
-                        "operator.hostPathPrefixes, flag --host-path-prefix)")
+                        "operator.hostPathPrefixes, env WARMFLEET_HOST_PATH_PREFIXES)")

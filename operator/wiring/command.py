@@ -150,6 +150,7 @@ def render_cmd(args: argparse.Namespace) -> int:
     from warmfleet.operator.passes import model_config as mc
     from warmfleet.operator.passes.reconcile import owned, plan_for, utcnow
     from warmfleet.operator.planning import gateway, objects
+    from warmfleet.operator.planning.admin_policy import policy_from_env
     from warmfleet.operator.planning.nodes import node_info
     from warmfleet.operator.planning.service_status import healthy_status
     from warmfleet.operator.spec.constants import KIND
@@ -157,6 +158,7 @@ def render_cmd(args: argparse.Namespace) -> int:
     from warmfleet.operator.spec.schema import SpecError
 
     nodes = [node_info(n) for n in load_docs(args.nodes) if n.get("kind", "Node") == "Node"]
+    policy = policy_from_env(os.environ)  # the admin's policy, as the operator reads it (WARMFLEET_HOST_PATH_PREFIXES, ...)
     services = [d for d in load_docs(args.filename) if d.get("kind") == KIND]
     if not services:
         raise ValueError(f"{args.filename} holds no {KIND}")
@@ -169,7 +171,8 @@ def render_cmd(args: argparse.Namespace) -> int:
         name = meta.get("name")
         learned = mc.learn_now(body)  # config.json of an hf:// or s3:// source, with this machine's credentials
         try:
-            owner, spec, plan = plan_for(body, nodes, objects.Images(engine=args.default_image, router=args.router_image), learned)
+            owner, spec, plan = plan_for(body, nodes, objects.Images(engine=args.default_image, router=args.router_image), learned,
+                                         policy)
         except SpecError as exc:  # one readable line naming the object (the CLI prints it, exit 2)
             raise SpecError(exc.path, f"{exc.message} ({KIND} {name})") from None
         objs += owned(plan.children, body)
