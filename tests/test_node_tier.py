@@ -172,3 +172,16 @@ def test_bad_node_tier_flags_exit_2_with_one_line(args, needle, tmp_path):
     proc = subprocess.run([sys.executable, "-P", "-m", "warmfleet.cli", *args], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_a_long_answer_is_cut_at_the_frame_limit_and_says_so(monkeypatch):
+    from warmfleet.server.nodetier import server
+
+    node = NodeServer(NodeStore(1 << 20), None)
+    node.handle({"op": "put", "entries": [{"kind": "kv", "key": b"k%d" % i, "layout": "L", "data": bytes(100),
+                                           "crc": checksum(bytes(100))} for i in range(5)]})
+    monkeypatch.setattr(server, "MAX_ANSWER_BYTES", 350)
+    r = node.handle({"op": "get", "kind": "kv", "keys": [b"k%d" % i for i in range(5)], "layout": "L"})
+    assert len(r["entries"]) == 2 and r["cut"] is True
+    r = node.handle({"op": "get", "kind": "kv", "keys": [b"k3", b"k4", b"nope"], "layout": "L"})
+    assert len(r["entries"]) == 2 and r["cut"] is False

@@ -139,14 +139,19 @@ class NodeTierClient:
         if not keys or not self.breaker.allows():
             return []
         self.counters.get_calls += 1
+        out: list[bytes] = []
         try:
-            answer = self._get_conn.call({"op": "get", "kind": kind, "keys": keys, "layout": layout})
-            out = []
-            for e in answer.get("entries", [])[:len(keys)]:
-                data = e.get("data") if isinstance(e, dict) else None
-                if not isinstance(data, bytes) or checksum(data) != e.get("crc"):
-                    break  # a torn or foreign entry: what precedes it is still whole
-                out.append(data)
+            while len(out) < len(keys):  # an answer cut at the frame limit goes on where it stopped
+                answer = self._get_conn.call({"op": "get", "kind": kind, "keys": keys[len(out):], "layout": layout})
+                entries = answer.get("entries", [])[:len(keys) - len(out)]
+                for e in entries:
+                    data = e.get("data") if isinstance(e, dict) else None
+                    if not isinstance(data, bytes) or checksum(data) != e.get("crc"):
+                        answer["cut"] = False  # a torn or foreign entry: what precedes it is still whole
+                        break
+                    out.append(data)
+                if not answer.get("cut") or not entries:
+                    break
         except Exception as exc:
             self._failed("get", exc)
             return []

@@ -76,12 +76,12 @@ class NodeServer:
             raise ValueError(f"get needs a kind of {KINDS} and at most {MAX_GET_KEYS} keys")
         entries = self.store.get(kind, [k for k in keys if _key_ok(kind, k)], str(msg.get("layout", "")))
         out, size = [], 0
-        for e in entries:  # the answer stays one frame: a longer run is cut (the caller gets a shorter prefix)
+        for e in entries:  # the answer stays one frame: a longer run is cut, and the caller asks for the rest
             size += len(e.data) + 64
-            if size > MAX_ANSWER_BYTES:
+            if size > MAX_ANSWER_BYTES and out:
                 break
             out.append({"data": e.data, "crc": e.crc})
-        return {"ok": True, "entries": out}
+        return {"ok": True, "entries": out, "cut": len(out) < len(entries)}
 
     def stats(self) -> dict:
         s, c = self.store, self.store.counters

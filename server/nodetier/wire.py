@@ -4,12 +4,13 @@ One frame is a 4-byte big-endian length and a msgpack map of at most MAX_FRAME_B
 `op`; the answer a map with `ok` (and `error` when not ok):
 
     {op: "put", entries: [{kind, key, layout, data, crc, lora?}, ...]}     -> {ok, stored, refused}
-    {op: "get", kind, keys: [key, ...], layout}                           -> {ok, entries: [{data, crc}, ...]}
+    {op: "get", kind, keys: [key, ...], layout}                           -> {ok, entries: [{data, crc}, ...], cut}
     {op: "stats"}                                                          -> {ok, capacity_bytes, used_bytes, ...}
 
 `kind` is "kv" (key: a contract-1 block hash, bytes) or "enc" (key: an mm_hash, str). A get answers the longest
 run of whole entries from the first key on (a KV prefix stops at its first miss); `crc` is zlib.crc32 of `data`,
-checked on both ends, so an entry is used only when it is whole. `layout` names the bytes' shape (dtype and block
+checked on both ends, so an entry is used only when it is whole. An answer stops short of MAX_FRAME_BYTES / 2 with
+`cut` true when the run goes on; the client then asks again from where it stopped. `layout` names the bytes' shape (dtype and block
 geometry); an entry stored under another layout is a miss, never a reinterpretation.
 """
 
@@ -21,7 +22,7 @@ from typing import Any
 
 import msgpack
 
-MAX_FRAME_BYTES = 1 << 30  # one frame (a put's batch or a get's answer) holds at most 1 GiB
+MAX_FRAME_BYTES = 256 << 20  # one frame (a put's batch or a get's answer) holds at most 256 MiB
 HEADER = struct.Struct(">I")
 KV, ENC = "kv", "enc"
 KINDS = (KV, ENC)
