@@ -208,7 +208,9 @@ class ServerConfig:
                                    "\"SALT\" | null} (the router's and picker's --api-keys-file): a request with one runs "
                                    "under that key's cache salt (a body cache_salt only partitions further inside it), "
                                    "as through the router, so a client cannot reach another tenant's cached prefixes. "
-                                   "--api-key stays the fleet key of routers, whose cache_salt is trusted.")
+                                   "--api-key stays the fleet key of routers, whose cache_salt is trusted; env "
+                                   "WARMFLEET_CLIENT_API_KEY adds one client key, salted as the router salts its "
+                                   "--api-key.")
     )
     salt_secret: Optional[str] = field(
         default=None, metadata=opt("--salt-secret", "HMAC secret of the salts --api-keys-file derives for keys mapped "

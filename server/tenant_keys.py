@@ -17,6 +17,7 @@ from typing import Iterable, Optional
 
 DEFAULT_SALT_SECRET = "warmfleet-cache-salt-v1"
 SALT_SECRET_ENV = "WARMFLEET_SALT_SECRET"  # --salt-secret's env form, the same on routers, pickers and replicas
+CLIENT_KEY_ENV = "WARMFLEET_CLIENT_API_KEY"  # a replica's one more client key, salted as a router's --api-key keys
 
 
 def derive_salt(key: str, secret: str = DEFAULT_SALT_SECRET) -> str:

@@ -80,6 +80,20 @@ async def test_the_replica_and_the_router_salt_a_key_alike_through_either_door(t
             assert direct == via_gateway == through_router
 
 
+async def test_the_client_key_from_the_environment_is_salted_as_the_routers_api_key(tok, tiny_model_dir, keys_file,
+                                                                                   monkeypatch):
+    """WARMFLEET_CLIENT_API_KEY (the operator's apiKeySecret when keysSecret is set): a client key like the router's
+    `--api-key` ones, salted alike, never trusted with a body salt."""
+    monkeypatch.setenv("WARMFLEET_CLIENT_API_KEY", "shared-key")
+    engine = FakeEngine(tok, tiny_model_dir)
+    app = build_app(engine, tok, cfg_with(tiny_model_dir, api_key=FLEET, api_keys_file=keys_file, salt_secret=SECRET))
+    router = Tenants.from_flags(["shared-key"], keys_file, SECRET)
+    shared = router.salt_for("shared-key", None)
+    assert shared == derive_salt("shared-key", SECRET)
+    assert await salts_seen(app, engine, "shared-key", [{}, {"cache_salt": "team-b"}]) == [shared, f"{shared}/team-b"]
+    assert await salts_seen(app, engine, "alice-key", [{}]) == [derive_salt("alice-key", SECRET)]  # the file still
+
+
 async def test_client_keys_are_refused_where_only_the_fleet_may_go(tok, tiny_model_dir, keys_file):
     engine = FakeEngine(tok, tiny_model_dir)
     app = build_app(engine, tok, cfg_with(tiny_model_dir, api_key=FLEET, api_keys_file=keys_file))

@@ -388,8 +388,9 @@ class RouterSpec:
     api_key_secret: Optional[SecretKeyRef] = prop(None, doc="Secret holding the API key clients must send (router and servers read WARMFLEET_API_KEY).")
     keys_secret: Optional[KeysSecretRef] = prop(
         None, doc=("Per-client isolation: a Secret with the client keys and one cache salt per client or team, mounted into the "
-                   "routers (endpoint pickers) as `--api-keys-file`; clients with different salts never share cached "
-                   "prefixes. Without it every client of apiKeySecret shares one salt (docs/security.md)."),
+                   "routers (endpoint pickers) and, for engine warmfleet, the server pods as `--api-keys-file`; clients "
+                   "with different salts never share cached prefixes, through the router or straight at a replica. "
+                   "Without it every client of apiKeySecret shares one salt (docs/security.md)."),
     )
     kv_events_curve: bool = prop(
         False, doc=("Authenticate and encrypt the replicas' KV-event sockets with ZMQ CURVE (engine warmfleet only): the "

@@ -11,7 +11,7 @@ import anyio
 
 from ..config import EngineConfig, replica_id
 from ..engine.protocol import EngineClient
-from ..tenant_keys import SALT_SECRET_ENV, key_salts, read_keys_file
+from ..tenant_keys import CLIENT_KEY_ENV, SALT_SECRET_ENV, key_salts, read_keys_file
 from .errors import APIError
 from .metrics import CacheConfigInfo, Metrics, ProcessorCacheView
 from .snapshots import SnapshotGate
@@ -29,12 +29,14 @@ def served_model_name(cfg: EngineConfig) -> str:
 
 
 def client_salts(cfg: EngineConfig) -> dict[str, str]:
-    """The client keys of --api-keys-file and their tenant salts (--salt-secret or WARMFLEET_SALT_SECRET derives the
-    ones mapped to null), as the router and the picker compute them; empty without the flag."""
-    if not cfg.server.api_keys_file:
-        return {}
+    """The client keys of --api-keys-file (and WARMFLEET_CLIENT_API_KEY) and their tenant salts (--salt-secret or
+    WARMFLEET_SALT_SECRET derives the ones mapped to null), as the router and the picker compute them; empty
+    without either."""
+    keys = {k: None for k in [os.environ.get(CLIENT_KEY_ENV, "").strip()] if k}
+    if cfg.server.api_keys_file:
+        keys.update(read_keys_file(cfg.server.api_keys_file))
     secret = cfg.server.salt_secret or os.environ.get(SALT_SECRET_ENV) or None
-    return key_salts(read_keys_file(cfg.server.api_keys_file), secret)
+    return key_salts(keys, secret) if keys else {}
 
 
 class ServerState:
