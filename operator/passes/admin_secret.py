@@ -1,5 +1,7 @@
-"""The admin key the operator generates per InferenceService (when spec.lora.adminKeySecret is unset): an owned Secret
-created once and never rewritten, so the key stays what the running pods read; the key's reads for the passes."""
+"""The admin key the operator generates per InferenceService into the owned Secret NAME-admin, and its reads.
+
+Only where spec.lora.adminKeySecret is unset; created once and never rewritten, so the key stays what the running pods
+read (delete the Secret to rotate)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""The operator's HTTP reads of its children and of tenants' endpoints: never a redirect, never more than a cap of
-bytes (one router or hub cannot run the operator out of memory and stop reconciliation everywhere), and a guard
-against private, link-local and metadata addresses for the endpoints a spec names (the operator's own children are
-in-cluster and private by nature; they are not guarded)."""
+"""The operator's HTTP reads: no redirects, capped bodies, and the SSRF guard for endpoints a spec names.
+
+A cap keeps one router or hub from running the operator out of memory (and stopping reconciliation everywhere). The
+address guard applies to tenants' endpoints only: the operator's own children are in-cluster and private by nature."""
 
 from __future__ import annotations
 

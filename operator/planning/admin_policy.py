@@ -1,5 +1,7 @@
-"""What the cluster admin (the chart, the operator's flags) allows tenants' InferenceServices, and the checks of a spec
-against it: hostPath prefixes, a shared model cache, the operator's namespace for NetworkPolicies; pure, no I/O."""
+"""What the cluster admin allows tenants' InferenceServices, and a spec's check against it; pure, no I/O.
+
+Set by the chart through the operator's environment (policy_from_env): hostPath prefixes, a model cache shared across
+namespaces or not, the operator's namespace (for the server pods' NetworkPolicy), private endpoints allowed."""
 
 from __future__ import annotations
 
