@@ -10,7 +10,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from warmfleet.livefleet import Proc, wait_http
+from warmfleet.livefleet import NodeTier, Proc, wait_http
 from warmfleet.localprocs import free_port
 
 
@@ -22,6 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout-s", type=float, default=300.0, help="Seconds to wait for every process.")
     p.add_argument("--verbose", action="store_true",
                    help="Show the replicas' and the router's logs on this console (default: files under --log-dir).")
+    p.add_argument("--node-tier-gib", type=float, default=0.0,
+                   help="Run one node tier of this many GiB shared by the replicas (`warmfleet node-tier`, as on one "
+                   "node); it replaces their swap tiers and the router follows its events. 0 (default): none.")
     p.add_argument("--log-dir", default=None,
                    help="Where replica and router logs go (default: ~/.cache/warmfleet/demo-logs).")
 
@@ -58,9 +61,26 @@ def default_model() -> Path:
     return out
 
 
+def start_node_tier(gib: float, log_dir: Path, env: dict, console: bool, deadline: float) -> NodeTier:
+    """`warmfleet node-tier` of `gib` GiB on loopback (node name "local"), listening."""
+    nt = NodeTier(log_dir, "local", int(gib * (1 << 30)))
+    nt.env, nt.console = env, console
+    nt.log_path.unlink(missing_ok=True)
+    nt.start()
+    try:
+        nt.wait_ready(max(1.0, deadline - time.monotonic()))
+    except BaseException:
+        nt.stop()
+        raise
+    _say(f"node tier up: {gib:g} GiB at {nt.address}, events at {nt.events}")
+    return nt
+
+
 def run(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         raise ValueError("--replicas must be >= 1")
+    if args.node_tier_gib < 0:
+        raise ValueError("--node-tier-gib must be >= 0")
     model = (Path(args.model) if args.model else default_model()).resolve()
     log_dir = Path(args.log_dir or Path(os.environ.get("WARMFLEET_CACHE", Path.home() / ".cache" / "warmfleet"))
                    / "demo-logs").resolve()
@@ -76,6 +96,11 @@ def run(args: argparse.Namespace) -> int:
 
     deadline = time.monotonic() + args.startup_timeout_s
     try:
+        node = None
+        if args.node_tier_gib > 0:
+            node = start_node_tier(args.node_tier_gib, log_dir, env, args.verbose, deadline)
+            procs.append(node)
+        host_tier = list(node.replica_args()) if node else ["--swap-space", "0.05"]
         replicas = []
         _say(f"starting {args.replicas} replicas and the router on {model} "
              f"({'logs on this console' if args.verbose else f'logs in {log_dir}'})")
@@ -84,13 +109,15 @@ def run(args: argparse.Namespace) -> int:
             start(f"replica-{i}", [
                 "serve", "--model", str(model), "--served-model-name", "tiny-qwen2", "--port", str(port),
                 "--kv-events-port", str(events), "--replica-id", f"replica-{i}", "--block-size", "16",
-                "--kv-cache-memory", "0.05", "--swap-space", "0.05"])
+                "--kv-cache-memory", "0.05", *host_tier])
             replicas.append((f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{events}"))
-        for (url, _), p in zip(replicas, procs):
+        for (url, _), p in zip(replicas, [p for p in procs if p is not node]):
             _wait_ready(p, f"{url}/ready", p.name, deadline)
         router_args = ["route", "--model", str(model), "--port", str(args.port), "--block-size", "16"]
         for url, events in replicas:
             router_args += ["--replica", f"{url},events={events}"]
+        if node is not None:
+            router_args += ["--node-tier-events", node.events]
         router = start("router", router_args)
         base = f"http://127.0.0.1:{args.port}"
         _wait_ready(router, f"{base}/ready", "the router", deadline)
