@@ -6,6 +6,7 @@ status.pools[].nodeTier; a node change that changes the size rolls it; `mode: Of
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 
@@ -20,6 +21,7 @@ from warmfleet.operator.planning.service_status import healthy_status
 from warmfleet.operator.spec.schema import SpecError
 
 IMAGES = Images(engine="e:1", router="r:1")
+TOKEN = {"name": "WARMFLEET_NODE_TIER_TOKEN", "valueFrom": {"secretKeyRef": {"name": "qwen-node-tier", "key": "token"}}}
 MiB = 1 << 20
 
 
@@ -141,6 +143,7 @@ def test_a_daemonset_per_pool_placed_like_its_server_pods_memory_requested_and_l
         assert c["args"] == ["node-tier", "--capacity-bytes", str(p.sizing.node_tier.capacity_bytes), "--port", "7100",
                              "--events-port", "5560", "--node-name", "$(NODE_NAME)"]
         assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in c["env"]
+        assert TOKEN in c["env"]  # connections without the token are closed
         assert c["image"] == "r:1" and c["command"] == ["warmfleet"]
         # baseline (and restricted) Pod Security: no host namespaces, paths or ports, non-root, nothing escalates
         assert pod["securityContext"]["runAsNonRoot"] is True and pod["automountServiceAccountToken"] is False
@@ -165,6 +168,7 @@ def test_servers_routers_and_pickers_are_pointed_at_the_tier_through_its_service
     assert flag(server["args"], "--node-tier") == "qwen-node-tier:7100"
     assert flag(server["args"], "--node-name") == "$(NODE_NAME)" and flag(server["args"], "--swap-space") in ("0", "0.0")
     assert server["env"][0] == {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+    assert TOKEN in server["env"]  # the replicas' node-tier client sends it
     router = deps["router"]["spec"]["template"]["spec"]["containers"][0]
     assert flag(router["args"], "--node-tier-events") == "qwen-node-tier-events:5560"
     (pol,) = [p for p in of(objs, "NetworkPolicy") if p["metadata"]["name"] == "qwen-node-tier"]
@@ -304,6 +308,10 @@ async def test_the_operator_applies_the_tier_and_prunes_it_when_turned_off(clust
         assert obj(cluster, "v1/services", "qwen-node-tier") and obj(cluster, "v1/services", "qwen-node-tier-events")
         (dep,) = server_deployments(cluster).values()
         assert "--node-tier" in server_container(dep)["args"]
+        secret = obj(cluster, "v1/secrets", "qwen-node-tier")  # the token, generated once, owned by the service
+        assert secret is not None and secret["metadata"]["ownerReferences"][0]["uid"] == "uid-qwen"
+        token = secret["data"]["token"]
+        assert len(base64.b64decode(token)) >= 32
         await cluster.patch(f"/apis/{ISVC.rsplit('/', 1)[0]}/namespaces/default/inferenceservices/qwen",
                             json={"metadata": {"generation": 2}, "spec": {"cache": {"nodeTier": {"mode": "Off"}}}})
         await eventually(lambda: status(cluster).get("observedGeneration") == 2, "generation 2 observed")
@@ -313,3 +321,4 @@ async def test_the_operator_applies_the_tier_and_prunes_it_when_turned_off(clust
         assert "nodeTier" not in status(cluster)["pools"][0] and status(cluster)["pools"][0]["sizes"]["swapSpaceGib"] > 0
         (dep,) = server_deployments(cluster).values()
         assert "--node-tier" not in server_container(dep)["args"]
+        assert obj(cluster, "v1/secrets", "qwen-node-tier")["data"]["token"] == token  # never rewritten

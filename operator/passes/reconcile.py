@@ -16,10 +16,12 @@ from warmfleet.operator.passes import model_config as mc
 from warmfleet.operator.passes.admin_secret import ensure_admin_secret
 from warmfleet.operator.passes.kv_curve_secret import ensure_kv_curve_secret
 from warmfleet.operator.passes.kube_client import connect
+from warmfleet.operator.passes.node_tier_secret import ensure_node_tier_secret
 from warmfleet.operator.planning import admin_policy, engine_choice, gateway, lora_plan, objects
 from warmfleet.operator.planning.diagnose import claims_to_check, diagnose
 from warmfleet.operator.planning.engine_descriptions import check_spec
 from warmfleet.operator.planning.kv_curve import curve_secret_name
+from warmfleet.operator.planning.node_tier_objects import tier_names, tier_pools
 from warmfleet.operator.planning.nodes import NodeInfo
 from warmfleet.operator.planning.plan import Plan, make_plan
 from warmfleet.operator.planning.service_status import healthy_status, invalid_status, status_patch, warnings
@@ -175,6 +177,7 @@ async def _reconcile(state: OperatorState, body: Mapping[str, Any], nodes: list[
     served = await _served_gateway_kinds(kube, spec, previous)
     admin = await ensure_admin_secret(kube, owner, spec, lambda objs: owned(objs, body))  # before pods read it
     curve = await ensure_kv_curve_secret(kube, owner, spec, lambda objs: owned(objs, body))  # likewise
+    token = await ensure_node_tier_secret(kube, owner, bool(tier_pools(plan.pools)), lambda objs: owned(objs, body))
     children = [c for c in owned(plan.children, body) if served.get(c["kind"], True)]  # a kind not served waits
     live, out.actions = await _apply_and_prune(kube, children, name, ns, meta.get("uid"),
                                                PRUNED_KINDS + tuple(k for k, ok in served.items() if ok))
@@ -182,6 +185,8 @@ async def _reconcile(state: OperatorState, body: Mapping[str, Any], nodes: list[
         out.actions[f"Secret/{objects.names(owner)['admin']}"] = "created"
     if curve == "created":
         out.actions[f"Secret/{curve_secret_name(owner)}"] = "created"
+    if token == "created":
+        out.actions[f"Secret/{tier_names(owner)['token']}"] = "created"
     state.fingerprints[uid] = digest
     ready_by_pool, router_ready = ready_replicas(plan, live, name, owner)
     gw = None

@@ -32,12 +32,26 @@ COMPONENT = "node-tier"
 TIER_PORT = 7100  # `warmfleet node-tier --port`: replicas put and get entries
 EVENTS_PORT = 5560  # `warmfleet node-tier --events-port`: its KV events (ZMQ PUB)
 NODE_NAME_ENV = {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+TOKEN_ENV = "WARMFLEET_NODE_TIER_TOKEN"  # read by `warmfleet node-tier` and by the replicas' node-tier client
+TOKEN_KEY = "token"  # the key in the Secret NAME-node-tier (passes/node_tier_secret.py creates it once)
 TIER_CPU = {"requests": {"cpu": "250m"}, "limits": {"cpu": "1"}}
 PLACEMENT = ("affinity", "nodeSelector", "tolerations")  # taken from the pool's server pods: the tier runs where they do
 
 
 def tier_names(owner: Owner) -> dict[str, str]:
-    return {"service": k8s_name(owner.name, "node-tier"), "events": k8s_name(owner.name, "node-tier-events")}
+    return {"service": k8s_name(owner.name, "node-tier"), "events": k8s_name(owner.name, "node-tier-events"),
+            "token": k8s_name(owner.name, "node-tier")}
+
+
+def token_env(owner: Owner) -> dict[str, Any]:
+    """The tier's token from the generated Secret, for the tier's and the replicas' containers."""
+    return {"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": tier_names(owner)["token"], "key": TOKEN_KEY}}}
+
+
+def tier_pools(planned: list[Any]) -> dict[str, NodeTierStatus]:
+    """Pool name → its node tier, for the pools that host replicas and have a tier with a capacity."""
+    return {p.pool.name: p.sizing.node_tier for p in planned
+            if p.sizing.fits and p.sizing.node_tier is not None and p.sizing.node_tier.capacity_bytes > 0}
 
 
 def tier_address(owner: Owner) -> str:
@@ -84,7 +98,7 @@ def daemonset(owner: Owner, pool_name: str, tier: NodeTierStatus, image: str, se
                         "command": ["warmfleet"],
                         "args": ["node-tier", "--capacity-bytes", str(tier.capacity_bytes), "--port", str(TIER_PORT),
                                  "--events-port", str(EVENTS_PORT), "--node-name", "$(NODE_NAME)"],
-                        "env": [{"name": "HOME", "value": "/tmp"}, NODE_NAME_ENV],
+                        "env": [{"name": "HOME", "value": "/tmp"}, NODE_NAME_ENV, token_env(owner)],
                         "ports": [{"name": "node-tier", "containerPort": TIER_PORT, "protocol": "TCP"},
                                   {"name": "kv-events", "containerPort": EVENTS_PORT, "protocol": "TCP"}],
                         "resources": resources,
@@ -147,7 +161,7 @@ def point_at_tier(objs: list[dict[str, Any]], owner: Owner, pools_with_tier: set
         if component == "server" and tpl_labels.get(POOL_LABEL) in pools_with_tier:
             c = next(c for c in containers if c["name"] == "server")
             c["args"] = [*c["args"], "--node-tier", tier_address(owner), "--node-name", "$(NODE_NAME)"]
-            c["env"] = [NODE_NAME_ENV, *c.get("env", [])]  # first: args may name it
+            c["env"] = [NODE_NAME_ENV, *c.get("env", []), token_env(owner)]
         elif component in ("router", "epp") and pools_with_tier:
             c = next(c for c in containers if c["name"] == component)
             c["args"] = [*c["args"], "--node-tier-events", events_address(owner)]
@@ -159,8 +173,7 @@ def node_tier_children(owner: Owner, planned: list[Any], image: str, pull_policy
                        objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`objs` pointed at the node tier, with its DaemonSets (before the server Deployments that use them), Services and
     NetworkPolicy; `objs` unchanged when no pool has a tier. `planned`: server_pool.PlannedPool of the plan."""
-    tiers = {p.pool.name: p.sizing.node_tier for p in planned
-             if p.sizing.fits and p.sizing.node_tier is not None and p.sizing.node_tier.capacity_bytes > 0}
+    tiers = tier_pools(planned)
     if not tiers:
         return objs
     servers = {(o["spec"]["template"]["metadata"]["labels"] or {}).get(POOL_LABEL): o for o in objs
