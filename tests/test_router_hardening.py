@@ -159,7 +159,7 @@ async def test_a_huge_prompt_being_tokenized_does_not_hold_other_requests(tiny_m
         huge = "x" * (2 << 20)  # no whitespace: one pre-token of 2 MB
         path, body = (("/v1/completions", {"model": "tiny", "prompt": huge, "max_tokens": 1}) if kind == "completion"
                       else ("/v1/chat/completions", chat(huge)))
-        held = asyncio.create_task(f.client.post(path, content=json.dumps(body),
+        held = asyncio.create_task(f.client.post(path, content=json.dumps(body), timeout=120,  # 2 MB to tokenize
                                                  headers={"content-type": "application/json"}))
         await until(slow.started.is_set, "the huge prompt's tokenization")
         r = await f.client.post("/v1/chat/completions", json=chat("a small question meanwhile"))
