@@ -119,7 +119,9 @@ def test_the_admins_policy_comes_from_the_environment_and_refuses_bad_values():
                          "POD_NAMESPACE": "wf-system", "WARMFLEET_ALLOWED_ENDPOINT_HOSTS": "10.0.0.0/8"})
     assert p == AdminPolicy(("/a", "/b"), True, "wf-system", ("10.0.0.0/8",))
     assert policy_from_env({}) == AdminPolicy()
-    for bad in ({"WARMFLEET_HOST_PATH_PREFIXES": "relative"}, {"WARMFLEET_SHARE_MODEL_CACHE": "yes"}):
+    assert policy_from_env({"WARMFLEET_SERVER_HTTP_FROM_NAMESPACES": "monitoring, *"}).server_http_from == ("monitoring", "*")
+    for bad in ({"WARMFLEET_HOST_PATH_PREFIXES": "relative"}, {"WARMFLEET_SHARE_MODEL_CACHE": "yes"},
+                {"WARMFLEET_SERVER_HTTP_FROM_NAMESPACES": "Not_A_Namespace"}):
         with pytest.raises(ValueError):
             policy_from_env(bad)
 
@@ -203,7 +205,14 @@ def test_server_pods_admit_kv_events_only_from_this_services_front_doors():
         {"key": "serving.warmfleet.io/service", "operator": "In", "values": ["qwen"]},
         {"key": "app.kubernetes.io/component", "operator": "In", "values": ["router", "epp"]}]}}]
     assert rules[("kv-events",)] == doors  # no namespaceSelector: this namespace only
-    assert rules[("http",)] == doors + [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "wf-system"}}}]
+    in_ns = lambda *ns: [{"namespaceSelector": {"matchExpressions": [  # noqa: E731
+        {"key": "kubernetes.io/metadata.name", "operator": "In", "values": list(ns)}]}}]
+    assert rules[("http",)] == doors + in_ns("wf-system")
+    # Prometheus scrapes the engines' /metrics on the HTTP port: the admin names its namespace
+    scraped = children({"model": HF}, ns="team-a", policy=AdminPolicy(operator_namespace="wf-system",
+                                                                      server_http_from=("monitoring",)))
+    http = next(r for r in scraped["NetworkPolicy", "qwen-server"]["spec"]["ingress"] if r["ports"][0]["port"] == "http")
+    assert http["from"] == doors + in_ns("monitoring", "wf-system")
     # gateway mode: the Gateway's proxies reach the HTTP port directly; the event ports stay closed to them
     gw = children({"model": HF, "router": {"mode": "gateway"}}, ns="team-a")["NetworkPolicy", "qwen-server"]
     gw_rules = {tuple(p["port"] for p in r["ports"]): r.get("from") for r in gw["spec"]["ingress"]}

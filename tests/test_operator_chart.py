@@ -435,6 +435,7 @@ def test_operator_pod_can_be_shaped(helm, tmp_path):
                         {"name": "WARMFLEET_HOST_PATH_PREFIXES", "value": "/var/cache/warmfleet"},  # the admin's policy
                         {"name": "WARMFLEET_SHARE_MODEL_CACHE", "value": "false"},
                         {"name": "WARMFLEET_ALLOWED_ENDPOINT_HOSTS", "value": ""},
+                        {"name": "WARMFLEET_SERVER_HTTP_FROM_NAMESPACES", "value": ""},
                         *op["extraEnv"]] and c["envFrom"] == op["extraEnvFrom"]
     assert [v["name"] for v in pod["volumes"]] == ["tmp", "ca"] and pod["volumes"][1] == op["volumes"][0]
     assert c["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}, *op["volumeMounts"]]

@@ -6,6 +6,7 @@ namespaces or not, the operator's namespace (for the server pods' NetworkPolicy)
 from __future__ import annotations
 
 import posixpath
+import re
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -31,12 +32,16 @@ class AdminPolicy:
     # hosts or networks (CIDR) a spec's hub or S3 endpoint may resolve to although private (an in-cluster mirror);
     # every other private, loopback, link-local or metadata address is refused before the operator connects
     allowed_endpoint_hosts: tuple[str, ...] = ()
+    # namespaces whose pods may also reach the server pods' HTTP port (Prometheus's: the engines serve /metrics there);
+    # "*": every namespace
+    server_http_from: tuple[str, ...] = ()
 
 
 def policy_from_env(env: Mapping[str, str]) -> AdminPolicy:
     """The policy the chart sets through the operator's environment: WARMFLEET_HOST_PATH_PREFIXES (comma-separated
     absolute directories; unset: the default, empty: none), WARMFLEET_SHARE_MODEL_CACHE (true/false),
-    WARMFLEET_ALLOWED_ENDPOINT_HOSTS (comma-separated hosts or CIDRs), POD_NAMESPACE (the operator's own).
+    WARMFLEET_ALLOWED_ENDPOINT_HOSTS (comma-separated hosts or CIDRs), WARMFLEET_SERVER_HTTP_FROM_NAMESPACES
+    (comma-separated namespaces, or *), POD_NAMESPACE (the operator's own).
     Raises ValueError with one readable line for a bad value."""
     raw = env.get("WARMFLEET_HOST_PATH_PREFIXES")
     prefixes = DEFAULT_HOST_PATH_PREFIXES if raw is None else tuple(p.strip() for p in raw.split(",") if p.strip())
@@ -47,8 +52,13 @@ def policy_from_env(env: Mapping[str, str]) -> AdminPolicy:
     if share not in ("true", "false"):
         raise ValueError(f"WARMFLEET_SHARE_MODEL_CACHE: must be true or false, got {share!r}")
     hosts = tuple(h.strip() for h in (env.get("WARMFLEET_ALLOWED_ENDPOINT_HOSTS") or "").split(",") if h.strip())
+    http_from = tuple(n.strip() for n in (env.get("WARMFLEET_SERVER_HTTP_FROM_NAMESPACES") or "").split(",") if n.strip())
+    bad = [n for n in http_from if n != "*" and not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", n)]
+    if bad:
+        raise ValueError(f"WARMFLEET_SERVER_HTTP_FROM_NAMESPACES: {', '.join(bad)}: not a namespace name (or *)")
     return AdminPolicy(host_path_prefixes=prefixes, share_model_cache=share == "true",
-                       operator_namespace=(env.get("POD_NAMESPACE") or "").strip() or None, allowed_endpoint_hosts=hosts)
+                       operator_namespace=(env.get("POD_NAMESPACE") or "").strip() or None, allowed_endpoint_hosts=hosts,
+                       server_http_from=http_from)
 
 
 def under(path: str, prefix: str) -> bool:

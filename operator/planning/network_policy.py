@@ -4,8 +4,9 @@
     kv-events,      this service's routers (proxy mode) or endpoint pickers (gateway mode) only: the events carry
     kv-replay, ...  prompt token ids, and the replay port hands out past ones
     http            the same, the operator's namespace (adapter loads; AdminPolicy.operator_namespace, else every
-                    namespace), and in gateway mode any pod (the Gateway's proxies send requests straight to
-                    the pods; the API key guards them)
+                    namespace), the admin's namespaces (AdminPolicy.server_http_from: Prometheus scrapes /metrics
+                    there), and in gateway mode any pod (the Gateway's proxies send requests straight to the pods;
+                    the API key guards them)
     metrics         anyone (Prometheus; counters only)
 
 Ingress only: the servers' own egress (model hubs, the node tier) is left to the cluster's policies. The kubelet's
@@ -45,12 +46,12 @@ def server_network_policy(owner: Owner, spec: InferenceServiceSpec, policy: Admi
     if events:
         rules.append({"from": peers, "ports": [{"protocol": "TCP", "port": p.name} for p in events]})
     http = [{"protocol": "TCP", "port": "http"}]
-    if spec.router.mode == "gateway":
-        rules.append({"ports": http})  # the Gateway's proxies, wherever they run
+    if spec.router.mode == "gateway" or "*" in policy.server_http_from or not policy.operator_namespace:
+        rules.append({"ports": http})  # the Gateway's proxies wherever they run; or the admin opened it; or unknown
     else:
-        operator = ([{"namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: policy.operator_namespace}}}]
-                    if policy.operator_namespace else [{"namespaceSelector": {}}])
-        rules.append({"from": peers + operator, "ports": http})
+        namespaces = sorted({policy.operator_namespace, *policy.server_http_from})
+        rules.append({"from": peers + [{"namespaceSelector": {"matchExpressions": [
+            {"key": NAMESPACE_NAME_LABEL, "operator": "In", "values": namespaces}]}}], "ports": http})
     opened = [p for p in ports if p.name in OPEN_PORTS]
     if opened:
         rules.append({"ports": [{"protocol": "TCP", "port": p.name} for p in opened]})
