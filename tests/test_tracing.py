@@ -76,7 +76,8 @@ class FakeLogSink(logging.Handler):
 async def test_the_replicas_request_log_line_carries_the_trace_and_request_ids(replica):
     sink, access = FakeLogSink(), logging.getLogger("uvicorn.access")
     access.addHandler(sink)
-    level, access.level = access.level, logging.INFO
+    level = access.level
+    access.setLevel(logging.INFO)  # setLevel, not .level =: it clears the loggers' isEnabledFor caches
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 1}
     try:
         async with httpx.AsyncClient(base_url=replica, timeout=30) as c:
@@ -87,7 +88,7 @@ async def test_the_replicas_request_log_line_carries_the_trace_and_request_ids(r
             assert len(made) == 32 and made != "req-42"
     finally:
         access.removeHandler(sink)
-        access.level = level
+        access.setLevel(level)
     mine = [d for d in sink.lines if d.get("request_id") == "req-42"]
     assert mine and mine[0]["trace_id"] == TRACE and mine[0]["path"] == "/v1/completions" and mine[0]["status"] == 200
     other = [d for d in sink.lines if d.get("request_id") == made]
