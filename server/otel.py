@@ -115,8 +115,9 @@ def decision_attributes(replica: str, reason: str, predicted_cached_tokens: int)
 
 
 def route_header_attributes(replica: Optional[str], route: Optional[str]) -> dict:
-    """The decision attributes read back from a relayed answer's `x-warmfleet-replica` and `x-warmfleet-route`
-    ("REASON; predicted_cached_tokens=N", proxy.py), {} when the answer carries none (refused before routing)."""
+    """The decision attributes of the replica that answered (the router's id of it) and of a relayed answer's
+    `x-warmfleet-route` ("REASON; predicted_cached_tokens=N", proxy.py), {} when there is none (refused before
+    routing)."""
     if not replica or not route:
         return {}
     reason, _, rest = route.partition(";")

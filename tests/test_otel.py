@@ -1,7 +1,8 @@
 """OpenTelemetry spans (server/otel.py, issue 39): off without an endpoint (nothing imported), one readable line without
-the extra, the picker's routing-decision span in-process, and a live `warmfleet route` + `warmfleet serve` exporting
-to an in-process OTLP/HTTP collector double: the decision span (replica, reason, predicted cached tokens) and the
-replica's request span share the trace id the client sent, the replica's span the decision's child."""
+the extra, the picker's routing-decision span in-process, and live processes exporting to an in-process OTLP/HTTP
+collector double (a real `warmfleet route`, or a real Envoy + `warmfleet epp`, in front of real `warmfleet serve`
+replicas): the decision span (replica, reason, predicted cached tokens) and the replica's request span share the
+trace id the client sent, the replica's span the decision's child."""
 
 from __future__ import annotations
 
@@ -16,12 +17,14 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from envoy_gateway import Envoy, envoy_binary
 from epp_fakes import EppFleet, request_body, request_headers, set_headers
 from router_fakes import chat
-from warmfleet.livefleet import MODEL_NAME, LiveFleet, wait_for
+from warmfleet.livefleet import MODEL_NAME, Epp, LiveFleet, Replica, wait_for
 from warmfleet.server import otel
 from warmfleet.server.router.core.policy import COLD_HASH, LEAST_LOAD, LOAD_SPILL, PREFIX_HIT
 from warmfleet.server.router.epp import pick
+from warmfleet.server.router.epp.envoy_bootstrap import GatewayConfig
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -195,7 +198,8 @@ def test_live_decision_span_and_replica_span_share_the_clients_trace(traced_flee
     assert route["service"] == "warmfleet-router" and served["service"] == "warmfleet-server"
     assert route["parent"] == CLIENT_SPAN  # the client's span
     assert served["parent"] == route["span_id"]  # the replica's span is the decision's child
-    assert route["attributes"][otel.REPLICA] == r.headers["x-warmfleet-replica"] == served["attributes"][otel.REPLICA]
+    replica = fleet.by_id(r.headers["x-warmfleet-replica"])  # the replica names itself; the router's id is its URL
+    assert route["attributes"][otel.REPLICA] == replica.url and served["attributes"][otel.REPLICA] == replica.name
     assert route["attributes"][otel.REASON] == reason
     assert route["attributes"][otel.PREDICTED] == int(predicted)
     assert route["attributes"][otel.REQUEST_ID] == served["attributes"][otel.REQUEST_ID] == "otel-live-1"
@@ -214,3 +218,43 @@ def test_live_decision_span_and_replica_span_share_the_clients_trace(traced_flee
     (second,) = [s for s in collector.named("warmfleet.route") if s["trace_id"] == "1" * 32]
     assert second["attributes"][otel.REASON] == PREFIX_HIT and second["attributes"][otel.PREDICTED] > 0
     assert second["attributes"][otel.REPLICA] == route["attributes"][otel.REPLICA]
+
+
+@pytest.mark.slow
+def test_live_through_envoy_the_pickers_decision_span_is_the_replicas_parent(tiny_model_dir, tmp_path):
+    envoy_binary()  # fails (never skips) without the tests' Envoy
+    collector = FakeOTLPCollector()
+    flags = ("--otlp-traces-endpoint", collector.url)
+    r = Replica("r0", tiny_model_dir, tmp_path, flags)
+    epp = Epp(tiny_model_dir, [r], tmp_path, flags)
+    try:
+        with pytest.MonkeyPatch.context() as mp:  # the processes' environment is taken when they start
+            mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+            r.start()
+            r.wait_ready()
+            epp.start()
+            epp.wait_synced()
+        trace = "5" * 32
+        with Envoy(GatewayConfig(epp=epp.address, endpoints=[f"127.0.0.1:{r.port}"]), tmp_path) as gw:
+            resp = httpx.post(gw.url + "/v1/chat/completions", timeout=120,
+                              headers={"traceparent": f"00-{trace}-{CLIENT_SPAN}-01", "x-request-id": "otel-epp-1"},
+                              json={"model": MODEL_NAME, "max_tokens": 2,
+                                    "messages": [{"role": "user", "content": "Through the gateway."}]})
+            assert resp.status_code == 200, resp.text
+
+            def both() -> bool:
+                return any(s["trace_id"] == trace for s in collector.named("warmfleet.route")) and \
+                    any(s["trace_id"] == trace for s in collector.named("warmfleet.request"))
+
+            wait_for(both, "the picker's and the replica's spans at the collector", [r, epp, gw], timeout_s=30)
+        (route,) = [s for s in collector.named("warmfleet.route") if s["trace_id"] == trace]
+        (served,) = [s for s in collector.named("warmfleet.request") if s["trace_id"] == trace]
+        assert route["service"] == "warmfleet-epp" and route["parent"] == CLIENT_SPAN
+        assert served["parent"] == route["span_id"]  # through Envoy: the picker's traceparent reached the replica
+        assert route["attributes"][otel.REPLICA] == r.url and served["attributes"][otel.REPLICA] == r.name
+        assert route["attributes"][otel.REASON] in (PREFIX_HIT, COLD_HASH, LOAD_SPILL, LEAST_LOAD)
+        assert route["attributes"][otel.REQUEST_ID] == served["attributes"][otel.REQUEST_ID] == "otel-epp-1"
+    finally:
+        epp.stop()
+        r.stop()
+        collector.close()

@@ -165,16 +165,16 @@ class Frontend:
     async def _respond_traced(self, path: str, kind: str, raw: bytes, auth: Optional[str], host: str,
                               forward: dict) -> tuple[Response, Optional[str]]:
         """`respond` inside a routing-decision span (otel.py): the child of the client's traceparent, its own sent
-        upstream, the decision (replica, reason, predicted cached tokens) read from the answer's headers."""
+        upstream, the decision: the replica that answered (the router's id of it, as in its metrics) and the reason
+        and predicted cached tokens the answer's `x-warmfleet-route` tells the client."""
         spans, rid = self.spans, forward[tracing.REQUEST_ID]
         span = spans.start("warmfleet.route", forward, {otel.REQUEST_ID: rid, "url.path": path})
         try:
             spans.hand_on(span, forward)
             resp, slot = await self._respond(path, kind, raw, auth, host, forward)
-            headers = {k: v for k, v in resp.raw_headers if k in (b"x-warmfleet-replica", b"x-warmfleet-route")}
-            span.set_attributes(otel.route_header_attributes(
-                headers.get(b"x-warmfleet-replica", b"").decode("latin-1"),
-                headers.get(b"x-warmfleet-route", b"").decode("latin-1")))
+            route = next((v for k, v in resp.raw_headers if k == b"x-warmfleet-route"), b"")
+            replica = getattr(resp, "replica_id", None)  # set by Proxy.forward on an answer from a replica
+            span.set_attributes(otel.route_header_attributes(replica, route.decode("latin-1")))
             spans.error(span, resp.status_code)
         finally:
             span.end()

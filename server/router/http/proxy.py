@@ -120,6 +120,7 @@ class Proxy:
         for rep in booking.replicas(self.cfg.max_attempts):
             outcome = await self._try(rep, attempt)
             if isinstance(outcome, Response):
+                outcome.replica_id = rep.id  # type: ignore[attr-defined]  # the router's id of it (otel.py's span)
                 return outcome
             last_error = outcome
             if lost:  # a second try after a replica died mid-request: no third
