@@ -114,6 +114,26 @@ def test_host_path_outside_the_admins_prefixes_is_an_invalid_spec_naming_the_fie
     assert children(spec, policy=AdminPolicy(host_path_prefixes=("/",)))  # an admin may allow it
 
 
+@pytest.mark.parametrize("pod, field", [
+    ({"volumes": [{"name": "root", "hostPath": {"path": "/"}}]}, "spec.server.pod.volumes[0].hostPath.path"),
+    ({"volumes": [{"name": "all", "hostPath": {"path": "/var/cache/warmfleet/models"}}]},
+     "spec.server.pod.volumes[0].hostPath.path"),  # under the prefixes, but the whole node cache
+    ({"volumes": [{"name": "up", "hostPath": {"path": "/var/cache/warmfleet"}}]}, "spec.server.pod.volumes[0].hostPath.path"),
+    ({"volumeMounts": [{"name": "model-cache", "mountPath": "/all-models"}]}, "spec.server.pod.volumeMounts[0].name"),
+])
+def test_pod_overlays_cannot_reach_the_node_cache_or_other_host_paths(pod, field):
+    with pytest.raises(SpecError) as err:
+        children({"model": HF, "server": {"pod": pod}})
+    assert err.value.path == field
+    router = {"volumes": [{"name": "root", "hostPath": {"path": "/etc"}}]}
+    with pytest.raises(SpecError, match=r"spec.router.pod.volumes\[0\].hostPath.path"):
+        children({"model": HF, "router": {"pod": router}})
+    # a host directory the admin allows, beside the cache, is fine
+    ok = {"volumes": [{"name": "scratch", "hostPath": {"path": "/var/cache/warmfleet/scratch"}}],
+          "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}]}
+    assert children({"model": HF, "server": {"pod": ok}})
+
+
 def test_the_admins_policy_comes_from_the_environment_and_refuses_bad_values():
     p = policy_from_env({"WARMFLEET_HOST_PATH_PREFIXES": "/a, /b", "WARMFLEET_SHARE_MODEL_CACHE": "true",
                          "POD_NAMESPACE": "wf-system", "WARMFLEET_ALLOWED_ENDPOINT_HOSTS": "10.0.0.0/8"})

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Mapping
 
+from warmfleet.operator.planning.model_volumes import MODEL_CACHE_VOLUME
 from warmfleet.operator.spec.inference_service import DEFAULT_MODEL_CACHE, InferenceServiceSpec
 from warmfleet.operator.spec.schema import SpecError
 
@@ -71,8 +72,38 @@ def check(spec: InferenceServiceSpec, policy: AdminPolicy) -> None:
     """Refuse what the admin does not allow; raises SpecError naming the field."""
     cache = spec.model.cache
     host = cache.host_path if cache is not None else None
-    if host is not None and not any(under(host, p) for p in policy.host_path_prefixes):
+    if host is not None:
+        _check_host_path("spec.model.cache.hostPath", host, policy)
+    _check_overlays(spec, policy)
+
+
+def _check_host_path(field: str, path: str, policy: AdminPolicy) -> None:
+    if not any(under(path, p) for p in policy.host_path_prefixes):
         allowed = ", ".join(policy.host_path_prefixes) or "none (the operator allows no hostPath)"
-        raise SpecError("spec.model.cache.hostPath",
-                        f"{host} is outside the directories the cluster admin allows ({allowed}; chart value "
-                        "operator.hostPathPrefixes, env WARMFLEET_HOST_PATH_PREFIXES)")
+        raise SpecError(field, f"{path} is outside the directories the cluster admin allows ({allowed}; chart value "
+                               "operator.hostPathPrefixes, env WARMFLEET_HOST_PATH_PREFIXES)")
+
+
+def _check_overlays(spec: InferenceServiceSpec, policy: AdminPolicy) -> None:
+    """spec.server.pod / spec.router.pod may add volumes and mounts: no hostPath outside the prefixes, none over the
+    node model cache, and no mount of the operator's cache volume (the server already mounts its own model's directory
+    read-only; the whole cache holds every namespace's models)."""
+    cache = spec.model.cache
+    cache_host = None if cache is not None and cache.pvc else (cache.host_path if cache is not None else None) or DEFAULT_MODEL_CACHE
+    for field, pod in (("spec.server.pod", getattr(spec.server, "pod", None)), ("spec.router.pod", getattr(spec.router, "pod", None))):
+        if pod is None:
+            continue
+        for i, vol in enumerate(pod.volumes or []):
+            if "hostPath" not in vol:
+                continue
+            path = str((vol.get("hostPath") or {}).get("path") or "")
+            where = f"{field}.volumes[{i}].hostPath.path"
+            _check_host_path(where, path, policy)
+            if cache_host is not None and (under(path, cache_host) or under(cache_host, path)):
+                raise SpecError(where, f"{path} overlaps the node model cache {cache_host}, which only the operator's "
+                                       "fetch steps write (each pod mounts its own model's directory read-only)")
+        for i, mount in enumerate(pod.volume_mounts or []):
+            if mount.name == MODEL_CACHE_VOLUME:
+                raise SpecError(f"{field}.volumeMounts[{i}].name",
+                                f"{MODEL_CACHE_VOLUME} is the node's shared model cache; the server mounts its model's own "
+                                "directory read-only already")
