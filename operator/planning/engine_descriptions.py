@@ -218,11 +218,10 @@ VLLM_FLAGS: Mapping[str, FlagDoc] = MappingProxyType({
     "--max-loras": FlagDoc("adapters", "adapters in one batch (GPU slots)", _VLLM_HELP + "; vllm/engine/arg_utils.py"),
     "--max-lora-rank": FlagDoc("rank", "largest adapter rank", _VLLM_HELP + "; vllm/engine/arg_utils.py"),
     "--max-cpu-loras": FlagDoc("adapters", "adapters cached in CPU memory (>= --max-loras)", _VLLM_HELP + "; vllm/engine/arg_utils.py"),
-    # spec.tracing (planning/tracing.py): ObservabilityConfig.otlp_traces_endpoint; the exporter is chosen by
-    # OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, and needs the OpenTelemetry packages in the image
+    # spec.tracing (planning/tracing.py): the exporter is chosen by OTEL_EXPORTER_OTLP_TRACES_PROTOCOL (grpc by default,
+    # http/protobuf: vllm/tracing/otel.py get_span_exporter); 0.32.0 requires opentelemetry-sdk and -exporter-otlp
     "--otlp-traces-endpoint": FlagDoc("URL", "OTLP traces URL spans are exported to",
-                                      "vllm/config/observability.py ObservabilityConfig.otlp_traces_endpoint; vllm/tracing.py "
-                                      "(not re-run against 0.32.0's --help=all)"),
+                                      _VLLM_HELP + "; vllm/config/observability.py ObservabilityConfig"),
 })
 VLLM_RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vllm/envs.py: enables /v1/load_lora_adapter and unload
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # --max-lora-rank's choices in 0.32.0's --help=all
