@@ -462,6 +462,8 @@ def test_admission_policy_is_opt_in_and_says_what_it_refuses(helm):
     assert any('["registry.internal/"].exists(p, object.spec.engine.image.startsWith(p))' in e for e in rules)
     assert any('["/var/cache/warmfleet","/mnt/models"].exists(' in e and "contains('..')" in e for e in rules)
     assert any("serviceType != 'LoadBalancer'" in e and "has(object.spec.router.apiKeySecret)" in e for e in rules)
+    for pod in ("server", "router"):  # pod overlays' hostPath volumes under the same prefixes
+        assert any(f"object.spec.{pod}.pod.volumes.all(v, !has(v.hostPath)" in e and '"/mnt/models"' in e for e in rules)
     # no image list: images are left alone, the other rules stay
     plain = [d for d in template(helm, "admission.enabled=true") if d["kind"] == "ValidatingAdmissionPolicy"][0]
-    assert not any("image" in v["expression"] for v in plain["spec"]["validations"]) and len(plain["spec"]["validations"]) == 2
+    assert not any("image" in v["expression"] for v in plain["spec"]["validations"]) and len(plain["spec"]["validations"]) == 4
