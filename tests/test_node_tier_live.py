@@ -101,5 +101,6 @@ def test_the_node_tier_killed_mid_run_costs_no_request_and_comes_back_empty(flee
     nt.wait_ready()
     wait_for(lambda: [t["synced"] for t in lf.router.view()["node_tiers"]] == [True], "node tier back", [lf.router, nt])
     assert node_blocks(lf) == 0  # it came back empty and said so
-    wait_for(lambda: (run(prompts[0]) and node_blocks(lf) > 0), "the new node tier filling", [lf.router, nt],
+    fresh = (f"A prompt no replica has seen, number {i}, about node tiers coming back. " * 5 for i in range(1000))
+    wait_for(lambda: (run(next(fresh)) and node_blocks(lf) > 0), "the new node tier filling", [lf.router, nt],
              timeout_s=60)
