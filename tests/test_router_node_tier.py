@@ -134,3 +134,32 @@ def test_the_node_run_starts_where_the_replicas_own_prefix_ends():
     idx.add_blocks("r0", H[:3], GPU)
     idx.add_blocks(NODE_A, H[3:6], NODE)
     assert idx.node_run(H, 3, NODE_A) == 3 and idx.node_run(H, 0, NODE_A) == 0 and idx.node_run(H, 4, NODE_A) == 2
+
+
+def test_an_image_whose_encoder_output_a_node_tier_holds_goes_to_a_replica_of_that_node(tiny_vl_dir):
+    from warmfleet.server.hashing import model_fingerprint
+    from warmfleet.server.router.core.fleet import Fleet
+    from warmfleet.server.router.core.metrics import RouterMetrics
+    from warmfleet.server.router.core.node_tiers import NodeTiers
+    from warmfleet.server.router.core.prompt import HashConfig, PromptRenderer
+    from warmfleet.server.router.core.registry import ReplicaSpec
+    from warmfleet.server.router.core.router import Router
+    from warmfleet.server.tiny_checkpoints.images import data_uri, image_bytes
+
+    metrics = RouterMetrics()
+    fleet = Fleet(None, metrics, block_size=16)
+    urls = [f"http://r{i}" for i in range(6)]
+    fleet.registry.set_members([ReplicaSpec(u) for u in urls])
+    for i, r in enumerate(fleet.registry.replicas.values()):
+        r.healthy = True
+        fleet.index.apply_snapshot(r.id, Snapshot(r.id, 0, 16, "fp", [], [], [], node="n0" if i < 2 else "n1"))
+    fleet.node_tiers = NodeTiers([], fleet.index)
+    router = Router(fleet, PromptRenderer(str(tiny_vl_dir)), HashConfig(16, model_fingerprint(tiny_vl_dir)), metrics)
+    part = {"type": "image_url", "image_url": {"url": data_uri(image_bytes(112, 168, seed=11))}}
+    body = {"messages": [{"role": "user", "content": [part, {"type": "text", "text": "What is it?"}]}]}
+    h = router.render("chat", body).mm_items[0].mm_hash
+    n0 = node_key("n0")
+    fleet.index.apply_batch(n0, EventBatch(n0, 1, [AllBlocksCleared(), EncoderStored([h])]), self_syncing=True)
+    for _ in range(4):  # whichever of node n0's replicas, never one of n1's
+        d = router.decide("chat", body, fleet.routable())[0]
+        assert d.order[0] in urls[:2] and d.reason == PREFIX_HIT

@@ -284,11 +284,14 @@ class Router:
         cache serves.
 
         An image wholly inside the cached prefix needs no encoding (its KV is there); one the prefix does not wholly
-        hold is encoded whole unless the encoder cache has it. Both save the encode, so both count: an image in a
+        hold is encoded whole unless the encoder cache has it (its own, or its node tier's). Both save the encode, so both count: an image in a
         conversation's own prefix must not weigh less than the same image merely encoder-cached elsewhere.
         """
         in_prefix = [i for i in prompt.mm_items if i.offset + i.length <= cached_tokens]
         rest = [i for i in prompt.mm_items if i.offset + i.length > cached_tokens]
         hits = self.fleet.index.encoder_hits(rid, [i.mm_hash for i in rest]) if rest else set()
+        node = self.fleet.node_tiers.key_of(rid) if rest and self.fleet.node_tiers is not None else None
+        if node is not None:  # its node's tier holds encoder outputs it loads instead of encoding
+            hits |= self.fleet.index.encoder_hits(node, [i.mm_hash for i in rest])
         served = [i for i in rest if i.mm_hash in hits]
         return sum(i.length for i in in_prefix) + sum(i.length for i in served), len(served)
