@@ -62,7 +62,7 @@ def test_defaults_enums_ranges_and_cel():
     assert p["model"]["properties"]["dtype"]["enum"] == ["bfloat16", "float16", "float32"]
     assert p["cache"]["properties"]["blockSize"]["default"] == 64
     assert p["cache"]["properties"]["swapSpace"]["properties"]["mode"]["enum"] == ["Auto", "Fixed"]
-    assert p["server"]["properties"]["gpusPerReplica"]["minimum"] == 1
+    assert p["server"]["properties"]["gpusPerReplica"]["minimum"] == 0  # 0: CPU-only replicas (engine warmfleet)
     rules = {r["rule"] for r in spec["x-kubernetes-validations"]}
     assert not any("autoscaling" in r for r in rules)  # replicas beside autoscaling: the scale subresource writes it
     swap_rules = {r["rule"] for r in p["cache"]["properties"]["swapSpace"]["x-kubernetes-validations"]}
@@ -95,7 +95,7 @@ def test_defaults_satisfy_their_own_schema():
 
 
 @pytest.mark.parametrize("name", ["inferenceservice.yaml", "inferenceservice-vllm.yaml", "inferenceservice-fastdeploy.yaml",
-                                  "inferenceservice-hf.yaml"])
+                                  "inferenceservice-hf.yaml", "inferenceservice-cpu.yaml"])
 def test_example_validates_against_the_crd_schema(name):
     import jsonschema
     example = yaml.safe_load((REPO / "examples" / name).read_text())

@@ -11,7 +11,8 @@ import yaml
 from operator_fixtures.shapes import GiB, h200, l4, node, service
 from warmfleet.operator.passes.reconcile import plan_for
 from warmfleet.operator.planning import engine_choice, engine_descriptions, objects
-from warmfleet.operator.planning.nodes import node_info
+from warmfleet.operator.planning.nodes import format_bytes, node_info
+from warmfleet.operator.spec.schema import SpecError
 from warmfleet.operator.planning.service_status import healthy_status, warnings
 
 IMAGES = objects.Images(engine="registry.example/warmfleet:1.0", router="registry.example/warmfleet-slim:1.0")
@@ -83,13 +84,65 @@ def test_one_gpu_pool_among_cpu_pools_makes_it_vllm():
     assert condition(status, "EngineFit")["reason"] == "AutoGPUPools"
 
 
-@pytest.mark.parametrize("kind,nodes", [("fastdeploy", [h200()]), ("vllm", [CPU]), ("warmfleet", [CPU])])
+@pytest.mark.parametrize("kind,nodes", [("fastdeploy", [h200()]), ("vllm", [CPU, l4()]), ("warmfleet", [CPU])])
 def test_an_explicit_kind_wins(kind, nodes):
     spec, plan, status = planned(svc({"kind": kind}), nodes)
     assert spec.engine.kind == plan.engine == kind
     assert (status["engine"]["kind"], status["engine"]["chosenBy"]) == (kind, "spec")
     fit = condition(status, "EngineFit")
     assert (fit["status"], fit["reason"]) == ("True", "EngineFromSpec")
+
+
+def test_auto_on_cpu_only_nodes_runs_replicas_without_gpus():
+    spec, plan, status = planned(svc(replicas=3, server={"cpus": 8}), [CPU])
+    assert plan.engine == "warmfleet" and plan.placed == 3  # 64 CPUs / 8 per replica: room for 8
+    (c,) = server_containers(plan)
+    dep = next(d for d in plan.children if d["kind"] == "Deployment" and d["metadata"]["name"] != "qwen-router")
+    pod = dep["spec"]["template"]["spec"]
+    assert dep["spec"]["replicas"] == 3 and pod["tolerations"] == []  # no GPU toleration: it takes no GPU
+    for amounts in (c["resources"]["requests"], c["resources"]["limits"]):
+        assert not any("gpu" in k for k in amounts) and amounts["cpu"] == "8"
+    (p,) = status["pools"]
+    assert p["fits"] and p["replicas"] == 3 and p["shape"]["cpuMillis"] == 64000 and p["shape"]["gpusPerNode"] == 0
+    sizes, sources = p["sizes"], p["inputs"]["sources"]
+    assert sizes["replicasPerNode"] == 8 and sources["replicasPerNode"].startswith("cpu")
+    assert sources["encoderCache"] == "auto (host memory)" and sizes["encoderCacheTokens"] > 2048
+    assert c["resources"]["limits"]["memory"] == format_bytes(sizes["memoryBytes"])
+    args = c["args"]  # the sized caches reach the engine's flags
+    assert args[args.index("--swap-space") + 1] == str(sizes["swapSpaceGib"])
+    assert args[args.index("--max-encoder-cache") + 1] == str(sizes["encoderCacheTokens"])
+    assert condition(status, "EngineFit")["reason"] == "AutoCPUOnly"
+
+
+@pytest.mark.parametrize("kind", ["vllm", "fastdeploy"])
+def test_a_gpu_engine_on_cpu_only_nodes_says_why_nothing_runs(kind):
+    _, plan, status = planned(svc({"kind": kind}), [CPU])
+    assert plan.capacity == 0 and plan.placed == 0
+    fit = condition(status, "EngineFit")
+    assert (fit["status"], fit["reason"]) == ("False", "NoCPUBuild")
+    assert f"engine {kind} runs on GPUs" in fit["message"] and "auto or warmfleet" in fit["message"]
+    assert status["pools"][0]["name"] in fit["message"]
+    assert ("NoCPUBuild", fit["message"]) in warnings({}, status)
+    # beside a GPU pool the CPU pool only says, in its own status, that it hosts none
+    _, plan, status = planned(svc({"kind": kind}), [CPU, l4()])
+    assert condition(status, "EngineFit")["reason"] == "EngineFromSpec" and plan.capacity > 0
+    cpu_pool = next(p for p in status["pools"] if not p["shape"]["gpusPerNode"])
+    assert not cpu_pool["fits"] and "engine.kind auto or warmfleet" in cpu_pool["message"]
+
+
+@pytest.mark.parametrize("kind", ["vllm", "fastdeploy"])
+def test_gpus_per_replica_0_is_refused_for_gpu_engines(kind):
+    with pytest.raises(SpecError, match=f"is 0, but engine {kind} runs on GPUs"):
+        planned(svc({"kind": kind}, server={"gpusPerReplica": 0}), [h200()])
+
+
+def test_gpus_per_replica_0_with_auto_is_warmfleet_on_gpu_nodes_without_a_gpu_request():
+    _, plan, status = planned(svc(server={"gpusPerReplica": 0, "cpus": 16}), [h200()])
+    assert plan.engine == "warmfleet" and "gpusPerReplica is 0" in status["engine"]["reason"]
+    assert condition(status, "EngineFit")["reason"] == "AutoCPUOnly"  # no warning: no GPU is taken
+    (c,) = server_containers(plan)
+    assert not any("gpu" in k for k in c["resources"]["limits"])
+    assert status["pools"][0]["sizes"]["replicasPerNode"] == 4
 
 
 def test_warmfleet_on_a_gpu_pool_runs_but_warns():
@@ -124,6 +177,28 @@ def test_render_warns_about_warmfleet_on_gpus_and_strict_fails(tmp_path, capsys)
     assert "GPU attention" not in out.err
     status = list(yaml.safe_load_all(out.out))[-1]["status"]
     assert status["engine"]["kind"] == "vllm"
+
+
+def test_render_of_the_cpu_example_runs_warmfleet_without_gpus(capsys):
+    from pathlib import Path
+
+    from warmfleet.cli import main
+
+    repo = Path(__file__).resolve().parents[1]
+    example = repo / "examples/inferenceservice-cpu.yaml"
+    assert main(["operator", "render", "-f", str(example), "--nodes", str(repo / "examples/nodes.yaml"), "--strict"]) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    status = docs[-1]["status"]
+    assert status["engine"]["kind"] == "warmfleet" and status["engine"]["chosenBy"] == "auto"
+    (pool,) = status["pools"]
+    assert pool["nodes"] == ["cpu-a"] and pool["name"].startswith("cpu-") and pool["fits"]
+    assert pool["sizes"]["replicasPerNode"] == 4  # 16 allocatable CPUs / server.cpus 4
+    deps = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] != "qwen-cpu-router"]
+    assert sum(d["spec"]["replicas"] for d in deps) == yaml.safe_load(example.read_text())["spec"]["replicas"]
+    for d in deps:
+        pod = d["spec"]["template"]["spec"]
+        assert pod["tolerations"] == []
+        assert not any("gpu" in k for c in pod["containers"] for k in c["resources"]["limits"])
 
 
 # ---- default images ----

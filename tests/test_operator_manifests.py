@@ -53,7 +53,7 @@ def parse_server_args(args):
 def test_children_and_owner_references():
     items = objs()
     kinds = [o["kind"] for o in items]
-    assert kinds.count("Deployment") == 4  # three GPU pools + router; the CPU pool gets none
+    assert kinds.count("Deployment") == 5  # three GPU pools, the CPU pool (engine warmfleet: CPU attention), router
     for kind in ("ConfigMap", "ServiceAccount", "Role", "RoleBinding"):
         assert kinds.count(kind) == 1
     assert kinds.count("PodDisruptionBudget") == 2  # server pods, router pods
@@ -128,7 +128,8 @@ def test_node_affinity_pins_the_pool_shape():
 def test_replicas_split_across_pools_and_pdb():
     items = objs()
     replicas = {d["metadata"]["labels"][constants.POOL_LABEL].split("-")[0]: d["spec"]["replicas"] for d in servers(items)}
-    assert replicas == {"a100": 3, "h200": 7, "l4": 2}
+    # capacities 8, 16, 4 and the CPU node's 2 (64 GiB: memory binds; warmfleet's engine runs CPU attention there)
+    assert replicas == {"a100": 3, "h200": 6, "l4": 2, "cpu": 1}
     pdb, router_pdb = by_kind(items, "PodDisruptionBudget")
     assert pdb["spec"]["maxUnavailable"] == 1
     assert pdb["spec"]["selector"]["matchLabels"] == objects.server_selector(objects.Owner("qwen", "default"))

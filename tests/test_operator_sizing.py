@@ -153,9 +153,56 @@ def test_replica_wider_than_the_node_does_not_fit():
     assert "4 allocatable GPUs, a replica needs 8" in sz.message
 
 
-def test_node_without_gpu_labels_cannot_host():
-    sz = size_pool(spec(), only_pool(spec(), node("cpu")))
-    assert not sz.fits and "0 allocatable GPUs" in sz.message
+# ---- CPU-only pools (warmfleet's engine: CPU attention) ----
+
+def test_a_cpu_only_pool_hosts_warmfleet_replicas_packed_by_cpu():
+    s = spec(server={"cpus": 8})
+    sz = size_pool(s, only_pool(s, node("cpu", memory=512 * GiB)))  # 64 CPUs (the fixture's), no GPU
+    assert sz.fits and sz.replicas_per_node == 8  # 64 / 8; memory would allow 27 (460.8 GiB / (16 + 1))
+    src = sz.inputs.sources
+    assert src["replicasPerNode"] == "cpu (64 allocatable / 8 per replica)" and src["gpuMemory"] == "none (CPU-only)"
+    H = 512 * GiB * 0.9 / 8
+    assert sz.inputs.host_bytes_per_replica == int(H) and sz.inputs.gpu_bytes_per_replica == 0
+    # the encoder cache is budgeted from, and held in, host memory: encoderFraction x H / (hiddenSize x dtype bytes)
+    token_bytes = sz.inputs.bytes_per_encoder_token
+    assert src["encoderCache"] == "auto (host memory)"
+    assert sz.sizes.encoder_cache_tokens == int(s.cache.encoder_fraction * int(H) // token_bytes)
+    enc_bytes = sz.sizes.encoder_cache_tokens * token_bytes
+    assert sz.sizes.swap_space_gib > 0 and sz.sizes.processor_cache_gib == 4.0
+    assert sz.sizes.memory_bytes >= 16 * GiB + enc_bytes + sz.sizes.swap_space_gib * GiB
+    assert sz.sizes.memory_bytes <= H and sz.sizes.gpu_memory_utilization is None
+
+
+def test_a_cpu_only_pool_packs_fewer_replicas_when_memory_binds():
+    sz = size_pool(spec(), only_pool(spec(), node("cpu")))  # 64 CPUs / 4 = 16, but 64 GiB host memory
+    assert sz.fits and sz.replicas_per_node == 2
+    assert sz.inputs.sources["replicasPerNode"] == "memory (the CPUs would host 16)"
+    assert sz.sizes.memory_bytes <= sz.inputs.host_bytes_per_replica
+    three = size_pool(spec(), only_pool(spec(), node("cpu", memory=96 * GiB)))
+    # 86.4 GiB usable: 5 x (16 + 1) would fit engines and headroom alone, but not with the caches: 4
+    assert three.replicas_per_node == 4 and three.inputs.sources["replicasPerNode"].startswith("memory")
+
+
+def test_a_cpu_only_pool_with_too_few_cpus_says_so():
+    s = spec(server={"cpus": 128})
+    sz = size_pool(s, only_pool(s, node("cpu", memory=512 * GiB)))
+    assert not sz.fits and sz.capacity_per_node == 0
+    assert "nodes have 64 allocatable CPUs, a replica needs 128 (spec.server.cpus)" in sz.message
+
+
+def test_gpus_per_replica_0_makes_gpu_nodes_host_cpu_only_replicas():
+    s = spec(server={"gpusPerReplica": 0, "cpus": 16})
+    sz = size_pool(s, only_pool(s, h200()))
+    assert sz.fits and sz.replicas_per_node == 4  # 64 CPUs / 16, not the 8 GPUs
+    assert sz.inputs.sources["gpuMemory"] == "none (CPU-only)" and sz.inputs.gpu_bytes_per_replica == 0
+
+
+@pytest.mark.parametrize("engine", [VLLM, FD])
+def test_a_gpu_engine_on_a_cpu_only_node_cannot_host_and_says_which_would(engine):
+    s = spec(engine=engine)
+    sz = size_pool(s, only_pool(s, node("cpu", memory=512 * GiB)))
+    assert not sz.fits and sz.capacity_per_node == 0
+    assert "0 allocatable GPUs (nvidia.com/gpu)" in sz.message and "engine.kind auto or warmfleet" in sz.message
 
 
 def test_gpus_without_memory_label_use_the_batched_tokens_floor():

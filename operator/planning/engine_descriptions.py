@@ -370,6 +370,10 @@ def check_spec(spec: InferenceServiceSpec) -> None:
         raise SpecError("spec.router.kvEventsCurve", f"applies to engine warmfleet only: {engine.kind}'s KV-event "
                                                     "socket has no CURVE (keep spec.server.networkPolicy on instead)")
     gpr = spec.server.gpus_per_replica
+    if gpr == 0 and engine.gpu_attention:
+        raise SpecError("spec.server.gpusPerReplica", f"is 0, but engine {engine.kind} runs on GPUs (the operator renders "
+                                                      "no CPU build of it); use engine.kind warmfleet or auto for CPU-only "
+                                                      "replicas, or gpusPerReplica 1 or more")
     if gpr > 1 and not engine.tensor_parallel:
         raise SpecError(
             "spec.server.gpusPerReplica",

@@ -61,6 +61,7 @@ class NodeInfo:
     gpu_memory_source: MemorySource | None = None  # label, product or instance-type; None: unknown
     instance_type: str = ""  # node.kubernetes.io/instance-type
     device_counts: Mapping[str, int] = field(default_factory=dict, hash=False)  # allocatable extended resources (x/y)
+    cpu_millis: int = 0  # allocatable CPU, millicores
 
     def gpus_of(self, resource: str | None) -> tuple[str, int]:
         """(resource, allocatable count): spec.server.gpuResource when set, else this node's own GPU resource."""
@@ -102,6 +103,10 @@ def node_info(body: Mapping[str, Any]) -> NodeInfo:
         memory = int(parse_quantity(alloc.get("memory", "0")))
     except ValueError:
         memory = 0
+    try:
+        cpu_millis = int(parse_quantity(alloc.get("cpu", "0")) * 1000)
+    except ValueError:
+        cpu_millis = 0
     return NodeInfo(
         name=meta.get("name", ""),
         labels=labels,
@@ -114,6 +119,7 @@ def node_info(body: Mapping[str, Any]) -> NodeInfo:
         gpu_memory_source=source,
         instance_type=labels.get(INSTANCE_TYPE_LABEL, ""),
         device_counts=devices,
+        cpu_millis=cpu_millis,
     )
 
 
@@ -139,6 +145,7 @@ class Pool:
     gpu_resource: str = GPU_RESOURCE  # the extended resource replicas request
     gpu_memory_source: MemorySource | None = None  # label, product, instance-type or spec; None: unknown
     instance_types: tuple[str, ...] = ()  # the members' instance types, when the memory came from them
+    cpu_millis: int = 0  # the smallest allocatable CPU among the nodes, millicores (sizes CPU-only replicas)
 
     @property
     def has_gpus(self) -> bool:
@@ -158,12 +165,13 @@ def _slug(text: str, limit: int) -> str:
 
 def pool_name(named: str | None, product: str, gpus: int, gpu_memory_mib: int, resource: str = GPU_RESOURCE,
               source: MemorySource | None = "label", shown: str | None = None) -> str:
-    """Stable name of a GPU shape, e.g. `h200-8g-1a2b3`; prefixed by the named pool. `shown` (the product an
+    """Stable name of a GPU shape, e.g. `h200-8g-1a2b3` (`cpu-1a2b3` for nodes without GPUs); prefixed by the named pool. `shown` (the product an
     instance type carries) names a pool GFD did not label; shapes with labels keep the names they always had."""
     key = f"{named}|{product}|{gpu_memory_mib}|{gpus}" + ("" if resource == GPU_RESOURCE else f"|{resource}")
     key += "" if source in (None, "label") else f"|{source}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:5]
-    base = f"{_slug(shown or product, 16)}-{gpus}g-{digest}"
+    cpu = gpus == 0 and (shown or product) == "unknown"  # a CPU-only shape (it hosts CPU-only replicas)
+    base = f"cpu-{digest}" if cpu else f"{_slug(shown or product, 16)}-{gpus}g-{digest}"
     return f"{named}-{base}" if named else base
 
 
@@ -203,6 +211,7 @@ def derive_pools(spec: InferenceServiceSpec, nodes: list[NodeInfo]) -> list[Pool
                 name=base if i == 0 else f"{base}-{bucket * HOST_MEMORY_BUCKET // GiB}gi",
                 named=pname, gpu_product=product, gpu_memory_mib=mib, gpus_per_node=gpus,
                 host_memory_bytes=min(n.memory_bytes for n in members),
+                cpu_millis=min(n.cpu_millis for n in members),
                 nodes=tuple(n.name for n in members),
                 selector=tuple(sorted(selectors[pname].items())),
                 gpu_resource=resource, gpu_memory_source=source,

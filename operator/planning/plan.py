@@ -86,7 +86,7 @@ def pool_status(p: server_pool.PlannedPool, ready: int, engine: EngineKind) -> P
         nodes=list(pool.nodes),
         shape=PoolShape(gpu_product=pool.gpu_product, gpu_memory_mib=pool.gpu_memory_mib,
                         gpus_per_node=pool.gpus_per_node, host_memory_bytes=pool.host_memory_bytes,
-                        gpu_resource=pool.gpu_resource),
+                        gpu_resource=pool.gpu_resource, cpu_millis=pool.cpu_millis),
         fits=p.sizing.fits,
         message=p.sizing.message,
         replicas=p.replicas,

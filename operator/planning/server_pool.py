@@ -41,7 +41,7 @@ from warmfleet.operator.planning.objects import (
     spread_over_nodes,
 )
 from warmfleet.operator.planning.pod_overlay import overlay_server_pod
-from warmfleet.operator.planning.sizing import PoolSizing
+from warmfleet.operator.planning.sizing import PoolSizing, cpu_only
 from warmfleet.operator.planning.tracing import engine_tracing
 from warmfleet.operator.spec.constants import POOL_LABEL, SIZING_HASH_ANNOTATION
 from warmfleet.operator.spec.inference_service import DEFAULT_DTYPE, InferenceServiceSpec, served_name
@@ -122,6 +122,7 @@ def server_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, plan
     match = {**server_selector(owner), POOL_LABEL: pool.name}
     d = spec.disruption
     engine = engine_of(spec)
+    cpu = cpu_only(spec, pool)
     src = spec.model.parsed_source
     cache_dir = (node_cache_dir(spec, None if policy.share_model_cache else owner.namespace)
                  if src is not None and src.downloads else None)
@@ -156,15 +157,17 @@ def server_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, plan
                 "spec": {
                     "affinity": node_affinity(spec, pool),
                     "topologySpreadConstraints": spread_over_nodes(match),
-                    "tolerations": [{"key": key, "operator": "Exists", "effect": "NoSchedule"}
-                                    for key in dict.fromkeys((GPU_RESOURCE, pool.gpu_resource))],
+                    # a CPU-only replica (sizing.cpu_only) takes no GPU, so it tolerates no GPU node's taint either
+                    "tolerations": [] if cpu else [{"key": key, "operator": "Exists", "effect": "NoSchedule"}
+                                                   for key in dict.fromkeys((GPU_RESOURCE, pool.gpu_resource))],
                     "securityContext": _server_pod_security(spec),
                     # engines never call the API server: no token of the namespace's default ServiceAccount in the pod
                     "automountServiceAccountToken": False,
                     # preStop, then the engine's SIGTERM drain (`warmfleet serve --drain-timeout-s`, 30 s), then its exit
                     "terminationGracePeriodSeconds": d.drain_seconds + ENGINE_SIGTERM_DRAIN_S + 15,
                     **inits,
-                    "containers": [_server_container(owner, spec, image, sizing, model_mounts, ephemeral, pool.gpu_resource),
+                    "containers": [_server_container(owner, spec, image, sizing, model_mounts, ephemeral,
+                                                     None if cpu else pool.gpu_resource),
                                    *sidecars],
                     "volumes": volumes,
                 },
@@ -177,12 +180,14 @@ def server_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, plan
 
 
 def _server_container(owner: Owner, spec: InferenceServiceSpec, image: str, sizing: PoolSizing,
-                      model_mounts: list[dict], ephemeral: dict[str, str], gpu_resource: str = GPU_RESOURCE) -> dict[str, Any]:
-    """The engine's container: its command and rendered arguments, GPU resources (the pool's), probes, preStop drain."""
+                      model_mounts: list[dict], ephemeral: dict[str, str], gpu_resource: str | None = GPU_RESOURCE) -> dict[str, Any]:
+    """The engine's container: its command and rendered arguments, GPU resources (the pool's; None: a CPU-only
+    replica, none), probes, preStop drain."""
     assert sizing.sizes is not None
     engine = engine_of(spec)
     mem = format_bytes(sizing.sizes.memory_bytes)
-    amounts = {"cpu": str(spec.server.cpus), "memory": mem, gpu_resource: str(spec.server.gpus_per_replica), **ephemeral}
+    gpus = {gpu_resource: str(spec.server.gpus_per_replica)} if gpu_resource else {}
+    amounts = {"cpu": str(spec.server.cpus), "memory": mem, **gpus, **ephemeral}
     container = {
         "name": "server",
         "image": image,

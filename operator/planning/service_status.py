@@ -15,7 +15,8 @@ from warmfleet.operator.spec.schema import to_dict
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "InvalidSpec", "ModelConfigUnavailable", "EngineFit", "GPUMemoryKnown",
                    *GATEWAY_CONDITIONS)
 # Conditions whose False is a warning about the pools (the service may still be Ready): a Warning Event when they turn
-# False with a new reason. EngineFit: the engine has no GPU attention backend on GPU pools; GPUMemoryKnown: no
+# False with a new reason. EngineFit: the engine has no GPU attention backend on GPU pools, or a GPU engine meets
+# pools without GPUs (NoCPUBuild); GPUMemoryKnown: no
 # source gave a GPU pool's memory (nodes.py), so its encoder cache stays at the floor.
 POOL_WARNING_CONDITIONS = ("EngineFit", "GPUMemoryKnown")
 # Ready=False reasons that are progress, not a problem: every other Ready=False reason (a pod problem,
@@ -141,9 +142,11 @@ def pool_conditions(plan: Plan) -> list[Condition]:
     choice = plan.engine_choice
     if choice is not None and choice.lacks_gpu_backend:
         out.append(_cond("EngineFit", False, "NoGPUAttentionBackend", choice.no_gpu_backend_message()))
+    elif choice is not None and choice.gpu_engine_on_cpu_pools:
+        out.append(_cond("EngineFit", False, "NoCPUBuild", choice.cpu_pools_message()))
     elif choice is not None and choice.chosen_by == "spec":
         out.append(_cond("EngineFit", True, "EngineFromSpec", choice.reason))
-    elif choice is not None and choice.gpu_pools:
+    elif choice is not None and choice.gpu_pools and not choice.cpu_replicas:
         out.append(_cond("EngineFit", True, "AutoGPUPools", choice.reason))
     elif choice is not None:
         out.append(_cond("EngineFit", True, "AutoCPUOnly", choice.reason))

@@ -61,38 +61,87 @@ def _clamp(value: float, size: GiBSize | TokenSize) -> tuple[float, str]:
     return value, "auto"
 
 
+def cpu_only(spec: InferenceServiceSpec, pool: Pool) -> bool:
+    """Replicas of `pool` request no GPU: an engine without a GPU attention backend (warmfleet's) on a pool without
+    GPUs, or with spec.server.gpusPerReplica 0. They are packed by allocatable CPU and host memory instead."""
+    return not engine_of(spec).gpu_attention and (spec.server.gpus_per_replica == 0 or not pool.has_gpus)
+
+
 def size_pool(spec: InferenceServiceSpec, pool: Pool) -> PoolSizing:
     """Derive per-replica sizes for `pool` (formulas in docs/sizing.md); explicit (Fixed) sizes win.
 
     The engine's description says where each cache lives (process memory, /dev/shm) and how
     many host bytes its CPU KV tier takes per byte asked for; the formulas are the same for all.
+    GPU pools host GPUs per node / gpusPerReplica replicas; CPU-only ones (cpu_only) as many as CPU and memory allow.
     """
+    if cpu_only(spec, pool):
+        return _size_cpu_pool(spec, pool)
+    gpr = spec.server.gpus_per_replica
+    R = pool.gpus_per_node // gpr if gpr else 0
+    if R == 0:
+        return PoolSizing(False, _too_few_gpus(spec, pool), 0, None, None)
+    return _size_replicas(spec, pool, R, gpr)
+
+
+def _too_few_gpus(spec: InferenceServiceSpec, pool: Pool) -> str:
+    """Why a GPU engine's replica does not fit the pool's GPUs; on a CPU-only pool, which engine would."""
+    have, gpr, kind = pool.gpus_per_node, spec.server.gpus_per_replica, spec.engine.kind
+    if have == 0:
+        return (f"nodes have 0 allocatable GPUs ({pool.gpu_resource}), a replica needs {gpr}: engine {kind} runs on GPUs "
+                "here (the operator renders no CPU build of it); for CPU-only nodes use engine.kind auto or warmfleet")
+    return f"nodes have {have} allocatable {'GPU' if have == 1 else 'GPUs'}, a replica needs {gpr}"
+
+
+def _size_cpu_pool(spec: InferenceServiceSpec, pool: Pool) -> PoolSizing:
+    """A CPU-only pool: as many replicas per node as its allocatable CPU (spec.server.cpus each) hosts, fewer while a
+    replica's memory does not fit its share of host memory; sources.replicasPerNode says which limit held."""
+    cpus = spec.server.cpus
+    by_cpu = pool.cpu_millis // (cpus * 1000)
+    if by_cpu == 0:
+        return PoolSizing(False, f"nodes have {pool.cpu_millis / 1000:g} allocatable CPUs, a replica needs {cpus} "
+                                 "(spec.server.cpus)", 0, None, None)
+    usable = pool.host_memory_bytes * (1 - spec.cache.host_reserve_fraction)
+    engine_bytes = spec.server.engine_memory_gib * GiB + SHM_HEADROOM_BYTES
+    R = max(1, min(by_cpu, int(usable // engine_bytes)))  # no replica needs less than its engine and /dev/shm headroom
+    while True:
+        sizing = _size_replicas(spec, pool, R, 0)
+        if sizing.fits or R == 1:
+            break
+        R -= 1
+    assert sizing.inputs is not None
+    sizing.inputs.sources["replicasPerNode"] = (
+        f"cpu ({pool.cpu_millis / 1000:g} allocatable / {cpus} per replica)" if R == by_cpu
+        else f"memory (the CPUs would host {by_cpu})")
+    return sizing
+
+
+def _size_replicas(spec: InferenceServiceSpec, pool: Pool, R: int, gpr: int) -> PoolSizing:
+    """The sizes of R replicas per node of `pool`, each with `gpr` GPUs (0: a CPU-only replica, whose encoder cache
+    is budgeted from, and held in, its host memory)."""
     engine = engine_of(spec)
     fp = engine.footprint
-    gpr = spec.server.gpus_per_replica
-    R = pool.gpus_per_node // gpr
-    if R == 0:
-        have = pool.gpus_per_node
-        return PoolSizing(False, f"nodes have {have} allocatable {'GPU' if have == 1 else 'GPUs'}, a replica needs {gpr}", 0, None, None)
     cache = spec.cache
     H = int(pool.host_memory_bytes * (1 - cache.host_reserve_fraction) / R)
     E = int(spec.server.engine_memory_gib * GiB)
-    sources: dict[str, str] = {"gpuMemory": pool.gpu_memory_source or "unknown"}  # nodes.py: label, product, instance-type, spec
+    sources: dict[str, str] = {"gpuMemory": pool.gpu_memory_source or "unknown"} if gpr else {"gpuMemory": "none (CPU-only)"}
     adapter, lora_device, lora_host = _lora_budget(spec, sources)
     P_gib = _processor_cache_gib(cache, H, sources)
     P = int(P_gib * GiB)
     processor_host = P * fp.processor_copies
     shm_fixed = (P if fp.processor_in_shm else 0) + SHM_HEADROOM_BYTES
-    S_gib = _swap_space_gib(cache, H, E + processor_host + shm_fixed + (lora_host or 0), fp.swap_overhead, sources)
-    swap_host = int(S_gib * GiB * fp.swap_overhead)
-    shm = _round_up_mib(shm_fixed + (swap_host if fp.swap_in_shm else 0))
-    g = pool.gpu_memory_mib * MiB
     # plan_for fills both in (spec, else config.json, else default: passes/model_config.py); a bare spec gets the defaults
     token_bytes = (spec.model.hidden_size or DEFAULT_HIDDEN_SIZE) * DTYPE_BYTES[spec.model.dtype or DEFAULT_DTYPE]
+    g = pool.gpu_memory_mib * MiB if gpr else H  # a CPU-only replica's encoder cache is a share of its host memory
     enc = _encoder_tokens(spec, engine, g, token_bytes, sources)
-    gpu_util = _gpu_memory_utilization(engine, g, enc, token_bytes, cache.encoder_fraction)
-    memory = _round_up_mib(E + processor_host + shm + (0 if fp.swap_in_shm else swap_host) + (lora_host or 0))
-    inputs = PoolInputs(host_bytes_per_replica=H, engine_bytes=E, gpu_bytes_per_replica=g * gpr,
+    enc_host = enc * token_bytes if not gpr and enc else 0
+    if not gpr and enc is not None and sources["encoderCache"] == "auto":
+        sources["encoderCache"] = "auto (host memory)"
+    S_gib = _swap_space_gib(cache, H, E + processor_host + shm_fixed + enc_host + (lora_host or 0), fp.swap_overhead, sources)
+    swap_host = int(S_gib * GiB * fp.swap_overhead)
+    shm = _round_up_mib(shm_fixed + (swap_host if fp.swap_in_shm else 0))
+    gpu_util = _gpu_memory_utilization(engine, g, enc, token_bytes, cache.encoder_fraction) if gpr else None
+    memory = _round_up_mib(E + processor_host + enc_host + shm + (0 if fp.swap_in_shm else swap_host) + (lora_host or 0))
+    inputs = PoolInputs(host_bytes_per_replica=H, engine_bytes=E, gpu_bytes_per_replica=pool.gpu_memory_mib * MiB * gpr,
                         bytes_per_encoder_token=token_bytes, bytes_per_adapter=adapter, sources=sources)
     sizes = PoolSizes(replicas_per_node=R, swap_space_gib=S_gib, encoder_cache_tokens=enc, processor_cache_gib=P_gib,
                       gpu_memory_utilization=gpu_util, memory_bytes=memory, shm_bytes=shm, lora_device_bytes=lora_device,

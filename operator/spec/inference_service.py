@@ -195,8 +195,11 @@ class ServerSpec:
     )
     image_pull_policy: Literal["IfNotPresent", "Always", "Never"] = prop("IfNotPresent", doc="Kubernetes image pull policy.")
     gpus_per_replica: int = prop(
-        1, doc="GPUs (nvidia.com/gpu, or gpuResource) per replica; replicas per node = GPUs per node ÷ this. Above 1 the engine runs tensor parallel (vllm, fastdeploy; warmfleet runs one device per replica).",
-        minimum=1, maximum=16,
+        1, doc=("GPUs (nvidia.com/gpu, or gpuResource) per replica; replicas per node = GPUs per node ÷ this. Above 1 the engine "
+                "runs tensor parallel (vllm, fastdeploy; warmfleet runs one device per replica). 0: replicas request no GPU and "
+                "are packed by allocatable CPU (cpus) and host memory, engine warmfleet only (CPU attention); warmfleet's "
+                "replicas on a pool without GPUs are sized so whatever this says (docs/sizing.md)."),
+        minimum=0, maximum=16,
     )
     cpus: int = prop(4, doc="CPU cores requested per replica (also the limit).", minimum=1, maximum=512)
     engine_memory_gib: float = prop(
@@ -576,13 +579,16 @@ class PoolShape:
     gpus_per_node: int = prop(doc="Allocatable GPUs (gpuResource) per node.")
     gpu_resource: str = prop("nvidia.com/gpu", doc="The extended resource counted as GPUs and requested by replicas.")
     host_memory_bytes: int = prop(doc="Smallest allocatable host memory among the pool's nodes, bytes.", format="int64")
+    cpu_millis: int = prop(0, doc="Smallest allocatable CPU among the pool's nodes, millicores (packs CPU-only replicas: docs/sizing.md).",
+                           format="int64")
 
 
 @dataclass(kw_only=True)
 class PoolSizes:
     """Per-replica sizes derived for one pool, as rendered into pod args and resources (flags per engine: docs/sizing.md)."""
 
-    replicas_per_node: int = prop(doc="floor(GPUs per node / GPUs per replica).")
+    replicas_per_node: int = prop(doc=("floor(GPUs per node / GPUs per replica); CPU-only replicas: floor(CPUs per node / "
+                                       "server.cpus), fewer while memory does not fit (inputs.sources.replicasPerNode)."))
     swap_space_gib: float = prop(doc="CPU KV tier, GiB (warmfleet and FastDeploy --swap-space, vLLM --kv-offloading-size; 0 disables).")
     encoder_cache_tokens: Optional[int] = prop(
         None, doc="Encoder cache, tokens (--max-encoder-cache); absent when the engine sizes its own (vLLM).", format="int64",
@@ -614,7 +620,8 @@ class PoolInputs:
     sources: dict[str, str] = prop({}, doc=("Per size: auto, fixed, min or max (which bound clamped it); lora: the adapter's inputs; "
                                              "gpuMemory: label (nvidia.com/gpu.memory), product (the table of nvidia.com/gpu.product "
                                              "values), instance-type (node.kubernetes.io/instance-type), spec (server.gpuMemoryGib) "
-                                             "or unknown."))
+                                             "or unknown (none (CPU-only) for replicas without GPUs); replicasPerNode "
+                                             "(CPU-only replicas): cpu or memory, the limit that held."))
 
 
 @dataclass(kw_only=True)
