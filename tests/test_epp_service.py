@@ -318,3 +318,45 @@ async def test_an_adapter_request_goes_only_where_the_adapter_is_served_and_book
         s.cancel()
         await until(lambda: sum(f.in_flight().values()) == 0, "stream released")
         assert f.fleet.adapters.replicas[url].in_flight == {}
+
+
+async def test_requests_over_the_replicas_limits_get_their_400_before_any_pick(tiny_model_dir):
+    """Issue 40: `warmfleet epp --max-choices-per-request/--limit-mm-per-prompt` refuse as the proxy door does, with
+    the replicas' own 400 as an immediate response, before the router renders, picks or books anything."""
+    from warmfleet.server.api.errors import APIError
+    from warmfleet.server.api.limits import check_fanout
+    async with EppFleet(tiny_model_dir, settings={"max_choices_per_request": 8,
+                                                  "limit_mm_per_prompt": '{"image": 2}'}) as f:
+        routed = []
+        router = f.epp.door.router
+
+        async def counting(kind, body, eligible=None):
+            routed.append(body)
+            return await real_route(kind, body, eligible)
+
+        real_route = router.route
+        router.route = counting
+        with pytest.raises(APIError) as replica:  # the very answer a replica with the same limit gives
+            check_fanout(5, 2, 8)
+        s = f.stream()
+        await s.send(request_headers(path="/v1/completions"))
+        await s.send(request_body(raw({"model": "tiny", "prompt": ["hi"] * 5, "n": 2}), eos=True))
+        first = await s.recv()
+        assert first.immediate_response.status.code == 400
+        assert json.loads(first.immediate_response.body)["error"] == {
+            "message": replica.value.message, "type": "invalid_request_error", "param": "prompt",
+            "code": "too_many_choices"}
+        _, over_n, _, _ = await pick_full_duplex(f, raw(chat("many samples", n=9)))
+        assert over_n.immediate_response.status.code == 400
+        assert json.loads(over_n.immediate_response.body)["error"]["param"] == "n"
+        image = {"type": "image_url", "image_url": {"url": "http://10.0.0.1/a.png"}}
+        body = {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "look"},
+                                                                           image, image, image]}]}
+        _, over_images, _, _ = await pick_full_duplex(f, raw(body))
+        assert over_images.immediate_response.status.code == 400
+        err = json.loads(over_images.immediate_response.body)["error"]
+        assert err["code"] == "invalid_image" and err["param"] == "messages.0.content.3"
+        assert routed == [] and sum(f.in_flight().values()) == 0 and not f.epp.limiter.open
+        ok, at_limit, _, _ = await pick_full_duplex(f, raw(chat("just enough", n=8)))
+        assert at_limit.HasField("request_headers") and len(routed) == 1  # at the limit: picked
+        ok.cancel()

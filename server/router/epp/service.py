@@ -15,6 +15,9 @@ One gRPC stream per HTTP request, FULL_DUPLEX_STREAMED (what GIE gateways config
           ─ … eos / trailers ─────────▶  usage (usage.cached_tokens) + leave
     a stream that ends any other way (Envoy cancels it) still leaves and frees the client's slot.
 
+A generation body over the replicas' per-request limits (`--max-choices-per-request`, `--limit-mm-per-prompt`:
+core/admission.py) is answered with the replicas' own 400 as an immediate response, before any pick.
+
 BUFFERED request bodies are answered in the body response instead (headers pass at once: Envoy holds them until
 the body response, which carries the header mutation). Paths other than chat and completions are not routed by
 cache: they go to the least-loaded eligible endpoint, picked from the headers, and the body passes unchanged.
@@ -38,6 +41,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from ... import otel, tracing
 from ...multimodal.url_hashes import HEADER as MEDIA_HEADER
+from ..core.admission import request_limits
 from ..core.booking import Booking
 from ..core.errors import NO_REPLICA, Refusal, parse_json_object
 from ..core.policy import least_loaded
@@ -162,6 +166,9 @@ class Exchange:
         if isinstance(client, Refusal):
             return [self.refuse(client)]
         self.client = client
+        refused = self.door.limits.refusal(self.kind, body)  # the replicas' own 400, before any pick or fetch
+        if refused is not None:
+            return [self.refuse(refused)]
         booking = await self.router.route(self.kind, body, self.eligible())
         if booking is None:
             return [self.refuse(NO_REPLICA if self.subset is None else NO_SUBSET_ENDPOINT)]
@@ -314,6 +321,7 @@ class EppDoor:
         self.rt, self.router, self.limiter, self.metrics = rt, router, limiter, router.metrics
         self.max_request_bytes = rt.settings.max_request_bytes
         self.max_attempts = rt.settings.proxy.max_attempts
+        self.limits = request_limits(rt.settings)  # --max-choices-per-request, --limit-mm-per-prompt
         self.spans = rt.spans  # otel.Spans, None: no spans
 
     def replica_at(self, endpoint: str) -> Optional[Replica]:
