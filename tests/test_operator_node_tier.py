@@ -322,3 +322,24 @@ async def test_the_operator_applies_the_tier_and_prunes_it_when_turned_off(clust
         (dep,) = server_deployments(cluster).values()
         assert "--node-tier" not in server_container(dep)["args"]
         assert obj(cluster, "v1/secrets", "qwen-node-tier")["data"]["token"] == token  # never rewritten
+
+
+@pytest.mark.parametrize("engine, flags", [
+    ({"kind": "vllm", "image": "vllm:1"}, ["--kv-offloading-size", "--kv-offloading-backend"]),
+    ({"kind": "fastdeploy", "image": "fd:1"}, ["--swap-space"]),
+])
+def test_a_vllm_or_fastdeploy_pool_keeps_its_per_replica_cpu_tier_and_status_and_render_say_so(engine, flags):
+    from warmfleet.operator.wiring.command import render_warnings
+
+    body = svc({"mode": "Auto"}, engine=engine)
+    plan = planned(body, [l4()])
+    (p,) = plan.pools
+    message = p.sizing.node_tier.message
+    assert p.sizing.node_tier.capacity_bytes == 0 and "keep their own CPU tier" in message
+    assert all(f in message for f in flags)
+    assert ("LMCache" in message) == (engine["kind"] == "vllm")  # what vLLM pools lack yet, named
+    assert f"pool {p.pool.name}: no node tier: {message}" in render_warnings(plan)
+    (server,) = [d for d in of(render(body, [node_info(l4())], IMAGES), "Deployment")
+                 if d["metadata"]["labels"]["app.kubernetes.io/component"] == "server"]
+    args = server["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert all(f in args for f in flags)  # the tier the message names is the one rendered

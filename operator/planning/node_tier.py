@@ -29,6 +29,9 @@ from warmfleet.operator.spec.node_tier import NodeTierSpec, NodeTierStatus
 NODE_TIER_BASE_BYTES = 512 * MiB  # the interpreter, asyncio, msgpack frames in flight (1 MiB pieces), the ZMQ queue
 NODE_TIER_HEADROOM = 0.10  # Python's own bookkeeping of the entries beyond --capacity-bytes (docs/node-tier.md: ~10 %)
 NODE_TIER_SOURCE = "nodeTier"  # inputs.sources.swapSpace of a pool whose replicas use the node tier
+# The CPU tier each replica of another engine keeps instead (rendered by engine_descriptions.py, sized like the swap tier)
+OWN_CPU_TIER = {"vllm": "vLLM's native offloading: --kv-offloading-backend native, --kv-offloading-size",
+                "fastdeploy": "FastDeploy's hierarchical cache: --swap-space"}
 
 
 def size_pool(spec: InferenceServiceSpec, pool: Pool) -> sizing.PoolSizing:
@@ -39,8 +42,7 @@ def size_pool(spec: InferenceServiceSpec, pool: Pool) -> sizing.PoolSizing:
         return base
     kind = engine_of(spec).kind
     if kind != "warmfleet":
-        return dataclasses.replace(base, node_tier=_absent(pool, spec.cache, base, (
-            f"engine {kind} has no node-tier client (only warmfleet's engine): its replicas keep their own CPU tier")))
+        return dataclasses.replace(base, node_tier=_absent(pool, spec.cache, base, other_engine_message(kind)))
     without_swap = sizing.size_pool(_no_swap(spec), pool)
     if not without_swap.fits or without_swap.sizes is None or without_swap.inputs is None:
         return base
@@ -50,6 +52,16 @@ def size_pool(spec: InferenceServiceSpec, pool: Pool) -> sizing.PoolSizing:
     inputs = dataclasses.replace(without_swap.inputs,
                                  sources={**without_swap.inputs.sources, "swapSpace": NODE_TIER_SOURCE})
     return dataclasses.replace(without_swap, inputs=inputs, node_tier=tier)
+
+
+def other_engine_message(kind: str) -> str:
+    """Why a pool of engine `kind` (not warmfleet's) gets no node tier, and what its replicas keep instead."""
+    own = OWN_CPU_TIER.get(kind, "the engine's own")
+    out = (f"engine {kind} has no node-tier client (only warmfleet's engine): its replicas keep their own CPU tier "
+           f"({own}, sized like the swap tier)")
+    if kind == "vllm":  # LMCache's server runs on CPU (tests/vllm/test_vllm_lmcache.py), not yet rendered
+        out += "; a node-shared tier through LMCache's server is not rendered yet (docs/node-tier-vllm.md)"
+    return out
 
 
 def size_node_tier(tier: NodeTierSpec, cache: CacheSpec, pool: Pool, replicas_per_node: int,

@@ -93,6 +93,8 @@ class VllmReplica:
     port: int = field(default_factory=free_port)
     events: int = field(default_factory=free_port)
     replay: int = field(default_factory=free_port)
+    extra_args: list[str] = field(default_factory=list)  # after the rendered ones (test_vllm_lmcache.py: its connector)
+    extra_env: dict[str, str] = field(default_factory=dict)
     proc: Optional[subprocess.Popen] = None
 
     @property
@@ -115,9 +117,10 @@ class VllmReplica:
         kv_events.update(endpoint=f"tcp://*:{self.events}", replay_endpoint=f"tcp://*:{self.replay}")
         args = substitute(args, "--kv-events-config", json.dumps(kv_events))
         args = substitute(substitute(args, "--kv-offloading-size", None), "--kv-offloading-backend", None)
-        env = dict(os.environ, **{e["name"]: e["value"] for e in container.get("env", [])}, VLLM_CPU_KVCACHE_SPACE="1")
+        env = dict(os.environ, **{e["name"]: e["value"] for e in container.get("env", [])}, VLLM_CPU_KVCACHE_SPACE="1",
+                   **self.extra_env)
         assert env["PYTHONHASHSEED"] == "0"
-        self.proc = subprocess.Popen([self.python, "-m", "vllm.entrypoints.openai.api_server", *args],
+        self.proc = subprocess.Popen([self.python, "-m", "vllm.entrypoints.openai.api_server", *args, *self.extra_args],
                                      env=env, cwd=self.log.parent, stdout=self.log.open("ab"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
 
