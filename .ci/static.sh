@@ -268,7 +268,7 @@ render_all() {  # $1 = output dir; fills chart-*.yaml and operator-*.yaml
     --set metrics.serviceMonitor.enabled=true --set metrics.dashboard.enabled=true \
     --set metrics.prometheusRule.enabled=true \
     --set 'operator.watchNamespaces={ml,research}' --set operator.verbose=true \
-    --set admission.enabled=true --set 'admission.allowedImagePrefixes={ghcr.io/warmfleet/,vllm/}' >"$out/chart-full.yaml" \
+    --set admission.enabled=true --set 'admission.allowedImagePrefixes={ghcr.io/warmfleet/,vllm/,ccr-2vdh3abv-pub.cnc.bj.baidubce.com/paddlepaddle/}' >"$out/chart-full.yaml" \
     || die "helm template (everything on) failed"
   "$HELM" template wf "$chart" --namespace warmfleet-system \
     --set crds.install=false --set rbac.create=false --set serviceAccount.create=false \

@@ -55,7 +55,7 @@ def test_helm_lint_strict(helm):
 def test_template_objects_validate_against_kubernetes_schemas(helm):
     import kubernetes_validate as kv
     docs = template(helm, "metrics.dashboard.enabled=true", "operator.watchNamespaces={ml,research}", "operator.verbose=true",
-                    "admission.enabled=true", "admission.allowedImagePrefixes={ghcr.io/warmfleet/,vllm/}")
+                    "admission.enabled=true", f"admission.allowedImagePrefixes={{ghcr.io/warmfleet/,vllm/,{FD_REGISTRY}}}")
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == sorted(["CustomResourceDefinition", "ServiceAccount", "ClusterRole", "ClusterRole", "ClusterRoleBinding",
                             "ClusterRoleBinding", "Deployment", "ConfigMap", "NetworkPolicy",
@@ -190,8 +190,8 @@ def test_rbac_covers_exactly_what_the_operator_writes(helm):
         if kind == "InferenceService":
             assert granted[(group, plural)] == {"list", "watch", "patch"}
             assert granted[(group, plural + "/status")] == {"patch"}
-        elif kind == "Deployment":
-            assert granted[(group, plural)] == {"get", "list", "watch", "create", "patch", "delete"}
+        elif kind in ("Deployment", "DaemonSet"):  # watched: their ready pods flow into status
+            assert granted[(group, plural)] == {"get", "list", "watch", "create", "patch", "delete"}, kind
         elif kind == "PersistentVolumeClaim":  # read only: does a not-Ready pod's claim exist?
             assert granted[(group, plural)] == {"get"}
         elif kind == "Secret":  # GET of the Secrets a spec names (never list or watch); create: the admin key
@@ -447,11 +447,57 @@ def test_operator_pod_can_be_shaped(helm, tmp_path):
         assert run(helm, "template", "wf", str(CHART), "--set", bad).returncode != 0, bad
 
 
+FD_REGISTRY = "ccr-2vdh3abv-pub.cnc.bj.baidubce.com/paddlepaddle/"  # FastDeploy's official registry
+# an air-gapped install: every default image from the cluster's own mirror
+MIRRORED = ("image.repository=registry.internal/warmfleet-slim", "engineImage.repository=registry.internal/warmfleet",
+            "operator.defaultImages.vllm=registry.internal/vllm/vllm-openai:v0.32.0",
+            "operator.defaultImages.fastdeploy=registry.internal/paddlepaddle/fastdeploy-cuda-12.6:2.3.0")
+
+
+def operator_args(docs):
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    return dep["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_default_peer_images_are_the_pinned_ones_and_a_mirror_replaces_them(helm):
+    import argparse
+
+    from warmfleet.operator.planning import engine_descriptions
+    from warmfleet.operator.wiring.command import add_arguments, default_images
+
+    args = operator_args(template(helm))
+    assert f"--vllm-image={engine_descriptions.VLLM_IMAGE}" in args  # the chart's defaults follow the code's pins
+    assert f"--fastdeploy-image={engine_descriptions.FASTDEPLOY_IMAGE}" in args
+    args = operator_args(template(helm, *MIRRORED))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert args[0] == "operator"  # command: ["warmfleet"]
+    parsed = parser.parse_args(args[1:])  # what the operator's own argparse makes of the chart's arguments
+    assert dict(default_images(parsed).engines) == {
+        "vllm": "registry.internal/vllm/vllm-openai:v0.32.0",
+        "fastdeploy": "registry.internal/paddlepaddle/fastdeploy-cuda-12.6:2.3.0"}
+    assert default_images(parsed).engine == "registry.internal/warmfleet:0.1.0"
+    assert run(helm, "template", "wf", str(CHART), "--set", "operator.defaultImages.vllm=").returncode != 0
+
+
+@pytest.mark.parametrize("left_out", range(4))
+def test_the_allow_list_refuses_a_chart_whose_default_image_escapes_it(helm, left_out):
+    """A service that names no image runs the defaults: the policy sees no image to check, so the chart checks them."""
+    sets = list(MIRRORED)
+    key, _, value = sets.pop(left_out).partition("=")  # this one keeps its public default
+    proc = run(helm, "template", "wf", str(CHART), "--set", "admission.enabled=true",
+               "--set", "admission.allowedImagePrefixes={registry.internal/}", *(a for s in sets for a in ("--set", s)))
+    assert proc.returncode != 0 and "admits no prefix of the default image" in proc.stderr, proc.stderr
+    assert "point image, engineImage or operator.defaultImages at an allowed mirror" in proc.stderr
+    # with the allow-list off (or admission off) a public default is fine
+    assert run(helm, "template", "wf", str(CHART), *(a for s in sets for a in ("--set", s))).returncode == 0
+
+
 def test_admission_policy_is_opt_in_and_says_what_it_refuses(helm):
     """Issue 40: image allow-lists, the hostPath prefixes and no keyless LoadBalancer, checked by the API server (the
     rules as rendered here; test_template_objects_validate_against_kubernetes_schemas checks the objects' shape)."""
     assert not [d for d in template(helm) if d["kind"].startswith("ValidatingAdmissionPolicy")]
-    docs = template(helm, "admission.enabled=true", "admission.allowedImagePrefixes={registry.internal/}",
+    docs = template(helm, "admission.enabled=true", "admission.allowedImagePrefixes={registry.internal/}", *MIRRORED,
                     "operator.hostPathPrefixes={/var/cache/warmfleet,/mnt/models}", "operator.watchNamespaces={ml}")
     (policy,) = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicy"]
     (binding,) = [d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding"]

@@ -234,6 +234,37 @@ def test_an_explicit_engine_image_wins_and_server_image_never_runs_a_peer_engine
     assert {c["image"] for c in server_containers(plan)} == {"mine.example/warmfleet:1"}
 
 
+def test_operator_wide_images_replace_the_pinned_defaults(tmp_path, capsys, monkeypatch):
+    """An air-gapped cluster: --vllm-image / WARMFLEET_FASTDEPLOY_IMAGE (chart: operator.defaultImages) replace the pinned
+    images in what `warmfleet operator render` prints; a spec's engine.image still wins; warmfleet's engine is untouched."""
+    from warmfleet.cli import main
+
+    nodes = tmp_path / "nodes.yaml"
+    nodes.write_text(yaml.safe_dump_all([l4()]))
+    f = tmp_path / "svc.yaml"
+
+    def images(engine, *flags):
+        f.write_text(yaml.safe_dump(svc(engine)))
+        capsys.readouterr()
+        assert main(["operator", "render", "-f", str(f), "--nodes", str(nodes), *flags]) == 0
+        docs = list(yaml.safe_load_all(capsys.readouterr().out))
+        deps = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] != "qwen-router"]
+        return {d["spec"]["template"]["spec"]["containers"][0]["image"] for d in deps}
+
+    mirror = "registry.internal/vllm/vllm-openai:v0.32.0"
+    assert images(None) == {engine_descriptions.VLLM_IMAGE}
+    assert images(None, "--vllm-image", mirror) == {mirror}  # auto on GPUs: vLLM, from the mirror
+    assert images({"kind": "vllm", "image": "mine.example/vllm:1"}, "--vllm-image", mirror) == {"mine.example/vllm:1"}
+    monkeypatch.setenv("WARMFLEET_FASTDEPLOY_IMAGE", "registry.internal/fastdeploy:2.3.0")
+    assert images({"kind": "fastdeploy"}) == {"registry.internal/fastdeploy:2.3.0"}
+    assert images({"kind": "fastdeploy"}, "--fastdeploy-image", "other.internal/fd:2.3.0") == {"other.internal/fd:2.3.0"}
+    assert images({"kind": "warmfleet"}, "--vllm-image", mirror, "--default-image", "engine.internal/wf:1") == {
+        "engine.internal/wf:1"}
+    with pytest.raises(SystemExit) as exit_:  # a bad flag: argparse's one line, exit 2
+        main(["operator", "render", "-f", str(f), "--nodes", str(nodes), "--vllm-image", "a b"])
+    assert exit_.value.code == 2 and "not an image reference: 'a b'" in capsys.readouterr().err
+
+
 def test_engine_of_refuses_an_unresolved_auto():
     from warmfleet.operator.spec.inference_service import parse_spec
 

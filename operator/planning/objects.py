@@ -35,6 +35,7 @@ class Images:
     engine: str
     router: str
     fetch: str = ""  # '' = router (the operator's defaults, where both are the operator's)
+    engines: tuple[tuple[str, str], ...] = ()  # (kind, image): the operator's overrides of vLLM's, FastDeploy's pinned image
 
     @property
     def fetch_image(self) -> str:
@@ -44,11 +45,13 @@ class Images:
 
 def images_for(spec: InferenceServiceSpec, defaults: Images) -> Images:
     """spec.server.image runs the router and, unless engine.image is set, the engine too (one image for both);
-    without it the operator's two default images. engine.image wins; vLLM and FastDeploy without it run their
-    description's pinned default image (the engine kind is resolved: engine_choice.resolve).
+    without it the operator's two default images. engine.image wins; vLLM and FastDeploy without it run the operator's
+    image for their kind (`defaults.engines`: --vllm-image, --fastdeploy-image), else their description's pinned default
+    (the engine kind is resolved: engine_choice.resolve).
     The node cache is written by the operator's own image whatever the spec says (a tenant's image could plant or
     read another namespace's files there)."""
-    pinned = spec.engine.image or engine_of(spec).default_image
+    engine = engine_of(spec)
+    pinned = spec.engine.image or dict(defaults.engines).get(engine.kind) or engine.default_image
     if spec.server.image:
         return Images(engine=pinned or spec.server.image, router=spec.server.image, fetch=defaults.fetch_image)
     return Images(engine=pinned or defaults.engine, router=defaults.router, fetch=defaults.fetch_image)

@@ -13,6 +13,9 @@ import yaml
 
 # The two images a release publishes (README "Images"); the chart passes both with its own tags.
 DEFAULT_IMAGE_ENV, ROUTER_IMAGE_ENV = "WARMFLEET_IMAGE", "WARMFLEET_ROUTER_IMAGE"
+# The images vLLM and FastDeploy pods run when a service names none (default: their pinned official releases); an
+# air-gapped cluster points them at its mirror (chart: operator.defaultImages).
+PEER_IMAGE_ENVS = {"vllm": "WARMFLEET_VLLM_IMAGE", "fastdeploy": "WARMFLEET_FASTDEPLOY_IMAGE"}
 ENGINE_REPOSITORY, SLIM_REPOSITORY = "ghcr.io/warmfleet/warmfleet", "ghcr.io/warmfleet/warmfleet-slim"
 
 
@@ -33,6 +36,25 @@ def _image_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router-image", default=os.environ.get(ROUTER_IMAGE_ENV) or f"{SLIM_REPOSITORY}:{_release_tag()}",
                    help="Slim image (no Paddle) of router pods and of the fetch-model init step when the service "
                         f"names none (env {ROUTER_IMAGE_ENV}).")
+    for kind, env in PEER_IMAGE_ENVS.items():
+        p.add_argument(f"--{kind}-image", type=_image_ref, default=os.environ.get(env) or None,
+                       help=f"Image of {kind} server pods when the service sets no spec.engine.image (env {env}); "
+                            "default: its pinned official release (docs/gpu-cluster.md).")
+
+
+def _image_ref(text: str) -> str:
+    """An image reference as a flag value: one token, no spaces (the registry decides the rest)."""
+    if not text or any(c.isspace() for c in text):
+        raise argparse.ArgumentTypeError(f"not an image reference: {text!r}")
+    return text
+
+
+def default_images(args: argparse.Namespace) -> Any:
+    """The operator's default images from its flags: engine, router, and the peer engines' (objects.Images)."""
+    from warmfleet.operator.planning import objects
+
+    engines = tuple((kind, image) for kind in PEER_IMAGE_ENVS if (image := getattr(args, f"{kind}_image", None)))
+    return objects.Images(engine=args.default_image, router=args.router_image, engines=engines)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -94,6 +116,7 @@ def run_operator(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"warmfleet operator: error: {exc}", file=sys.stderr)
         return 2
+    args.engine_images = default_images(args).engines  # --vllm-image, --fastdeploy-image (process.py's registry)
     return run_process(args)
 
 
@@ -171,8 +194,7 @@ def render_cmd(args: argparse.Namespace) -> int:
         name = meta.get("name")
         learned = mc.learn_now(body)  # config.json of an hf:// or s3:// source, with this machine's credentials
         try:
-            owner, spec, plan = plan_for(body, nodes, objects.Images(engine=args.default_image, router=args.router_image), learned,
-                                         policy)
+            owner, spec, plan = plan_for(body, nodes, default_images(args), learned, policy)
         except SpecError as exc:  # one readable line naming the object (the CLI prints it, exit 2)
             raise SpecError(exc.path, f"{exc.message} ({KIND} {name})") from None
         objs += owned(plan.children, body)

@@ -34,7 +34,8 @@ def default_login(**kwargs: Any) -> Any:
     return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
 
-def make_registry(*, default_image: str, router_image: str | None = None, login: LoginFn = default_login,
+def make_registry(*, default_image: str, router_image: str | None = None, engine_images: tuple[tuple[str, str], ...] = (),
+                  login: LoginFn = default_login,
                   router_url_template: str | None = None,
                   autoscale_interval_s: float = autoscale_pass.DEFAULT_INTERVAL_S,
                   adapters_interval_s: float | None = None, server_url_template: str | None = None,
@@ -42,7 +43,8 @@ def make_registry(*, default_image: str, router_image: str | None = None, login:
     """A registry holding every handler; `login` is replaceable so tests can point kopf at kmock.
 
     `default_image` runs `warmfleet` engine pods, `router_image` (default: the same) router pods and the
-    fetch-model init step, for services whose spec names no image.
+    fetch-model init step, for services whose spec names no image; `engine_images` ((kind, image)) replaces vLLM's and
+    FastDeploy's pinned default images (--vllm-image, --fastdeploy-image).
     `router_url_template` overrides where the autoscaler finds a service's routers (autoscale_pass.router_urls),
     `server_url_template` where the adapter pass finds server pods ({ip}, {name}, {port}; adapters_pass.ready_server_urls).
     `metrics` counts every reconcile (passes/operator_metrics.py); `leading` (leader election, passes/leader_election.py)
@@ -52,7 +54,8 @@ def make_registry(*, default_image: str, router_image: str | None = None, login:
     registry = kopf.OperatorRegistry()
     isvc = (GROUP, VERSION, PLURAL)
     adapters_interval_s = adapters_interval_s or adapters_pass.interval_s()
-    _add_lifecycle(registry, objects.Images(engine=default_image, router=router_image or default_image), login,
+    _add_lifecycle(registry, objects.Images(engine=default_image, router=router_image or default_image,
+                                            engines=engine_images), login,
                    metrics or OperatorMetrics(), leading or (lambda: True))
     _add_indexes(registry)
 

@@ -119,6 +119,7 @@ async def _kopf(args: Any, metrics: OperatorMetrics, leading: Any, stop: asyncio
     from warmfleet.operator.wiring.handlers import make_registry
 
     registry = make_registry(default_image=args.default_image, router_image=args.router_image,
+                             engine_images=getattr(args, "engine_images", ()),
                              router_url_template=args.router_url_template,
                              autoscale_interval_s=args.autoscale_interval, metrics=metrics, leading=leading)
     state["kopf"] = asyncio.ensure_future(kopf.operator(
