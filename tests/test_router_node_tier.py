@@ -7,7 +7,9 @@ from warmfleet.server.events import (
 )
 from warmfleet.server.router.core.index import Applied, KVIndex, PrefixMatch
 from warmfleet.server.router.core.node_tiers import NodeFeed, node_key
-from warmfleet.server.router.core.policy import PREFIX_HIT, Candidate, PolicyConfig, choose
+from warmfleet.server.router.core.policy import (
+    PREFIX_HIT, Candidate, PolicyConfig, choose, node_tier_weight, priced_copy_weight,
+)
 from warmfleet.server.router.core.settings import RouterSettings, parse_node_tier_events
 
 import pytest
@@ -75,6 +77,36 @@ def test_a_prefix_only_the_node_tier_holds_spreads_over_the_nodes_replicas():
     first = Counter(choose([Candidate("warm", gpu_blocks=32)] + [Candidate(f"c{j}") for j in range(3)],
                            block_size=B, num_prompt_tokens=33 * B, cold_key=b"k").order[0] for _ in range(5))
     assert first == {"warm": 5}
+
+
+def test_a_priced_node_tier_unties_a_prefix_hot_on_one_replica_from_it():
+    """One replica holds the prefix in its primary pool, its node's tier holds it too (written through): priced from
+    the copy (H200: 17 us a block against 16 x 25.8 us of prefill), the neighbours are nearly as warm and load
+    spreads at once; at the fixed 0.4 the holder keeps requests until bounded load forces a spill."""
+    def targets(cfg):
+        loads, seq = Counter(), []
+        for _ in range(4):
+            cands = ([Candidate("warm", gpu_blocks=32, load=loads["warm"], sent=loads["warm"])]
+                     + [Candidate(f"n{j}", node_blocks=32, load=loads[f"n{j}"], sent=loads[f"n{j}"]) for j in range(3)]
+                     + [Candidate(f"o{j}", load=1, sent=1) for j in range(12)])  # another node, busy and cold
+            d = choose(cands, block_size=B, num_prompt_tokens=33 * B, cold_key=b"k", cfg=cfg)
+            assert d.predicted_cached_tokens == 32 * B
+            loads[d.order[0]] += 1
+            seq.append(d.order[0])
+        return seq
+
+    priced = PolicyConfig(node_copy_s_per_block=1.7e-05, prefill_s_per_token=2.58e-05)
+    assert node_tier_weight(priced, B) == pytest.approx(1 - 1.7e-05 / (16 * 2.58e-05))
+    assert sorted(targets(priced)) == ["n0", "n1", "n2", "warm"]
+    assert targets(PolicyConfig())[:2] == ["warm", "warm"]
+
+
+def test_the_priced_node_tier_weight():
+    assert priced_copy_weight(0.5, 0.25, 4) == 0.5 and priced_copy_weight(2.0, 0.1, 4) == 0.0  # a copy dearer: 0
+    assert priced_copy_weight(0.0, 0.1, 4) == 1.0 and priced_copy_weight(1.0, 0.0, 4) == 0.0
+    assert node_tier_weight(PolicyConfig(node_weight=0.3, node_copy_s_per_block=1e-3), B) == 0.3  # one figure: fixed
+    with pytest.raises(ValueError, match="--node-tier-copy-s-per-block"):
+        PolicyConfig(prefill_s_per_token=-1.0)
 
 
 def test_node_tier_flags():

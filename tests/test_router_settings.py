@@ -43,7 +43,7 @@ def test_named_fields_render_in_the_given_order_default_or_not():
 
 def test_every_flag_is_declared_once_with_help():
     flags = [f.metadata["flag"] for _, f in flagfields.flag_fields(RouterSettings)]
-    assert len(flags) == len(set(flags)) == 67
+    assert len(flags) == len(set(flags)) == 69
     assert all(f.metadata["help"] for path, f in flagfields.flag_fields(RouterSettings) if path != "log_level")
     assert flagfields.flag_of(RouterSettings, "policy.epsilon") == "--balance-epsilon"
     assert flagfields.flag_of(RouterSettings, "proxy.read_timeout_s") == "--upstream-timeout-s"

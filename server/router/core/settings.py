@@ -38,7 +38,15 @@ class PolicyConfig:
     # the node's TCP, bench/node_tier.py), so local primary > local swap > node tier > cold
     node_weight: float = field(default=0.4, metadata=opt(
         "--node-tier-weight", "Worth of a block held by the replica's node tier relative to a GPU block (0..1; "
-        "keep it under --cpu-tier-weight)."))
+        "keep it under --cpu-tier-weight); replaced by the priced worth when both --node-tier-copy-s-per-block "
+        "and --prefill-s-per-token are given."))
+    # priced: a node-tier block is worth 1 - (its copy) / (its recompute), policy.priced_copy_weight
+    node_copy_s_per_block: float = field(default=0.0, metadata=opt(
+        "--node-tier-copy-s-per-block", "Measured seconds to load one KV block from the node tier into a replica "
+        "(bench/node_tier.py; with --prefill-s-per-token it prices the node-tier weight: 1 - copy / recompute)."))
+    prefill_s_per_token: float = field(default=0.0, metadata=opt(
+        "--prefill-s-per-token", "Measured seconds a replica takes to prefill one prompt token (the recompute a "
+        "node-tier copy saves; 0: --node-tier-weight as given)."))
     load_weight: float = field(default=32.0, metadata=opt(  # cached prompt tokens one request of load outweighs
         "--load-weight", "Cached prompt tokens that one in-flight request on a replica outweighs."))
     # cost of one uncached prompt token queued ahead on the replica, in tokens saved, when the prompt's cache is at
@@ -98,6 +106,8 @@ class PolicyConfig:
             raise ValueError("--cpu-tier-weight must be in [0, 1]")
         if not 0 <= self.node_weight <= 1:
             raise ValueError("--node-tier-weight must be in [0, 1]")
+        if self.node_copy_s_per_block < 0 or self.prefill_s_per_token < 0:
+            raise ValueError("--node-tier-copy-s-per-block and --prefill-s-per-token must be >= 0")
         if min(self.warm_slack, self.warm_inflight_slack, self.warm_min_tokens, self.share_epsilon,
                self.share_slack_tokens, self.max_share_slack) < 0:
             raise ValueError("--warm-slack, --warm-inflight-slack, --warm-min-tokens, --balance-share-epsilon, "
