@@ -5,8 +5,12 @@ With `--node-tier-blocks M`, replicas are grouped K per node (`--replicas-per-no
 chain's root, so only what a replica on the node could hit itself is ever shared). A replica's pool is then a
 `NodePool`: the engine's `BlockPool` with no swap tier of its own, whose host tier is the node's:
 
-* a hashed block evicted from the replica's primary pool is copied to the node tier (a swap-out, priced by the
-  time model's `swap_s_per_block`), unless the node tier holds it already (then it is only refreshed);
+* a block the replica computes is written through to the node tier as soon as it is full (a swap-out, priced by
+  the time model's `swap_s_per_block`), as the engine does (`BlockPool.cache_block`), so the node's other
+  replicas can load a prefix while it is still hot on the replica that computed it; with `exclusive` (below) it
+  is not (a block lives in one place on the node);
+* a hashed block evicted from the replica's primary pool is copied to the node tier (priced the same), unless the
+  node tier holds it already (then it is only refreshed: touch-or-put; the engine sends it again, off the step);
 * a prefix lookup that misses the primary pool goes on in the node tier (the KV cache manager's host tier), and
   the blocks found there are copied into fresh primary blocks before prefill (swap-ins, priced the same), while
   the node tier keeps them for the other replicas.
@@ -148,10 +152,24 @@ class NodePool(BlockPool):
             self._register(bid, h, parent=None, token_ids=[])
         return bids
 
+    def cache_block(self, bid: int, h: BlockHash, parent: Optional[BlockHash], token_ids: list[int],
+                    lora_name: Optional[str] = None) -> int:
+        """The engine's `cache_block`, then (inclusive tier) the block written through to the node tier."""
+        fresh = self.enable_caching and self.block_hash[bid] != h and h not in self.cached
+        kept = super().cache_block(bid, h, parent, token_ids, lora_name)
+        if fresh and not self.node.exclusive:
+            self._copy_out(kept, h)
+        return kept
+
     def _evict_gpu(self, bid: int) -> None:
         h = self.block_hash[bid]
         super()._evict_gpu(bid)
-        if h is not None and self.node.store(h):
+        if h is not None:
+            self._copy_out(bid, h)
+
+    def _copy_out(self, bid: int, h: BlockHash) -> None:
+        """`h` to the node tier: one priced copy unless the tier holds it already (then only refreshed)."""
+        if self.node.store(h):
             self.plan.swap_out.append((bid, NO_HOST_BLOCK))
             self.counters.swap_out_blocks += 1
             self.node_stored_blocks += 1

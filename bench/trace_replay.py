@@ -46,6 +46,10 @@ router's. Mooncake's conversation trace rounds its timestamps to 3 s, so 4-16 re
 same instant and K routers place them before any could learn of the others' picks; `--spread-arrivals`
 spreads each such group evenly up to the next timestamp (order kept).
 
+--node-tier (bench/replay_node.py): warmfleet only, per-replica `--cpu-blocks C` against one node tier of K x C
+blocks per K replicas (`--replicas-per-node K`), the router pricing node-tier blocks from the time model; issue
+41's targets under `targets`, written to trace_node_tier.json and trace_node_tier.png.
+
 --quick: the committed 600-request excerpt (bench/traces/), 16 replicas, time scale 10, under 5
 minutes. Writes trace.json and trace.png to --out; progress on stderr; with --json the last
 stdout line is one JSON object.
@@ -66,6 +70,7 @@ sys.path.append(str(Path(__file__).resolve().parent))  # bench/harness.py, after
 import harness  # noqa: E402
 
 replay_fleet = harness.sibling("replay_fleet")
+replay_node = harness.sibling("replay_node")
 replay_report = harness.sibling("replay_report")
 replay_runners = harness.sibling("replay_runners")
 replay_workload = harness.sibling("replay_workload")
@@ -99,6 +104,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--node-tier-blocks", type=int, default=0,
                     help="One shared host-memory KV tier of this many blocks per node (needs --cpu-blocks 0; equal host "
                          "memory to --cpu-blocks C is K x C).")
+    ap.add_argument("--node-tier", action="store_true",
+                    help="Compare warmfleet with per-replica --cpu-blocks C against --cpu-blocks 0 --node-tier-blocks "
+                         "K*C (equal host memory; bench/replay_node.py): issue 41's targets, trace_node_tier.{json,png}.")
+    ap.add_argument("--node-tier-fixed", action="store_true",
+                    help="With --node-tier: also the node tier with the router's fixed --node-tier-weight (unpriced).")
     ap.add_argument("--slow-pool", type=replay_fleet.slow_pool, default=None, metavar="FRAC:F",
                     help="A fraction FRAC of the replicas F times slower (two node pools, e.g. 0.5:3).")
     ap.add_argument("--engine-speedup", type=float, default=10.0,
@@ -118,6 +128,8 @@ def parse_args() -> argparse.Namespace:
         ap.error("--replicas-per-node must be at least 1")
     if args.node_tier_blocks < 0 or (args.node_tier_blocks and args.cpu_blocks):
         ap.error("--node-tier-blocks takes the place of the per-replica swap tier: give it with --cpu-blocks 0")
+    if args.node_tier and (args.node_tier_blocks or args.cpu_blocks < 1):
+        ap.error("--node-tier sizes the node tier itself (K x --cpu-blocks): give --cpu-blocks C >= 1, no --node-tier-blocks")
     return args
 
 
@@ -136,7 +148,7 @@ def header(args, trace_path: Path, reqs: list[dict], oracle: float, routers: lis
         "mean_output_tokens": round(statistics.mean(r["max_tokens"] for r in reqs), 1),
         "gpu_blocks_per_replica": args.gpu_blocks, "cpu_blocks_per_replica": args.cpu_blocks,
         "replicas_per_node": args.replicas_per_node, "node_tier_blocks_per_node": args.node_tier_blocks,
-        "node_tier_exclusive": args.node_tier_exclusive,
+        "node_tier_exclusive": args.node_tier_exclusive, "node_tier_compare": args.node_tier,
         "time_model": args.time_model,
         "time_model_calibrated": vars(tm) if hasattr(tm, "__dict__") else None,
         "engine_speedup": args.engine_speedup,
@@ -181,7 +193,7 @@ def main() -> int:
     sizes = [int(x) for x in (args.replicas or ("16" if args.quick else "16,64")).split(",")]
     args.time_scale = args.time_scale or 10.0
     limit = args.requests or (600 if args.quick else None)
-    routers = args.routers.split(",")
+    routers = ["warmfleet"] if args.node_tier else args.routers.split(",")
     if args.active_active and args.active_active > 1:
         routers += [f"warmfleet@{args.active_active}", f"warmfleet@{args.active_active}-nopeers"]
     for kind in routers:
@@ -211,18 +223,21 @@ def main() -> int:
         Path(args.logs).mkdir(parents=True, exist_ok=True)
     cwd = tempfile.mkdtemp(prefix="wf-trace-", dir=args.logs)
     for n in sizes:
-        results["fleets"][n] = run_fleet(n, args, reqs, hashes, fp, oracle, oracle_per, model, routers, variants, cwd)
+        results["fleets"][n] = (replay_node.compare(n, args, reqs, hashes, fp, oracle, oracle_per, model, cwd)
+                                if args.node_tier else
+                                run_fleet(n, args, reqs, hashes, fp, oracle, oracle_per, model, routers, variants, cwd))
     results["loadavg_end"] = os.getloadavg()
     results["targets"] = {str(n): f["targets"] for n, f in results["fleets"].items()}
     if not args.logs:
         shutil.rmtree(cwd, ignore_errors=True)
-    harness.write_results(Path(args.out), "trace", results, replay_report.chart, progress)
+    stem, chart = ("trace_node_tier", replay_node.chart) if args.node_tier else ("trace", replay_report.chart)
+    harness.write_results(Path(args.out), stem, results, chart, progress)
     if args.json:
         print(json.dumps(results))
     else:
         for n, f in results["fleets"].items():
             print(f"{n} replicas (oracle {f['oracle_cached_ratio']}, fleet LRU {f['fleet_lru_cached_ratio']})")
-            for k, v in f["routers"].items():
+            for k, v in f.get("routers", f.get("configs", {})).items():
                 print(f"  {k:12s} {v}")
             print(f"  targets {f['targets']}")
     return 0

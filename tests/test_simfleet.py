@@ -398,7 +398,7 @@ def test_node_tier_lru_never_exceeds_its_size():
 
 def test_a_prefix_evicted_by_one_replica_is_hit_by_another_on_its_node_only():
     async def go():
-        n0, n1 = node_tier.nodes_for(3, 2, 6)  # slots 0, 1 on n0; slot 2 on n1; 6 blocks each
+        n0, n1 = node_tier.nodes_for(3, 2, 12)  # slots 0, 1 on n0; slot 2 on n1; 12 blocks each (all a writes through)
         tm = sim.TimeModel(prefill_s_per_token=0.001, swap_s_per_block=0.25)
         a, b, c = (replica.SimReplica(f"s{i}", "fp", BLOCK, 8, 0, tm, 1024, node=n) for i, n in enumerate((n0, n0, n1)))
         prefix = ids(0, 40)  # two full blocks cacheable
@@ -421,6 +421,26 @@ def test_a_prefix_evicted_by_one_replica_is_hit_by_another_on_its_node_only():
     assert b.pool.node_hit_blocks == 2 and n0.hit_blocks_by_replica == {"s1": 2}
     assert a.pool.node_stored_blocks >= 2 and b.pool.node_stored_blocks == 0
     assert b.stats()["node_hit_tokens"] == 32 and b.stats()["node"] == "n0"
+
+
+def test_a_prefix_still_hot_on_one_replica_is_written_through_for_its_neighbours_unless_exclusive():
+    """As the engine does (BlockPool.cache_block), a computed block goes to the node tier at once, priced as a copy."""
+    async def go(exclusive):
+        (n0,) = node_tier.nodes_for(2, 2, 6, exclusive)
+        tm = sim.TimeModel(prefill_s_per_token=0.001, swap_s_per_block=0.25)
+        a, b = (replica.SimReplica(f"s{i}", "fp", BLOCK, 8, 0, tm, 1024, node=n0) for i in range(2))
+        a.submit(ids(0, 40), 1, None, "a0")
+        costs_a = finish_all(a)
+        hb = b.submit(ids(0, 40), 1, None, "b0")  # a still holds the prefix in its primary pool
+        finish_all(b)
+        return n0, a, hb, costs_a
+
+    n0, a, hb, costs_a = run(go(False))
+    assert len(n0) == 2 and a.pool.node_stored_blocks == 2 and costs_a[0] == pytest.approx(40 * 0.001 + 2 * 0.25)
+    assert (hb.cached_tokens, hb.cached_tokens_cpu) == (32, 32)
+    n0, a, hb, costs_a = run(go(True))  # exclusive: only evictions reach the tier
+    assert len(n0) == 0 and a.pool.node_stored_blocks == 0 and costs_a[0] == pytest.approx(40 * 0.001)
+    assert hb.cached_tokens == 0
 
 
 def test_the_node_tier_replaces_the_swap_tier():
