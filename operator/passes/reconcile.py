@@ -21,7 +21,7 @@ from warmfleet.operator.planning import admin_policy, engine_choice, gateway, lo
 from warmfleet.operator.planning.diagnose import claims_to_check, diagnose
 from warmfleet.operator.planning.engine_descriptions import check_spec
 from warmfleet.operator.planning.kv_curve import curve_secret_name
-from warmfleet.operator.planning.node_tier_objects import tier_names, tier_pools
+from warmfleet.operator.planning.node_tier_objects import tier_daemonset_name, tier_names, tier_pools
 from warmfleet.operator.planning.nodes import NodeInfo
 from warmfleet.operator.planning.plan import Plan, make_plan
 from warmfleet.operator.planning.service_status import healthy_status, invalid_status, status_patch, warnings
@@ -189,6 +189,7 @@ async def _reconcile(state: OperatorState, body: Mapping[str, Any], nodes: list[
         out.actions[f"Secret/{tier_names(owner)['token']}"] = "created"
     state.fingerprints[uid] = digest
     ready_by_pool, router_ready = ready_replicas(plan, live, name, owner)
+    node_tiers = tier_pods(plan, live, name)
     gw = None
     if spec.router.mode == "gateway":
         gw = gateway.gateway_state(owner, spec, live, pool_served=served["InferencePool"], route_served=served["HTTPRoute"],
@@ -202,7 +203,7 @@ async def _reconcile(state: OperatorState, body: Mapping[str, Any], nodes: list[
         plan=plan, generation=generation, model=served_name(spec, owner.name),
         endpoint=gw.endpoint if gw is not None else objects.endpoint_url(owner, spec),
         selector=objects.selector_string(owner), ready_by_pool=ready_by_pool, router_ready=router_ready,
-        previous=previous, now=now(), pods=diag, gateway=gw,
+        previous=previous, now=now(), pods=diag, gateway=gw, node_tiers=node_tiers,
     )
     new = mc.with_model_config(new, body, learned, now(), generation)
     out.status_written = await _write_status(kube, ns, name, previous, new)
@@ -352,3 +353,13 @@ def render(body: Mapping[str, Any], nodes: list[NodeInfo], default_images: objec
     body.setdefault("kind", KIND)
     _, _, plan = plan_for(body, nodes, default_images, learned)
     return owned(plan.children, body)
+
+
+def tier_pods(plan: Plan, live: Mapping[tuple[str, str], Mapping[str, Any]], name: str) -> dict[str, tuple[int, int]]:
+    """Step 3 for the node tier: (ready, desired) pods of each tier pool's DaemonSet as applied (0, 0 before its
+    controller has counted)."""
+    out = {}
+    for pool in tier_pools(plan.pools):
+        st = (live.get(("DaemonSet", tier_daemonset_name(name, pool))) or {}).get("status") or {}
+        out[pool] = (int(st.get("numberReady") or 0), int(st.get("desiredNumberScheduled") or 0))
+    return out

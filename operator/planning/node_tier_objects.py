@@ -43,6 +43,11 @@ def tier_names(owner: Owner) -> dict[str, str]:
             "token": k8s_name(owner.name, "node-tier")}
 
 
+def tier_daemonset_name(service: str, pool_name: str) -> str:
+    """The DaemonSet that runs pool `pool_name`'s tier of InferenceService `service`."""
+    return k8s_name(service, "node-tier", pool_name)
+
+
 def token_env(owner: Owner) -> dict[str, Any]:
     """The tier's token from the generated Secret, for the tier's and the replicas' containers."""
     return {"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": tier_names(owner)["token"], "key": TOKEN_KEY}}}
@@ -79,7 +84,7 @@ def daemonset(owner: Owner, pool_name: str, tier: NodeTierStatus, image: str, se
     return {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",
-        "metadata": meta(owner, k8s_name(owner.name, "node-tier", pool_name), COMPONENT, pool_name),
+        "metadata": meta(owner, tier_daemonset_name(owner.name, pool_name), COMPONENT, pool_name),
         "spec": {
             "selector": {"matchLabels": match},
             "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from warmfleet.operator.planning.diagnose import Diagnosis, STARTING
 from warmfleet.operator.planning.gateway import GatewayState
 from warmfleet.operator.planning.gateway import CONDITION_TYPES as GATEWAY_CONDITIONS
+from warmfleet.operator.planning.node_tier_objects import tier_pools
 from warmfleet.operator.planning.plan import Plan, pool_status
 from warmfleet.operator.spec.inference_service import Condition
 from warmfleet.operator.spec.schema import to_dict
 
-# ModelConfigUnavailable: passes/model_config.py; the last three (gateway mode only): gateway.py
+# ModelConfigUnavailable: passes/model_config.py; NodeTierReady: only while a pool has a node tier; the last three
+# (gateway mode only): gateway.py
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "InvalidSpec", "ModelConfigUnavailable", "EngineFit", "GPUMemoryKnown",
-                   *GATEWAY_CONDITIONS)
+                   "NodeTierReady", *GATEWAY_CONDITIONS)
 # Conditions whose False is a warning about the pools (the service may still be Ready): a Warning Event when they turn
 # False with a new reason. EngineFit: the engine has no GPU attention backend on GPU pools, or a GPU engine meets
 # pools without GPUs (NoCPUBuild); GPUMemoryKnown: no
@@ -75,6 +78,7 @@ def healthy_status(
     *, plan: Plan, generation: int | None, model: str, endpoint: str, selector: str,
     ready_by_pool: dict[str, int], router_ready: int, previous: dict[str, Any], now: str,
     pods: Diagnosis | None = None, gateway: GatewayState | None = None,
+    node_tiers: dict[str, tuple[int, int]] | None = None,
 ) -> dict[str, Any]:
     """Status after a successful reconcile: sizes, replica counts and the four conditions.
 
@@ -87,8 +91,13 @@ def healthy_status(
     `gateway` (gateway mode) adds InferencePoolReady, EndpointPickerReady and HTTPRouteReady; a CRD the cluster
     lacks is Ready's reason before any other (GatewayAPIInferenceExtensionMissing, GatewayAPIMissing), and the
     endpoint pickers stand in for the routers. Without it (proxy mode) those three conditions are removed.
+
+    `node_tiers` (pool -> (ready, desired) pods of its node-tier DaemonSet, as read back) fills
+    status.pools[].nodeTier's readyPods/desiredPods and NodeTierReady; without a pool that has a tier, that
+    condition is removed.
     """
-    pools = [pool_status(p, ready_by_pool.get(p.pool.name, 0), plan.engine) for p in plan.pools]
+    pools = [with_tier_pods(pool_status(p, ready_by_pool.get(p.pool.name, 0), plan.engine), node_tiers)
+             for p in plan.pools]
     ready = min(sum(p.ready_replicas for p in pools), plan.placed)
     conds = [_cond("InvalidSpec", False, "SpecValid"), *_capacity_conditions(plan, ready), *pool_conditions(plan)]
     routers, missing = "routers", None
@@ -96,8 +105,12 @@ def healthy_status(
         conds += gateway_conditions(gateway)
         router_ready, routers, missing = gateway.epp_ready, "endpoint pickers", gateway.missing
     conds.append(_ready_condition(plan, ready, f"{router_ready} {routers}", router_ready > 0, missing, pods or Diagnosis()))
-    # gateway conditions that no longer apply (proxy mode; no spec.router.gateway) are removed, not carried over
-    stale = set(GATEWAY_CONDITIONS) - {c.type for c in conds}
+    tiers = sorted(tier_pools(plan.pools))
+    if tiers and node_tiers is not None:
+        conds.append(node_tier_condition(tiers, node_tiers))
+    # gateway conditions that no longer apply (proxy mode; no spec.router.gateway) are removed, not carried over,
+    # and NodeTierReady once no pool has a tier
+    stale = (set(GATEWAY_CONDITIONS) | ({"NodeTierReady"} if not tiers else set())) - {c.type for c in conds}
     kept = [c for c in previous.get("conditions", []) if c.get("type") not in stale]
     conditions = merge_conditions(kept, conds, now, generation)
     return {
@@ -157,6 +170,33 @@ def pool_conditions(plan: Plan) -> list[Condition]:
         out.append(_cond("GPUMemoryKnown", True, "GPUMemoryFound", "every GPU pool's memory per GPU is known "
                                                                    "(status.pools[].inputs.sources.gpuMemory)"))
     return out
+
+
+def with_tier_pods(pool: Any, node_tiers: dict[str, tuple[int, int]] | None) -> Any:
+    """`pool` (a PoolStatus) with its tier DaemonSet's ready and desired pods, when it has a tier and they were read."""
+    counts = (node_tiers or {}).get(pool.name)
+    if pool.node_tier is None or counts is None:
+        return pool
+    tier = dataclasses.replace(pool.node_tier, ready_pods=counts[0], desired_pods=counts[1])
+    return dataclasses.replace(pool, node_tier=tier)
+
+
+def node_tier_condition(tiers: list[str], node_tiers: dict[str, tuple[int, int]]) -> Condition:
+    """NodeTierReady: True when every tier pool's DaemonSet has all its desired pods ready (and at least one);
+    False (NodeTierNotReady) names the pools short of it. Replicas keep serving without their node's tier (they
+    recompute), so the service's Ready does not depend on it."""
+    short = []
+    for name in tiers:
+        ready, desired = node_tiers.get(name, (0, 0))
+        if desired == 0 or ready < desired:
+            short.append(f"pool {name}: {ready}/{desired} node-tier pods ready"
+                         + (" (none scheduled yet)" if desired == 0 else ""))
+    if short:
+        return _cond("NodeTierReady", False, "NodeTierNotReady", "; ".join(short) + (
+            "; replicas on nodes without a ready tier recompute what it would serve (kubectl describe daemonset "
+            "-l app.kubernetes.io/component=node-tier)"))
+    total = sum(node_tiers[n][0] for n in tiers)
+    return _cond("NodeTierReady", True, "NodeTierPodsReady", f"{total} node-tier pods ready (pools {', '.join(tiers)})")
 
 
 def unknown_gpu_memory_message(pools: list[str]) -> str:

@@ -56,3 +56,9 @@ class NodeTierStatus:
     source: str = prop(doc="auto, min, max (which bound set it), manual, or spare (lowered to what the node can spare).")
     message: str = prop("", doc="Why the pool has no node tier, if it has none.")
     hash: str = prop("", doc="Digest of the tier's size; a change rolls its DaemonSet once.")
+    desired_pods: Optional[int] = prop(None, doc=(
+        "Nodes that should run the pool's tier pod (its DaemonSet's status.desiredNumberScheduled); absent before "
+        "the operator has read the DaemonSet back, or when the pool has no tier."))
+    ready_pods: Optional[int] = prop(None, doc=(
+        "Tier pods ready (the DaemonSet's status.numberReady). Fewer than desiredPods: condition NodeTierReady is "
+        "False (NodeTierNotReady) and the replicas on those nodes recompute what the tier would have served."))

@@ -191,7 +191,7 @@ async def _run(body: Any, memo: kopf.Memo, nodes: kopf.Index, logger: Any, servi
 
 
 def _add_watchers(registry: kopf.OperatorRegistry) -> None:
-    """Events that lead back to a service's reconcile: a node, one of our Deployments, one of our pods."""
+    """Events that lead back to a service's reconcile: a node, one of our Deployments or DaemonSets, one of our pods."""
 
     @kopf.on.event("", "v1", "nodes", registry=registry)
     async def node_changed(memo: kopf.Memo, nodes: kopf.Index, services: kopf.Index, service_pods: kopf.Index,
@@ -212,6 +212,13 @@ def _add_watchers(registry: kopf.OperatorRegistry) -> None:
         owner = (meta.get("labels") or {}).get(SERVICE_LABEL)
         for parent in services.get((meta.get("namespace"), owner), []):
             await _run(parent, memo, nodes, logger, services, service_pods)
+
+    @kopf.on.event("apps", "v1", "daemonsets", labels=MANAGED_BY, registry=registry)
+    async def node_tier_changed(body: kopf.Body, memo: kopf.Memo, nodes: kopf.Index, services: kopf.Index,
+                                service_pods: kopf.Index, logger: Any, **_: Any) -> None:
+        """A node tier's DaemonSet changed (its ready pods: status.pools[].nodeTier, NodeTierReady)."""
+        await child_changed(body=body, memo=memo, nodes=nodes, services=services, service_pods=service_pods,
+                            logger=logger)
 
     @kopf.on.event("", "v1", "pods", labels=MANAGED_BY, registry=registry)
     async def pod_changed(body: kopf.Body, memo: kopf.Memo, nodes: kopf.Index, services: kopf.Index,
