@@ -190,6 +190,14 @@ def test_a_cpu_only_pool_with_too_few_cpus_says_so():
     assert "nodes have 64 allocatable CPUs, a replica needs 128 (spec.server.cpus)" in sz.message
 
 
+def test_a_cpu_only_replica_too_big_for_its_node_names_its_encoder_cache():
+    s = spec(server={"cpus": 8}, cache={"encoderCache": {"mode": "Fixed", "size": 100_000_000}})
+    sz = size_pool(s, only_pool(s, node("cpu", memory=512 * GiB)))
+    assert not sz.fits and sz.replicas_per_node == 1  # no count of replicas per node fits it
+    enc_gib = 100_000_000 * sz.inputs.bytes_per_encoder_token / GiB
+    assert f"+ encoder cache {enc_gib:.2f}" in sz.message and "host memory" in sz.message
+
+
 def test_gpus_per_replica_0_makes_gpu_nodes_host_cpu_only_replicas():
     s = spec(server={"gpusPerReplica": 0, "cpus": 16})
     sz = size_pool(s, only_pool(s, h200()))

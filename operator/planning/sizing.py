@@ -30,6 +30,7 @@ SHM_HEADROOM_BYTES = 1 * GiB  # /dev/shm beyond the caches placed there (IPC buf
 MIN_GPU_MEMORY_UTILIZATION = 0.1  # a peer engine left less than this share of GPU memory cannot host a KV pool
 LORA_GPU_SHARE = 0.25  # resident adapters may take at most this share of a replica's GPU memory (the KV pool needs the rest)
 GIB_STEP = 0.25  # GiB sizes are floored to this step so flags stay readable and stable
+CPU_ONLY = "none (CPU-only)"  # sources.gpuMemory of a replica that takes no GPU (cpu_only)
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,7 @@ def _size_replicas(spec: InferenceServiceSpec, pool: Pool, R: int, gpr: int) -> 
     cache = spec.cache
     H = int(pool.host_memory_bytes * (1 - cache.host_reserve_fraction) / R)
     E = int(spec.server.engine_memory_gib * GiB)
-    sources: dict[str, str] = {"gpuMemory": pool.gpu_memory_source or "unknown"} if gpr else {"gpuMemory": "none (CPU-only)"}
+    sources: dict[str, str] = {"gpuMemory": (pool.gpu_memory_source or "unknown") if gpr else CPU_ONLY}
     adapter, lora_device, lora_host = _lora_budget(spec, sources)
     P_gib = _processor_cache_gib(cache, H, sources)
     P = int(P_gib * GiB)
@@ -188,6 +189,8 @@ def why_unfit(sizes: PoolSizes, inputs: PoolInputs, engine: Engine) -> str:
     if memory > H:
         swap = f"swap {S_gib:g}" + (f" x {fp.swap_overhead:g}" if fp.swap_overhead != 1 else "")
         proc = f" + processor cache {P_gib:g} x {fp.processor_copies}" if fp.processor_copies else ""
+        if inputs.sources.get("gpuMemory") == CPU_ONLY and sizes.encoder_cache_tokens:  # held in host memory
+            proc += f" + encoder cache {sizes.encoder_cache_tokens * inputs.bytes_per_encoder_token / GiB:.2f}"
         return (f"a replica needs {memory / GiB:.2f} GiB host memory (engine {E / GiB:.2f} + {swap}{proc} "
                 f"+ /dev/shm {shm / GiB:.2f}) but {R} per node leaves {H / GiB:.2f} GiB each")
     if sizes.lora_device_bytes and inputs.gpu_bytes_per_replica and \
