@@ -7,7 +7,10 @@ Each connection is served in order, one frame at a time; the store is touched on
 is committed whole between two frames of other connections. After every request the store's events go out as one
 batch; every new subscription (a router connecting, or one asking for a resync) is answered with the whole state
 led by AllBlocksCleared, and the first batch after a start is AllBlocksCleared alone (the tier starts empty).
-With WARMFLEET_NODE_TIER_TOKEN set, a connection must open with {op: "hello", token} or it is closed.
+With WARMFLEET_NODE_TIER_TOKEN set, a connection must open with {op: "hello", token} (compared in constant time)
+or it is closed; that first frame may be at most HELLO_MAX_BYTES and must arrive within HELLO_TIMEOUT_S, so a peer
+without the token can make the tier hold neither a large frame nor an idle connection. The events port has no
+token: its NetworkPolicy (operator) keeps it to the service's routers and pickers.
 """
 
 from __future__ import annotations
@@ -29,12 +32,15 @@ SUBSCRIPTION_POLL_S = 0.05  # how often new subscriptions are looked for (each g
 MAX_GET_KEYS = 4096  # keys one get may name
 MAX_ANSWER_BYTES = MAX_FRAME_BYTES // 2  # entry bytes one get answers at most
 WRITE_CHUNK = 1 << 20  # bytes handed to the transport at a time (write_frame)
+HELLO_MAX_BYTES = 4096  # the first frame of a connection when a token is required
+HELLO_TIMEOUT_S = 10.0  # seconds a connection may take to send it
 
 
 class NodeServer:
     def __init__(self, store: NodeStore, publisher: Optional[EventPublisher], token: Optional[str] = None):
         self.store, self.publisher, self.token = store, publisher, token
         self.num_connections = 0
+        self.hello_timeout_s = HELLO_TIMEOUT_S
 
     # ---- requests ------------------------------------------------------------------------
     def handle(self, msg: dict) -> dict:
@@ -123,8 +129,12 @@ class NodeServer:
 
     async def _hello(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         try:
-            msg = await read_frame(reader)
-        except (asyncio.IncompleteReadError, ConnectionError, FrameError):
+            msg = await asyncio.wait_for(read_frame(reader, HELLO_MAX_BYTES), self.hello_timeout_s)
+        except (asyncio.IncompleteReadError, ConnectionError):  # gone (the kubelet's TCP probes do this)
+            return False
+        except (asyncio.TimeoutError, FrameError) as exc:
+            log.warning("closing a node-tier connection before its token: %s",
+                        "no hello in time" if isinstance(exc, asyncio.TimeoutError) else exc)
             return False
         token = msg.get("token") if msg.get("op") == "hello" else None
         ok = isinstance(token, str) and hmac.compare_digest(token.encode(), self.token.encode())  # type: ignore[union-attr]
@@ -146,8 +156,10 @@ async def write_frame(writer: asyncio.StreamWriter, frame: bytes) -> None:
         await writer.drain()
 
 
-async def read_frame(reader: asyncio.StreamReader) -> dict:
+async def read_frame(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES) -> dict:
     n = frame_length(await reader.readexactly(HEADER.size))
+    if n > max_bytes:  # refused before any of it is read
+        raise FrameError(f"frame of {n} bytes announced, over {max_bytes}")
     return unpack(await reader.readexactly(n))
 
 
