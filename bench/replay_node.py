@@ -6,7 +6,9 @@ For each fleet size, warmfleet's router in front of fresh fleets with the same r
 * `node_tier`: no swap tier, one node tier of K x C blocks per K replicas (`--cpu-blocks 0 --node-tier-blocks K*C`),
   the engine's write-through (a computed block goes to the node tier at once), the router pricing a node-tier block
   from the time model (`--node-tier-copy-s-per-block` = its `swap_s_per_block`, `--prefill-s-per-token`);
-* with `--node-tier-fixed`, also `node_tier_fixed`: the same fleet, the router at the fixed `--node-tier-weight`.
+* with `--node-tier-fixed`, also `node_tier_fixed`: the same fleet, the router at the fixed `--node-tier-weight`;
+* with `--node-tier-victims-first`, also `node_tier_victims_first`: the priced node tier evicting first the blocks
+  a replica of the node still holds in its primary pool (not in the engine's tier yet: what it would give).
 
 Both have the same host memory and the same fleet-sized LRU bound. Targets (issue 41), for the priced node tier:
 cached ratio >= 0.99 x the fleet-sized LRU bound, simulated TTFT p90 <= 0.8 x the per-replica configuration's,
@@ -25,7 +27,8 @@ import harness  # noqa: E402
 replay_runners = harness.sibling("replay_runners")
 replay_workload = harness.sibling("replay_workload")
 
-CONFIG_COLORS = {"per_replica": "#888888", "node_tier": "#1f77b4", "node_tier_fixed": "#9ecae1"}
+CONFIG_COLORS = {"per_replica": "#888888", "node_tier": "#1f77b4", "node_tier_fixed": "#9ecae1",
+                 "node_tier_victims_first": "#2ca02c"}
 
 
 def priced_flags(args) -> list[str]:
@@ -39,10 +42,14 @@ def configs(args) -> dict[str, tuple[argparse.Namespace, list[str]]]:
     c = args.cpu_blocks
     base = {**vars(args), "node_tier_exclusive": args.node_tier_exclusive}
     per = argparse.Namespace(**{**base, "cpu_blocks": c, "node_tier_blocks": 0})
-    node = argparse.Namespace(**{**base, "cpu_blocks": 0, "node_tier_blocks": args.replicas_per_node * c})
+    node = argparse.Namespace(**{**base, "cpu_blocks": 0, "node_tier_blocks": args.replicas_per_node * c,
+                                 "node_tier_victims_first": False})
     out = {"per_replica": (per, []), "node_tier": (node, priced_flags(args))}
     if args.node_tier_fixed:
         out["node_tier_fixed"] = (node, [])
+    if args.node_tier_victims_first:
+        out["node_tier_victims_first"] = (argparse.Namespace(**{**vars(node), "node_tier_victims_first": True}),
+                                          priced_flags(args))
     return out
 
 
@@ -55,6 +62,10 @@ def targets(res: dict, lru: float) -> dict:
     return {"node_ratio_vs_fleet_lru": round(node["cached_ratio"] / lru, 3) if lru else None,
             "per_replica_ratio_vs_fleet_lru": round(per["cached_ratio"] / lru, 3) if lru else None,
             "ttft_p90_vs_per_replica": round(p90 / base, 3) if p90 and base else None,
+            # the same with every continued request's TTFT 0 (new conversations are cold for any cache): the least
+            # any placement could reach on this trace and load
+            "ttft_p90_floor_vs_per_replica": (round(node["ttft_p90_floor_s"] / base, 3)
+                                              if base and node.get("ttft_p90_floor_s") is not None else None),
             "ratio_ge_0.99_fleet_lru": bool(lru and node["cached_ratio"] >= 0.99 * lru),
             "ttft_p90_le_0.8x_per_replica": bool(p90 and base and p90 <= 0.8 * base),
             "spread_le_1.1": node.get("spread") is not None and node["spread"] <= 1.1,

@@ -11,6 +11,9 @@ chain's root, so only what a replica on the node could hit itself is ever shared
   is not (a block lives in one place on the node);
 * a hashed block evicted from the replica's primary pool is copied to the node tier (priced the same), unless the
   node tier holds it already (then it is only refreshed: touch-or-put; the engine sends it again, off the step);
+* `victims_first` (`--node-tier-victims-first`, not in the engine's tier yet): when full, the tier evicts first the
+  blocks some replica of the node still holds in its primary pool (least recent first), so write-through copies
+  use spare room and never push out a block held nowhere else on the node;
 * a prefix lookup that misses the primary pool goes on in the node tier (the KV cache manager's host tier), and
   the blocks found there are copied into fresh primary blocks before prefill (swap-ins, priced the same), while
   the node tier keeps them for the other replicas.
@@ -51,6 +54,11 @@ class NodeTier:
         self.hit_blocks = 0  # copies out to a replica's primary pool
         self.hit_blocks_by_replica: dict[str, int] = {}
         self.exclusive = False  # a hit moves the block to the replica (--node-tier-exclusive), else copies it
+        # --node-tier-victims-first: a full tier evicts first the entries some replica of the node also holds in its
+        # primary pool (written through, or copied out), least recent first; entries held nowhere else go last
+        self.victims_first = False
+        self.holders: dict[BlockHash, int] = {}  # replicas of the node holding it in their primary pool (victims_first)
+        self.dup: OrderedDict[BlockHash, None] = OrderedDict()  # entries with holders, least recent first
         self.block_size = 16
         self.publisher: Optional[EventPublisher] = None
         self.events_endpoint: Optional[str] = None
@@ -89,14 +97,22 @@ class NodeTier:
         """Put `h` in as the most recent entry, evicting the least recent past capacity; True if it was copied in."""
         if h in self.lru:
             self.lru.move_to_end(h)
+            if h in self.dup:
+                self.dup.move_to_end(h)
             self.refreshed_blocks += 1
             return False
         self.lru[h] = None
+        if self.holders.get(h):
+            self.dup[h] = None
         self.stored_blocks += 1
         if self.publisher is not None:
             self._stored.append(h)
         while len(self.lru) > self.capacity:
-            gone, _ = self.lru.popitem(last=False)
+            if self.dup:  # victims_first: a block a replica still holds goes before one held nowhere else
+                gone, _ = self.dup.popitem(last=False)
+                del self.lru[gone]
+            else:
+                gone, _ = self.lru.popitem(last=False)
             self.evicted_blocks += 1
             if self.publisher is not None:
                 self._removed.append(gone)
@@ -108,12 +124,29 @@ class NodeTier:
         if h in self.lru:
             if self.exclusive:
                 del self.lru[h]
+                self.dup.pop(h, None)
                 if self.publisher is not None:
                     self._removed.append(h)
             else:
                 self.lru.move_to_end(h)
         self.hit_blocks += 1
         self.hit_blocks_by_replica[replica] = self.hit_blocks_by_replica.get(replica, 0) + 1
+
+    def hold(self, h: BlockHash) -> None:
+        """A replica of the node now holds `h` in its primary pool (counted only with victims_first)."""
+        if self.victims_first:
+            self.holders[h] = self.holders.get(h, 0) + 1
+            if h in self.lru:
+                self.dup[h] = None
+                self.dup.move_to_end(h)
+
+    def release(self, h: BlockHash) -> None:
+        """A replica of the node evicted `h` from its primary pool."""
+        if self.victims_first and h in self.holders:
+            self.holders[h] -= 1
+            if self.holders[h] <= 0:
+                del self.holders[h]
+                self.dup.pop(h, None)
 
     def stats(self, block_size: int, replicas: list[str]) -> dict:
         return {"id": self.node_id, "replicas": replicas, "capacity_blocks": self.capacity,
@@ -150,6 +183,7 @@ class NodePool(BlockPool):
             self.counters.swap_in_blocks += 1
             self.node_hit_blocks += 1
             self._register(bid, h, parent=None, token_ids=[])
+            self.node.hold(h)
         return bids
 
     def cache_block(self, bid: int, h: BlockHash, parent: Optional[BlockHash], token_ids: list[int],
@@ -157,14 +191,17 @@ class NodePool(BlockPool):
         """The engine's `cache_block`, then (inclusive tier) the block written through to the node tier."""
         fresh = self.enable_caching and self.block_hash[bid] != h and h not in self.cached
         kept = super().cache_block(bid, h, parent, token_ids, lora_name)
-        if fresh and not self.node.exclusive:
-            self._copy_out(kept, h)
+        if fresh:
+            self.node.hold(h)
+            if not self.node.exclusive:
+                self._copy_out(kept, h)
         return kept
 
     def _evict_gpu(self, bid: int) -> None:
         h = self.block_hash[bid]
         super()._evict_gpu(bid)
         if h is not None:
+            self.node.release(h)
             self._copy_out(bid, h)
 
     def _copy_out(self, bid: int, h: BlockHash) -> None:
@@ -175,14 +212,16 @@ class NodePool(BlockPool):
             self.node_stored_blocks += 1
 
 
-def nodes_for(num_slots: int, per_node: int, blocks: int, exclusive: bool = False) -> list[NodeTier]:
+def nodes_for(num_slots: int, per_node: int, blocks: int, exclusive: bool = False,
+              victims_first: bool = False) -> list[NodeTier]:
     """One node tier of `blocks` for every `per_node` replica slots (none when `blocks` is 0); `exclusive`: a hit
-    moves the block into the replica's primary pool (its eviction brings it back), else the tier keeps a copy."""
+    moves the block into the replica's primary pool (its eviction brings it back), else the tier keeps a copy;
+    `victims_first`: a full tier evicts blocks some replica still holds before those held nowhere else."""
     if blocks <= 0:
         return []
     if per_node < 1:
         raise ValueError(f"replicas per node must be at least 1, got {per_node}")
     tiers = [NodeTier(f"n{j}", blocks) for j in range(-(-num_slots // per_node))]
     for t in tiers:
-        t.exclusive = exclusive
+        t.exclusive, t.victims_first = exclusive, victims_first
     return tiers

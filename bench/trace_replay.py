@@ -109,6 +109,8 @@ def parse_args() -> argparse.Namespace:
                          "K*C (equal host memory; bench/replay_node.py): issue 41's targets, trace_node_tier.{json,png}.")
     ap.add_argument("--node-tier-fixed", action="store_true",
                     help="With --node-tier: also the node tier with the router's fixed --node-tier-weight (unpriced).")
+    ap.add_argument("--node-tier-victims-first", action="store_true",
+                    help="With --node-tier: also the node tier evicting first what a replica still holds (simfleet).")
     ap.add_argument("--slow-pool", type=replay_fleet.slow_pool, default=None, metavar="FRAC:F",
                     help="A fraction FRAC of the replicas F times slower (two node pools, e.g. 0.5:3).")
     ap.add_argument("--engine-speedup", type=float, default=10.0,

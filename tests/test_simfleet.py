@@ -443,6 +443,25 @@ def test_a_prefix_still_hot_on_one_replica_is_written_through_for_its_neighbours
     assert hb.cached_tokens == 0
 
 
+def test_a_full_victims_first_node_tier_evicts_what_a_replica_still_holds_before_what_only_it_holds():
+    tier = node_tier.NodeTier("n0", 3)
+    tier.victims_first = True
+    tier.store("v")  # evicted by its replica: held nowhere else
+    for h in ("a", "b"):
+        tier.hold(h)  # computed by a replica, written through
+        tier.store(h)
+    tier.hold("c")
+    tier.store("c")
+    assert list(tier.lru) == ["v", "b", "c"]  # "a" went first although "v" is older
+    tier.release("b")  # its replica evicted it: now held only here
+    tier.hold("d")
+    tier.store("d")
+    assert set(tier.lru) == {"v", "b", "d"} and tier.evicted_blocks == 2
+    plain = node_tier.NodeTier("n1", 1)
+    plain.hold("x")  # without victims_first nothing is counted: plain LRU
+    assert plain.holders == {} and plain.store("x") and plain.store("y") and list(plain.lru) == ["y"]
+
+
 def test_the_node_tier_replaces_the_swap_tier():
     with pytest.raises(ValueError):
         replica.SimReplica("s0", "fp", BLOCK, 8, 4, sim.TimeModel(), 1024, node=node_tier.NodeTier("n0", 8))
@@ -451,3 +470,26 @@ def test_the_node_tier_replaces_the_swap_tier():
 def test_the_h200_time_model_is_in_the_repo():
     tm = sim.TimeModel.load("h200")
     assert tm.swap_s_per_block == pytest.approx(1.7e-05) and tm.prefill_s_per_token > 0 and "H200" in tm.source
+
+
+def test_the_node_tier_comparison_targets_and_configs():
+    """bench/replay_node.py: equal host memory (C per replica, K x C per node), priced router, issue 41's booleans."""
+    import argparse
+
+    replay_node = load_bench("replay_node.py")
+    args = argparse.Namespace(cpu_blocks=512, replicas_per_node=8, node_tier_exclusive=False, node_tier_fixed=True,
+                              node_tier_victims_first=False, time_model="h200", engine_speedup=1.0)
+    cfg = replay_node.configs(args)
+    assert (cfg["per_replica"][0].cpu_blocks, cfg["per_replica"][0].node_tier_blocks) == (512, 0)
+    assert (cfg["node_tier"][0].cpu_blocks, cfg["node_tier"][0].node_tier_blocks) == (0, 4096)
+    assert cfg["node_tier"][1] == ["--node-tier-copy-s-per-block", "1.7e-05", "--prefill-s-per-token", "2.58e-05"]
+    assert cfg["node_tier_fixed"][1] == [] and "node_tier_victims_first" not in cfg
+    per = {"cached_ratio": 0.25, "ttft_p90_s": 0.05, "spread": 1.0, "errors": 0}
+    good = {"cached_ratio": 0.2, "ttft_p90_s": 0.039, "ttft_p90_floor_s": 0.03, "spread": 1.05, "errors": 0}
+    t = replay_node.targets({"per_replica": per, "node_tier": good}, 0.2)
+    assert t["ratio_ge_0.99_fleet_lru"] and t["ttft_p90_le_0.8x_per_replica"] and t["spread_le_1.1"] and t["errors_ok"]
+    assert t["ttft_p90_floor_vs_per_replica"] == 0.6
+    t = replay_node.targets({"per_replica": per, "node_tier": dict(good, cached_ratio=0.19, ttft_p90_s=0.041,
+                                                                    spread=1.2)}, 0.2)
+    assert not (t["ratio_ge_0.99_fleet_lru"] or t["ttft_p90_le_0.8x_per_replica"] or t["spread_le_1.1"])
+    assert replay_node.targets({"per_replica": per, "node_tier": {"cached_ratio": None}}, 0.2) == {}
