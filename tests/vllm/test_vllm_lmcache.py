@@ -5,7 +5,7 @@ lmcache 0.5.6 comes from scripts/lmcache-env.sh (a folder beside the vLLM enviro
 WARMFLEET_LMCACHE_PATH, set by `make test-vllm`). On a CPU-only vLLM, LMCache moves KV by the engine-driven path
 (the worker gathers its blocks and sends them), which the server must be started to accept: its default,
 lmcache_driven, refuses the worker's registration ("No handler registered for operation
-register_kv_cache_engine_driven_context") and vLLM waits out its 300 s message timeout.
+register_kv_cache_engine_driven_context") and vLLM's startup blocks (its message timeout is 300 s).
 The operator does not render this yet; the replicas get the connector from `extra_args` on top of what it renders.
 """
 
