@@ -216,7 +216,7 @@ class Fleet2:
     def __init__(self, model_dir, *, failures: Optional[FakeSharedFailures] = None, tenants: Optional[Tenants] = None,
                  health_interval_s: float = 0.1, max_concurrent_per_client: int = 0, engine: str = "warmfleet",
                  predicted_capacity_blocks: int = 16_384, protocol: str = "hot", num_replicas: int = 2,
-                 **settings):
+                 events: bool = True, **settings):
         self.protocol, self.settings = protocol, settings  # settings: more RouterSettings fields
         self.tok = Tokenizer(model_dir)
         self.fp = model_fingerprint(model_dir)
@@ -227,13 +227,15 @@ class Fleet2:
         self.health_interval_s = health_interval_s
         self.max_concurrent_per_client = max_concurrent_per_client
         self.engine, self.predicted_capacity_blocks = engine, predicted_capacity_blocks
+        self.events = events and engine != "fastdeploy"  # False: replicas without a KV-event socket (health only)
 
     async def __aenter__(self) -> "Fleet2":
         self.served = [await Served(r.app).start() for r in self.replicas]
         self.by_url = {s.url: r for s, r in zip(self.served, self.replicas)}
         runtime = RouterRuntime(
             hash_cfg=HashConfig(BLOCK, self.fp),
-            replicas=[ReplicaSpec(s.url, r.events) if self.engine != "fastdeploy" else ReplicaSpec(s.url, metrics=s.url)
+            replicas=[ReplicaSpec(s.url, r.events) if self.events else
+                      ReplicaSpec(s.url, metrics=s.url if self.engine == "fastdeploy" else None)
                       for s, r in zip(self.served, self.replicas)],
             renderer=PromptRenderer(str(self.model_dir), tokenizer=self.tok),
             tenants=self.tenants,
@@ -247,7 +249,7 @@ class Fleet2:
                 if self.protocol == "hot" else "auto")
         self.router = await Served(self.app, http).start()
         self.fleet = self.app.state.fleet
-        if self.engine == "fastdeploy":  # no events: nothing to sync
+        if not self.events:  # no events: nothing to sync
             await until(lambda: all(r.healthy for r in self.fleet.registry.replicas.values()), "health checks")
         else:
             await until(lambda: synced(self.fleet.index, [s.url for s in self.served]), "initial resync")

@@ -17,6 +17,7 @@ from waiting import until
 from test_hardening_deadlines import assert_408, trickle
 from warmfleet.server.api.errors import APIError
 from warmfleet.server.router.core.tenants import Tenants
+from warmfleet.server.tiny_checkpoints.images import data_uri, image_bytes
 
 
 def received(f: Fleet2) -> int:
@@ -42,13 +43,51 @@ async def test_prompts_times_n_over_the_limit_is_the_replicas_400_before_forward
         assert r.status_code == 200 and received(f) == 1  # at the limit: forwarded
 
 
-def test_the_routers_default_limit_is_the_replicas_default():
+def test_the_routers_default_limits_are_the_engines_it_fronts():
+    """warmfleet: its replicas' defaults; vLLM 0.32: no prompts x n cap, 999 items per modality; FastDeploy: none."""
     from warmfleet.server.config import EngineConfig, ServerConfig
     from warmfleet.server.router.core.settings import RouterSettings
 
     s = RouterSettings()
-    assert s.max_choices_per_request == EngineConfig().scheduler.choice_limit
-    assert s.mm_limits() == ServerConfig().mm_limits()
+    assert s.choice_limit == EngineConfig().scheduler.choice_limit == 256
+    assert s.image_limit == ServerConfig().mm_limits()["image"] == 16
+    vllm = RouterSettings(engine="vllm")
+    assert (vllm.choice_limit, vllm.image_limit) == (None, 999)
+    assert (RouterSettings(engine="fastdeploy").choice_limit, RouterSettings(engine="fastdeploy").image_limit) == (None, None)
+    # an explicit flag wins over the engine's default, in vLLM's forms too (a count or {"count": ...})
+    given = RouterSettings(engine="vllm", max_choices_per_request=3, limit_mm_per_prompt='{"image": {"count": 5}}')
+    assert (given.choice_limit, given.image_limit) == (3, 5)
+    assert RouterSettings(engine="vllm", limit_mm_per_prompt='{"video": 1}').image_limit == 999  # vLLM: unnamed = 999
+    assert RouterSettings(limit_mm_per_prompt='{"image": 40}').image_limit == 40
+
+
+def images(count: int) -> dict:
+    """A chat body with `count` image parts (data URIs: nothing to fetch)."""
+    part = {"type": "image_url", "image_url": {"url": data_uri(image_bytes(seed=1))}}
+    return {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "look"}] + [part] * count}]}
+
+
+async def test_a_vllm_router_forwards_what_vllm_accepts_and_warmfleet_still_refuses_by_default(tiny_vl_dir):
+    """The router's limits follow the engine it fronts: 20 images go through to vLLM replicas (vLLM takes 999 by
+    default), n=300 too (vLLM has no prompts x n cap), where warmfleet's replicas refuse 17 images and n=257."""
+    async with Fleet2(tiny_vl_dir, engine="vllm", events=False) as f:
+        r = await f.client.post("/v1/chat/completions", json=images(20))
+        assert r.status_code == 200, r.text
+        r = await f.client.post("/v1/chat/completions", json={**chat("many samples"), "n": 300})
+        assert r.status_code == 200, r.text
+        assert received(f) == 2
+    async with Fleet2(tiny_vl_dir, engine="vllm", events=False, limit_mm_per_prompt='{"image": 4}') as f:
+        r = await f.client.post("/v1/chat/completions", json=images(5))  # an explicit flag wins
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_image" and received(f) == 0
+    async with Fleet2(tiny_vl_dir) as f:
+        r = await f.client.post("/v1/chat/completions", json=images(17))
+        assert r.status_code == 400 and "17 images, more than the limit of 16" in r.json()["error"]["message"]
+        r = await f.client.post("/v1/chat/completions", json={**chat("many samples"), "n": 257})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_choices"
+        assert received(f) == 0
+    async with Fleet2(tiny_vl_dir, limit_mm_per_prompt='{"image": 20}', max_choices_per_request=300) as f:
+        r = await f.client.post("/v1/chat/completions", json=images(17))  # replicas given more: the flags say so
+        assert r.status_code == 200, r.text
 
 
 async def test_more_images_than_the_limit_is_400_before_any_is_read(tiny_model_dir):

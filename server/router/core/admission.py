@@ -18,7 +18,7 @@ from .errors import Refusal
 class RequestLimits:
     """The replicas' per-request limits as the router applies them (`warmfleet route` flags of the same names)."""
 
-    max_choices: int  # --max-choices-per-request
+    max_choices: Optional[int]  # --max-choices-per-request; None: no cap
     max_images: Optional[int] = None  # --limit-mm-per-prompt's "image"; None: no limit
 
     def refusal(self, kind: str, body: dict) -> Optional[Refusal]:
@@ -30,10 +30,10 @@ class RequestLimits:
         over: Optional[LimitExceeded] = None
         if kind == "completion":
             prompt = body.get("prompt")
-            if isinstance(prompt, (str, list)):
+            if isinstance(prompt, (str, list)) and self.max_choices is not None:
                 over = fanout_exceeded(num_prompts(prompt), n, self.max_choices)
         else:
-            over = fanout_exceeded(1, n, self.max_choices)
+            over = None if self.max_choices is None else fanout_exceeded(1, n, self.max_choices)
             messages = body.get("messages")
             if over is None and self.max_images is not None and isinstance(messages, list):
                 where = [f"messages[{i}].content[{j}]" for i, j in image_part_positions(messages)]
@@ -43,5 +43,5 @@ class RequestLimits:
 
 def request_limits(settings) -> RequestLimits:
     """The limits of a router's settings (core/settings.RouterSettings: --max-choices-per-request,
-    --limit-mm-per-prompt)."""
-    return RequestLimits(settings.max_choices_per_request, settings.mm_limits().get("image"))
+    --limit-mm-per-prompt, else the defaults of the engine it fronts: engine_kinds.REQUEST_LIMITS)."""
+    return RequestLimits(settings.choice_limit, settings.image_limit)

@@ -13,7 +13,6 @@ from typing import Optional
 from ... import engine_kinds
 from ...config import HASH_ALGOS, CacheConfig, SchedulerConfig, ServerConfig
 from ...flagfields import flag_of, opt
-from ...request_limits import CHOICES_PER_SEQ
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -243,13 +242,16 @@ class RouterSettings:
     max_request_bytes: int = field(default=ServerConfig.max_request_bytes, metadata=opt(  # 413 above, never buffered
         flag_of(ServerConfig, "max_request_bytes"), "Largest request body in bytes; larger ones get a 413 and are "
         "never buffered."))
-    max_choices_per_request: int = field(default=CHOICES_PER_SEQ * SchedulerConfig.max_num_seqs, metadata=opt(
+    max_choices_per_request: Optional[int] = field(default=None, metadata=opt(
         flag_of(SchedulerConfig, "max_choices_per_request"), "Most engine requests one API request may start (prompts "
         "x n in /v1/completions, n in chat); more is the replicas' own 400, answered here before forwarding. Default: "
-        "the replicas' default (4 x their default --max-num-seqs); set it to theirs."))
-    limit_mm_per_prompt: str = field(default=ServerConfig.limit_mm_per_prompt, metadata=opt(
+        "the --engine's own limit: warmfleet 4 x its default --max-num-seqs (256); vllm, fastdeploy: none (they have "
+        "no such cap). Set it to the replicas' when they run with another."))
+    limit_mm_per_prompt: Optional[str] = field(default=None, metadata=opt(
         flag_of(ServerConfig, "limit_mm_per_prompt"), "Most media items of each kind one request may carry, as JSON "
-        "(the replicas' flag); more is the replicas' own 400, answered here before any image is read or fetched."))
+        "(the replicas' flag, vLLM's forms); more is the replicas' own 400, answered here before any image is read or "
+        "fetched. Default: the --engine's own: warmfleet {\"image\": 16}; vllm 999 per modality; fastdeploy: none. "
+        "Set it to the replicas' when they run with another."))
     request_header_timeout_s: float = field(default=ServerConfig.request_header_timeout_s, metadata=opt(
         flag_of(ServerConfig, "request_header_timeout_s"), "Seconds a request's head may take to arrive, from the "
         "connection's opening or the request's first byte; later: 408 and the connection is closed."))
@@ -313,7 +315,7 @@ class RouterSettings:
             raise ValueError("--peer-partition-tokens must be >= 0")
         if (self.kv_events_curve_server_key is None) != (self.kv_events_curve_secret_key is None):
             raise ValueError("--kv-events-curve-server-key and --kv-events-curve-secret-key go together")
-        if self.max_choices_per_request < 1:
+        if self.max_choices_per_request is not None and self.max_choices_per_request < 1:
             raise ValueError("--max-choices-per-request must be >= 1")
         self.mm_limits()  # raises ValueError naming a malformed --limit-mm-per-prompt
         if self.request_header_timeout_s <= 0 or self.request_body_timeout_s <= 0:
@@ -322,8 +324,20 @@ class RouterSettings:
             raise ValueError("--peer-interval-s must be > 0 and --peer-jitter >= 0")
 
     def mm_limits(self) -> dict[str, int]:
-        """--limit-mm-per-prompt as modality -> count, parsed as the replicas parse it."""
-        return ServerConfig(limit_mm_per_prompt=self.limit_mm_per_prompt).mm_limits()
+        """--limit-mm-per-prompt as given (modality -> count; {} when unset: the engine's defaults apply)."""
+        return {} if self.limit_mm_per_prompt is None else engine_kinds.parse_mm_limits(self.limit_mm_per_prompt)
+
+    @property
+    def choice_limit(self) -> Optional[int]:
+        """--max-choices-per-request, else the --engine's default (None: no cap)."""
+        if self.max_choices_per_request is not None:
+            return self.max_choices_per_request
+        return engine_kinds.REQUEST_LIMITS[self.engine].max_choices()
+
+    @property
+    def image_limit(self) -> Optional[int]:
+        """Most image parts per request: --limit-mm-per-prompt's "image", else the --engine's default (None: none)."""
+        return engine_kinds.REQUEST_LIMITS[self.engine].mm_limit(self.mm_limits(), "image")
 
     @property
     def hash_seed(self) -> Optional[str]:
