@@ -33,7 +33,7 @@ CONDITION_TYPES = ("InferencePoolReady", "EndpointPickerReady", "HTTPRouteReady"
 # the EPP's two ports.
 EPP_COMMAND = ["warmfleet", "epp"]
 EPP_FIELDS = ("discover_service", "host", "port", "http_port", "model", "policy.epsilon", "engine", "block_size",
-              "drain_grace_s")
+              "drain_grace_s", "max_choices_per_request", "limit_mm_per_prompt")  # the last two: where the pools set theirs
 # The gateway's timeout for one request: long generations stream for minutes (HTTPRoute rules[].timeouts.request)
 ROUTE_REQUEST_TIMEOUT = "600s"
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from warmfleet.operator.planning.engine_descriptions import HTTP_PORT
+from warmfleet.operator.planning.front_door_limits import front_door_limits
 from warmfleet.operator.planning.model_volumes import init_containers, model_dir, router_model_volume
 from warmfleet.operator.planning.objects import (
     Owner,
@@ -33,7 +34,8 @@ from warmfleet.server.router.epp.settings import DRAIN_GRACE_S
 # How the router is started: the RouterSettings fields the operator sets, rendered in this order (flag names come
 # from server/router/core/settings.py, so a renamed flag breaks a unit test, not a cluster)
 ROUTER_COMMAND = ["warmfleet", "route"]
-ROUTER_FIELDS = ("discover_service", "host", "port", "model", "policy.epsilon", "engine", "peers", "block_size")
+ROUTER_FIELDS = ("discover_service", "host", "port", "model", "policy.epsilon", "engine", "peers", "block_size",
+                 "max_choices_per_request", "limit_mm_per_prompt")  # the last two: only where the pools set theirs
 ROUTER_RESOURCES = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"cpu": "2", "memory": "2Gi"}}
 # Stopping a routing pod: preStop sleeps while the Service's EndpointSlice (and a gateway's view of a picker) drop
 # it, then SIGTERM: the process stops taking work and finishes what it has (the picker within --drain-grace-s),
@@ -56,7 +58,8 @@ def keys_file(spec: InferenceServiceSpec) -> tuple[list[str], list[dict[str, Any
 
 def front_door_values(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any]:
     """The settings both routing front doors (`warmfleet route`, `warmfleet epp`) get alike: discovery of the replica
-    Service, bounded load from loadBound, the engine kind, and the replicas' block size (contract 1: the same hashes)."""
+    Service, bounded load from loadBound, the engine kind, the replicas' block size (contract 1: the same hashes) and
+    their per-request limits where their extraArgs set any (front_door_limits)."""
     return {
         "discover_service": f"{owner.namespace}/{names(owner)['replicas']}",
         "host": "0.0.0.0",
@@ -64,6 +67,8 @@ def front_door_values(owner: Owner, spec: InferenceServiceSpec) -> dict[str, Any
         "policy": PolicyConfig(epsilon=round(spec.router.load_bound - 1, 6)),  # epsilon = loadBound - 1
         "engine": spec.engine.kind,
         "block_size": spec.cache.block_size,
+        # every pool runs with the same extra args (server_pool.server_args); none of the rendered ones sets a limit
+        **front_door_limits([[*spec.server.extra_args, *spec.engine.extra_args]], spec.engine.kind),
     }
 
 
