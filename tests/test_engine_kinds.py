@@ -35,7 +35,8 @@ def test_router_operator_and_crd_name_the_same_kinds():
     main.add_arguments(parser)
     (engine_flag,) = [a for a in parser._actions if "--engine" in a.option_strings]
     assert tuple(engine_kinds.DIALECTS) == engine_kinds.KINDS == ("warmfleet", "vllm", "fastdeploy")
-    assert tuple(ENGINES) == tuple(enum) == tuple(engine_flag.choices) == engine_kinds.KINDS
+    assert tuple(ENGINES) == tuple(engine_flag.choices) == engine_kinds.KINDS
+    assert tuple(enum) == ("auto", *engine_kinds.KINDS)  # the CRD adds `auto`: the operator picks by the pools' GPUs
     assert all(e.kind == kind for kind, e in ENGINES.items())
 
 
