@@ -1,7 +1,8 @@
 """Engine kinds by name: the one list the router's dialects, the operator's engine descriptions and the CRD enum key by.
 
 Stdlib only (the operator imports it): a kind's router dialect is named here as "module:class"
-and imported only when a router picks that kind. Adding an engine is one entry here, one dialect
+and imported only when a router picks that kind; its replicas' default per-request limits (REQUEST_LIMITS) are
+data here, read by the router's doors and the operator alike. Adding an engine is one entry in each here, one dialect
 module (server/router/core/engines/) and one description (operator/planning/engine_descriptions.py); tests
 check that the three agree.
 """

@@ -98,3 +98,15 @@ def test_a_decoded_message_is_an_event_batch():
 
     batch = EventBatch("r0", 1, [BlockStored([b"\x01" * 32], None, [1] * 16, 16)])
     assert isinstance(dialect_for(RouterSettings(engine="warmfleet")).decode(encode(batch)), EventBatch)
+
+
+def test_every_kind_has_its_request_limits_and_warmfleets_are_its_replicas_defaults():
+    """The router's and the picker's default per-request limits (issue 40) are keyed by the same kinds; warmfleet's
+    are exactly what a `warmfleet serve` replica refuses without flags."""
+    from warmfleet.server.config import EngineConfig
+
+    assert tuple(engine_kinds.REQUEST_LIMITS) == engine_kinds.KINDS
+    cfg, ours = EngineConfig(), engine_kinds.REQUEST_LIMITS["warmfleet"]
+    assert ours.max_choices() == cfg.scheduler.choice_limit
+    assert ours.max_choices(10) == 40 and ours.mm_limit({}, "image") == cfg.server.mm_limits()["image"]
+    assert engine_kinds.REQUEST_LIMITS["vllm"].max_choices(10) is None

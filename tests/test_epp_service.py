@@ -360,3 +360,15 @@ async def test_requests_over_the_replicas_limits_get_their_400_before_any_pick(t
         ok, at_limit, _, _ = await pick_full_duplex(f, raw(chat("just enough", n=8)))
         assert at_limit.HasField("request_headers") and len(routed) == 1  # at the limit: picked
         ok.cancel()
+
+
+async def test_a_vllm_picker_picks_what_vllm_accepts(tiny_vl_dir):
+    """The picker's limits follow the engine it fronts: 20 images and n=300 are vLLM 0.32's to take (999 items per
+    modality, no prompts x n cap), so they are picked, not refused with warmfleet's limits (16 images, 256)."""
+    part = image_part(data_uri(image_bytes(seed=5)))
+    msg = {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "look"}] + [part] * 20}]}
+    async with EppFleet(tiny_vl_dir, engine="vllm", events=False) as f:
+        for body in (msg, {**msg, "n": 300}):
+            s, first, _, _ = await pick_full_duplex(f, raw(body))
+            assert first.HasField("request_headers"), first
+            s.cancel()
