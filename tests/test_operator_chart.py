@@ -115,6 +115,7 @@ def test_operator_deployment_is_hardened(helm):
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"  # kube-score: a readiness probe, not the liveness one
     assert c["args"][:2] == ["operator", "run"]
     # what kube-score rightly flagged (.ci/static.sh; docs/security.md): the image's own uid/gid, above 10000;
     # a CPU limit; ephemeral-storage requested and bounded (its /tmp emptyDir and its logs)

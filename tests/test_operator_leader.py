@@ -223,9 +223,11 @@ async def test_the_operator_serves_health_and_its_own_metrics():
         host, port = runner.addresses[0][:2]
         async with httpx.AsyncClient(base_url=f"http://{host}:{port}") as http:
             assert (await http.get("/healthz")).json()["role"] == "leader"
+            assert (await http.get("/readyz")).status_code == 200
             text = (await http.get("/metrics")).text
             health = None
             assert (await http.get("/healthz")).status_code == 503
+            assert (await http.get("/readyz")).status_code == 503
     finally:
         await runner.cleanup()
     for line in ('warmfleet_operator_reconciles_total{outcome="changed"} 1.0',

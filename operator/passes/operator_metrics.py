@@ -73,7 +73,10 @@ class OperatorMetrics:
 
 
 async def serve(metrics: OperatorMetrics, host: str, port: int, healthy: Callable[[], Mapping[str, Any] | None]) -> Any:
-    """Serve GET /healthz (200 while `healthy()` returns a body, else 503) and GET /metrics; → the aiohttp runner."""
+    """Serve GET /healthz and /readyz (200 while `healthy()` returns a body, else 503) and GET /metrics; → the runner.
+
+    Readiness is health: a standby that follows the Lease is as ready as the leader (it takes over within the
+    lease), and a rolling update may remove the old pod once the new one answers."""
     from aiohttp import web
 
     async def healthz(_: web.Request) -> web.Response:
@@ -86,6 +89,7 @@ async def serve(metrics: OperatorMetrics, host: str, port: int, healthy: Callabl
 
     app = web.Application()
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", healthz)
     app.router.add_get("/metrics", exposition)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
