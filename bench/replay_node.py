@@ -10,7 +10,7 @@ For each fleet size, warmfleet's router in front of fresh fleets with the same r
 * with `--node-tier-victims-first`, also `node_tier_victims_first`: the priced node tier evicting first the blocks
   a replica of the node still holds in its primary pool (not in the engine's tier yet: what it would give).
 
-Both have the same host memory and the same fleet-sized LRU bound. Targets (issue 41), for the priced node tier:
+Both have the same host memory and the same fleet-sized LRU bound. Targets (issue 41), per node-tier configuration:
 cached ratio >= 0.99 x the fleet-sized LRU bound, simulated TTFT p90 <= 0.8 x the per-replica configuration's,
 spread <= 1.1, no errors.
 """
@@ -54,12 +54,17 @@ def configs(args) -> dict[str, tuple[argparse.Namespace, list[str]]]:
 
 
 def targets(res: dict, lru: float) -> dict:
-    """Issue 41's trace targets for the priced node tier against the per-replica swap tier."""
-    per, node = res.get("per_replica", {}), res.get("node_tier", {})
+    """Issue 41's trace targets for each node-tier configuration against the per-replica swap tier."""
+    return {name: t for name in res if name != "per_replica" for t in [config_targets(res, name, lru)] if t}
+
+
+def config_targets(res: dict, name: str, lru: float) -> dict:
+    """The targets of configuration `name` (cached ratio, TTFT p90 and its floor, spread, errors)."""
+    per, node = res.get("per_replica", {}), res.get(name, {})
     if per.get("cached_ratio") is None or node.get("cached_ratio") is None:
         return {}
     p90, base = node.get("ttft_p90_s"), per.get("ttft_p90_s")
-    return {"node_ratio_vs_fleet_lru": round(node["cached_ratio"] / lru, 3) if lru else None,
+    return {"ratio_vs_fleet_lru": round(node["cached_ratio"] / lru, 3) if lru else None,
             "per_replica_ratio_vs_fleet_lru": round(per["cached_ratio"] / lru, 3) if lru else None,
             "ttft_p90_vs_per_replica": round(p90 / base, 3) if p90 and base else None,
             # the same with every continued request's TTFT 0 (new conversations are cold for any cache): the least
