@@ -26,6 +26,15 @@ def test_chart_crd_template_matches_spec_types():
     assert (REPO / "charts/warmfleet/templates/crd.yaml").read_text() == chart_crd_template(), REGEN
 
 
+def test_the_condition_type_enum_holds_every_condition_the_operator_writes():
+    """The API server refuses a status write (HTTP 422) whose condition type is outside the CRD's enum."""
+    from warmfleet.operator.planning.service_status import CONDITION_TYPES
+
+    status = version()["schema"]["openAPIV3Schema"]["properties"]["status"]
+    enum = status["properties"]["conditions"]["items"]["properties"]["type"]["enum"]
+    assert set(CONDITION_TYPES) == set(enum) and "NodeTierReady" in enum
+
+
 def version():
     return crd()["spec"]["versions"][0]
 

@@ -561,7 +561,7 @@ class Condition:
     """A standard Kubernetes condition."""
 
     type: Literal["Ready", "Progressing", "Degraded", "InvalidSpec", "ModelConfigUnavailable", "EngineFit", "GPUMemoryKnown",
-                  "InferencePoolReady", "EndpointPickerReady", "HTTPRouteReady"] = prop(doc="Condition type.")
+                  "NodeTierReady", "InferencePoolReady", "EndpointPickerReady", "HTTPRouteReady"] = prop(doc="Condition type.")
     status: Literal["True", "False", "Unknown"] = prop(doc="Condition status.")
     reason: str = prop(doc="CamelCase reason.")
     message: str = prop("", doc="Human-readable detail.")
@@ -747,8 +747,9 @@ class InferenceServiceStatus:
     """Observed state of an InferenceService."""
 
     observed_generation: Optional[int] = prop(None, doc="metadata.generation last reconciled.", format="int64")
-    conditions: list[Condition] = prop([], doc=("Ready, Progressing, Degraded, InvalidSpec, ModelConfigUnavailable, EngineFit, GPUMemoryKnown; in gateway "
-                                                 "mode also InferencePoolReady, EndpointPickerReady and (spec.router.gateway) HTTPRouteReady."))
+    conditions: list[Condition] = prop([], doc=("Ready, Progressing, Degraded, InvalidSpec, ModelConfigUnavailable, EngineFit, GPUMemoryKnown; "
+                                                 "NodeTierReady while a pool has a node tier; in gateway mode also InferencePoolReady, "
+                                                 "EndpointPickerReady and (spec.router.gateway) HTTPRouteReady."))
     replicas: int = prop(0, doc="Server replicas that exist (scale subresource).")
     desired_replicas: int = prop(0, doc="Server replicas wanted.")
     ready_replicas: int = prop(0, doc="Server replicas ready.")
