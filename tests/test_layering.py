@@ -175,3 +175,19 @@ def imported_modules_abs(path):
         elif isinstance(node, ast.Import):
             names += [a.name for a in node.names]
     return names
+
+
+MAX_FUNCTION_LINES = 70  # issue 38: a function that grows past this is split into named steps
+
+
+def test_no_product_function_is_over_70_lines():
+    root = Path(__file__).resolve().parents[1]
+    long = []
+    for top in ("server", "operator", "warmfleet"):
+        for path in sorted((root / top).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    lines = node.end_lineno - node.lineno + 1
+                    if lines > MAX_FUNCTION_LINES:
+                        long.append(f"{path.relative_to(root)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, "\n".join(long)

@@ -540,6 +540,26 @@ def remote_name(remote: Remote) -> str:
     return getattr(getattr(remote, "src", None), "raw", "source")
 
 
+def _still_to_fetch(wanted: Sequence[Any], dest: Path, known: dict[str, dict[str, Any]], progress: Progress) -> list:
+    """The wanted files not already in `dest` as verified; the verified ones are counted done in `progress`.
+
+    A file is trusted without reading only if nothing touched it since it was verified (same inode, ctime: a
+    write or a replacement changes them and no user can set them back); else it is verified by content again."""
+    todo = []
+    for f in wanted:
+        entry = {"size": f.size, "digest": f.digest}
+        path = dest / f.name
+        if path.is_file() and (_unchanged(known.get(f.name), entry, path) or _hash_file(path, f.digest, f.size)):
+            known[f.name] = {**entry, **_stamp(path)}
+            progress.cached_files += 1
+            progress.done_files += 1
+            progress.done_bytes += f.size
+        else:
+            known.pop(f.name, None)
+            todo.append(f)
+    return todo
+
+
 def fetch(remote: Remote, dest: Path, *, patterns: Sequence[str] = MODEL_PATTERNS, retries: int = DEFAULT_RETRIES,
           retry_delay_s: float = 1.0, config_file: str = CONFIG_FILE) -> Result:
     """Bring `dest` up to date with the remote's files matching `patterns`; raises FetchError.
@@ -572,21 +592,7 @@ def fetch(remote: Remote, dest: Path, *, patterns: Sequence[str] = MODEL_PATTERN
         progress = Progress(files=len(wanted), total_bytes=sum(f.size for f in wanted))
         log.info("start", extra={"fields": {"source": source, "dest": str(dest), "revision": listing.revision,
                                             "files": progress.files, "bytes": progress.total_bytes}})
-        todo = []
-        for f in wanted:
-            entry = {"size": f.size, "digest": f.digest}
-            path = dest / f.name
-            # trusted without reading only if nothing touched the file since it was verified (same inode, ctime:
-            # a write or a replacement changes them and no user can set them back); else verified by content again
-            if path.is_file() and (_unchanged(known.get(f.name), entry, path)
-                                   or _hash_file(path, f.digest, f.size)):
-                known[f.name] = {**entry, **_stamp(path)}
-                progress.cached_files += 1
-                progress.done_files += 1
-                progress.done_bytes += f.size
-            else:
-                known.pop(f.name, None)
-                todo.append(f)
+        todo = _still_to_fetch(wanted, dest, known, progress)
         need = sum(f.size - (_partial_path(meta, f).stat().st_size if _partial_path(meta, f).exists() else 0) for f in todo)
         free = shutil.disk_usage(dest).free
         if need > free:

@@ -57,78 +57,87 @@ class EngineStatsCollector(Collector):
         if s is None:
             return
         m = self.model_name
-
-        def gauge(name: str, doc: str, value: float, **labels: str) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=["model_name", *labels])
-            g.add_metric([m, *labels.values()], value)
-            return g
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric([m], value)
-            return c
-
-        yield gauge("vllm:num_requests_running", "Requests in the running batch.", s.num_running)
-        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
-        yield gauge("vllm:kv_cache_usage_perc", "Primary KV pool usage, 1 means 100 percent.", _usage(s.gpu_blocks_total, s.gpu_blocks_free))
+        yield _gauge(m, "vllm:num_requests_running", "Requests in the running batch.", s.num_running)
+        yield _gauge(m, "vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield _gauge(m, "vllm:kv_cache_usage_perc", "Primary KV pool usage, 1 means 100 percent.", _usage(s.gpu_blocks_total, s.gpu_blocks_free))
         if self.cache_config is not None:
             yield _cache_config_info(self.cache_config, s)
+        yield from _kv_tier_series(m, s)
+        yield from _encoder_and_lora_series(m, s)
 
-        usage = GaugeMetricFamily("warmfleet:kv_cache_usage_perc", "KV block usage per tier, 1 means 100 percent.", labels=["model_name", "tier"])
-        usage.add_metric([m, "gpu"], _usage(s.gpu_blocks_total, s.gpu_blocks_free))
-        usage.add_metric([m, "cpu"], _usage(s.cpu_blocks_total, s.cpu_blocks_free))
-        yield usage
-        blocks = GaugeMetricFamily("warmfleet:kv_blocks", "KV blocks per tier and state.", labels=["model_name", "tier", "state"])
-        blocks.add_metric([m, "gpu", "total"], s.gpu_blocks_total)
-        blocks.add_metric([m, "gpu", "free"], s.gpu_blocks_free)
-        blocks.add_metric([m, "cpu", "total"], s.cpu_blocks_total)
-        blocks.add_metric([m, "cpu", "free"], s.cpu_blocks_free)
-        yield blocks
 
-        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_queries_tokens)
-        yield counter(
-            "vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache (all tiers).",
-            s.prefix_hits_tokens_gpu + s.prefix_hits_tokens_cpu + s.prefix_hits_tokens_node,
-        )
-        hits = CounterMetricFamily("warmfleet:prefix_cache_hits", "Prompt tokens served from the prefix cache, per tier.", labels=["model_name", "tier"])
-        hits.add_metric([m, "gpu"], s.prefix_hits_tokens_gpu)
-        hits.add_metric([m, "cpu"], s.prefix_hits_tokens_cpu)
-        hits.add_metric([m, "node"], s.prefix_hits_tokens_node)
-        yield hits
-        yield counter("warmfleet:node_tier_in_blocks", "KV blocks loaded from the node tier into the primary pool.",
-                      s.node_in_blocks)
-        yield counter("warmfleet:node_tier_out_blocks", "KV blocks handed to the node tier (computed here, or evicted from the primary pool).",
-                      s.node_out_blocks)
-        yield counter("warmfleet:node_tier_encoder_hits", "Images whose vision-encoder output the node tier served.",
-                      s.node_encoder_hits)
-        yield counter("warmfleet:node_tier_failures", "Node-tier calls that failed or timed out (each a miss: "
-                      "recomputed).", s.node_failures)
-        yield counter("vllm:num_preemptions", "Requests preempted for lack of KV blocks.", s.preemptions)
-        yield counter("warmfleet:swap_in_blocks", "KV blocks copied from the CPU tier back to the primary pool.", s.swap_in_blocks)
-        yield counter("warmfleet:swap_out_blocks", "KV blocks moved from the primary pool to the CPU tier.", s.swap_out_blocks)
-        yield counter("warmfleet:kv_events_dropped", "Times a KV-event subscriber fell a full queue behind and "
-                      "missed batches (it resyncs from a snapshot).", s.kv_events_dropped)
+def _gauge(m: str, name: str, doc: str, value: float) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, doc, labels=["model_name"])
+    g.add_metric([m], value)
+    return g
 
-        # NOTE: getattr, so a text-only engine (or one without these fields yet) exports zeros.
-        def field(name: str) -> float:
-            return getattr(s, name, 0) or 0
 
-        yield counter("warmfleet:encoder_cache_hits", "Image lookups served from the vision-encoder cache.",
-                      field("encoder_cache_hits"))
-        yield counter("warmfleet:encoder_cache_misses", "Image lookups that ran the vision encoder.",
-                      field("encoder_cache_misses"))
-        yield counter("warmfleet:encoder_cache_evictions", "Entries evicted from the vision-encoder cache.",
-                      field("encoder_cache_evictions"))
-        yield gauge("warmfleet:encoder_cache_usage_tokens", "Vision-encoder cache usage, in tokens.",
-                    field("encoder_cache_usage_tokens"))
-        yield gauge("warmfleet:encoder_cache_budget_tokens", "Vision-encoder cache budget (--max-encoder-cache), in tokens.",
-                    field("encoder_cache_budget_tokens"))
-        if field("max_loras"):
-            yield lora_requests_info(s)
-            yield counter("warmfleet:lora_device_loads",
-                          "LoRA adapters copied into a device slot (resident-set misses).", field("lora_device_loads"))
-            yield counter("warmfleet:lora_disk_loads", "LoRA adapters read from disk (registration included).",
-                          field("lora_disk_loads"))
+def _counter(m: str, name: str, doc: str, value: float) -> CounterMetricFamily:
+    c = CounterMetricFamily(name, doc, labels=["model_name"])
+    c.add_metric([m], value)
+    return c
+
+
+def _kv_tier_series(m: str, s: EngineStats) -> Iterator[Metric]:
+    """KV blocks and prefix-cache hits per tier (gpu, cpu swap, node), swap and node-tier traffic, KV events."""
+    usage = GaugeMetricFamily("warmfleet:kv_cache_usage_perc", "KV block usage per tier, 1 means 100 percent.", labels=["model_name", "tier"])
+    usage.add_metric([m, "gpu"], _usage(s.gpu_blocks_total, s.gpu_blocks_free))
+    usage.add_metric([m, "cpu"], _usage(s.cpu_blocks_total, s.cpu_blocks_free))
+    yield usage
+    blocks = GaugeMetricFamily("warmfleet:kv_blocks", "KV blocks per tier and state.", labels=["model_name", "tier", "state"])
+    blocks.add_metric([m, "gpu", "total"], s.gpu_blocks_total)
+    blocks.add_metric([m, "gpu", "free"], s.gpu_blocks_free)
+    blocks.add_metric([m, "cpu", "total"], s.cpu_blocks_total)
+    blocks.add_metric([m, "cpu", "free"], s.cpu_blocks_free)
+    yield blocks
+
+    yield _counter(m, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_queries_tokens)
+    yield _counter(
+        m, "vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache (all tiers).",
+        s.prefix_hits_tokens_gpu + s.prefix_hits_tokens_cpu + s.prefix_hits_tokens_node,
+    )
+    hits = CounterMetricFamily("warmfleet:prefix_cache_hits", "Prompt tokens served from the prefix cache, per tier.", labels=["model_name", "tier"])
+    hits.add_metric([m, "gpu"], s.prefix_hits_tokens_gpu)
+    hits.add_metric([m, "cpu"], s.prefix_hits_tokens_cpu)
+    hits.add_metric([m, "node"], s.prefix_hits_tokens_node)
+    yield hits
+    yield _counter(m, "warmfleet:node_tier_in_blocks", "KV blocks loaded from the node tier into the primary pool.",
+                   s.node_in_blocks)
+    yield _counter(m, "warmfleet:node_tier_out_blocks", "KV blocks handed to the node tier (computed here, or evicted from the primary pool).",
+                   s.node_out_blocks)
+    yield _counter(m, "warmfleet:node_tier_encoder_hits", "Images whose vision-encoder output the node tier served.",
+                   s.node_encoder_hits)
+    yield _counter(m, "warmfleet:node_tier_failures", "Node-tier calls that failed or timed out (each a miss: "
+                   "recomputed).", s.node_failures)
+    yield _counter(m, "vllm:num_preemptions", "Requests preempted for lack of KV blocks.", s.preemptions)
+    yield _counter(m, "warmfleet:swap_in_blocks", "KV blocks copied from the CPU tier back to the primary pool.", s.swap_in_blocks)
+    yield _counter(m, "warmfleet:swap_out_blocks", "KV blocks moved from the primary pool to the CPU tier.", s.swap_out_blocks)
+    yield _counter(m, "warmfleet:kv_events_dropped", "Times a KV-event subscriber fell a full queue behind and "
+                   "missed batches (it resyncs from a snapshot).", s.kv_events_dropped)
+
+
+def _encoder_and_lora_series(m: str, s: EngineStats) -> Iterator[Metric]:
+    """The vision-encoder cache and, when LoRA is on, the adapter series."""
+    # NOTE: getattr, so a text-only engine (or one without these fields yet) exports zeros.
+    def field(name: str) -> float:
+        return getattr(s, name, 0) or 0
+
+    yield _counter(m, "warmfleet:encoder_cache_hits", "Image lookups served from the vision-encoder cache.",
+                   field("encoder_cache_hits"))
+    yield _counter(m, "warmfleet:encoder_cache_misses", "Image lookups that ran the vision encoder.",
+                   field("encoder_cache_misses"))
+    yield _counter(m, "warmfleet:encoder_cache_evictions", "Entries evicted from the vision-encoder cache.",
+                   field("encoder_cache_evictions"))
+    yield _gauge(m, "warmfleet:encoder_cache_usage_tokens", "Vision-encoder cache usage, in tokens.",
+                 field("encoder_cache_usage_tokens"))
+    yield _gauge(m, "warmfleet:encoder_cache_budget_tokens", "Vision-encoder cache budget (--max-encoder-cache), in tokens.",
+                 field("encoder_cache_budget_tokens"))
+    if field("max_loras"):
+        yield lora_requests_info(s)
+        yield _counter(m, "warmfleet:lora_device_loads",
+                       "LoRA adapters copied into a device slot (resident-set misses).", field("lora_device_loads"))
+        yield _counter(m, "warmfleet:lora_disk_loads", "LoRA adapters read from disk (registration included).",
+                       field("lora_disk_loads"))
 
 
 def lora_requests_info(s: EngineStats) -> GaugeMetricFamily:
