@@ -9,7 +9,8 @@ import base64
 import secrets
 from typing import Any, Mapping
 
-from warmfleet.kube import Kube, KubeError
+from warmfleet.kube import Kube
+from warmfleet.operator.passes.create_once import create_once
 from warmfleet.operator.planning import objects
 from warmfleet.operator.spec.inference_service import InferenceServiceSpec
 
@@ -32,19 +33,8 @@ async def ensure_admin_secret(kube: Kube, owner: objects.Owner, spec: InferenceS
     secret, _ = objects.admin_key_ref(owner, spec)
     if secret != objects.names(owner)["admin"]:
         return "named"
-    try:
-        if await kube.get("Secret", owner.namespace, secret) is not None:
-            return "exists"
-    except KubeError as exc:
-        if exc.status != 403:  # may create but not read Secrets (chart value operator.readModelCredentials=false)
-            raise
-    try:
-        await kube.create(own([admin_secret(owner, secrets.token_urlsafe(KEY_BYTES))])[0])
-    except KubeError as exc:
-        if exc.status != 409:  # another pass created it meanwhile: theirs stands
-            raise
-        return "exists"
-    return "created"
+    return await create_once(kube, owner.namespace, secret,
+                             lambda: admin_secret(owner, secrets.token_urlsafe(KEY_BYTES)), own)
 
 
 def secret_value(secret: Mapping[str, Any] | None, key: str) -> str | None:

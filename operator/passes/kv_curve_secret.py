@@ -9,7 +9,8 @@ from typing import Any
 
 import zmq
 
-from warmfleet.kube import Kube, KubeError
+from warmfleet.kube import Kube
+from warmfleet.operator.passes.create_once import create_once
 from warmfleet.operator.planning import kv_curve
 from warmfleet.operator.planning.objects import Owner
 from warmfleet.operator.spec.inference_service import InferenceServiceSpec
@@ -32,17 +33,5 @@ async def ensure_kv_curve_secret(kube: Kube, owner: Owner, spec: InferenceServic
     an existing one. `own` adds the owner reference. Returns 'created', 'exists' or 'off'."""
     if not spec.router.kv_events_curve:
         return "off"
-    name = kv_curve.curve_secret_name(owner)
-    try:
-        if await kube.get("Secret", owner.namespace, name) is not None:
-            return "exists"
-    except KubeError as exc:
-        if exc.status != 403:  # may create but not read Secrets: a 409 below says it exists
-            raise
-    try:
-        await kube.create(own([kv_curve.curve_secret(owner, new_key_pairs())])[0])
-    except KubeError as exc:
-        if exc.status != 409:  # another pass created it meanwhile: theirs stands
-            raise
-        return "exists"
-    return "created"
+    return await create_once(kube, owner.namespace, kv_curve.curve_secret_name(owner),
+                             lambda: kv_curve.curve_secret(owner, new_key_pairs()), own)

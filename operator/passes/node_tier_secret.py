@@ -10,7 +10,8 @@ import base64
 import secrets
 from typing import Any
 
-from warmfleet.kube import Kube, KubeError
+from warmfleet.kube import Kube
+from warmfleet.operator.passes.create_once import create_once
 from warmfleet.operator.planning import objects
 from warmfleet.operator.planning.node_tier_objects import TOKEN_KEY, tier_names
 
@@ -29,17 +30,5 @@ async def ensure_node_tier_secret(kube: Kube, owner: objects.Owner, wanted: bool
     existing one. Needs only `create` on Secrets (a 409 says it exists). Returns 'created', 'exists' or 'unwanted'."""
     if not wanted:
         return "unwanted"
-    name = tier_names(owner)["token"]
-    try:
-        if await kube.get("Secret", owner.namespace, name) is not None:
-            return "exists"
-    except KubeError as exc:
-        if exc.status != 403:  # may create but not read Secrets (chart value operator.readModelCredentials=false)
-            raise
-    try:
-        await kube.create(own([node_tier_secret(owner, secrets.token_urlsafe(TOKEN_BYTES))])[0])
-    except KubeError as exc:
-        if exc.status != 409:  # another pass created it meanwhile: it stands
-            raise
-        return "exists"
-    return "created"
+    return await create_once(kube, owner.namespace, tier_names(owner)["token"],
+                             lambda: node_tier_secret(owner, secrets.token_urlsafe(TOKEN_BYTES)), own)
