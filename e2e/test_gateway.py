@@ -155,7 +155,15 @@ def test_gateway_mode_objects_are_accepted_and_status_says_pool_and_epp_ready(
     epp = get(c, namespace, "deployment", f"{NAME}-epp")
     assert epp["spec"]["replicas"] == 2 and (epp.get("status") or {}).get("readyReplicas") == 2
     (ctr,) = epp["spec"]["template"]["spec"]["containers"]
-    assert ctr["args"][0] == "epp" and ctr["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    # HTTP probes on the side port (the kubelet's gRPC probes speak no TLS, the gRPC port only TLS); scheme: the
+    # API server's default
+    assert ctr["args"][0] == "epp" and ctr["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http", "scheme": "HTTP"}
+    assert ctr["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTP"}
+    assert {p["name"]: p["containerPort"] for p in ctr["ports"]} == {"grpc": 9002, "http": 9090}
+    # stopping a picker: preStop sleeps while the gateway drops it, then --drain-grace-s, all within the pod's grace
+    assert ctr["lifecycle"]["preStop"] == {"sleep": {"seconds": 5}}
+    assert ctr["args"][ctr["args"].index("--drain-grace-s") + 1] == "30.0"
+    assert epp["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 40
     svc_epp = get(c, namespace, "service", f"{NAME}-epp")
     assert {p["name"]: p.get("appProtocol") for p in svc_epp["spec"]["ports"]} == {"grpc": "http2", "http": None}
     assert get(c, namespace, "poddisruptionbudget", f"{NAME}-epp") is not None
