@@ -219,6 +219,9 @@ class LocalOperator:
         env = dict(os.environ)
         env.pop("KUBERNETES_SERVICE_HOST", None)  # never the in-cluster login
         env["KUBECONFIG"] = str(self.kubeconfig)
+        # as an admin would through the chart (operator.allowedEndpointHosts): the hubs and stores the tests run are on
+        # loopback, an address the operator otherwise refuses to read (EndpointRefused)
+        env["WARMFLEET_ALLOWED_ENDPOINT_HOSTS"] = "127.0.0.1"
         log = self.workdir / f"operator-{self.generation}.log"
         self.logs.append(log)
         self.proc = LocalProcess(

@@ -9,6 +9,7 @@ ServiceAccount token, then `kubectl apply -f examples/inferenceservice.yaml`. Te
 from __future__ import annotations
 
 import copy
+import hashlib
 import re
 import time
 from pathlib import Path
@@ -129,15 +130,25 @@ def test_helm_install_establishes_crd_and_matches_template(e2e_cluster: Cluster,
         f"ClusterRole/{release.name}-app", f"ClusterRole/{release.name}-kopf",
         f"ClusterRoleBinding/{release.name}-app", f"ClusterRoleBinding/{release.name}-kopf",
         f"CustomResourceDefinition/{CRD_NAME}", f"Deployment/{release.name}-operator",
-        f"NetworkPolicy/{release.name}-operator", f"ServiceAccount/{release.name}"]), kinds
+        f"NetworkPolicy/{release.name}-operator", f"ServiceAccount/{release.name}",
+        # leader election (operator.replicas 2 by default): the Lease's Role and its binding, a PodDisruptionBudget
+        # keeping one operator through drains; the operator's own /metrics Service (its ServiceMonitor is opt-in)
+        f"Role/{release.name}-operator-lease", f"RoleBinding/{release.name}-operator-lease",
+        f"PodDisruptionBudget/{release.name}-operator", f"Service/{release.name}-operator-metrics"]), kinds
+    namespaced = ("Deployment", "ServiceAccount", "NetworkPolicy", "Role", "RoleBinding", "PodDisruptionBudget", "Service")
     for want in rendered:  # every rendered field is live (the API server may only add defaults)
-        ns = ["-n", release.namespace] if want["kind"] in ("Deployment", "ServiceAccount", "NetworkPolicy") else []
+        assert want["metadata"].get("namespace") == (release.namespace if want["kind"] in namespaced else None), want["kind"]
+        ns = ["-n", release.namespace] if want["kind"] in namespaced else []
         live = c.kubectl_json(*ns, "get", f"{want['kind']}.{want['apiVersion'].split('/')[0]}"
                               if "/" in want["apiVersion"] else want["kind"], want["metadata"]["name"])
         if want["kind"] == "Deployment":  # scaled to 0 by the fixture so only the local operator acts
-            assert want["spec"]["replicas"] == 1
+            assert want["spec"]["replicas"] == 2  # a leader and a standby
             want = copy.deepcopy(want)
             want["spec"].pop("replicas")
+            for ctr in want["spec"]["template"]["spec"]["containers"]:  # the API omits an empty env value (omitempty):
+                for e in ctr.get("env", []):                             # the variable is set, to ""
+                    if e.get("value") == "":
+                        del e["value"]
         assert is_subset(want, live), f"{want['kind']}/{want['metadata']['name']} differs from helm template"
 
     # The chart's CRD template is the committed crds/ file (both generated from operator/spec/).
@@ -280,6 +291,10 @@ CREATE_CASES = [
      ["spec.cache.swapSpace", "size is required when mode is Fixed"]),
     ("cel-fixed-needs-size-tokens", _with(cache={"encoderCache": {"mode": "Fixed"}}),
      ["spec.cache.encoderCache", "size is required when mode is Fixed"]),
+    ("cel-node-tier-manual-needs-size", _with(cache={"nodeTier": {"mode": "Manual"}}),
+     ["spec.cache.nodeTier", "size is required when mode is Manual"]),
+    ("cel-min-le-max-node-tier", _with(cache={"nodeTier": {"mode": "Auto", "min": 8, "max": 2}}),
+     ["spec.cache.nodeTier", "min must be <= max"]),
     ("cel-min-le-max-gib", _with(cache={"processorCache": {"min": 8, "max": 2}}),
      ["spec.cache.processorCache", "min must be <= max"]),
     ("cel-min-le-max-tokens", _with(cache={"encoderCache": {"min": 9000, "max": 10}}),
@@ -302,8 +317,8 @@ CREATE_CASES = [
      ["spec.adapters[0]", "source must be"]),
     ("schema-enum", _with(cache={"blockSize": 48}),
      ["spec.cache.blockSize: Unsupported value: 48", '"16", "32", "64", "128", "256"']),
-    ("schema-minimum", _with(server={"gpusPerReplica": 0}),
-     ["spec.server.gpusPerReplica", "greater than or equal to 1"]),
+    ("schema-minimum", _with(server={"gpusPerReplica": -1}),  # 0 is allowed: CPU-only replicas (engine warmfleet)
+     ["spec.server.gpusPerReplica", "greater than or equal to 0"]),
     ("schema-maximum", _with(cache={"encoderFraction": 0.9}),
      ["spec.cache.encoderFraction", "less than or equal to 0.5"]),
     ("schema-pattern", {**BASE, "spec": {"model": {"path": "/m", "pvc": "Not_A_Name"}}},
@@ -702,6 +717,10 @@ def test_hf_source_reconciles_with_the_fetch_init_container_and_learns_config_js
     assert all(p["inputs"]["bytesPerEncoderToken"] == 3584 * 2 for p in st["pools"])
 
     model_dir = "/models/hf/acme/qwen2-vl-e2e/main"
+    hub_port = hub.url.rstrip("/").rsplit(":", 1)[1]
+    hub_digest = hashlib.sha256(f"http://127.0.0.1:{hub_port}/".encode()).hexdigest()[:12]
+    # the node cache's directory: per namespace (the chart's operator.shareModelCache is off), per endpoint
+    cache_dir = f"ns/{namespace}/hf/127.0.0.1_{hub_port}-{hub_digest}/acme/qwen2-vl-e2e/main"
     live = deployments(c, ex)
     nodes = [node_info(n) for n in c.kubectl_json("get", "nodes")["items"]]
     live_svc = {k: svc[k] for k in ("apiVersion", "kind", "metadata", "spec", "status")}
@@ -717,7 +736,10 @@ def test_hf_source_reconciles_with_the_fetch_init_container_and_learns_config_js
         (init,) = pod["initContainers"]
         router = dep["metadata"]["labels"][COMPONENT_LABEL] == "router"
         assert init["name"] == "fetch-model" and init["command"] == ["warmfleet"]
-        assert init["args"] == ["fetch-model", source, "--dest", model_dir, "--termination-log", "/dev/termination-log",
+        # a server fetches into the node cache's directory of this namespace, endpoint (host and a digest of its URL)
+        # and source; the router into its own emptyDir at the model's directory
+        dest = model_dir if router else f"/models/{cache_dir}"
+        assert init["args"] == ["fetch-model", source, "--dest", dest, "--termination-log", "/dev/termination-log",
                                 *(["--tokenizer-only"] if router else [])]
         env = {e["name"]: e for e in init["env"]}
         assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-creds", "key": "HF_TOKEN"}
@@ -731,8 +753,7 @@ def test_hf_source_reconciles_with_the_fetch_init_container_and_learns_config_js
             assert vols["model"]["emptyDir"] == {"sizeLimit": "1Gi"}
             continue
         assert vols["model-cache"]["hostPath"] == {"path": "/var/cache/warmfleet/models", "type": "DirectoryOrCreate"}
-        assert {"name": "model-cache", "mountPath": model_dir, "subPath": "hf/acme/qwen2-vl-e2e/main", "readOnly": True} \
-            in ctr["volumeMounts"]
+        assert {"name": "model-cache", "mountPath": model_dir, "subPath": cache_dir, "readOnly": True} in ctr["volumeMounts"]
     # the API server admitted pods carrying the init container (kwok runs nothing; it marks them Ready)
     pods = c.kubectl_json("-n", namespace, "get", "pods", "-l", f"{SERVICE_LABEL}={ex.name},{COMPONENT_LABEL}=server")["items"]
     assert len(pods) == 2 and all(p["spec"]["initContainers"][0]["name"] == "fetch-model" for p in pods)
