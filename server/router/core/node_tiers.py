@@ -21,11 +21,11 @@ import time
 from typing import Optional
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from ...events import NODE_STATE_TOPIC, NODE_TOPIC_PREFIX, EventBatch, decode
 from .index import Applied, KVIndex
 from .settings import parse_node_tier_events
+from .subscriber import pump
 
 log = logging.getLogger(__name__)
 RESOLVE_S = 10.0  # how often the names are resolved again
@@ -84,36 +84,16 @@ class NodeFeed:
         sock.setsockopt(zmq.SUBSCRIBE, NODE_TOPIC_PREFIX.encode())
         monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sock.connect(self.endpoint)
-        loop = asyncio.get_running_loop()
-
-        def drain(s: zmq.Socket) -> None:
-            for _ in range(64):
-                try:
-                    frames = s.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    return
-                if s is monitor:
-                    event = parse_monitor_message(frames)["event"]
-                    if event == zmq.EVENT_CONNECTED:
-                        self.connected = True  # the subscription's arrival makes it publish its state
-                    elif event == zmq.EVENT_DISCONNECTED:
-                        self.on_disconnect()
-                else:
-                    self.on_frames(frames)
-            loop.call_soon(drain, s)
-
-        for s in (sock, monitor):
-            loop.add_reader(s.FD, drain, s)
-            drain(s)
         try:
-            await asyncio.Future()
+            await pump(sock, monitor, self.on_frames, self._on_monitor_event)
         finally:
-            for s in (sock, monitor):
-                loop.remove_reader(s.FD)
-            sock.disable_monitor()
-            monitor.close(0)
-            sock.close(0)
             self._sock = None
+            self.on_disconnect()
+
+    def _on_monitor_event(self, event: int) -> None:
+        if event == zmq.EVENT_CONNECTED:
+            self.connected = True  # the subscription's arrival makes it publish its state
+        elif event == zmq.EVENT_DISCONNECTED:
             self.on_disconnect()
 
 

@@ -76,32 +76,8 @@ class EventSubscriber:
             self.curve.apply(sock)
         monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED)
         sock.connect(self.endpoint)
-        loop = asyncio.get_running_loop()
-
-        def drain(s: zmq.Socket) -> None:
-            for _ in range(DRAIN_BATCH):
-                try:
-                    frames = s.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    return
-                if s is monitor:
-                    if parse_monitor_message(frames)["event"] == zmq.EVENT_CONNECTED:
-                        self._on_connect()
-                else:
-                    self._handle(frames)
-            loop.call_soon(drain, s)  # more may wait, and the descriptor will not signal them again
-
-        for s in (sock, monitor):
-            loop.add_reader(s.FD, drain, s)
-            drain(s)  # what arrived before the reader was added
-        try:
-            await asyncio.Future()  # until cancelled
-        finally:
-            for s in (sock, monitor):
-                loop.remove_reader(s.FD)
-            sock.disable_monitor()
-            monitor.close(0)
-            sock.close(0)
+        await pump(sock, monitor, self._handle,
+                   lambda event: self._on_connect() if event == zmq.EVENT_CONNECTED else None)
 
     def _handle(self, frames: list[bytes]) -> None:
         try:
@@ -122,3 +98,36 @@ async def cancel(task: asyncio.Task) -> None:
         await task
     except (asyncio.CancelledError, Exception):
         pass
+
+
+async def pump(sock: zmq.Socket, monitor: zmq.Socket, on_frames: Callable[[list[bytes]], None],
+               on_event: Callable[[int], None]) -> None:
+    """Read a SUB socket and its monitor from the loop's reader callbacks until cancelled, then close both.
+
+    ZMQ's descriptor is edge-triggered: every wake drains the socket until EAGAIN, DRAIN_BATCH messages per loop turn,
+    and what arrived before the reader was added is read at once."""
+    loop = asyncio.get_running_loop()
+
+    def drain(s: zmq.Socket) -> None:
+        for _ in range(DRAIN_BATCH):
+            try:
+                frames = s.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if s is monitor:
+                on_event(parse_monitor_message(frames)["event"])
+            else:
+                on_frames(frames)
+        loop.call_soon(drain, s)  # more may wait, and the descriptor will not signal them again
+
+    for s in (sock, monitor):
+        loop.add_reader(s.FD, drain, s)
+        drain(s)
+    try:
+        await asyncio.Future()  # until cancelled
+    finally:
+        for s in (sock, monitor):
+            loop.remove_reader(s.FD)
+        sock.disable_monitor()
+        monitor.close(0)
+        sock.close(0)
