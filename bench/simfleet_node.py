@@ -6,7 +6,7 @@ chain's root, so only what a replica on the node could hit itself is ever shared
 `NodePool`: the engine's `BlockPool` with no swap tier of its own, whose host tier is the node's:
 
 * a block the replica computes is written through to the node tier as soon as it is full (a swap-out, priced by
-  the time model's `swap_s_per_block`), as the engine does (`BlockPool.cache_block`), so the node's other
+  the time model's `swap_s_per_block` in the replica's next step, when the engine reads it out), as the engine does (`BlockPool.cache_block`), so the node's other
   replicas can load a prefix while it is still hot on the replica that computed it; with `exclusive` (below) it
   is not (a block lives in one place on the node);
 * a hashed block evicted from the replica's primary pool is copied to the node tier (priced the same), unless the
