@@ -161,6 +161,10 @@ def test_servers_routers_and_pickers_are_pointed_at_the_tier_through_its_service
                         for n in ("qwen-node-tier", "qwen-node-tier-events"))
     assert tier_svc["spec"]["internalTrafficPolicy"] == "Local" and tier_svc["spec"]["ports"][0]["port"] == 7100
     assert events["spec"]["clusterIP"] == "None" and events["spec"]["ports"][0]["port"] == 5560
+    # the API server omits a Service's false and empty fields (omitempty): one rendered would never match the live
+    # object, and the operator re-applied the Service on every reconcile
+    for s in of(objs, "Service"):
+        assert not [k for k, v in s["spec"].items() if v is False or v == ""], s["metadata"]["name"]
     assert tier_svc["spec"]["selector"] == events["spec"]["selector"] == {
         "serving.warmfleet.io/service": "qwen", "app.kubernetes.io/component": "node-tier"}
     deps = {d["metadata"]["labels"]["app.kubernetes.io/component"]: d for d in of(objs, "Deployment")}

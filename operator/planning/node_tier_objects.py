@@ -129,7 +129,7 @@ def services(owner: Owner) -> list[dict[str, Any]]:
                 internalTrafficPolicy="Local"),
         service(owner, n["events"], COMPONENT, tier_selector(owner),
                 [{"name": "kv-events", "port": EVENTS_PORT, "targetPort": "kv-events", "protocol": "TCP"}],
-                clusterIP="None", publishNotReadyAddresses=False),
+                clusterIP="None"),
     ]
 
 
