@@ -1,25 +1,55 @@
 """spec.cache.nodeTier against a real control plane (issue 41, operator): a node tier DaemonSet per pool, sized, running
 on every node of its pool; its memory plus its pool's replicas' within every node's allocatable; status shows it;
-`mode: Off` removes it and gives the replicas their own swap tier back."""
+`mode: Off` removes it and gives the replicas their own swap tier back.
+
+The service runs on nodes of its own (an H200 and an L4 shape, made for the test): the tier is sized from what a
+node spares after this service's replicas (docs/node-tier-operator.md), so the suite's example service, which holds
+memory on the cluster's GPU nodes, would leave its pods Pending (NodeTierNotReady)."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+import uuid
+from typing import Any, Iterator
 
-from conftest import Example, LocalOperator
+import pytest
+
+from conftest import Example, LocalOperator, is_ready
 from e2e_support import Cluster, wait_for
-from test_operator import GPU_NODES, deployments, quantity, wfis
+from test_operator import deployments, kwok_node, quantity, wfis
 
 SERVICE_LABEL = "serving.warmfleet.io/service"
 POOL_LABEL = "serving.warmfleet.io/pool"
 
 
-def tiered_service(namespace: str, mode: str) -> dict[str, Any]:
+def tiered_service(namespace: str, mode: str, node_selector: dict[str, str]) -> dict[str, Any]:
     return {"apiVersion": "serving.warmfleet.io/v1alpha1", "kind": "InferenceService",
             "metadata": {"name": "tiered", "namespace": namespace},
             "spec": {"model": {"path": "/models/qwen", "hiddenSize": 896}, "engine": {"kind": "warmfleet"},
-                     "replicas": 2, "nodeSelector": GPU_NODES, "cache": {"nodeTier": {"mode": mode}}}}
+                     "replicas": 2, "nodeSelector": node_selector, "cache": {"nodeTier": {"mode": mode}}}}
+
+
+@pytest.fixture
+def tier_nodes(e2e_cluster: Cluster) -> Iterator[dict[str, str]]:
+    """Two 8xH200 nodes and one 8xL4 node (e2e/cluster.sh's shapes) made for this test and deleted after it; the
+    node selector that picks them. Without `nvidia.com/gpu.present`, no other test's selector takes them."""
+    c, tag = e2e_cluster, uuid.uuid4().hex[:6]
+    label = f"e2e.warmfleet.io/tier-{tag}"
+    shapes = {f"tier-h200-{tag}-{i}": ("NVIDIA-H200", "143771", "2Ti", "192") for i in range(2)}
+    shapes[f"tier-l4-{tag}-0"] = ("NVIDIA-L4", "23034", "384Gi", "96")
+    made = []
+    for name, (product, mib, memory, cpu) in shapes.items():
+        node = kwok_node(name, {label: "true", "nvidia.com/gpu.product": product, "nvidia.com/gpu.memory": mib,
+                                "nvidia.com/gpu.count": "8"}, gpus=8, memory=memory, cpu=cpu)
+        del node["metadata"]["labels"]["nvidia.com/gpu.present"]
+        made.append(node)
+    c.apply(made)
+    try:
+        for name in shapes:
+            wait_for(lambda n=name: is_ready(c.kubectl_json("get", "node", n)), 60, f"node {name} Ready")
+        yield {label: "true"}
+    finally:
+        c.kubectl("delete", "node", *shapes, "--ignore-not-found", check=False)
 
 
 def daemonsets(c: Cluster, ex: Example) -> dict[str, dict[str, Any]]:
@@ -38,28 +68,31 @@ def container_memory(obj: dict[str, Any]) -> int:
     return quantity(c["resources"]["limits"]["memory"])
 
 
-def tiers_running(c: Cluster, ex: Example) -> dict[str, dict[str, Any]] | None:
-    """Every pool's DaemonSet rolled out on each of the pool's nodes, and status written for this generation."""
+def tiers_running(c: Cluster, ex: Example) -> dict[str, dict[str, Any]]:
+    """Every pool's DaemonSet rolled out on each of the pool's nodes, and status written for this generation; else
+    raises with what is missing (wait_for reports the last one)."""
     svc = wfis(c, ex)
     st = svc.get("status") or {}
     if st.get("observedGeneration") != svc["metadata"]["generation"] or not st.get("pools"):
-        return None
+        raise AssertionError(f"status not written for generation {svc['metadata']['generation']}: {st.get('conditions')}")
     sets = daemonsets(c, ex)
     for pool in st["pools"]:
         ds = sets.get(pool["name"])
         s = (ds or {}).get("status") or {}
         if ds is None or s.get("observedGeneration") != ds["metadata"]["generation"]:
-            return None
-        if not (s.get("desiredNumberScheduled") == s.get("numberReady") == s.get("updatedNumberScheduled") == len(pool["nodes"])):
-            return None
+            raise AssertionError(f"pool {pool['name']}: DaemonSet {'missing' if ds is None else 'not observed'}")
+        counts = (s.get("desiredNumberScheduled"), s.get("numberReady"), s.get("updatedNumberScheduled"))
+        if not counts[0] == counts[1] == counts[2] == len(pool["nodes"]):
+            raise AssertionError(f"pool {pool['name']} on {pool['nodes']}: desired/ready/updated {counts}; "
+                                 f"status.pools[].nodeTier {pool.get('nodeTier')}; conditions {st.get('conditions')}")
     return sets
 
 
 def test_a_node_tier_per_pool_sized_within_every_nodes_allocatable_and_shown_in_status(
-        e2e_cluster: Cluster, local_operator: LocalOperator, namespace: str) -> None:
+        e2e_cluster: Cluster, local_operator: LocalOperator, namespace: str, tier_nodes: dict[str, str]) -> None:
     c = e2e_cluster
     ex = Example("tiered", namespace, "")
-    c.apply(tiered_service(namespace, "Auto"))
+    c.apply(tiered_service(namespace, "Auto", tier_nodes))
     sets = wait_for(lambda: tiers_running(c, ex), 120, "a node tier running on every node of each pool")
     st = wfis(c, ex)["status"]
     deps = servers(c, ex)
