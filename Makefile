@@ -9,6 +9,7 @@ $(BIN)/warmfleet: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[all]'
+	scripts/otel-proto.sh $(BIN)/python  # xds-protos overwrites opentelemetry-proto's files
 	@touch $@
 
 ## demo: set up, then run a local fleet (replicas + router) on a tiny checkpoint made on first run

@@ -35,6 +35,14 @@ esac
 cd /
 echo "== image-steps $target: pip install warmfleet[$extras]"
 "$PY" -P -m pip install --quiet --disable-pip-version-check "${wheel}[${extras}]"
+# xds-protos (gateway) ships an older copy of opentelemetry/proto that overwrites opentelemetry-proto's (tracing):
+# its own files last, as scripts/otel-proto.sh does for the checkout's venv
+otel=$("$PY" -P -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))' 2>/dev/null || true)
+if [[ -n $otel ]]; then
+  "$PY" -P -m pip install --quiet --disable-pip-version-check --force-reinstall --no-deps "opentelemetry-proto==$otel"
+  "$PY" -P -c 'from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter' \
+    || fail "the OTLP exporter does not import (opentelemetry-proto overwritten?)"
+fi
 
 bin=$(dirname "$("$PY" -c 'import sys; print(sys.executable)')")
 warmfleet=$bin/warmfleet
