@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import zmq
 
+from operator_fixtures.rendered import HF, IMAGES, children, container
 from operator_fixtures.shapes import l4, service
 from warmfleet.kube import KubeError
 from warmfleet.operator.passes.kv_curve_secret import ensure_kv_curve_secret
-from warmfleet.operator.passes.reconcile import plan_for
 from warmfleet.operator.planning import kv_curve, objects
 from warmfleet.operator.planning.nodes import node_info
 from warmfleet.operator.spec.inference_service import parse_spec
@@ -27,20 +27,7 @@ from warmfleet.server.router.core.settings import RouterSettings
 from warmfleet.server.router.core.subscriber import CurveKeys
 from warmfleet.server.router.epp.settings import EppSettings
 
-IMAGES = objects.Images(engine="engine:1", router="operator-slim:1")
-HF = {"source": "hf://acme/m@main", "hiddenSize": 1024, "dtype": "bfloat16"}
 OWNER = objects.Owner("qwen", "team-a")
-
-
-def children(spec: dict) -> dict:
-    _, _, plan = plan_for(service("qwen", spec=spec, namespace="team-a", uid="uid-qwen"), [node_info(l4())], IMAGES)
-    return {(c["kind"], c["metadata"]["name"]): c for c in plan.children}
-
-
-def container(objs: dict, component: str) -> tuple[dict, dict]:
-    pod = next(c for c in objs.values() if c["kind"] == "Deployment"
-               and c["metadata"]["labels"]["app.kubernetes.io/component"] == component)["spec"]["template"]["spec"]
-    return pod, next(c for c in pod["containers"] if c["name"] == component)
 
 
 class FakeKube:
