@@ -40,6 +40,7 @@ def parse_address(text: str) -> tuple[str, int]:
 class ClientCounters:
     get_calls: int = 0
     get_entries: int = 0  # entries served whole
+    get_seconds: float = 0.0  # wall time of the gets that served entries (copy cost per entry = this / get_entries)
     put_entries: int = 0  # entries handed to the node tier
     put_dropped: int = 0  # entries not sent (breaker open, queue full, failure)
     failures: int = 0  # calls that failed (each opened the breaker)
@@ -139,6 +140,7 @@ class NodeTierClient:
         if not keys or not self.breaker.allows():
             return []
         self.counters.get_calls += 1
+        start = time.perf_counter()
         out: list[bytes] = []
         try:
             while len(out) < len(keys):  # an answer cut at the frame limit goes on where it stopped
@@ -156,7 +158,9 @@ class NodeTierClient:
             self._failed("get", exc)
             return []
         self.breaker.succeeded()
-        self.counters.get_entries += len(out)
+        if out:
+            self.counters.get_entries += len(out)
+            self.counters.get_seconds += time.perf_counter() - start
         return out
 
     # ---- puts (background thread) --------------------------------------------------------
