@@ -29,11 +29,36 @@ def test_store_never_exceeds_capacity_and_evicts_least_recently_used():
     assert [e.data for e in store.get("kv", [b"a"], "L")] == [bytes(100)]  # a is now the most recently used
     assert put(store, b"d", bytes(100))
     assert store.used_bytes <= store.capacity_bytes
-    assert {k for _, k in store.lru} == {b"a", b"c", b"d"}  # b was the least recently used
+    assert {k for _, k in store.slots()} == {b"a", b"c", b"d"}  # b was the least recently used
     assert not put(store, b"huge", bytes(7 * 100))  # larger than the whole tier: refused, nothing evicted
-    assert {k for _, k in store.lru} == {b"a", b"c", b"d"}
+    assert {k for _, k in store.slots()} == {b"a", b"c", b"d"}
     ev = store.take_events()
     assert BlockRemoved([b"b"], NODE) in ev and sum(isinstance(e, BlockStored) for e in ev) == 4
+
+
+def test_store_evicts_copies_replicas_still_hold_before_blocks_held_nowhere_else():
+    store = NodeStore(3 * (10 + ENTRY_OVERHEAD))
+    assert store.put("kv", b"victim", "L", bytes(10), checksum(bytes(10)), holder="r1", held=False)  # evicted by r1
+    for k in (b"a", b"b"):  # written through: r1 still holds them
+        assert store.put("kv", k, "L", bytes(10), checksum(bytes(10)), holder="r1", held=True)
+    assert put(store, b"c", bytes(10))  # full: "a" goes first although "victim" is older
+    assert store.slots() == [(("kv", b"b")), ("kv", b"victim"), ("kv", b"c")]
+    assert store.release("kv", [b"b", b"gone"], "r1") == [b"gone"]  # r1 evicted b: a victim now; "gone" must be sent
+    assert ("kv", b"b") in store.free and not store.held and store.counters.released == 1
+    assert [e.data for e in store.get("kv", [b"victim"], "L", holder="r2")] == [bytes(10)]  # r2 copies it in
+    assert store.slots()[0] == ("kv", b"victim")  # held by r2: the next to go
+    store.drop_holder("r2")  # r2's connections closed: nothing it claimed stands
+    assert not store.held and store.holders == {} and store.claims == {}
+    assert store.used_bytes == 3 * (10 + ENTRY_OVERHEAD)
+
+
+def test_store_eviction_put_of_an_entry_it_has_only_ends_the_claim():
+    store = NodeStore(1 << 20)
+    assert store.put("kv", b"x", "L", b"d", checksum(b"d"), holder="r1", held=True)
+    assert store.put("kv", b"x", "L", b"d", checksum(b"d"), holder="r2", held=True)
+    assert store.put("kv", b"x", "L", b"d", checksum(b"d"), holder="r1", held=False)
+    assert store.holders[("kv", b"x")] == {"r2"} and ("kv", b"x") in store.held
+    assert store.release("kv", [b"x"], "r2") == [] and ("kv", b"x") in store.free and store.counters.puts == 1
 
 
 def test_store_serves_only_whole_entries_of_the_same_layout_and_never_overwrites():
@@ -98,6 +123,31 @@ def test_client_round_trip_and_a_dead_tier_is_a_quick_miss(node_tier):
     c.put_async([{"kind": "kv", "key": b"h9", "layout": "L", "data": b"x"}])
     assert c.counters.put_dropped == 1
     c.close()
+
+
+def test_a_replica_releases_what_the_tier_holds_and_its_copies_go_first(tmp_path):
+    nt = NodeTier(tmp_path, capacity_bytes=3 * (64 + ENTRY_OVERHEAD)).start()
+    nt.wait_ready()
+    a, b = NodeTierClient(nt.address, timeout_s=2.0), NodeTierClient(nt.address, timeout_s=2.0)
+    try:
+        kv = lambda k, held: {"kind": "kv", "key": k, "layout": "L", "data": k * 32, "held": held}  # noqa: E731
+        a.put_async([kv(b"k1", True), kv(b"k2", True)])  # written through: a still holds both
+        assert a.flush()
+        a.put_async([kv(b"k1", False)])  # a evicts k1: the tier has it, so no bytes go
+        assert a.flush() and a.counters.put_released == 1
+        b.put_async([kv(b"k3", False), kv(b"k4", False)])  # full: k2, a copy a still holds, goes before k1
+        assert b.flush()
+        assert b.get("kv", [b"k1"], "L") == [b"k1" * 32] and b.get("kv", [b"k2"], "L") == []
+        stats = a._get_conn.call({"op": "stats"})
+        assert stats["released"] == 1 and stats["holders"] == 2 and stats["used_bytes"] <= stats["capacity_bytes"]
+        b.close()  # b's connections close: its claims end (the server sees the close when its loop gets to it)
+        end = time.monotonic() + 10
+        while a._get_conn.call({"op": "stats"})["holders"] != 1 and time.monotonic() < end:
+            time.sleep(0.02)
+        assert a._get_conn.call({"op": "stats"})["holders"] == 1
+    finally:
+        a.close()
+        nt.stop()
 
 
 @pytest.fixture(scope="module")

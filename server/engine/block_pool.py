@@ -9,8 +9,9 @@ Tiers:
                    a full, hashed block stay findable until they are reused (LRU order).
   swap ("CPU")     a hashed block evicted from the primary pool is copied here instead of
                    vanishing; a later prefix hit is copied back before prefill. Own LRU.
-  node ("NODE")    with `node_tier` on (it replaces the swap tier): a block computed and hashed here,
-                   and again one evicted from the primary pool (which refreshes it there), is read
+  node ("NODE")    with `node_tier` on (it replaces the swap tier): a block computed and hashed here
+                   (`held`: still here), and again one evicted from the primary pool (released there,
+                   its bytes sent only if the tier lost it), is read
                    out at the start of the next step (`SwapPlan.node_out`, before that step's
                    forward can overwrite it) and handed to the node tier; blocks the node tier served are written into fresh
                    primary blocks before prefill (`node_in`, the bytes already in hand). The node
@@ -35,7 +36,8 @@ class SwapPlan:
 
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block id, cpu block id)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block id, gpu block id)
-    node_out: list[tuple[int, bytes, Optional[str]]] = field(default_factory=list)  # (gpu block id, hash, adapter)
+    # (gpu block id, hash, adapter, held: True written through and still here, False evicted from here)
+    node_out: list[tuple[int, bytes, Optional[str], bool]] = field(default_factory=list)
     node_in: list[tuple[int, bytes]] = field(default_factory=list)  # (gpu block id, the node tier's block bytes)
 
     def __bool__(self) -> bool:
@@ -186,7 +188,7 @@ class BlockPool:
             self._drop_cpu(h)
         self._register(bid, h, parent, token_ids, lora_name)
         if self.node_tier:  # written through at once, so the node's other replicas can use it while it is hot here
-            self.plan.node_out.append((bid, h, lora_name))
+            self.plan.node_out.append((bid, h, lora_name, True))
             self.counters.node_out_blocks += 1
         return bid
 
@@ -216,7 +218,7 @@ class BlockPool:
                 self._events.append(BlockStored([h], None, [], self.block_size, CPU, lora_name=self.lora_of.get(h)))
                 return
         elif self.node_tier:
-            self.plan.node_out.append((bid, h, self.lora_of.get(h)))
+            self.plan.node_out.append((bid, h, self.lora_of.get(h), False))
             self.counters.node_out_blocks += 1
         self.lora_of.pop(h, None)
 

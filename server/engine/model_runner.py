@@ -74,9 +74,9 @@ class ModelRunner:
         then swap-ins and node-tier writes. Node-tier puts leave on the client's thread; this step does not wait."""
         bs = self.layout.block_size
         if plan.node_out and self.node is not None and self.node.breaker.allows():  # a tier that failed: no read-out
-            data = self.backend.read_blocks(self.caches, [bid for bid, _, _ in plan.node_out], bs)
+            data = self.backend.read_blocks(self.caches, [bid for bid, *_ in plan.node_out], bs)
             self.node.put_async([{"kind": "kv", "key": h, "layout": self.node_layout, "data": d, "lora": lora,
-                                  "block_size": bs} for (_, h, lora), d in zip(plan.node_out, data)])
+                                  "block_size": bs, "held": held} for (_, h, lora, held), d in zip(plan.node_out, data)])
         if plan.swap_out:
             g, c = zip(*plan.swap_out)
             self.backend.copy_blocks(self.caches, g, self.cpu_caches, c, bs)

@@ -1,7 +1,10 @@
 """NodeTierClient: a replica's blocking link to its node tier, with deadlines and a circuit breaker; no paddle.
 
 Gets run on the caller's thread (the engine core's, between steps) and take at most `timeout_s`; puts go to one
-background thread through a queue bounded in bytes, so an eviction never waits on the network. Any failure (refused,
+background thread through a queue bounded in bytes, so an eviction never waits on the network. Each connection
+opens with a hello naming this replica (`holder`), so the node tier knows which of its blocks a replica still holds
+(written through with `held`, or loaded from it) and evicts those first. An evicted block the replica believes the
+tier holds is only released (touch-or-put): its bytes go only if the tier answers that it no longer has it. Any failure (refused,
 reset, timed out, a bad answer, a checksum that does not match) reads as a miss, and opens the breaker: no call is
 tried for `backoff_s`, which doubles on each failure in a row up to BACKOFF_MAX_S, so a dead or full node tier costs
 the replica a recompute, never a wrong output or a hang. A node tier that comes back is empty; the first call that
@@ -11,7 +14,9 @@ works closes the breaker.
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import secrets
 import socket
 import threading
 import time
@@ -25,6 +30,7 @@ BACKOFF_MIN_S = 0.25
 BACKOFF_MAX_S = 10.0
 PUT_BATCH_BYTES = 8 << 20  # entries sent in one put frame
 PUT_QUEUE_BYTES = 256 << 20  # queued put payload beyond which new puts are dropped (counted)
+MAX_KNOWN_KEYS = 1 << 22  # keys believed in the tier (bounded by the primary pool; cleared if ever over this)
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -42,6 +48,7 @@ class ClientCounters:
     get_entries: int = 0  # entries served whole
     get_seconds: float = 0.0  # wall time of the gets that served entries (copy cost per entry = this / get_entries)
     put_entries: int = 0  # entries handed to the node tier
+    put_released: int = 0  # evicted blocks the tier still had: released, no bytes sent
     put_dropped: int = 0  # entries not sent (breaker open, queue full, failure)
     failures: int = 0  # calls that failed (each opened the breaker)
 
@@ -67,8 +74,8 @@ class Breaker:
 class Connection:
     """One TCP connection; every call is bounded by its deadline; any error closes it (the next call reconnects)."""
 
-    def __init__(self, address: tuple[str, int], timeout_s: float, token: Optional[str]):
-        self.address, self.timeout_s, self.token = address, timeout_s, token
+    def __init__(self, address: tuple[str, int], timeout_s: float, token: Optional[str], holder: str):
+        self.address, self.timeout_s, self.token, self.holder = address, timeout_s, token, holder
         self.sock: Optional[socket.socket] = None
 
     def call(self, msg: dict) -> dict:
@@ -84,7 +91,8 @@ class Connection:
     def _connect(self, deadline: float) -> None:
         self.sock = socket.create_connection(self.address, timeout=max(0.001, deadline - time.monotonic()))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if self.token is not None and not self._exchange({"op": "hello", "token": self.token}, deadline).get("ok"):
+        hello = {"op": "hello", "holder": self.holder} | ({"token": self.token} if self.token is not None else {})
+        if not self._exchange(hello, deadline).get("ok"):
             raise ConnectionError("the node tier refused the token")
 
     def _exchange(self, msg: dict, deadline: float) -> dict:
@@ -126,8 +134,10 @@ class NodeTierClient:
         self.address = address
         self.counters = ClientCounters()
         self.breaker = Breaker()
-        self._get_conn = Connection(addr, timeout_s, token)
-        self._put_conn = Connection(addr, max(timeout_s, 2.0), token)
+        self.holder = f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(4)}"  # this replica, to the tier
+        self._get_conn = Connection(addr, timeout_s, token, self.holder)
+        self._put_conn = Connection(addr, max(timeout_s, 2.0), token, self.holder)
+        self._known: set = set()  # KV keys this replica put (held) or loaded and still holds: believed in the tier
         self._queue: queue.Queue = queue.Queue()
         self._queued_bytes = 0
         self._lock = threading.Lock()
@@ -161,11 +171,14 @@ class NodeTierClient:
         if out:
             self.counters.get_entries += len(out)
             self.counters.get_seconds += time.perf_counter() - start
+            if kind == "kv":
+                self._remember(keys[:len(out)])
         return out
 
     # ---- puts (background thread) --------------------------------------------------------
     def put_async(self, entries: list[dict]) -> None:
-        """Queue entries ({kind, key, layout, data, lora?, block_size?}; crc added here) for the node tier."""
+        """Queue entries ({kind, key, layout, data, lora?, block_size?, held?}; crc added here) for the node tier;
+        `held`: this replica still holds the block (written through), else it evicted it."""
         size = sum(len(e["data"]) for e in entries)
         with self._lock:
             if not self.breaker.allows() or self._queued_bytes + size > PUT_QUEUE_BYTES:
@@ -198,13 +211,35 @@ class NodeTierClient:
             self.counters.put_dropped += len(batch)
             return
         try:
-            self._put_conn.call({"op": "put", "entries": batch})
+            batch = self._release_known(batch)
+            if batch:
+                self._put_conn.call({"op": "put", "entries": batch})
         except Exception as exc:
             self.counters.put_dropped += len(batch)
             self._failed("put", exc)
             return
         self.breaker.succeeded()
         self.counters.put_entries += len(batch)
+        self._remember([e["key"] for e in batch if e["kind"] == "kv" and e.get("held")])
+
+    def _release_known(self, batch: list[dict]) -> list[dict]:
+        """Evicted blocks believed in the tier are released (no bytes); returns the entries still to put."""
+        evicted = {e["key"]: e for e in batch if e["kind"] == "kv" and not e.get("held")}
+        with self._lock:
+            known = [k for k in evicted if k in self._known]
+            self._known.difference_update(evicted)
+        if not known:
+            return batch
+        missing = set(self._put_conn.call({"op": "release", "kind": "kv", "keys": known}).get("missing", []))
+        self.counters.put_released += len(known) - len(missing)
+        gone = {k for k in known if k not in missing}
+        return [e for e in batch if not (e["kind"] == "kv" and e["key"] in gone and not e.get("held"))]
+
+    def _remember(self, keys: list) -> None:
+        with self._lock:
+            if len(self._known) + len(keys) > MAX_KNOWN_KEYS:
+                self._known.clear()  # only costs bytes re-sent on a few evictions
+            self._known.update(keys)
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until queued puts are sent (tests, shutdown); False if that took longer than `timeout_s`."""

@@ -7,8 +7,9 @@ Each connection is served in order, one frame at a time; the store is touched on
 is committed whole between two frames of other connections. After every request the store's events go out as one
 batch; every new subscription (a router connecting, or one asking for a resync) is answered with the whole state
 led by AllBlocksCleared, and the first batch after a start is AllBlocksCleared alone (the tier starts empty).
-With WARMFLEET_NODE_TIER_TOKEN set, a connection must open with {op: "hello", token} (compared in constant time)
-or it is closed; that first frame may be at most HELLO_MAX_BYTES and must arrive within HELLO_TIMEOUT_S, so a peer
+A connection may open with {op: "hello", holder} naming the replica behind it (the store's claims: what that
+replica holds in its primary pool; they end when its last connection closes). With WARMFLEET_NODE_TIER_TOKEN set,
+a connection must open with {op: "hello", token, holder?} (the token compared in constant time) or it is closed; that first frame may be at most HELLO_MAX_BYTES and must arrive within HELLO_TIMEOUT_S, so a peer
 without the token can make the tier hold neither a large frame nor an idle connection. The events port has no
 token: its NetworkPolicy (operator) keeps it to the service's routers and pickers.
 """
@@ -29,28 +30,33 @@ from .wire import ENC, HEADER, KINDS, KV, MAX_FRAME_BYTES, FrameError, frame_len
 log = logging.getLogger("warmfleet.nodetier")
 TOKEN_ENV = "WARMFLEET_NODE_TIER_TOKEN"
 SUBSCRIPTION_POLL_S = 0.05  # how often new subscriptions are looked for (each gets the whole state)
-MAX_GET_KEYS = 4096  # keys one get may name
+MAX_GET_KEYS = 4096  # keys one get or release may name
 MAX_ANSWER_BYTES = MAX_FRAME_BYTES // 2  # entry bytes one get answers at most
 WRITE_CHUNK = 1 << 20  # bytes handed to the transport at a time (write_frame)
 HELLO_MAX_BYTES = 4096  # the first frame of a connection when a token is required
 HELLO_TIMEOUT_S = 10.0  # seconds a connection may take to send it
+MAX_HOLDER_CHARS = 256  # a hello's holder name
 
 
 class NodeServer:
     def __init__(self, store: NodeStore, publisher: Optional[EventPublisher], token: Optional[str] = None):
         self.store, self.publisher, self.token = store, publisher, token
         self.num_connections = 0
+        self.connections_of: dict[str, int] = {}  # holder -> its open connections
         self.hello_timeout_s = HELLO_TIMEOUT_S
 
     # ---- requests ------------------------------------------------------------------------
-    def handle(self, msg: dict) -> dict:
-        """One request map -> its answer map; bad input gets {ok: False, error}, never an exception."""
+    def handle(self, msg: dict, holder: Optional[str] = None) -> dict:
+        """One request map (from `holder`'s connection) -> its answer map; bad input gets {ok: False, error}, never
+        an exception."""
         op = msg.get("op")
         try:
             if op == "put":
-                return self._put(msg.get("entries"))
+                return self._put(msg.get("entries"), holder)
             if op == "get":
-                return self._get(msg)
+                return self._get(msg, holder)
+            if op == "release":
+                return self._release(msg, holder)
             if op == "stats":
                 return self.stats()
         except (TypeError, ValueError, KeyError) as exc:
@@ -59,7 +65,7 @@ class NodeServer:
             self.flush_events()
         return {"ok": False, "error": f"unknown op {op!r}"}
 
-    def _put(self, entries) -> dict:
+    def _put(self, entries, holder: Optional[str]) -> dict:
         if not isinstance(entries, list):
             raise ValueError("entries must be a list")
         stored = refused = 0
@@ -71,16 +77,15 @@ class NodeServer:
             if kind == KV and isinstance(e.get("block_size"), int) and e["block_size"] > 0:
                 self.store.block_size = e["block_size"]
             lora = e.get("lora") if isinstance(e.get("lora"), str) else None
-            ok = self.store.put(kind, key, str(e.get("layout", "")), data, int(e.get("crc", -1)), lora)
+            ok = self.store.put(kind, key, str(e.get("layout", "")), data, int(e.get("crc", -1)), lora,
+                                holder, e.get("held") is True)
             stored += ok
             refused += not ok
         return {"ok": True, "stored": stored, "refused": refused}
 
-    def _get(self, msg: dict) -> dict:
-        kind, keys = msg.get("kind"), msg.get("keys")
-        if kind not in KINDS or not isinstance(keys, list) or len(keys) > MAX_GET_KEYS:
-            raise ValueError(f"get needs a kind of {KINDS} and at most {MAX_GET_KEYS} keys")
-        entries = self.store.get(kind, [k for k in keys if _key_ok(kind, k)], str(msg.get("layout", "")))
+    def _get(self, msg: dict, holder: Optional[str]) -> dict:
+        kind, keys = _kind_keys(msg, "get")
+        entries = self.store.get(kind, keys, str(msg.get("layout", "")), holder)
         out, size = [], 0
         for e in entries:  # the answer stays one frame: a longer run is cut, and the caller asks for the rest
             size += len(e.data) + 64
@@ -89,11 +94,16 @@ class NodeServer:
             out.append({"data": e.data, "crc": e.crc})
         return {"ok": True, "entries": out, "cut": len(out) < len(entries)}
 
+    def _release(self, msg: dict, holder: Optional[str]) -> dict:
+        kind, keys = _kind_keys(msg, "release")
+        return {"ok": True, "missing": self.store.release(kind, keys, holder)}
+
     def stats(self) -> dict:
         s, c = self.store, self.store.counters
-        return {"ok": True, "capacity_bytes": s.capacity_bytes, "used_bytes": s.used_bytes, "entries": len(s.lru),
+        return {"ok": True, "capacity_bytes": s.capacity_bytes, "used_bytes": s.used_bytes, "entries": len(s),
                 "puts": c.puts, "refused": c.refused, "evicted": c.evicted, "get_hits": c.get_hits,
-                "get_misses": c.get_misses, "connections": self.num_connections}
+                "get_misses": c.get_misses, "released": c.released, "connections": self.num_connections,
+                "holders": len(self.connections_of)}
 
     # ---- events --------------------------------------------------------------------------
     def flush_events(self) -> None:
@@ -110,37 +120,73 @@ class NodeServer:
     # ---- connections ---------------------------------------------------------------------
     async def serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.num_connections += 1
+        holder: Optional[str] = None
         try:
-            if self.token is not None and not await self._hello(reader, writer):
-                return
+            if self.token is not None:
+                ok, holder = await self._hello(reader, writer)
+                if not ok:
+                    return
+                self._join(holder)
             while True:
                 try:
                     msg = await read_frame(reader)
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return
-                await write_frame(writer, pack(self.handle(msg)))
+                if msg.get("op") == "hello" and holder is None:  # no token asked: a hello only names the holder
+                    holder = _holder_of(msg)
+                    self._join(holder)
+                    answer = {"ok": True}
+                else:
+                    answer = self.handle(msg, holder)
+                await write_frame(writer, pack(answer))
         except FrameError as exc:
             log.warning("closing a node-tier connection: %s", exc)
         except ConnectionError:
             pass
         finally:
             self.num_connections -= 1
+            self._leave(holder)
             writer.close()
 
-    async def _hello(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    def _join(self, holder: Optional[str]) -> None:
+        if holder is not None:
+            self.connections_of[holder] = self.connections_of.get(holder, 0) + 1
+
+    def _leave(self, holder: Optional[str]) -> None:
+        """A connection of `holder` closed; with its last one, its claims end (its replica is gone or reconnecting)."""
+        if holder is None or holder not in self.connections_of:
+            return
+        self.connections_of[holder] -= 1
+        if self.connections_of[holder] <= 0:
+            del self.connections_of[holder]
+            self.store.drop_holder(holder)
+
+    async def _hello(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> tuple[bool, Optional[str]]:
         try:
             msg = await asyncio.wait_for(read_frame(reader, HELLO_MAX_BYTES), self.hello_timeout_s)
         except (asyncio.IncompleteReadError, ConnectionError):  # gone (the kubelet's TCP probes do this)
-            return False
+            return False, None
         except (asyncio.TimeoutError, FrameError) as exc:
             log.warning("closing a node-tier connection before its token: %s",
                         "no hello in time" if isinstance(exc, asyncio.TimeoutError) else exc)
-            return False
+            return False, None
         token = msg.get("token") if msg.get("op") == "hello" else None
         ok = isinstance(token, str) and hmac.compare_digest(token.encode(), self.token.encode())  # type: ignore[union-attr]
         writer.write(pack({"ok": ok} if ok else {"ok": False, "error": "bad or missing token"}))
         await writer.drain()
-        return ok
+        return ok, _holder_of(msg) if ok else None
+
+
+def _holder_of(hello: dict) -> Optional[str]:
+    h = hello.get("holder")
+    return h if isinstance(h, str) and 0 < len(h) <= MAX_HOLDER_CHARS else None
+
+
+def _kind_keys(msg: dict, op: str) -> tuple[str, list]:
+    kind, keys = msg.get("kind"), msg.get("keys")
+    if kind not in KINDS or not isinstance(keys, list) or len(keys) > MAX_GET_KEYS:
+        raise ValueError(f"{op} needs a kind of {KINDS} and at most {MAX_GET_KEYS} keys")
+    return kind, [k for k in keys if _key_ok(kind, k)]
 
 
 def _key_ok(kind: str, key) -> bool:

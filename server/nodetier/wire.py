@@ -3,9 +3,16 @@
 One frame is a 4-byte big-endian length and a msgpack map of at most MAX_FRAME_BYTES. A request is a map with
 `op`; the answer a map with `ok` (and `error` when not ok):
 
-    {op: "put", entries: [{kind, key, layout, data, crc, lora?}, ...]}     -> {ok, stored, refused}
+    {op: "hello", holder?, token?}                                         -> {ok}       (first frame, optional)
+    {op: "put", entries: [{kind, key, layout, data, crc, lora?, held?}, ...]} -> {ok, stored, refused}
     {op: "get", kind, keys: [key, ...], layout}                           -> {ok, entries: [{data, crc}, ...], cut}
+    {op: "release", kind, keys: [key, ...]}                               -> {ok, missing: [key, ...]}
     {op: "stats"}                                                          -> {ok, capacity_bytes, used_bytes, ...}
+
+`holder` names the replica behind the connection; `held` true on a put says that replica still holds the block in its
+primary pool (written through), false that it evicted it; a get makes the getter a holder; `release` says the holder
+evicted blocks it believes are here, and answers those that are not (their bytes follow in a put). The node tier
+evicts blocks some replica still holds first (store.py).
 
 `kind` is "kv" (key: a contract-1 block hash, bytes) or "enc" (key: an mm_hash, str). A get answers the longest
 run of whole entries from the first key on (a KV prefix stops at its first miss); `crc` is zlib.crc32 of `data`,
