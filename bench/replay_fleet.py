@@ -47,10 +47,8 @@ def start_sim(model: Path, n: int, args, cwd: str, time_model: str) -> tuple[sub
              "--engine-speedup", str(args.engine_speedup)]
     if getattr(args, "node_tier_blocks", 0):  # one shared host tier per node of K replicas
         flags += ["--replicas-per-node", str(args.replicas_per_node), "--node-tier-blocks", str(args.node_tier_blocks)]
-        if getattr(args, "node_tier_exclusive", False):
-            flags.append("--node-tier-exclusive")
-        if getattr(args, "node_tier_victims_first", False):
-            flags.append("--node-tier-victims-first")
+        if getattr(args, "node_tier_lru", False):
+            flags.append("--node-tier-lru")
     if getattr(args, "slow_pool", None):  # other benches start the fleet with their own flags
         frac, factor = args.slow_pool
         flags += ["--slow-replicas", f"{round(frac * n)}:{factor}"]

@@ -4,11 +4,12 @@ For each fleet size, warmfleet's router in front of fresh fleets with the same r
 
 * `per_replica`: every replica with its own swap tier of C blocks (`--cpu-blocks C`);
 * `node_tier`: no swap tier, one node tier of K x C blocks per K replicas (`--cpu-blocks 0 --node-tier-blocks K*C`),
-  the engine's write-through (a computed block goes to the node tier at once), the router pricing a node-tier block
-  from the time model (`--node-tier-copy-s-per-block` = its `swap_s_per_block`, `--prefill-s-per-token`);
+  the product's store (victims first: what a replica still holds goes first) and the engine's write-through, the
+  router pricing a node-tier block from the time model (`--node-tier-copy-s-per-block` = its `swap_s_per_block`,
+  `--prefill-s-per-token`);
 * with `--node-tier-fixed`, also `node_tier_fixed`: the same fleet, the router at the fixed `--node-tier-weight`;
-* with `--node-tier-victims-first`, also `node_tier_victims_first`: the priced node tier evicting first the blocks
-  a replica of the node still holds in its primary pool (not in the engine's tier yet: what it would give).
+* with `--node-tier-plain-lru`, also `node_tier_plain_lru`: the priced node tier as a plain LRU (no claims: the
+  write-through copies compete with blocks held nowhere else, as the engine's tier did before claims).
 
 Both have the same host memory and the same fleet-sized LRU bound. Targets (issue 41), per node-tier configuration:
 cached ratio >= 0.99 x the fleet-sized LRU bound, simulated TTFT p90 <= 0.8 x the per-replica configuration's,
@@ -28,7 +29,7 @@ replay_runners = harness.sibling("replay_runners")
 replay_workload = harness.sibling("replay_workload")
 
 CONFIG_COLORS = {"per_replica": "#888888", "node_tier": "#1f77b4", "node_tier_fixed": "#9ecae1",
-                 "node_tier_victims_first": "#2ca02c"}
+                 "node_tier_plain_lru": "#ff7f0e"}
 
 
 def priced_flags(args) -> list[str]:
@@ -40,16 +41,14 @@ def priced_flags(args) -> list[str]:
 def configs(args) -> dict[str, tuple[argparse.Namespace, list[str]]]:
     """name -> (the run's args, extra router flags), at equal host memory: C per replica or K x C per node."""
     c = args.cpu_blocks
-    base = {**vars(args), "node_tier_exclusive": args.node_tier_exclusive}
+    base = {**vars(args), "node_tier_lru": False}
     per = argparse.Namespace(**{**base, "cpu_blocks": c, "node_tier_blocks": 0})
-    node = argparse.Namespace(**{**base, "cpu_blocks": 0, "node_tier_blocks": args.replicas_per_node * c,
-                                 "node_tier_victims_first": False})
+    node = argparse.Namespace(**{**base, "cpu_blocks": 0, "node_tier_blocks": args.replicas_per_node * c})
     out = {"per_replica": (per, []), "node_tier": (node, priced_flags(args))}
     if args.node_tier_fixed:
         out["node_tier_fixed"] = (node, [])
-    if args.node_tier_victims_first:
-        out["node_tier_victims_first"] = (argparse.Namespace(**{**vars(node), "node_tier_victims_first": True}),
-                                          priced_flags(args))
+    if args.node_tier_plain_lru:
+        out["node_tier_plain_lru"] = (argparse.Namespace(**{**vars(node), "node_tier_lru": True}), priced_flags(args))
     return out
 
 

@@ -164,7 +164,7 @@ class SimFleet:
                  tm: TimeModel = TimeModel(), host: str = "127.0.0.1", events: bool = True,
                  max_model_len: int = 1 << 20, calibration: Optional[dict] = None, spares: int = 0,
                  slow: tuple[int, float] = (0, 1.0), replicas_per_node: int = 8, node_tier_blocks: int = 0,
-                 node_tier_exclusive: bool = False, node_tier_victims_first: bool = False):
+                 node_tier_lru: bool = False):
         from warmfleet.server.tokenizer import Tokenizer
 
         self.model, self.n, self.host = model, n, host
@@ -176,7 +176,7 @@ class SimFleet:
         self.fingerprint = model_fingerprint(model)
         self.replicas_per_node, self.node_tier_blocks = replicas_per_node, node_tier_blocks
         self.nodes = simfleet_node.nodes_for(n + spares, replicas_per_node, node_tier_blocks,  # slot i: i // K
-                                             node_tier_exclusive, node_tier_victims_first)
+                                             node_tier_lru)
         self.replicas: list[simfleet_replica.SimReplica] = []
         self.urls: list[str] = []
         self.servers: list[asyncio.AbstractServer] = []  # the control port's
@@ -521,8 +521,7 @@ async def serve(args) -> None:
     fleet = SimFleet(args.model, args.replicas, block_size=args.block_size, gpu_blocks=args.gpu_blocks,
                      cpu_blocks=args.cpu_blocks, tm=tm, events=not args.no_events, calibration=cal, spares=args.spares,
                      slow=parse_slow(args.slow_replicas, args.replicas), replicas_per_node=args.replicas_per_node,
-                     node_tier_blocks=args.node_tier_blocks, node_tier_exclusive=args.node_tier_exclusive,
-                     node_tier_victims_first=args.node_tier_victims_first)
+                     node_tier_blocks=args.node_tier_blocks, node_tier_lru=args.node_tier_lru)
     await fleet.start()
     desc = json.dumps(fleet.describe())
     if args.ready_file:
@@ -553,12 +552,9 @@ def main() -> int:
     ap.add_argument("--time-model", default="calibrated",
                     help="'calibrated' (this machine's CPU engine), 'h200' (Qwen2.5-7B on one H200), 'zero' or a JSON file.")
     ap.add_argument("--replicas-per-node", type=int, default=8, help="Replicas per node (slot i on node i // K).")
-    ap.add_argument("--node-tier-exclusive", action="store_true",
-                    help="A node-tier hit moves the block into the replica (evicting it brings it back) instead of "
-                    "leaving a copy in the tier: no block is held twice on a node.")
-    ap.add_argument("--node-tier-victims-first", action="store_true",
-                    help="A full node tier evicts first the blocks some replica of the node still holds in its primary "
-                    "pool (its write-through copies), then those held nowhere else.")
+    ap.add_argument("--node-tier-lru", action="store_true",
+                    help="The node tier as a plain LRU (replicas name no holder), not the product's victims-first "
+                    "eviction: to compare.")
     ap.add_argument("--node-tier-blocks", type=int, default=0,
                     help="One shared host-memory KV tier of this many blocks per node (0: none); needs --cpu-blocks 0.")
     ap.add_argument("--slow-replicas", default=None, metavar="K:F",

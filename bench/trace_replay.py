@@ -99,8 +99,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--time-model", default="calibrated",
                     help="'calibrated' (bench/sim_calibration.json), 'h200' (bench/sim_h200.json), 'zero', or a file.")
     ap.add_argument("--replicas-per-node", type=int, default=8, help="Simulated replicas per node (with the node tier).")
-    ap.add_argument("--node-tier-exclusive", action="store_true",
-                    help="With --node-tier-blocks: a hit moves the block from the node tier into the replica.")
+    ap.add_argument("--node-tier-lru", action="store_true",
+                    help="With --node-tier-blocks: the node tier as a plain LRU (no claims; the product evicts victims last).")
     ap.add_argument("--node-tier-blocks", type=int, default=0,
                     help="One shared host-memory KV tier of this many blocks per node (needs --cpu-blocks 0; equal host "
                          "memory to --cpu-blocks C is K x C).")
@@ -109,8 +109,8 @@ def parse_args() -> argparse.Namespace:
                          "K*C (equal host memory; bench/replay_node.py): issue 41's targets, trace_node_tier.{json,png}.")
     ap.add_argument("--node-tier-fixed", action="store_true",
                     help="With --node-tier: also the node tier with the router's fixed --node-tier-weight (unpriced).")
-    ap.add_argument("--node-tier-victims-first", action="store_true",
-                    help="With --node-tier: also the node tier evicting first what a replica still holds (simfleet).")
+    ap.add_argument("--node-tier-plain-lru", action="store_true",
+                    help="With --node-tier: also the node tier as a plain LRU (write-through copies evicted in turn).")
     ap.add_argument("--slow-pool", type=replay_fleet.slow_pool, default=None, metavar="FRAC:F",
                     help="A fraction FRAC of the replicas F times slower (two node pools, e.g. 0.5:3).")
     ap.add_argument("--engine-speedup", type=float, default=10.0,
@@ -150,7 +150,7 @@ def header(args, trace_path: Path, reqs: list[dict], oracle: float, routers: lis
         "mean_output_tokens": round(statistics.mean(r["max_tokens"] for r in reqs), 1),
         "gpu_blocks_per_replica": args.gpu_blocks, "cpu_blocks_per_replica": args.cpu_blocks,
         "replicas_per_node": args.replicas_per_node, "node_tier_blocks_per_node": args.node_tier_blocks,
-        "node_tier_exclusive": args.node_tier_exclusive, "node_tier_compare": args.node_tier,
+        "node_tier_lru": args.node_tier_lru, "node_tier_compare": args.node_tier,
         "time_model": args.time_model,
         "time_model_calibrated": vars(tm) if hasattr(tm, "__dict__") else None,
         "engine_speedup": args.engine_speedup,

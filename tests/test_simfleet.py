@@ -385,13 +385,17 @@ def finish_all(rep) -> list[float]:
     return costs
 
 
-def test_node_tier_lru_never_exceeds_its_size():
+def keys(tier) -> list:
+    return [k for _, k in tier.store.slots()]
+
+
+def test_node_tier_never_exceeds_its_size():
     tier = node_tier.NodeTier("n0", 4)
     for i in range(10):
-        tier.store(f"h{i}")
+        tier.put(f"h{i}", "s0", held=False)
         assert len(tier) <= 4
-    assert list(tier.lru) == ["h6", "h7", "h8", "h9"] and tier.evicted_blocks == 6
-    assert tier.store("h7") is False and list(tier.lru)[-1] == "h7"  # held already: refreshed, not copied
+    assert keys(tier) == ["h6", "h7", "h8", "h9"] and tier.evicted_blocks == 6
+    assert tier.put("h7", "s0", held=False) is False and keys(tier)[-1] == "h7"  # held already: released, not copied
     with pytest.raises(ValueError):
         node_tier.NodeTier("n1", 0)
 
@@ -423,10 +427,10 @@ def test_a_prefix_evicted_by_one_replica_is_hit_by_another_on_its_node_only():
     assert b.stats()["node_hit_tokens"] == 32 and b.stats()["node"] == "n0"
 
 
-def test_a_prefix_still_hot_on_one_replica_is_written_through_to_its_node_tier_unless_exclusive():
+def test_a_prefix_still_hot_on_one_replica_is_written_through_to_its_node_tier():
     """As the engine does (BlockPool.cache_block), a computed block goes to the node tier at once, priced as a copy."""
-    async def go(exclusive):
-        (n0,) = node_tier.nodes_for(2, 2, 6, exclusive)
+    async def go():
+        (n0,) = node_tier.nodes_for(2, 2, 6)
         tm = sim.TimeModel(prefill_s_per_token=0.001, swap_s_per_block=0.25)
         a, b = (replica.SimReplica(f"s{i}", "fp", BLOCK, 8, 0, tm, 1024, node=n0) for i in range(2))
         a.submit(ids(0, 40), 1, None, "a0")
@@ -435,32 +439,27 @@ def test_a_prefix_still_hot_on_one_replica_is_written_through_to_its_node_tier_u
         finish_all(b)
         return n0, a, hb, costs_a
 
-    n0, a, hb, costs_a = run(go(False))
+    n0, a, hb, costs_a = run(go())
     assert len(n0) == 2 and a.pool.node_stored_blocks == 2 and costs_a == [pytest.approx(40 * 0.001)]
     assert len(a.pool.plan.swap_out) == 2  # the copies go with a's next step, as the engine reads them out then
     assert (hb.cached_tokens, hb.cached_tokens_cpu) == (32, 32)
-    n0, a, hb, costs_a = run(go(True))  # exclusive: only evictions reach the tier
-    assert len(n0) == 0 and a.pool.node_stored_blocks == 0 and not a.pool.plan.swap_out
-    assert hb.cached_tokens == 0
+    assert n0.store.holders[("kv", n0.store.slots()[0][1])] == {"s0", "s1"}  # both hold it now: claims
 
 
-def test_a_full_victims_first_node_tier_evicts_what_a_replica_still_holds_before_what_only_it_holds():
+def test_the_simulated_node_tier_is_the_products_store_victims_first_unless_plain_lru():
     tier = node_tier.NodeTier("n0", 3)
-    tier.victims_first = True
-    tier.store("v")  # evicted by its replica: held nowhere else
-    for h in ("a", "b"):
-        tier.hold(h)  # computed by a replica, written through
-        tier.store(h)
-    tier.hold("c")
-    tier.store("c")
-    assert list(tier.lru) == ["v", "b", "c"]  # "a" went first although "v" is older
-    tier.release("b")  # its replica evicted it: now held only here
-    tier.hold("d")
-    tier.store("d")
-    assert set(tier.lru) == {"v", "b", "d"} and tier.evicted_blocks == 2
-    plain = node_tier.NodeTier("n1", 1)
-    plain.hold("x")  # without victims_first nothing is counted: plain LRU
-    assert plain.holders == {} and plain.store("x") and plain.store("y") and list(plain.lru) == ["y"]
+    tier.put("v", "s0", held=False)  # evicted by its replica: held nowhere else
+    for h in ("a", "b", "c"):
+        tier.put(h, "s0", held=True)  # computed by a replica, written through
+    assert keys(tier) == ["b", "c", "v"]  # "a" went first although "v" is older; "b" is next: victims first
+    assert tier.put("b", "s0", held=False) is False  # its replica evicted it: released, now held only here
+    tier.put("d", "s1", held=True)
+    assert set(keys(tier)) == {"v", "b", "d"} and tier.evicted_blocks == 2
+    plain = node_tier.NodeTier("n1", 2, lru=True)
+    plain.put("x", "s0", held=True)
+    plain.put("v", "s0", held=False)
+    plain.put("y", "s0", held=True)  # no claims: the least recent goes, though "x" is still on a replica
+    assert keys(plain) == ["v", "y"] and plain.store.holders == {}
 
 
 def test_the_node_tier_replaces_the_swap_tier():
@@ -478,13 +477,14 @@ def test_the_node_tier_comparison_targets_and_configs():
     import argparse
 
     replay_node = load_bench("replay_node.py")
-    args = argparse.Namespace(cpu_blocks=512, replicas_per_node=8, node_tier_exclusive=False, node_tier_fixed=True,
-                              node_tier_victims_first=False, time_model="h200", engine_speedup=1.0)
+    args = argparse.Namespace(cpu_blocks=512, replicas_per_node=8, node_tier_lru=False, node_tier_fixed=True,
+                              node_tier_plain_lru=True, time_model="h200", engine_speedup=1.0)
     cfg = replay_node.configs(args)
     assert (cfg["per_replica"][0].cpu_blocks, cfg["per_replica"][0].node_tier_blocks) == (512, 0)
     assert (cfg["node_tier"][0].cpu_blocks, cfg["node_tier"][0].node_tier_blocks) == (0, 4096)
     assert cfg["node_tier"][1] == ["--node-tier-copy-s-per-block", "1.7e-05", "--prefill-s-per-token", "2.58e-05"]
-    assert cfg["node_tier_fixed"][1] == [] and "node_tier_victims_first" not in cfg
+    assert cfg["node_tier_fixed"][1] == [] and not cfg["node_tier"][0].node_tier_lru
+    assert cfg["node_tier_plain_lru"][0].node_tier_lru and cfg["node_tier_plain_lru"][1] == cfg["node_tier"][1]
     per = {"cached_ratio": 0.25, "ttft_p90_s": 0.05, "spread": 1.0, "errors": 0}
     good = {"cached_ratio": 0.2, "ttft_p90_s": 0.039, "ttft_p90_floor_s": 0.03, "spread": 1.05, "errors": 0}
     both = replay_node.targets({"per_replica": per, "node_tier": good, "node_tier_fixed": {"cached_ratio": None}}, 0.2)
