@@ -1,6 +1,5 @@
 """The node tier (server/nodetier): whole entries under a byte capacity, its wire and events, and two engines sharing one."""
 
-import struct
 import time
 
 import msgpack
@@ -12,7 +11,7 @@ from warmfleet.server.events import NODE, AllBlocksCleared, BlockRemoved, BlockS
 from warmfleet.server.nodetier.client import NodeTierClient, parse_address
 from warmfleet.server.nodetier.server import NodeServer
 from warmfleet.server.nodetier.store import ENTRY_OVERHEAD, NodeStore
-from warmfleet.server.nodetier.wire import FrameError, checksum, frame_length, unpack
+from warmfleet.server.nodetier.wire import HEADER, FrameError, checksum, frame_lengths, pack, unpack
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPT = [(i * 7) % 300 + 20 for i in range(70)]
@@ -89,9 +88,27 @@ def test_server_answers_bad_requests_with_errors_not_exceptions():
     r = node.handle({"op": "put", "entries": [{"kind": "kv", "key": "str-not-bytes", "data": b"d", "crc": checksum(b"d")}]})
     assert r == {"ok": True, "stored": 0, "refused": 1}
     with pytest.raises(FrameError):
-        frame_length(struct.pack(">I", (1 << 30) + 1))
+        frame_lengths(HEADER.pack(1 << 10, 1 << 30))
     with pytest.raises(FrameError):
         unpack(msgpack.packb([1, 2]))
+    meta = msgpack.packb({"op": "put", "entries": [{"kind": "kv", "size": 5}]})
+    with pytest.raises(FrameError):
+        unpack(meta, b"1234")  # an entry runs past the payload
+    with pytest.raises(FrameError):
+        unpack(meta, b"123456")  # bytes no entry accounts for
+
+
+def test_a_frame_carries_entries_raw_after_its_metadata():
+    blocks = [bytes([i]) * (1000 + i) for i in range(3)]
+    msg = {"op": "put", "entries": [{"kind": "kv", "key": b"k%d" % i, "data": d, "crc": checksum(d)}
+                                    for i, d in enumerate(blocks)]}
+    head, *payload = pack(msg)
+    assert [p for p in payload] == blocks and all(p is d for p, d in zip(payload, blocks))  # the blocks' own buffers
+    meta_n, payload_n = frame_lengths(head[:HEADER.size])
+    assert payload_n == sum(map(len, blocks)) and len(head) == HEADER.size + meta_n
+    back = unpack(head[HEADER.size:], b"".join(payload))
+    assert [bytes(e["data"]) for e in back["entries"]] == blocks and "size" not in back["entries"][0]
+    assert msg["entries"][0]["data"] is blocks[0]  # the caller's map is left as it was
 
 
 def test_parse_address():

@@ -5,7 +5,6 @@ large frame nor an idle connection; the replicas' client sends it."""
 from __future__ import annotations
 
 import asyncio
-import struct
 
 import msgpack
 import pytest
@@ -28,8 +27,9 @@ async def tier(token=TOKEN, hello_timeout_s=None):
 
 
 async def answer(reader) -> dict:
-    (n,) = HEADER.unpack(await reader.readexactly(HEADER.size))
-    return msgpack.unpackb(await reader.readexactly(n), raw=False)
+    meta, payload = HEADER.unpack(await reader.readexactly(HEADER.size))
+    assert payload == 0
+    return msgpack.unpackb(await reader.readexactly(meta), raw=False)
 
 
 async def closed(reader) -> bool:
@@ -49,10 +49,10 @@ async def test_no_op_is_served_without_the_token(first):
     node, srv, port = await tier()
     async with srv:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(pack(first))
+        writer.writelines(pack(first))
         got = await answer(reader)
         assert got == {"ok": False, "error": "bad or missing token"}
-        writer.write(pack(STATS))  # nothing after a refused hello is read
+        writer.writelines(pack(STATS))  # nothing after a refused hello is read
         assert await closed(reader)
         writer.close()
 
@@ -61,9 +61,9 @@ async def test_the_right_token_opens_every_op():
     node, srv, port = await tier()
     async with srv:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(pack({"op": "hello", "token": TOKEN}))
+        writer.writelines(pack({"op": "hello", "token": TOKEN}))
         assert await answer(reader) == {"ok": True}
-        writer.write(pack({"op": "put", "entries": [{"kind": "kv", "key": b"k", "layout": "L", "data": b"d",
+        writer.writelines(pack({"op": "put", "entries": [{"kind": "kv", "key": b"k", "layout": "L", "data": b"d",
                                                      "crc": checksum(b"d")}]}))
         assert (await answer(reader))["stored"] == 1
         writer.close()
@@ -73,7 +73,7 @@ async def test_before_the_token_a_large_frame_is_refused_unread_and_an_idle_peer
     node, srv, port = await tier(hello_timeout_s=0.2)
     async with srv:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(struct.pack(">I", HELLO_MAX_BYTES + 1))  # announces more than a hello, sends none of it
+        writer.write(HEADER.pack(HELLO_MAX_BYTES + 1, 0))  # announces more than a hello, sends none of it
         assert await closed(reader)
         writer.close()
         reader, writer = await asyncio.open_connection("127.0.0.1", port)  # says nothing at all
@@ -86,7 +86,7 @@ async def test_without_a_token_the_port_is_open():
     node, srv, port = await tier(token=None)
     async with srv:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(pack(STATS))
+        writer.writelines(pack(STATS))
         assert (await answer(reader))["ok"] is True
         writer.close()
 

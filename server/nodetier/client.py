@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from .wire import HEADER, checksum, frame_length, pack, unpack
+from .wire import HEADER, checksum, frame_lengths, pack, unpack
 
 log = logging.getLogger("warmfleet.nodetier")
 BACKOFF_MIN_S = 0.25
@@ -99,14 +99,15 @@ class Connection:
         sock = self.sock
         assert sock is not None
         sock.settimeout(max(0.001, deadline - time.monotonic()))
-        sock.sendall(pack(msg))
-        n = frame_length(self._recv(HEADER.size, deadline))
-        answer = unpack(self._recv(n, deadline))  # bytes values are copied out of the buffer once, by msgpack
+        for buf in pack(msg):  # each block's own buffer, no copy into one body
+            sock.sendall(buf)
+        meta, payload = frame_lengths(self._recv(HEADER.size, deadline))
+        answer = unpack(self._recv(meta, deadline), self._recv(payload, deadline) if payload else b"")  # views
         if not answer.get("ok"):
             raise ConnectionError(f"node tier: {answer.get('error', 'refused')}")
         return answer
 
-    def _recv(self, n: int, deadline: float) -> bytes:
+    def _recv(self, n: int, deadline: float) -> bytearray:
         buf = bytearray(n)
         view, got = memoryview(buf), 0
         while got < n:
@@ -118,7 +119,7 @@ class Connection:
             if k == 0:
                 raise ConnectionError("node tier closed the connection")
             got += k
-        return buf  # type: ignore[return-value]  (msgpack reads any bytes-like)
+        return buf
 
     def close(self) -> None:
         if self.sock is not None:
@@ -145,20 +146,21 @@ class NodeTierClient:
         self._thread.start()
 
     # ---- gets (caller's thread) ----------------------------------------------------------
-    def get(self, kind: str, keys: list, layout: str) -> list[bytes]:
-        """The data of the longest run of whole entries from keys[0] on; [] on a miss or any failure."""
+    def get(self, kind: str, keys: list, layout: str) -> list[memoryview]:
+        """The data of the longest run of whole entries from keys[0] on (views of the answer's one buffer); [] on a
+        miss or any failure."""
         if not keys or not self.breaker.allows():
             return []
         self.counters.get_calls += 1
         start = time.perf_counter()
-        out: list[bytes] = []
+        out: list[memoryview] = []
         try:
             while len(out) < len(keys):  # an answer cut at the frame limit goes on where it stopped
                 answer = self._get_conn.call({"op": "get", "kind": kind, "keys": keys[len(out):], "layout": layout})
                 entries = answer.get("entries", [])[:len(keys) - len(out)]
                 for e in entries:
                     data = e.get("data") if isinstance(e, dict) else None
-                    if not isinstance(data, bytes) or checksum(data) != e.get("crc"):
+                    if not isinstance(data, memoryview) or checksum(data) != e.get("crc"):
                         answer["cut"] = False  # a torn or foreign entry: what precedes it is still whole
                         break
                     out.append(data)

@@ -25,7 +25,7 @@ from typing import Optional
 
 from ..events import NODE_TOPIC_PREFIX, AllBlocksCleared, EventPublisher
 from .store import NodeStore
-from .wire import ENC, HEADER, KINDS, KV, MAX_FRAME_BYTES, FrameError, frame_length, pack, unpack
+from .wire import ENC, HEADER, KINDS, KV, MAX_FRAME_BYTES, Buffer, FrameError, frame_lengths, pack, unpack
 
 log = logging.getLogger("warmfleet.nodetier")
 TOKEN_ENV = "WARMFLEET_NODE_TIER_TOKEN"
@@ -71,7 +71,7 @@ class NodeServer:
         stored = refused = 0
         for e in entries:
             kind, key, data = e["kind"], e["key"], e["data"]
-            if kind not in KINDS or not isinstance(data, bytes) or not _key_ok(kind, key):
+            if kind not in KINDS or not isinstance(data, (bytes, memoryview)) or not _key_ok(kind, key):
                 refused += 1
                 continue
             if kind == KV and isinstance(e.get("block_size"), int) and e["block_size"] > 0:
@@ -172,8 +172,7 @@ class NodeServer:
             return False, None
         token = msg.get("token") if msg.get("op") == "hello" else None
         ok = isinstance(token, str) and hmac.compare_digest(token.encode(), self.token.encode())  # type: ignore[union-attr]
-        writer.write(pack({"ok": ok} if ok else {"ok": False, "error": "bad or missing token"}))
-        await writer.drain()
+        await write_frame(writer, pack({"ok": ok} if ok else {"ok": False, "error": "bad or missing token"}))
         return ok, _holder_of(msg) if ok else None
 
 
@@ -193,20 +192,21 @@ def _key_ok(kind: str, key) -> bool:
     return isinstance(key, bytes) if kind == KV else isinstance(key, str) and kind == ENC
 
 
-async def write_frame(writer: asyncio.StreamWriter, frame: bytes) -> None:
-    """Write in WRITE_CHUNK pieces, draining each: asyncio's transport keeps what the socket did not take in one
-    bytearray it trims from the front per send, so a 32 MB answer written at once cost ~10x its copy."""
-    view = memoryview(frame)
-    for i in range(0, len(view), WRITE_CHUNK):
-        writer.write(view[i:i + WRITE_CHUNK])
-        await writer.drain()
+async def write_frame(writer: asyncio.StreamWriter, buffers: list[Buffer]) -> None:
+    """Write a frame's buffers in WRITE_CHUNK pieces, draining each: asyncio's transport keeps what the socket did not
+    take in one bytearray it trims from the front per send, so a 32 MB answer written at once cost ~10x its copy."""
+    for buf in buffers:
+        view = memoryview(buf)
+        for i in range(0, len(view), WRITE_CHUNK):
+            writer.write(view[i:i + WRITE_CHUNK])
+            await writer.drain()
 
 
 async def read_frame(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES) -> dict:
-    n = frame_length(await reader.readexactly(HEADER.size))
-    if n > max_bytes:  # refused before any of it is read
-        raise FrameError(f"frame of {n} bytes announced, over {max_bytes}")
-    return unpack(await reader.readexactly(n))
+    meta, payload = frame_lengths(await reader.readexactly(HEADER.size))
+    if meta + payload > max_bytes:  # refused before any of it is read
+        raise FrameError(f"frame of {meta + payload} bytes announced, over {max_bytes}")
+    return unpack(await reader.readexactly(meta), await reader.readexactly(payload) if payload else b"")
 
 
 # ---- the command -------------------------------------------------------------------------

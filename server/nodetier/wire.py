@@ -1,7 +1,11 @@
-"""Node-tier wire format: length-prefixed msgpack frames over TCP, checksums; msgpack only, never pickle; no I/O policy.
+"""Node-tier wire format: msgpack metadata with raw payloads after it, over TCP, checksums; never pickle; no I/O policy.
 
-One frame is a 4-byte big-endian length and a msgpack map of at most MAX_FRAME_BYTES. A request is a map with
-`op`; the answer a map with `ok` (and `error` when not ok):
+One frame is an 8-byte header (two big-endian u32: the metadata's length, the payload's length), a msgpack map (the
+metadata), then the payload: the raw bytes of the frame's entries, one after another, each entry's length as `size`
+in its map. Blocks travel without being packed, copied into one body or unpacked again: the sender hands each
+block's own buffer to the socket, the receiver reads the payload into one buffer and each entry's `data` is a view
+of it. In memory, on both ends, an entry carries `data` (pack moves it to the payload, unpack puts it back). A
+request's map has `op`; the answer a map with `ok` (and `error` when not ok):
 
     {op: "hello", holder?, token?}                                         -> {ok}       (first frame, optional)
     {op: "put", entries: [{kind, key, layout, data, crc, lora?, held?}, ...]} -> {ok, stored, refused}
@@ -25,44 +29,71 @@ from __future__ import annotations
 
 import struct
 import zlib
-from typing import Any
+from typing import Any, Union
 
 import msgpack
 
-MAX_FRAME_BYTES = 256 << 20  # one frame (a put's batch or a get's answer) holds at most 256 MiB
-HEADER = struct.Struct(">I")
+MAX_FRAME_BYTES = 256 << 20  # one frame (a put's batch or a get's answer, metadata and payload) holds at most 256 MiB
+MAX_META_BYTES = 16 << 20  # its metadata at most 16 MiB
+HEADER = struct.Struct(">II")  # metadata bytes, payload bytes
 KV, ENC = "kv", "enc"
 KINDS = (KV, ENC)
+Buffer = Union[bytes, bytearray, memoryview]
 
 
 class FrameError(ValueError):
-    """A frame that is too large or not a msgpack map."""
+    """A frame that is too large, not a msgpack map, or whose entries do not add up to its payload."""
 
 
-def checksum(data: bytes) -> int:
+def checksum(data: Buffer) -> int:
     return zlib.crc32(data) & 0xFFFFFFFF
 
 
-def pack(msg: dict) -> bytes:
-    """One frame: header and payload."""
-    body = msgpack.packb(msg, use_bin_type=True)
-    if len(body) > MAX_FRAME_BYTES:
-        raise FrameError(f"frame of {len(body)} bytes is over {MAX_FRAME_BYTES}")
-    return HEADER.pack(len(body)) + body
+def pack(msg: dict) -> list[Buffer]:
+    """One frame as buffers to send in order: header and metadata, then every entry's `data` as it is."""
+    payload: list[Buffer] = []
+    entries = msg.get("entries")
+    if isinstance(entries, list) and any(isinstance(e, dict) and "data" in e for e in entries):
+        meta_entries = []
+        for e in entries:
+            if isinstance(e, dict) and "data" in e:
+                d = e["data"]
+                payload.append(d)
+                e = {k: v for k, v in e.items() if k != "data"}
+                e["size"] = memoryview(d).nbytes
+            meta_entries.append(e)
+        msg = {**msg, "entries": meta_entries}
+    meta = msgpack.packb(msg, use_bin_type=True)
+    size = sum(memoryview(d).nbytes for d in payload)
+    if len(meta) > MAX_META_BYTES or len(meta) + size > MAX_FRAME_BYTES:
+        raise FrameError(f"frame of {len(meta) + size} bytes is over {MAX_FRAME_BYTES}")
+    return [HEADER.pack(len(meta), size) + meta, *payload]
 
 
-def frame_length(header: bytes) -> int:
-    (n,) = HEADER.unpack(header)
-    if n > MAX_FRAME_BYTES:
-        raise FrameError(f"frame of {n} bytes announced, over {MAX_FRAME_BYTES}")
-    return n
+def frame_lengths(header: Buffer) -> tuple[int, int]:
+    """(metadata bytes, payload bytes) a header announces; FrameError past the limits (before any is read)."""
+    meta, payload = HEADER.unpack(header)
+    if meta > MAX_META_BYTES or meta + payload > MAX_FRAME_BYTES:
+        raise FrameError(f"frame of {meta + payload} bytes announced, over {MAX_FRAME_BYTES}")
+    return meta, payload
 
 
-def unpack(body: bytes) -> dict[str, Any]:
+def unpack(meta: Buffer, payload: Buffer = b"") -> dict[str, Any]:
+    """The map of a frame, each entry's `data` a view of `payload` (its `size` bytes, in order)."""
     try:
-        msg = msgpack.unpackb(body, raw=False, strict_map_key=False)
+        msg = msgpack.unpackb(meta, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises many types
         raise FrameError(f"not msgpack: {type(exc).__name__}") from exc
     if not isinstance(msg, dict):
         raise FrameError("a frame must be a msgpack map")
+    view, at = memoryview(payload), 0
+    entries = msg.get("entries")
+    for e in entries if isinstance(entries, list) else ():
+        if isinstance(e, dict) and "size" in e:
+            n = e.pop("size")
+            if not isinstance(n, int) or n < 0 or at + n > len(view):
+                raise FrameError("an entry's size runs past the frame's payload")
+            e["data"], at = view[at:at + n], at + n
+    if at != len(view):
+        raise FrameError(f"the entries hold {at} of the payload's {len(view)} bytes")
     return msg
