@@ -70,10 +70,20 @@ def config_targets(res: dict, name: str, lru: float) -> dict:
             # any placement could reach on this trace and load
             "ttft_p90_floor_vs_per_replica": (round(node["ttft_p90_floor_s"] / base, 3)
                                               if base and node.get("ttft_p90_floor_s") is not None else None),
+            # continued conversations only: the requests a cache can speed up at all
+            "ttft_p90_continued_vs_per_replica": _ratio(_continued_p90(node), _continued_p90(per)),
             "ratio_ge_0.99_fleet_lru": bool(lru and node["cached_ratio"] >= 0.99 * lru),
             "ttft_p90_le_0.8x_per_replica": bool(p90 and base and p90 <= 0.8 * base),
             "spread_le_1.1": node.get("spread") is not None and node["spread"] <= 1.1,
             "errors_ok": node.get("errors") == 0 and per.get("errors") == 0}
+
+
+def _continued_p90(res: dict):
+    return (res.get("ttft_by_kind") or {}).get("continued", {}).get("p90_s")
+
+
+def _ratio(a, b):
+    return round(a / b, 3) if a and b else None
 
 
 def compare(n: int, args, reqs: list[dict], hashes: list, fp: str, oracle: float, oracle_per: list, model: Path,

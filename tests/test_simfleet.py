@@ -485,13 +485,15 @@ def test_the_node_tier_comparison_targets_and_configs():
     assert cfg["node_tier"][1] == ["--node-tier-copy-s-per-block", "1.7e-05", "--prefill-s-per-token", "2.58e-05"]
     assert cfg["node_tier_fixed"][1] == [] and not cfg["node_tier"][0].node_tier_lru
     assert cfg["node_tier_plain_lru"][0].node_tier_lru and cfg["node_tier_plain_lru"][1] == cfg["node_tier"][1]
-    per = {"cached_ratio": 0.25, "ttft_p90_s": 0.05, "spread": 1.0, "errors": 0}
-    good = {"cached_ratio": 0.2, "ttft_p90_s": 0.039, "ttft_p90_floor_s": 0.03, "spread": 1.05, "errors": 0}
+    per = {"cached_ratio": 0.25, "ttft_p90_s": 0.05, "spread": 1.0, "errors": 0,
+           "ttft_by_kind": {"continued": {"p90_s": 0.04}}}
+    good = {"cached_ratio": 0.2, "ttft_p90_s": 0.039, "ttft_p90_floor_s": 0.03, "spread": 1.05, "errors": 0,
+            "ttft_by_kind": {"continued": {"p90_s": 0.01}}}
     both = replay_node.targets({"per_replica": per, "node_tier": good, "node_tier_fixed": {"cached_ratio": None}}, 0.2)
     assert list(both) == ["node_tier"]
     t = both["node_tier"]
     assert t["ratio_ge_0.99_fleet_lru"] and t["ttft_p90_le_0.8x_per_replica"] and t["spread_le_1.1"] and t["errors_ok"]
-    assert t["ttft_p90_floor_vs_per_replica"] == 0.6
+    assert t["ttft_p90_floor_vs_per_replica"] == 0.6 and t["ttft_p90_continued_vs_per_replica"] == 0.25
     t = replay_node.targets({"per_replica": per, "node_tier": dict(good, cached_ratio=0.19, ttft_p90_s=0.041,
                                                                     spread=1.2)}, 0.2)["node_tier"]
     assert not (t["ratio_ge_0.99_fleet_lru"] or t["ttft_p90_le_0.8x_per_replica"] or t["spread_le_1.1"])
