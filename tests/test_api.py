@@ -873,3 +873,32 @@ async def test_oversized_body_is_413_without_reaching_the_engine(engine, tok, ti
         assert_error(r, 413, "request_too_large")
         assert (await c.post("/v1/chat/completions", json=chat_body())).status_code == 200
     assert len(engine.requests) == 1
+
+
+async def test_tokenize_prepares_images_under_the_tenants_salt(vl_engine, vl_tok, tiny_vl_dir, tmp_path):
+    """/tokenize with images fills the same processor and encoder caches a chat does: under the caller's tenant salt,
+    so tokenizing cannot warm (or probe) another tenant's image entries."""
+    import json as _json
+
+    from warmfleet.server.router.core.tenants import derive_salt
+    from warmfleet.server.tenant_keys import tenant_salt
+
+    keys = tmp_path / "keys.json"
+    keys.write_text(_json.dumps({"alice-key": None}))
+    app = vl_app_for(vl_engine, vl_tok, tiny_vl_dir, api_key="fleet-key", api_keys_file=str(keys), salt_secret="s")
+    preparer = app.state.wf.image_preparer()
+    seen, real = [], preparer.prepare_async
+
+    async def spy(messages, cache_salt=None, **kw):
+        seen.append(cache_salt)
+        return await real(messages, cache_salt, **kw)
+
+    preparer.prepare_async = spy
+    msgs = [{"role": "user", "content": [image_part(data_uri(image_bytes())), {"type": "text", "text": "hi"}]}]
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as c:
+        for body in ({}, {"cache_salt": "mine"}):
+            r = await c.post("/tokenize", headers={"Authorization": "Bearer alice-key"},
+                             json={"model": "tiny", "messages": msgs, **body})
+            assert r.status_code == 200, r.text
+    alice = derive_salt("alice-key", "s")
+    assert seen == [tenant_salt(alice, None), tenant_salt(alice, "mine")] and None not in seen

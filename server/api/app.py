@@ -205,7 +205,7 @@ async def _tokenize_ids(s: ServerState, body: TokenizeRequest) -> list[int]:
             raise bad_request("messages must not be empty", param="messages", code="invalid_value")
         messages = [message_dict(m, i) for i, m in enumerate(body.messages)]
         if rendering.has_images(body.messages):  # pads expanded exactly as a chat request would send them
-            images = await prepare_images(s, body.messages, messages, body.add_generation_prompt)
+            images = await prepare_images(s, body.messages, messages, body.add_generation_prompt, body.cache_salt)
             return images.prompt_token_ids
         try:
             return await s.run_sync(rendering.chat_ids, s.tokenizer, messages, body.add_generation_prompt)

@@ -161,6 +161,7 @@ class TokenizeRequest(_Request):
     messages: Optional[list[ChatMessage]] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    cache_salt: Optional[str] = Field(default=None, min_length=1)  # images are prepared under it, as a chat's are
 
 
 
