@@ -9,7 +9,7 @@ msgpack array `[ts, [event, ...], dp_rank]` and each event a tagged array:
     ["AllBlocksCleared"]
     ["EncoderStored", [mm_hash, ...]]          # warmfleet extension
     ["EncoderRemoved", [mm_hash, ...]]         # warmfleet extension
-    ["Load", running, waiting, free_gpu_blocks, total_gpu_blocks]   # warmfleet extension
+    ["Load", running, waiting, free_gpu_blocks, total_gpu_blocks(, node_copy_s_per_block)]   # warmfleet extension
 
 `medium` is "GPU" for the primary pool, "CPU" for the swap tier and "NODE" for the node tier (server/nodetier: one
 host-memory cache shared by a service's replicas on a node). The topic is the replica id, or `node:<NAME>` for the
@@ -18,6 +18,10 @@ AllBlocksCleared: it starts empty). The node tier serves no HTTP snapshot: a bat
 carries its whole state (a subscriber syncs from it), and it publishes one to every new subscription, so a
 subscriber resyncs by subscribing to a fresh topic (`NODE_STATE_TOPIC` + anything). A replica names its node in its
 snapshot (`node`, from `warmfleet serve --node-name`), which is how a router maps replicas to node tiers.
+`node_copy_s_per_block` is the replica's measured cost of loading one entry from its node tier (seconds of the gets
+that served entries over the entries they served, since it started): sent only once it has loaded one, so Load
+events without a node tier are what they were; routers price a node-tier block by it (router/core/pricing.py).
+Snapshots carry Load's first four figures only (an older router reads them as it did).
 `lora_name` (vLLM's field, in vLLM's position) names the LoRA adapter whose chain the blocks belong to;
 it is sent only for adapter blocks, so base-model events are byte for byte what they were, and an
 absent one means the base model.
@@ -25,6 +29,7 @@ absent one means the base model.
 
 from __future__ import annotations
 
+import math
 import struct
 import time
 from dataclasses import dataclass, field, replace
@@ -78,6 +83,10 @@ class Load:
     num_waiting: int
     free_gpu_blocks: int
     total_gpu_blocks: int
+    node_copy_s_per_block: Optional[float] = None  # seconds to load one node-tier entry, measured; None: none loaded
+
+
+LOAD_FIGURES = ("num_running", "num_waiting", "free_gpu_blocks", "total_gpu_blocks")  # a snapshot's Load
 
 
 KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared, EncoderStored, EncoderRemoved, Load]
@@ -96,7 +105,8 @@ def _event_to_wire(e: KVEvent) -> list:
     if isinstance(e, EncoderRemoved):
         return ["EncoderRemoved", e.mm_hashes]
     if isinstance(e, Load):
-        return ["Load", e.num_running, e.num_waiting, e.free_gpu_blocks, e.total_gpu_blocks]
+        wire = ["Load", e.num_running, e.num_waiting, e.free_gpu_blocks, e.total_gpu_blocks]
+        return wire if e.node_copy_s_per_block is None else wire + [e.node_copy_s_per_block]
     raise TypeError(f"not a KV event: {e!r}")
 
 
@@ -149,7 +159,10 @@ def _event_from_wire(a) -> Optional[KVEvent]:
         nums = a[1:5]
         if len(nums) != 4 or not all(isinstance(n, int) and n >= 0 for n in nums):
             raise ValueError("Load needs four non-negative integers")
-        return Load(*nums)
+        copy = a[5] if len(a) > 5 else None
+        if copy is not None and (type(copy) not in (int, float) or not 0 <= copy < math.inf):
+            raise ValueError("Load's node copy cost must be a non-negative number of seconds or nil")
+        return Load(*nums, None if copy is None else float(copy))
     return None  # unknown tags from newer peers are skipped, not fatal
 
 
@@ -216,7 +229,7 @@ class Snapshot:
             "gpu": [h.hex() for h in self.gpu],
             "cpu": [h.hex() for h in self.cpu],
             "encoder": list(self.encoder),
-            "load": None if self.load is None else vars(self.load),
+            "load": None if self.load is None else {k: getattr(self.load, k) for k in LOAD_FIGURES},
             "lora": {h.hex(): name for h, name in self.lora.items()},
             **({"node": self.node} if self.node is not None else {}),
         }
@@ -227,7 +240,7 @@ class Snapshot:
         return cls(
             d["replica_id"], int(d["seq"]), int(d["block_size"]), d["model_fingerprint"],
             [bytes.fromhex(h) for h in d["gpu"]], [bytes.fromhex(h) for h in d["cpu"]],
-            list(d.get("encoder", [])), Load(**load) if load else None,
+            list(d.get("encoder", [])), Load(*(load[k] for k in LOAD_FIGURES)) if load else None,
             {bytes.fromhex(h): str(name) for h, name in (d.get("lora") or {}).items()},
             d["node"] if isinstance(d.get("node"), str) else None,
         )

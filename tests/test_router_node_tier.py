@@ -8,7 +8,7 @@ from warmfleet.server.events import (
 from warmfleet.server.router.core.index import Applied, KVIndex, PrefixMatch
 from warmfleet.server.router.core.node_tiers import NodeFeed, node_key
 from warmfleet.server.router.core.policy import (
-    PREFIX_HIT, Candidate, PolicyConfig, choose, node_tier_weight, priced_copy_weight,
+    PREFIX_HIT, Candidate, Decision, PolicyConfig, choose, node_tier_weight, priced_copy_weight,
 )
 from warmfleet.server.router.core.settings import RouterSettings, parse_node_tier_events
 
@@ -195,3 +195,162 @@ def test_an_image_whose_encoder_output_a_node_tier_holds_goes_to_a_replica_of_th
     for _ in range(4):  # whichever of node n0's replicas, never one of n1's
         d = router.decide("chat", body, fleet.routable())[0]
         assert d.order[0] in urls[:2] and d.reason == PREFIX_HIT
+
+
+# --- the node-tier weight, priced from what the router measures (core/pricing.py) ---------------------------------
+
+COPY, PREFILL = 1.7e-05, 2.58e-05  # H200, Qwen2.5-7B: a block's copy from pinned memory, a token's prefill
+PRICED = 1 - COPY / (B * PREFILL)
+
+
+def test_load_events_carry_a_replicas_measured_node_copy_cost_and_snapshots_keep_the_four_figures():
+    from warmfleet.server.events import Load, decode, encode
+    from warmfleet.server.events import _event_to_wire as to_wire
+
+    assert to_wire(Load(1, 2, 3, 4)) == ["Load", 1, 2, 3, 4]  # no node tier: the event is what it was
+    batch = decode(encode(EventBatch("r", 1, [Load(1, 2, 3, 4, COPY), Load(1, 2, 3, 4)])))
+    assert batch.events == [Load(1, 2, 3, 4, COPY), Load(1, 2, 3, 4, None)]
+    for bad in ("fast", -1.0, float("inf"), True):
+        with pytest.raises(ValueError, match="node copy cost"):
+            decode(encode(EventBatch("r", 1, [Load(1, 2, 3, 4, bad)])))
+    snap = Snapshot("r", 3, B, "fp", [], [], [], Load(1, 2, 3, 4, COPY))
+    assert snap.to_json()["load"] == {"num_running": 1, "num_waiting": 2, "free_gpu_blocks": 3, "total_gpu_blocks": 4}
+    assert Snapshot.from_json(snap.to_json()).load == Load(1, 2, 3, 4)
+
+
+def test_the_engine_reports_its_node_tier_clients_get_time_per_entry():
+    from warmfleet.server.engine.core import node_copy_cost
+    from warmfleet.server.nodetier.client import ClientCounters
+
+    class FakeNodeClient:
+        def __init__(self, **counts):
+            self.counters = ClientCounters(**counts)
+
+    assert node_copy_cost(FakeNodeClient(get_entries=4, get_seconds=0.002)) == pytest.approx(5e-4)
+    assert node_copy_cost(FakeNodeClient(get_calls=3)) is None  # asked, never served: nothing measured
+    assert node_copy_cost(None) is None
+
+
+def test_the_price_comes_from_the_flags_else_the_measurements_else_the_fixed_weight():
+    from warmfleet.server.router.core.pricing import price
+
+    measured = price(PolicyConfig(), B, [1.5e-05, COPY, 1e-03], PREFILL)  # the median copy: one slow replica
+    assert measured.weight == pytest.approx(PRICED) and measured.source == "measured"
+    assert (measured.copy_from, measured.prefill_from, measured.replicas_reporting) == ("replicas", "ttft", 3)
+    for copies, fitted in (([], None), ([COPY], None), ([], PREFILL)):  # a figure missing: the fixed weight
+        p = price(PolicyConfig(node_weight=0.3), B, copies, fitted)
+        assert (p.weight, p.source) == (0.3, "fixed")
+    flags = PolicyConfig(node_copy_s_per_block=1e-04, prefill_s_per_token=1e-04)
+    p = price(flags, B, [COPY], PREFILL)
+    assert p.weight == pytest.approx(1 - 1 / B) and p.source == "flags"  # given explicitly, the flags win
+    p = price(PolicyConfig(prefill_s_per_token=1e-04), B, [COPY], PREFILL)  # one flag, one measurement
+    assert p.weight == pytest.approx(1 - COPY / (B * 1e-04)) and (p.copy_from, p.prefill_from) == ("replicas", "flag")
+    assert price(PolicyConfig(), B, [1.0], PREFILL).weight == 0.0  # a copy dearer than recomputing: worth nothing
+    assert measured.view()["copy_us_per_block"] == 17.0 and measured.view()["source"] == "measured"
+
+
+def node_router(model_dir, policy):
+    """A Router over 4 replicas of node n0 ("warm" and n0-1..3) and 12 of node n1, busy (one request each), with
+    the nodes' tiers followed; no sockets."""
+    import time
+
+    from warmfleet.server.hashing import model_fingerprint
+    from warmfleet.server.router.core.fleet import Fleet
+    from warmfleet.server.router.core.metrics import RouterMetrics
+    from warmfleet.server.router.core.node_tiers import NodeTiers
+    from warmfleet.server.router.core.prompt import HashConfig, PromptRenderer
+    from warmfleet.server.router.core.registry import ReplicaSpec
+    from warmfleet.server.router.core.router import Router
+
+    metrics = RouterMetrics()
+    fleet = Fleet(None, metrics, block_size=B)
+    urls = ["http://warm"] + [f"http://n0-{i}" for i in range(1, 4)] + [f"http://n1-{i}" for i in range(12)]
+    fleet.registry.set_members([ReplicaSpec(u) for u in urls])
+    for r in fleet.registry.replicas.values():
+        r.healthy = True
+        fleet.index.apply_snapshot(r.id, Snapshot(r.id, 0, B, "fp", [], [], [], node=r.id[7:9]))
+        if r.id.startswith("http://n1"):
+            r.in_flight, r.sent = 1, 1.0
+    fleet.node_tiers = NodeTiers([], fleet.index)
+    router = Router(fleet, PromptRenderer(str(model_dir)), HashConfig(B, model_fingerprint(model_dir)), metrics, policy)
+    body = {"model": "m", "prompt": "hello " * 170, "max_tokens": 1}  # ~510 tokens, 31 blocks
+    hashes = router.decide("completion", body, fleet.routable())[2]
+    fleet.index.add_blocks("http://warm", hashes, GPU)  # it computed the prefix and wrote it through
+    n0 = node_key("n0")
+    fleet.index.apply_batch(n0, EventBatch(n0, 1, [AllBlocksCleared(), stored(hashes)]), self_syncing=True)
+    router.pricing.current(time.monotonic())  # read once before anything is measured (as a decision would)
+    return router, body
+
+
+def measure(router, copies=(1.5e-05, COPY, 1.9e-05, None)):
+    """The n0 replicas' Load events carry their measured copy costs (over the wire); 80 streamed first tokens as the
+    proxy books them, each PREFILL a prefill token after a 4 ms fixed cost."""
+    from warmfleet.server.events import Load, decode, encode
+    from warmfleet.server.router.core.booking import Booking
+
+    n0 = [r for r in router.fleet.registry.replicas.values() if not r.id.startswith("http://n1")]
+    for r, copy in zip(n0, copies):
+        batch = decode(encode(EventBatch(r.id, 1, [Load(0, 0, 64, 64, copy)])))
+        assert router.fleet.index.apply_batch(r.id, batch) is Applied.OK
+    for i in range(80 if router.ttft_fit is not None else 0):
+        rep = n0[i % len(n0)]
+        booking = Booking(router, Decision([rep.id], "cold_hash", 0, num_prompt_tokens=100 + 40 * i))
+        booking.enter(rep)
+        t_sent, prefill, load = booking.sample
+        booking.sample = (t_sent - (0.004 + PREFILL * prefill), prefill, load)
+        booking.first_token()
+        booking.leave()
+    for r in router.fleet.registry.replicas.values():  # those bookings' recent shares forgotten: the scene as it was
+        r.sent = float(r.in_flight)
+
+
+def spread(router, body):
+    """Where four requests for the node-held prefix go, each booked on its target."""
+    seq = []
+    for _ in range(4):
+        d = router.decide("completion", body, router.fleet.routable())[0]
+        rep = router.fleet.registry.get(d.order[0])
+        rep.in_flight += 1
+        rep.sent += 1.0
+        seq.append(rep.id)
+    return seq
+
+
+def test_a_router_prices_node_tier_blocks_from_its_replicas_copies_and_its_first_tokens(tiny_model_dir):
+    """No flags: the n0 replicas report their copy cost in Load events and the router fits the prefill slope from
+    first tokens, so a node-tier block is worth 1 - copy / recompute and the prefix hot on "warm" no longer ties
+    requests to it; unmeasured, the fixed weight ties the first two to it."""
+    import time
+
+    from warmfleet.server.router.core.pricing import REFRESH_S
+
+    router, body = node_router(tiny_model_dir, PolicyConfig())
+    assert router.ttft is None and router.ttft_fit is not None  # fitted for the price only: it scores nothing
+    measure(router)
+    now = time.monotonic()
+    assert router.pricing.current(now).source == "fixed"  # read at most every REFRESH_S, not per request
+    p = router.pricing.current(now + REFRESH_S)
+    assert p.source == "measured" and p.copy_s_per_block == COPY and p.replicas_reporting == 3
+    assert p.prefill_s_per_token == pytest.approx(PREFILL, rel=0.02)
+    assert p.weight == pytest.approx(PRICED, abs=0.002)
+    assert router.metrics.registry.get_sample_value("warmfleet_router_node_tier_weight") == p.weight
+    assert sorted(spread(router, body)) == ["http://n0-1", "http://n0-2", "http://n0-3", "http://warm"]
+
+    fixed, body = node_router(tiny_model_dir, PolicyConfig())
+    assert fixed.pricing.current(time.monotonic() + REFRESH_S).source == "fixed"
+    assert spread(fixed, body)[:2] == ["http://warm", "http://warm"]
+
+
+def test_explicit_flags_win_over_the_measurements_and_a_router_without_node_tiers_fits_nothing(tiny_model_dir):
+    import time
+
+    from router_fakes import static_router
+    from warmfleet.server.router.core.pricing import REFRESH_S
+
+    router, body = node_router(tiny_model_dir, PolicyConfig(node_copy_s_per_block=1e-04, prefill_s_per_token=1e-04))
+    assert router.ttft_fit is None  # the prefill is given: nothing to fit
+    measure(router)
+    p = router.pricing.current(time.monotonic() + REFRESH_S)
+    assert (p.source, p.copy_from, p.prefill_from) == ("flags", "flag", "flag")
+    assert p.weight == pytest.approx(1 - 1 / B) and p.replicas_reporting == 3
+    assert static_router(tiny_model_dir, ["http://a:1"]).ttft_fit is None

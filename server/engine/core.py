@@ -192,8 +192,10 @@ class EngineCore:
 
     # ---- introspection --------------------------------------------------------------------
     def load(self) -> Load:
+        """The figures Load events carry, with the measured cost of one node-tier load once there was one."""
         s = self.scheduler
-        return Load(len(s.running), len(s.waiting), self.pool.num_free_blocks, self.pool.num_gpu_blocks)
+        return Load(len(s.running), len(s.waiting), self.pool.num_free_blocks, self.pool.num_gpu_blocks,
+                    node_copy_cost(self.node))
 
     def publish_load(self) -> None:
         if self.publisher is not None:
@@ -244,3 +246,10 @@ class EngineCore:
         return Snapshot(self.replica_id, seq, self.cfg.cache.block_size, self.info.model_fingerprint,
                         gpu, cpu, self.encoder_cache.mm_hashes() if self.encoder_cache else [], self.load(),
                         dict(self.pool.lora_of), self.cfg.server.node_name)
+
+
+def node_copy_cost(node) -> Optional[float]:
+    """Seconds one entry took to load from the node tier, on average since start (its client's gets that served
+    entries; server/nodetier/client.py); None without a node tier or before the first entry it served."""
+    c = node.counters if node is not None else None
+    return c.get_seconds / c.get_entries if c is not None and c.get_entries else None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import time
 from typing import Optional
 
 from fastapi import FastAPI, Request
@@ -55,7 +56,8 @@ def add_status_routes(app: FastAPI, rt: RouterRuntime, state: dict, metrics: Rou
         fleet: Fleet = state["fleet"]
         if admin_denied(request, rt, keyless_ok=True) is not None:  # keyless: full on the router's own host
             return JSONResponse(public_view(fleet))
-        ttft = state["router"].ttft if "router" in state else None
+        router = state.get("router")
+        ttft = router.ttft if router is not None else None
         out = []
         for r in fleet.registry.replicas.values():
             st = fleet.index.replicas.get(r.id)
@@ -71,7 +73,9 @@ def add_status_routes(app: FastAPI, rt: RouterRuntime, state: dict, metrics: Rou
                              "index_evicted_blocks": fleet.index.evicted, "engine": fleet.dialect.kind,
                              "contract": fleet.dialect.contract, "hash_check": fleet.dialect.hash_check(),
                              "media_urls": _num_urls(state),
-                             "node_tiers": fleet.node_tiers.view() if fleet.node_tiers is not None else []})
+                             "node_tiers": fleet.node_tiers.view() if fleet.node_tiers is not None else [],
+                             "node_tier_pricing": (router.pricing.current(time.monotonic()).view()
+                                                   if router is not None else None)})
 
 
 def public_view(fleet: Fleet) -> dict:

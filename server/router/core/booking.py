@@ -75,7 +75,7 @@ class Booking:
             router.metrics.decisions.labels(RETRY).inc()
         self.tries += 1
         queued = self.decision.uncached_for(rep.id) if self.decision is not None else 0
-        if router.ttft is not None:
+        if router.ttft_fit is not None:
             self.sample = (time.perf_counter(), rep.queued_tokens + queued,
                            max(rep.in_flight, router.fleet.engine_load(rep.id)))
         rep.in_flight += 1
@@ -99,7 +99,7 @@ class Booking:
         if not self.prefilling:
             return
         self.prefilled()
-        sample, ttft = self.sample, self.router.ttft
+        sample, ttft = self.sample, self.router.ttft_fit
         if sample is not None and ttft is not None:
             ttft.observe(self.rep.id, sample[1], sample[2], time.perf_counter() - sample[0])
 

@@ -212,6 +212,16 @@ class Fleet:
             return 0
         return st.load.num_running + st.load.num_waiting
 
+    def node_copy_costs(self) -> list[float]:
+        """Each member replica's measured seconds per node-tier load (its latest Load event's), where it sent one."""
+        out = []
+        for rid in self.registry.replicas:
+            st = self.index.replicas.get(rid)
+            cost = st.load.node_copy_s_per_block if st is not None and st.load is not None else None
+            if cost is not None:
+                out.append(cost)
+        return out
+
     # --- LoRA adapters ----------------------------------------------------------------------
     async def scrape_adapters(self) -> None:
         """Every healthy replica's lora_requests_info; its /v1/models too every MODELS_EVERY rounds (and the first)."""

@@ -186,6 +186,10 @@ class RouterMetrics:
         self.replica_blocks = Gauge(p + "replica_index_blocks", "Blocks indexed per replica and tier.",
                                     ["replica", "tier"], registry=r)
         self.resyncs = Counter(p + "resyncs_total", "Snapshot resyncs by cause.", ["replica", "cause"], registry=r)
+        self.node_tier_weight = Gauge(p + "node_tier_weight", "Worth of a block the replica's node tier holds "
+                                      "relative to one in its GPU pool, as the policy scores it now: 1 - copy / "
+                                      "recompute, measured or from flags, else --node-tier-weight (core/pricing.py).",
+                                      registry=r)
         self.replica_warming = Gauge(p + "replica_warming", "1 while hot prefixes are replayed into the replica "
                                      "(it takes no traffic meanwhile).", ["replica"], registry=r)
 

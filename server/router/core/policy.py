@@ -11,9 +11,9 @@ For each replica r the score, in prompt tokens saved, is
 `node_blocks(r)` are the prompt's blocks past r's own prefix that r's node tier holds (server/nodetier): every
 replica on that node can load them, so they count as held (in `hits`) for all of them alike, and a prefix only the
 node tier holds ties the request to none of them: load decides among the node's replicas. `node_weight` (fixed,
-below `cpu_weight`) orders local primary > local swap > node tier > cold. Priced instead (the router is given the
-measured copy of a block and prefill per token: `priced_copy_weight`), a node-tier block is worth what its copy
-saves, 1 - copy / recompute (H200, Qwen2.5-7B: 17 us against 16 x 25.8 us, 0.96): a replica that holds a prefix
+below `cpu_weight`) orders local primary > local swap > node tier > cold. Priced instead (the copy of a block and
+the prefill per token known: `priced_copy_weight`; the router measures both, core/pricing.py, unless flags give
+them), a node-tier block is worth what its copy saves, 1 - copy / recompute (H200, Qwen2.5-7B: 17 us against 16 x 25.8 us, 0.96): a replica that holds a prefix
 in its primary pool is then barely ahead of its neighbours that would load it from the node tier (the engine writes
 computed blocks through), so the request is no longer tied to it and load spreads over the node's replicas. The
 priced weight may exceed the fixed swap-tier weight: a replica with a node tier has no swap tier of its own.
@@ -193,7 +193,8 @@ def priced_copy_weight(copy_s_per_block: float, prefill_s_per_token: float, bloc
 
 
 def node_tier_weight(cfg: PolicyConfig, block_size: int) -> float:
-    """The node-tier block weight: priced from the measured copy and prefill when both are given, else the fixed one."""
+    """The node-tier block weight from the flags alone: priced when both the copy and the prefill are given, else the
+    fixed one (the router's measured price: core/pricing.py)."""
     if cfg.node_copy_s_per_block > 0 and cfg.prefill_s_per_token > 0:
         return priced_copy_weight(cfg.node_copy_s_per_block, cfg.prefill_s_per_token, block_size)
     return cfg.node_weight
@@ -357,16 +358,20 @@ def ttft_scores(cands: Sequence[Candidate], ttft: dict, values: dict, common: fl
 
 def choose(cands: Sequence[Candidate], *, block_size: int, num_prompt_tokens: int,
            cold_key: Optional[bytes], cfg: PolicyConfig = PolicyConfig(),
-           adapter_key: Optional[bytes] = None, ttft: Optional[dict] = None) -> Decision:
+           adapter_key: Optional[bytes] = None, ttft: Optional[dict] = None,
+           node_weight: Optional[float] = None) -> Decision:
     """Order replicas for one request (`adapter_key`: its LoRA adapter's, None for the base model; `ttft`: replica
-    -> ttft.Coefficients for every candidate, scoring by predicted TTFT instead of the fixed weights); raises
+    -> ttft.Coefficients for every candidate, scoring by predicted TTFT instead of the fixed weights; `node_weight`:
+    a node-tier block's worth in effect, pricing.NodeTierPricing's, None: `node_tier_weight` of the flags); raises
     ValueError if there are none."""
     if not cands:
         raise ValueError("no routable replicas")
     limit = cacheable_tokens(num_prompt_tokens, block_size)
     # tokens each replica should serve from cache (the Decision's `hits`, and whether the prompt is warm anywhere)
     # and what they are worth (prefix_value), in one pass: this runs per replica per request
-    hits, values, cpu_weight, node_weight = {}, {}, cfg.cpu_weight, node_tier_weight(cfg, block_size)
+    if node_weight is None:
+        node_weight = node_tier_weight(cfg, block_size)
+    hits, values, cpu_weight = {}, {}, cfg.cpu_weight
     for c in cands:
         gpu, cpu, node = c.gpu_blocks * block_size, c.cpu_blocks * block_size, c.node_blocks * block_size
         hits[c.replica] = min(gpu + cpu + node, limit)

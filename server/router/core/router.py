@@ -5,8 +5,8 @@
       │                       books the request's load with it and reports what happened (enter … leave)
       ▼
     decide: match (the prompt's blocks per replica) → candidates (cache, load, adapter per replica)
-            → choose (policy.choose, fixed weights or the TTFT models) → after the decision (index LRU,
-            hot prefixes for warm-ups, metrics)
+            → choose (policy.choose, fixed weights or the TTFT models, node-tier blocks at the price in effect:
+            pricing.py) → after the decision (index LRU, hot prefixes for warm-ups, metrics)
     fleet (membership, health, KV index, warm-up) · policy.choose · peers (other routers' load)
 """
 
@@ -26,6 +26,7 @@ from .booking import Booking
 from .fleet import Fleet
 from .metrics import RouterMetrics
 from .policy import Candidate, Decision, PolicyConfig, choose
+from .pricing import NodeTierPricing
 from .prompt import HashConfig, Prompt, PromptRenderer
 from .registry import Replica
 from .ttft import TtftModels
@@ -77,6 +78,21 @@ class Router:
         self._text_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None  # long text prompts' thread
         # fitted per replica from streamed first tokens when the policy scores by predicted TTFT
         self.ttft = TtftModels(policy.ttft_model_samples) if policy.ttft_model_samples else None
+        # what learns from streamed first tokens: those models, or, following node tiers without
+        # --prefill-s-per-token, a fit whose prefill slope only prices node-tier blocks (it scores nothing)
+        pricing_fit = fleet.node_tiers is not None and not policy.prefill_s_per_token
+        self.ttft_fit = self.ttft or (TtftModels() if pricing_fit else None)
+        self.pricing = NodeTierPricing(policy, hash_cfg.block_size, self._pricing_inputs)
+        metrics.node_tier_weight.set_function(self.node_tier_weight)
+
+    def _pricing_inputs(self) -> tuple[list[float], Optional[float]]:
+        """The member replicas' measured node-tier copy costs and the fitted prefill seconds per token (pricing.py)."""
+        return (self.fleet.node_copy_costs(),
+                self.ttft_fit.prefill_s_per_token() if self.ttft_fit is not None else None)
+
+    def node_tier_weight(self) -> float:
+        """A node-tier block's worth in effect now (the Prometheus gauge's reading)."""
+        return self.pricing.weight(time.monotonic())
 
     # --- decision ---------------------------------------------------------------------------
     async def route(self, kind: str, body: dict,
@@ -180,7 +196,7 @@ class Router:
         node = self._node_blocks(hashes, names, matches) if self.fleet.node_tiers is not None else None
         cands, warm_images = self._candidates(replicas, matches, prompt, adapter, now, node)
         cold_key = hashes[min(len(hashes), self.cold_key_blocks) - 1] if hashes else None
-        decision = self._choose(cands, prompt, cold_key, adapter)
+        decision = self._choose(cands, prompt, cold_key, adapter, self.pricing.weight(now) if node else None)
         target = decision.order[0] if decision.order else None
         if names is not None and target is not None:  # an adapter's: the block names the target hashes them with
             hashes = names.get(target, hashes)
@@ -254,13 +270,15 @@ class Router:
         return cands, warm_images
 
     def _choose(self, cands: list[Candidate], prompt: Optional[Prompt], cold_key: Optional[bytes],
-                adapter: Optional[str]) -> Decision:
+                adapter: Optional[str], node_weight: Optional[float] = None) -> Decision:
         """policy.choose, scoring by the TTFT models once they are fitted (ttft.TtftModels.fitted), else by the
-        fixed weights; the decision names the request's adapter."""
+        fixed weights, and node-tier blocks at `node_weight` (the price in effect); the decision names the
+        request's adapter."""
         ttft = self.ttft.fitted([c.replica for c in cands]) if self.ttft is not None else None
         num_tokens = prompt.num_tokens if prompt else 0
         decision = choose(cands, block_size=self.hash_cfg.block_size, num_prompt_tokens=num_tokens, cold_key=cold_key,
-                          cfg=self.policy, adapter_key=adapter_key(adapter) if adapter else None, ttft=ttft)
+                          cfg=self.policy, adapter_key=adapter_key(adapter) if adapter else None, ttft=ttft,
+                          node_weight=node_weight)
         return dataclasses.replace(decision, adapter=adapter) if adapter is not None else decision
 
     def _after_decision(self, decision: Decision, prompt: Optional[Prompt], body: dict, hashes: list[bytes],

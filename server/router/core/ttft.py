@@ -16,6 +16,9 @@ policy then routed on: 60x more load spills on the Mooncake trace; docs/scale.md
 non-negative (b > 0) when read, so a noisy fit never makes more queued work look faster, and factors within
 `alike` of 1 (the estimate's noise) read as 1.
 
+The router fits these models even when the policy does not score by them (no `--ttft-model-samples`) when it
+follows node tiers: the fitted slope per prefill token is what a node-tier copy saves (`prefill_s_per_token`).
+
 Until the shape has `min_samples` samples there is no model and the policy keeps its fixed weights; a replica
 with fewer than `OWN_SAMPLES` of its own has factor 1 (a joiner starts from its fleet's figures). Images have no
 term of their own: their placeholder tokens are prefill like any other (the encoder's share is what the fixed
@@ -154,6 +157,13 @@ class TtftModels:
             out = Coefficients(c.fixed_s * k, c.per_token_s * k, c.per_load_s * k)
         self._cache[rid] = out
         return out
+
+    def prefill_s_per_token(self) -> Optional[float]:
+        """Seconds the fleet's median replica takes per prefill token (the shape's slope times the median factor):
+        what a prompt token costs to recompute, which prices a node-tier block (pricing.py); None until fitted."""
+        if self.shape.n < self.min_samples:
+            return None
+        return _coefficients(self.shape).per_token_s * self.median
 
     def fitted(self, rids: Iterable[str]) -> Optional[dict]:
         """The scorer's seam: rid -> its model for every replica of a decision (policy.choose scores by predicted
