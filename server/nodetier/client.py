@@ -30,6 +30,7 @@ BACKOFF_MIN_S = 0.25
 BACKOFF_MAX_S = 10.0
 PUT_BATCH_BYTES = 8 << 20  # entries sent in one put frame
 PUT_QUEUE_BYTES = 256 << 20  # queued put payload beyond which new puts are dropped (counted)
+RELEASE_KEYS = 4096  # keys one release names (the tier's MAX_GET_KEYS)
 MAX_KNOWN_KEYS = 1 << 22  # keys believed in the tier (bounded by the primary pool; cleared if ever over this)
 
 
@@ -226,16 +227,19 @@ class NodeTierClient:
 
     def _release_known(self, batch: list[dict]) -> list[dict]:
         """Evicted blocks believed in the tier are released (no bytes); returns the entries still to put."""
-        evicted = {e["key"]: e for e in batch if e["kind"] == "kv" and not e.get("held")}
+        evicted = [e["key"] for e in batch if e["kind"] == "kv" and not e.get("held")]
         with self._lock:
             known = [k for k in evicted if k in self._known]
             self._known.difference_update(evicted)
-        if not known:
+        released: set = set()
+        for i in range(0, len(known), RELEASE_KEYS):
+            part = known[i:i + RELEASE_KEYS]
+            missing = self._put_conn.call({"op": "release", "kind": "kv", "keys": part}).get("missing", [])
+            released.update(set(part) - set(missing))
+        self.counters.put_released += len(released)
+        if not released:
             return batch
-        missing = set(self._put_conn.call({"op": "release", "kind": "kv", "keys": known}).get("missing", []))
-        self.counters.put_released += len(known) - len(missing)
-        gone = {k for k in known if k not in missing}
-        return [e for e in batch if not (e["kind"] == "kv" and e["key"] in gone and not e.get("held"))]
+        return [e for e in batch if not (e["kind"] == "kv" and not e.get("held") and e["key"] in released)]
 
     def _remember(self, keys: list) -> None:
         with self._lock:

@@ -91,7 +91,10 @@ class NodeStore:
         slot = (kind, key)
         old = self._find(slot)
         if old is not None and old.layout == layout:  # first writer wins: a put never replaces a whole entry
-            self._claim(slot, holder) if held else self._unclaim(slot, holder)
+            if held:
+                self._claim(slot, holder)
+            else:
+                self._unclaim(slot, holder)
             self._touch(slot)
             return True
         if old is not None:
