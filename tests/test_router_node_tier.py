@@ -354,3 +354,32 @@ def test_explicit_flags_win_over_the_measurements_and_a_router_without_node_tier
     assert (p.source, p.copy_from, p.prefill_from) == ("flags", "flag", "flag")
     assert p.weight == pytest.approx(1 - 1 / B) and p.replicas_reporting == 3
     assert static_router(tiny_model_dir, ["http://a:1"]).ttft_fit is None
+
+
+async def test_the_endpoint_picker_shows_the_price_its_replicas_measured(tiny_model_dir):
+    """The gateway's picker shares the core: its replicas' Load events (real ZMQ) carry their copy cost, and its
+    replicas view and /metrics show the price in effect and where it came from."""
+    import asyncio
+
+    import httpx
+    from epp_fakes import EppFleet
+    from warmfleet.server.events import Load
+
+    settings = {"node_tier_events": ["127.0.0.1:9"], "policy": PolicyConfig(prefill_s_per_token=PREFILL)}
+    async with EppFleet(tiny_model_dir, settings=settings) as f:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{f.epp.http_port}") as c:
+            view = (await c.get("/v1/router/replicas")).json()["node_tier_pricing"]
+            assert view["source"] == "fixed" and view["weight"] == 0.4 and view["prefill_from"] == "flag"
+            for r, copy in zip(f.replicas, (COPY, 3 * COPY)):
+                r.publish([Load(0, 0, 64, 64, copy)])
+            for _ in range(500):  # read again at most every second; a hang fails here, not forever
+                view = (await c.get("/v1/router/replicas")).json()["node_tier_pricing"]
+                if view["source"] == "measured" and view["replicas_reporting"] == 2:
+                    break
+                await asyncio.sleep(0.02)
+            assert view["source"] == "measured" and view["copy_from"] == "replicas"
+            assert view["copy_us_per_block"] == pytest.approx(34.0)  # the median of the two: 2 x COPY
+            assert view["weight"] == pytest.approx(1 - 2 * COPY / (B * PREFILL), abs=1e-4)
+            text = (await c.get("/metrics")).text
+            gauge = next(line for line in text.splitlines() if line.startswith("warmfleet_router_node_tier_weight "))
+            assert float(gauge.split()[1]) == pytest.approx(view["weight"], abs=1e-4)

@@ -33,19 +33,21 @@ class PolicyConfig:
     # a swap-tier block is worth this fraction of a GPU block (it must be copied back)
     cpu_weight: float = field(default=0.5, metadata=opt(
         "--cpu-tier-weight", "Worth of a swap-tier block relative to a GPU block in scoring (0..1)."))
-    # a node-tier block (server/nodetier) is worth this fraction of a GPU block: below the swap tier's (a copy over
-    # the node's TCP, bench/node_tier.py), so local primary > local swap > node tier > cold
+    # a node-tier block (server/nodetier) is worth this fraction of a GPU block until the copy and the prefill are
+    # known: below the swap tier's (a copy over the node's TCP, bench/node_tier.py), so local primary > local swap >
+    # node tier > cold
     node_weight: float = field(default=0.4, metadata=opt(
         "--node-tier-weight", "Worth of a block held by the replica's node tier relative to a GPU block (0..1; "
-        "keep it under --cpu-tier-weight); replaced by the priced worth when both --node-tier-copy-s-per-block "
-        "and --prefill-s-per-token are given."))
-    # priced: a node-tier block is worth 1 - (its copy) / (its recompute), policy.priced_copy_weight
+        "keep it under --cpu-tier-weight) while the copy or the prefill cost is unknown; once both are (measured, "
+        "or the two flags below), the priced worth 1 - copy / recompute replaces it."))
+    # priced: a node-tier block is worth 1 - (its copy) / (its recompute), policy.priced_copy_weight; each figure
+    # from its flag, else measured (core/pricing.py)
     node_copy_s_per_block: float = field(default=0.0, metadata=opt(
-        "--node-tier-copy-s-per-block", "Measured seconds to load one KV block from the node tier into a replica "
-        "(bench/node_tier.py; with --prefill-s-per-token it prices the node-tier weight: 1 - copy / recompute)."))
+        "--node-tier-copy-s-per-block", "Seconds to load one KV block from the node tier into a replica (0, the "
+        "default: the median of what the replicas measure and report in their Load events)."))
     prefill_s_per_token: float = field(default=0.0, metadata=opt(
-        "--prefill-s-per-token", "Measured seconds a replica takes to prefill one prompt token (the recompute a "
-        "node-tier copy saves; 0: --node-tier-weight as given)."))
+        "--prefill-s-per-token", "Seconds a replica takes to prefill one prompt token, the recompute a node-tier "
+        "copy saves (0, the default: the slope per prefill token the router fits from streamed first tokens)."))
     load_weight: float = field(default=32.0, metadata=opt(  # cached prompt tokens one request of load outweighs
         "--load-weight", "Cached prompt tokens that one in-flight request on a replica outweighs."))
     # cost of one uncached prompt token queued ahead on the replica, in tokens saved, when the prompt's cache is at
