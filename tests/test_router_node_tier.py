@@ -231,6 +231,27 @@ def test_the_engine_reports_its_node_tier_clients_get_time_per_entry():
     assert node_copy_cost(None) is None
 
 
+def test_an_engine_that_loaded_blocks_from_its_node_tier_reports_their_cost_in_its_load_events(tiny_model_dir,
+                                                                                                 tmp_path):
+    from warmfleet import LLM, SamplingParams
+    from warmfleet.livefleet import NodeTier
+
+    prompt, greedy = [(i * 7) % 300 + 20 for i in range(70)], SamplingParams(max_tokens=2, temperature=0.0)
+    tier = NodeTier(tmp_path).start()
+    tier.wait_ready()
+    try:
+        a = LLM(str(tiny_model_dir), block_size=16, num_gpu_blocks=64, node_tier=tier.address)
+        a.generate([prompt], greedy)
+        assert a.engine.node.flush()
+        assert a.engine.load().node_copy_s_per_block is None  # it computed the prefix: nothing loaded, nothing sent
+        b = LLM(str(tiny_model_dir), block_size=16, num_gpu_blocks=64, node_tier=tier.address)
+        assert b.generate([prompt], greedy)[0].num_cached_tokens == 64
+        counters, load = b.engine.node.counters, b.engine.load()
+        assert counters.get_entries == 4 and load.node_copy_s_per_block == counters.get_seconds / 4 > 0
+    finally:
+        tier.stop()
+
+
 def test_the_price_comes_from_the_flags_else_the_measurements_else_the_fixed_weight():
     from warmfleet.server.router.core.pricing import price
 
