@@ -129,7 +129,7 @@ async def test_a_feed_follows_a_simulated_node_tier_over_zmq_and_forgets_it_when
     node = load_bench("simfleet_node.py").NodeTier("n0", 4)
     node.publish_to(f"tcp://127.0.0.1:{free_port()}", B)
     for h in H[:3]:
-        node.store(h)  # before anyone listens: the state batch a new subscription gets carries them
+        node.put(h, "s0", held=False)  # before anyone listens: the state batch a new subscription gets carries them
     idx = KVIndex()
     feed = NodeFeed(node.events_endpoint, idx)
     task = asyncio.create_task(feed.run())
@@ -141,7 +141,7 @@ async def test_a_feed_follows_a_simulated_node_tier_over_zmq_and_forgets_it_when
                 break
         assert idx.match(H, [node_key("n0")])[node_key("n0")].node_blocks == 3
         for h in H[3:6]:  # capacity 4: H[0] and H[1] are evicted
-            node.store(h)
+            node.put(h, "s0", held=False)
         for _ in range(200):
             node.publish()
             await asyncio.sleep(0.01)
