@@ -46,8 +46,9 @@ def parse_address(text: str) -> tuple[str, int]:
 @dataclass
 class ClientCounters:
     get_calls: int = 0
-    get_entries: int = 0  # entries served whole
-    get_seconds: float = 0.0  # wall time of the gets that served entries (copy cost per entry = this / get_entries)
+    get_entries: int = 0  # KV blocks served whole (encoder outputs are not counted: they are not block-sized)
+    get_seconds: float = 0.0  # wall time of the gets that served them (copy cost per block = this / get_entries)
+    get_encoder_entries: int = 0  # encoder outputs served whole
     put_entries: int = 0  # entries handed to the node tier
     put_released: int = 0  # evicted blocks the tier still had: released, no bytes sent
     put_dropped: int = 0  # entries not sent (breaker open, queue full, failure)
@@ -171,11 +172,12 @@ class NodeTierClient:
             self._failed("get", exc)
             return []
         self.breaker.succeeded()
-        if out:
+        if out and kind == "kv":
             self.counters.get_entries += len(out)
             self.counters.get_seconds += time.perf_counter() - start
-            if kind == "kv":
-                self._remember(keys[:len(out)])
+            self._remember(keys[:len(out)])
+        elif out:
+            self.counters.get_encoder_entries += len(out)
         return out
 
     # ---- puts (background thread) --------------------------------------------------------
