@@ -117,8 +117,10 @@ def plan_for(body: Mapping[str, Any], nodes: list[NodeInfo], default_images: obj
 
 
 def fingerprint(plan: Plan) -> str:
-    """Digest of the desired children: equal digests mean a node change altered nothing."""
-    return hashlib.sha256(json.dumps(plan.children, sort_keys=True).encode()).hexdigest()
+    """Digest of the desired children and of the nodes left out for taints (TaintsTolerated says which): equal digests
+    mean a node change altered nothing."""
+    untolerated = [[u.node, u.pool, [str(t) for t in u.taints]] for u in plan.untolerated]
+    return hashlib.sha256(json.dumps([plan.children, untolerated], sort_keys=True).encode()).hexdigest()
 
 
 @dataclass

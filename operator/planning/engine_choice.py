@@ -81,8 +81,10 @@ def choose(spec: InferenceServiceSpec, pools: list[Pool]) -> EngineChoice:
 
 
 def resolve(spec: InferenceServiceSpec, nodes: list[NodeInfo]) -> tuple[InferenceServiceSpec, EngineChoice]:
-    """The spec with engine.kind resolved for these nodes (every later step sees a concrete kind), and the choice."""
-    choice = choose(spec, derive_pools(spec, nodes))
+    """The spec with engine.kind resolved for these nodes (every later step sees a concrete kind), and the choice. GPU
+    nodes whose taints the server pods do not tolerate count for auto: a missing toleration is reported
+    (TaintsTolerated), it does not turn the service into CPU replicas elsewhere."""
+    choice = choose(spec, derive_pools(spec, nodes, tolerated_only=spec.engine.kind != "auto"))
     if spec.engine.kind == choice.kind:
         return spec, choice
     return dataclasses.replace(spec, engine=dataclasses.replace(spec.engine, kind=choice.kind)), choice

@@ -6,11 +6,14 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from warmfleet.operator.planning import gpu_products
+from warmfleet.operator.planning.engine_descriptions import ENGINES
+from warmfleet.operator.planning.taints import Taint, is_system, taints_of, untolerated
 from warmfleet.operator.spec.inference_service import InferenceServiceSpec, MemorySource
 from warmfleet.operator.spec.pod_overlay import server_node_selector
+from warmfleet.operator.spec.schema import to_dict
 
 GPU_RESOURCE = "nvidia.com/gpu"
 AMD_GPU_RESOURCE = "amd.com/gpu"
@@ -18,6 +21,7 @@ GPU_RESOURCES = (GPU_RESOURCE, AMD_GPU_RESOURCE)  # counted without spec.server.
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"  # MiB, as GPU feature discovery writes it
 INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
+NAME_FIELD = "metadata.name"  # the one Node field a NodeSelectorTerm's matchFields may name
 GiB = 1 << 30
 MiB = 1 << 20
 HOST_MEMORY_BUCKET = 16 * GiB  # host memory granularity of a node shape
@@ -62,6 +66,7 @@ class NodeInfo:
     instance_type: str = ""  # node.kubernetes.io/instance-type
     device_counts: Mapping[str, int] = field(default_factory=dict, hash=False)  # allocatable extended resources (x/y)
     cpu_millis: int = 0  # allocatable CPU, millicores
+    taints: tuple[Taint, ...] = ()  # spec.taints
 
     def gpus_of(self, resource: str | None) -> tuple[str, int]:
         """(resource, allocatable count): spec.server.gpuResource when set, else this node's own GPU resource."""
@@ -120,6 +125,7 @@ def node_info(body: Mapping[str, Any]) -> NodeInfo:
         instance_type=labels.get(INSTANCE_TYPE_LABEL, ""),
         device_counts=devices,
         cpu_millis=cpu_millis,
+        taints=taints_of(body),
     )
 
 
@@ -128,6 +134,21 @@ def _count(text: Any) -> int:
         return int(parse_quantity(text))
     except ValueError:
         return 0
+
+
+@dataclass(frozen=True)
+class NodeFence:
+    """One more requirement of a pool's node affinity (pool_fence.py): `key` is a node label (matchExpressions), or
+    the field metadata.name (matchFields)."""
+
+    key: str
+    operator: str  # In or NotIn
+    values: tuple[str, ...]
+
+    def requirement(self) -> tuple[str, dict[str, Any]]:
+        """(the NodeSelectorTerm list it joins, the requirement)."""
+        where = "matchFields" if self.key == NAME_FIELD else "matchExpressions"
+        return where, {"key": self.key, "operator": self.operator, "values": list(self.values)}
 
 
 @dataclass(frozen=True)
@@ -146,6 +167,7 @@ class Pool:
     gpu_memory_source: MemorySource | None = None  # label, product, instance-type or spec; None: unknown
     instance_types: tuple[str, ...] = ()  # the members' instance types, when the memory came from them
     cpu_millis: int = 0  # the smallest allocatable CPU among the nodes, millicores (sizes CPU-only replicas)
+    fence: NodeFence | None = None  # keeps a CPU pool's pods off GPU nodes its labels do not tell apart (pool_fence.py)
 
     @property
     def has_gpus(self) -> bool:
@@ -175,8 +197,10 @@ def pool_name(named: str | None, product: str, gpus: int, gpu_memory_mib: int, r
     return f"{named}-{base}" if named else base
 
 
-def derive_pools(spec: InferenceServiceSpec, nodes: list[NodeInfo]) -> list[Pool]:
-    """Group Ready, schedulable nodes matching the selector by shape; sorted by name.
+def derive_pools(spec: InferenceServiceSpec, nodes: list[NodeInfo], tolerated_only: bool = True) -> list[Pool]:
+    """Group Ready, schedulable nodes matching the selector by shape; sorted by name. A node with a NoSchedule or
+    NoExecute taint the server pods do not tolerate hosts none of them and joins no pool (untolerated_nodes reports
+    it), unless `tolerated_only` is False (engine.kind auto: a GPU pool the pods do not tolerate yet still asks for vLLM).
 
     A shape is the GPU product, memory per GPU (and where that figure came from), the GPU resource and its
     count, and host memory. Host memory joins a shape rounded to the nearest HOST_MEMORY_BUCKET (kubelet
@@ -185,24 +209,14 @@ def derive_pools(spec: InferenceServiceSpec, nodes: list[NodeInfo]) -> list[Pool
     allocatable memory re-sizes (rolls) the pool in place instead of renaming it; only when one GPU shape
     comes in several memory sizes do the smaller groups (by node count) get a `-<GiB>gi` suffix.
     """
-    named = [(p.name, p.node_selector) for p in spec.pools] or [(None, {})]
     groups: dict[tuple, list[NodeInfo]] = {}
-    for node in sorted(nodes, key=lambda n: n.name):
-        if not node.schedulable or not _matches(node.labels, server_node_selector(spec.node_selector, spec.server.pod)):
-            continue
-        for pname, selector in named:
-            if _matches(node.labels, selector):
-                resource, gpus = node.gpus_of(spec.server.gpu_resource)
-                mib, source = _memory(spec, node, gpus)
-                key = (pname, node.gpu_product, mib, source, resource, gpus, round(node.memory_bytes / HOST_MEMORY_BUCKET))
-                groups.setdefault(key, []).append(node)
-                break
-    selectors = dict(named)
+    for node, pname, blocked in _candidates(spec, nodes):
+        if not (blocked and tolerated_only):
+            groups.setdefault(_shape(spec, node, pname), []).append(node)
+    selectors = {p.name: p.node_selector for p in spec.pools}
     by_name: dict[str, list[tuple[tuple, list[NodeInfo]]]] = {}
     for key, members in groups.items():
-        pname, product, mib, source, resource, gpus, _ = key
-        shown = product if product != "unknown" else _inferred_product(members[0])
-        by_name.setdefault(pool_name(pname, product, gpus, mib, resource, source, shown), []).append((key, members))
+        by_name.setdefault(_shape_name(key, members[0]), []).append((key, members))
     pools = []
     for base, variants in by_name.items():
         variants.sort(key=lambda v: (-len(v[1]), v[0][-1]))  # the largest group keeps the plain name
@@ -213,11 +227,81 @@ def derive_pools(spec: InferenceServiceSpec, nodes: list[NodeInfo]) -> list[Pool
                 host_memory_bytes=min(n.memory_bytes for n in members),
                 cpu_millis=min(n.cpu_millis for n in members),
                 nodes=tuple(n.name for n in members),
-                selector=tuple(sorted(selectors[pname].items())),
+                selector=tuple(sorted(selectors.get(pname, {}).items())),
                 gpu_resource=resource, gpu_memory_source=source,
                 instance_types=tuple(sorted({n.instance_type for n in members})) if source == "instance-type" else (),
             ))
     return sorted(pools, key=lambda p: p.name)
+
+
+@dataclass(frozen=True)
+class Untolerated:
+    """A Ready, uncordoned node matching the service's selectors that its server pods may not land on."""
+
+    node: str
+    pool: str  # the pool (its shape's name) it would join
+    taints: tuple[Taint, ...]  # its NoSchedule / NoExecute taints the server pods do not tolerate
+
+
+def untolerated_nodes(spec: InferenceServiceSpec, nodes: list[NodeInfo]) -> list[Untolerated]:
+    """The nodes derive_pools leaves out for taints the server pods do not tolerate, by name; a node that a system
+    taint also holds (taints.is_system: a condition, the control plane, a node being removed) is left out silently,
+    as a Not-Ready one is: no toleration should bring replicas there."""
+    out = []
+    for node, pname, blocked in _candidates(spec, nodes):
+        if blocked and not any(is_system(t) for t in blocked):
+            out.append(Untolerated(node.name, _shape_name(_shape(spec, node, pname), node), blocked))
+    return out
+
+
+def gpu_tolerations(spec: InferenceServiceSpec, gpu_resource: str, has_gpus: bool) -> list[dict[str, str]]:
+    """The operator's own tolerations on a pool's server pods: its GPU resources' NoSchedule taints; none for CPU-only
+    replicas (sizing.cpu_only: an engine without GPU attention, on a node without GPUs or with
+    spec.server.gpusPerReplica 0). engine.kind auto counts as GPU attention exactly where the node has GPUs."""
+    engine = ENGINES.get(spec.engine.kind)
+    attention = engine.gpu_attention if engine is not None else has_gpus
+    if not attention and (spec.server.gpus_per_replica == 0 or not has_gpus):
+        return []
+    return [{"key": key, "operator": "Exists", "effect": "NoSchedule"} for key in dict.fromkeys((GPU_RESOURCE, gpu_resource))]
+
+
+def server_tolerations(spec: InferenceServiceSpec, gpu_resource: str, has_gpus: bool) -> list[dict[str, Any]]:
+    """Every toleration of a pool's server pods: the operator's (gpu_tolerations), then spec.server.pod's."""
+    user = (spec.server.pod.tolerations if spec.server.pod else None) or []
+    return gpu_tolerations(spec, gpu_resource, has_gpus) + [to_dict(t) for t in user]
+
+
+_NO_POOL = "\0"  # a node that matches no spec.pools selector
+
+
+def _candidates(spec: InferenceServiceSpec, nodes: list[NodeInfo]) -> Iterator[tuple[NodeInfo, str | None, tuple[Taint, ...]]]:
+    """Each Ready, uncordoned node matching the service's selector and a named pool's, by name: (node, its named
+    pool, the taints its server pods would not tolerate). A node with GPUs of another resource than the one the
+    service requests (spec.server.gpuResource) is none: it hosts no replica, CPU-only ones included."""
+    named = [(p.name, p.node_selector) for p in spec.pools] or [(None, {})]
+    wanted = server_node_selector(spec.node_selector, spec.server.pod)
+    for node in sorted(nodes, key=lambda n: n.name):
+        pname = next((name for name, selector in named if _matches(node.labels, selector)), _NO_POOL)
+        if not node.schedulable or pname == _NO_POOL or not _matches(node.labels, wanted):
+            continue
+        resource, gpus = node.gpus_of(spec.server.gpu_resource)
+        if node.gpus and not gpus:
+            continue
+        yield node, pname, untolerated(node.taints, server_tolerations(spec, resource, gpus > 0))
+
+
+def _shape(spec: InferenceServiceSpec, node: NodeInfo, pname: str | None) -> tuple:
+    """A node's shape key: (named pool, product, MiB per GPU, its source, GPU resource, GPUs, host-memory bucket)."""
+    resource, gpus = node.gpus_of(spec.server.gpu_resource)
+    mib, source = _memory(spec, node, gpus)
+    return (pname, node.gpu_product, mib, source, resource, gpus, round(node.memory_bytes / HOST_MEMORY_BUCKET))
+
+
+def _shape_name(key: tuple, node: NodeInfo) -> str:
+    """The pool name of a shape key (`node`, one of its members, names a shape GFD did not label)."""
+    pname, product, mib, source, resource, gpus, _ = key
+    shown = product if product != "unknown" else _inferred_product(node)
+    return pool_name(pname, product, gpus, mib, resource, source, shown)
 
 
 def _memory(spec: InferenceServiceSpec, node: NodeInfo, gpus: int) -> tuple[int, MemorySource | None]:

@@ -7,7 +7,8 @@ from typing import Any
 
 from warmfleet.operator.planning import children, engine_choice, objects, server_pool
 from warmfleet.operator.planning.admin_policy import AdminPolicy
-from warmfleet.operator.planning.nodes import NodeInfo, Pool, derive_pools
+from warmfleet.operator.planning.nodes import NodeInfo, Pool, Untolerated, derive_pools, untolerated_nodes
+from warmfleet.operator.planning.pool_fence import fence_cpu_pools
 from warmfleet.operator.planning.node_tier import size_pool
 from warmfleet.operator.planning.sizing import PoolSizing, assign_replicas
 from warmfleet.operator.spec.inference_service import (
@@ -29,6 +30,7 @@ class Plan:
     children: list[dict[str, Any]]
     engine: EngineKind  # every pool runs the service's engine
     engine_choice: engine_choice.EngineChoice | None = None  # who chose it and why (None: a plan made before the choice)
+    untolerated: tuple[Untolerated, ...] = ()  # nodes left out of the pools for taints the server pods do not tolerate
 
     @property
     def placed(self) -> int:
@@ -43,14 +45,14 @@ def make_plan(owner: objects.Owner, spec: InferenceServiceSpec, nodes: list[Node
     unless the caller did (`choice`: engine_choice.resolve, whose spec it passes)."""
     if choice is None:
         spec, choice = engine_choice.resolve(spec, nodes)
-    sized = [(pool, size_pool(spec, pool)) for pool in derive_pools(spec, nodes)]
+    sized = [(pool, size_pool(spec, pool)) for pool in fence_cpu_pools(spec, derive_pools(spec, nodes), nodes)]
     caps, floors = pool_limits(spec, sized)
     desired = spec.desired_replicas()
     split = assign_replicas(desired, caps, floors)
     desired = max(desired, sum(split))  # per-pool minima raise the total
     planned = [server_pool.PlannedPool(pool, sizing, n) for (pool, sizing), n in zip(sized, split)]
     return Plan(planned, desired, sum(caps), children.build_children(owner, spec, images, planned, policy), choice.kind,
-                choice)
+                choice, tuple(untolerated_nodes(spec, nodes)))
 
 
 def pool_limits(spec: InferenceServiceSpec, sized: list[tuple[Pool, PoolSizing]]) -> tuple[list[int], list[int]]:

@@ -24,6 +24,7 @@ from warmfleet.operator.planning.nodes import (
     INSTANCE_TYPE_LABEL,
     Pool,
     format_bytes,
+    gpu_tolerations,
 )
 from warmfleet.operator.planning.objects import (
     Owner,
@@ -91,7 +92,8 @@ def _server_pod_security(spec: InferenceServiceSpec) -> dict[str, Any]:
 
 
 def node_affinity(spec: InferenceServiceSpec, pool: Pool) -> dict[str, Any]:
-    """Required node affinity to the pool's shape: the service selector, the named pool, GPU labels."""
+    """Required node affinity to the pool's shape: the service selector, the named pool, GPU labels, and a CPU pool's
+    fence against GPU nodes without those labels."""
     wanted = {**server_node_selector(spec.node_selector, spec.server.pod), **dict(pool.selector)}
     exprs = [{"key": k, "operator": "In", "values": [v]} for k, v in sorted(wanted.items())]
     if pool.gpu_product == "unknown":
@@ -102,7 +104,11 @@ def node_affinity(spec: InferenceServiceSpec, pool: Pool) -> dict[str, Any]:
         exprs.append({"key": GPU_MEMORY_LABEL, "operator": "In", "values": [str(pool.gpu_memory_mib)]})
     if pool.instance_types:  # the memory came from the instance type: only nodes of those types have it
         exprs.append({"key": INSTANCE_TYPE_LABEL, "operator": "In", "values": list(pool.instance_types)})
-    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": exprs}]}}}
+    term: dict[str, list[dict[str, Any]]] = {"matchExpressions": exprs}
+    if pool.fence is not None:  # a CPU pool beside GPU nodes without GPU feature discovery's labels (pool_fence.py)
+        where, requirement = pool.fence.requirement()
+        term.setdefault(where, []).append(requirement)
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}}
 
 
 ENGINE_SIGTERM_DRAIN_S = 30  # what an engine gives in-flight requests after SIGTERM (warmfleet serve's default)
@@ -157,9 +163,9 @@ def server_deployment(owner: Owner, spec: InferenceServiceSpec, image: str, plan
                 "spec": {
                     "affinity": node_affinity(spec, pool),
                     "topologySpreadConstraints": spread_over_nodes(match),
-                    # a CPU-only replica (sizing.cpu_only) takes no GPU, so it tolerates no GPU node's taint either
-                    "tolerations": [] if cpu else [{"key": key, "operator": "Exists", "effect": "NoSchedule"}
-                                                   for key in dict.fromkeys((GPU_RESOURCE, pool.gpu_resource))],
+                    # a CPU-only replica (sizing.cpu_only) takes no GPU, so it tolerates no GPU node's taint either;
+                    # pools leave out nodes whose taints these (with spec.server.pod's) do not tolerate (nodes.py)
+                    "tolerations": gpu_tolerations(spec, pool.gpu_resource, pool.has_gpus),
                     "securityContext": _server_pod_security(spec),
                     # engines never call the API server: no token of the namespace's default ServiceAccount in the pod
                     "automountServiceAccountToken": False,

@@ -16,12 +16,13 @@ from warmfleet.operator.spec.schema import to_dict
 # ModelConfigUnavailable: passes/model_config.py; NodeTierReady: only while a pool has a node tier; the last three
 # (gateway mode only): gateway.py
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "InvalidSpec", "ModelConfigUnavailable", "EngineFit", "GPUMemoryKnown",
-                   "NodeTierReady", *GATEWAY_CONDITIONS)
+                   "TaintsTolerated", "NodeTierReady", *GATEWAY_CONDITIONS)
 # Conditions whose False is a warning about the pools (the service may still be Ready): a Warning Event when they turn
 # False with a new reason. EngineFit: the engine has no GPU attention backend on GPU pools, or a GPU engine meets
 # pools without GPUs (NoCPUBuild); GPUMemoryKnown: no
-# source gave a GPU pool's memory (nodes.py), so its encoder cache stays at the floor.
-POOL_WARNING_CONDITIONS = ("EngineFit", "GPUMemoryKnown")
+# source gave a GPU pool's memory (nodes.py), so its encoder cache stays at the floor; TaintsTolerated: nodes left out of
+# the pools for taints the server pods do not tolerate (nodes.untolerated_nodes).
+POOL_WARNING_CONDITIONS = ("EngineFit", "GPUMemoryKnown", "TaintsTolerated")
 # Ready=False reasons that are progress, not a problem: every other Ready=False reason (a pod problem,
 # NoMatchingNodes, InsufficientCapacity) is worth a Warning Event when it appears.
 PROGRESS_READY_REASONS = frozenset({STARTING, "NotReady"})
@@ -136,7 +137,7 @@ def _capacity_conditions(plan: Plan, ready: int) -> list[Condition]:
     """Degraded (no matching node, too little capacity) and Progressing (replicas still starting)."""
     unfit = [p for p in plan.pools if not p.sizing.fits]
     if not plan.pools:
-        degraded = _cond("Degraded", True, "NoMatchingNodes", "no Ready, schedulable node matches the node selector")
+        degraded = _cond("Degraded", True, "NoMatchingNodes", no_matching_nodes_message(plan))
     elif plan.capacity < plan.desired:
         detail = "; ".join(f"{p.pool.name}: {p.sizing.message}" for p in unfit)
         msg = f"{plan.desired} replicas wanted, the pools can host {plan.capacity}" + (f" ({detail})" if detail else "")
@@ -169,7 +170,39 @@ def pool_conditions(plan: Plan) -> list[Condition]:
     else:
         out.append(_cond("GPUMemoryKnown", True, "GPUMemoryFound", "every GPU pool's memory per GPU is known "
                                                                    "(status.pools[].inputs.sources.gpuMemory)"))
+    if plan.untolerated:
+        out.append(_cond("TaintsTolerated", False, "UntoleratedTaints", untolerated_message(plan)))
+    else:
+        out.append(_cond("TaintsTolerated", True, "AllTaintsTolerated", "the server pods tolerate the taints of every "
+                                                                        "Ready node that matches the selectors"))
     return out
+
+
+def untolerated_message(plan: Plan, shown: int = 5) -> str:
+    """Which nodes each pool lost to taints the server pods do not tolerate (at most `shown` names a pool), whether
+    that was every node of the pool, and the fix (condition, Event and `warmfleet operator render`)."""
+    by_pool: dict[str, list[Any]] = {}
+    for u in plan.untolerated:
+        by_pool.setdefault(u.pool, []).append(u)
+    planned = {p.pool.name for p in plan.pools}
+    parts = []
+    for pool, items in sorted(by_pool.items()):
+        names = [u.node for u in items]
+        listed = ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+        taints = ", ".join(sorted({str(t) for u in items for t in u.taints}))
+        whole = "" if pool in planned else "; no node of the pool is left, it hosts no replica"
+        parts.append(f"pool {pool}: {len(names)} {'node' if len(names) == 1 else 'nodes'} ({listed}) tainted {taints}{whole}")
+    return ("the server pods do not tolerate these nodes' taints, so no replica is placed there: " + "; ".join(parts)
+            + ". Tolerate the taint in spec.server.pod.tolerations (docs/pod-overlays.md), or keep the service off "
+              "those nodes with spec.nodeSelector")
+
+
+def no_matching_nodes_message(plan: Plan) -> str:
+    """Why no pool formed: no node matches, or those that do carry taints the server pods do not tolerate."""
+    if plan.untolerated:
+        return ("no Ready, schedulable node matches the node selector whose taints the server pods tolerate "
+                "(TaintsTolerated names the others)")
+    return "no Ready, schedulable node matches the node selector"
 
 
 def with_tier_pods(pool: Any, node_tiers: dict[str, tuple[int, int]] | None) -> Any:
@@ -220,7 +253,7 @@ def _ready_condition(plan: Plan, ready: int, routers: str, routing: bool, missin
     elif diag.problem:
         reason, message = str(diag.reason), f"{diag.message}; {counted}"
     elif not plan.pools:
-        reason, message = "NoMatchingNodes", f"no Ready, schedulable node matches the node selector; {counted}"
+        reason, message = "NoMatchingNodes", f"{no_matching_nodes_message(plan)}; {counted}"
     elif plan.capacity < plan.desired and ready >= plan.placed:
         reason, message = "InsufficientCapacity", f"{plan.desired} replicas wanted, the pools can host {plan.capacity}; {counted}"
     elif diag.reason == STARTING:

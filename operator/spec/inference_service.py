@@ -561,7 +561,8 @@ class Condition:
     """A standard Kubernetes condition."""
 
     type: Literal["Ready", "Progressing", "Degraded", "InvalidSpec", "ModelConfigUnavailable", "EngineFit", "GPUMemoryKnown",
-                  "NodeTierReady", "InferencePoolReady", "EndpointPickerReady", "HTTPRouteReady"] = prop(doc="Condition type.")
+                  "TaintsTolerated", "NodeTierReady", "InferencePoolReady", "EndpointPickerReady",
+                  "HTTPRouteReady"] = prop(doc="Condition type.")
     status: Literal["True", "False", "Unknown"] = prop(doc="Condition status.")
     reason: str = prop(doc="CamelCase reason.")
     message: str = prop("", doc="Human-readable detail.")

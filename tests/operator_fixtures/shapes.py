@@ -10,8 +10,9 @@ TiB = 1 << 40
 
 def node(name: str, *, product: str | None = None, gpu_mib: int | None = None, gpus: int = 0,
          memory: int = 64 * GiB, ready: bool = True, cordoned: bool = False,
-         labels: dict[str, str] | None = None) -> dict[str, Any]:
-    """A Node dict with allocatable GPUs and memory (memory in bytes, written in Ki like kubelet)."""
+         labels: dict[str, str] | None = None, taints: list[dict[str, str]] | None = None,
+         resource: str = "nvidia.com/gpu") -> dict[str, Any]:
+    """A Node dict with allocatable GPUs (of `resource`) and memory (memory in bytes, written in Ki like kubelet)."""
     lab = dict(labels or {})
     if product:
         lab["nvidia.com/gpu.product"] = product
@@ -19,14 +20,16 @@ def node(name: str, *, product: str | None = None, gpu_mib: int | None = None, g
         lab["nvidia.com/gpu.memory"] = str(gpu_mib)
     alloc = {"cpu": "64", "memory": f"{memory // 1024}Ki"}
     if gpus:
-        alloc["nvidia.com/gpu"] = str(gpus)
+        alloc[resource] = str(gpus)
     body: dict[str, Any] = {
         "apiVersion": "v1", "kind": "Node",
         "metadata": {"name": name, "labels": lab, "resourceVersion": "1", "uid": f"uid-{name}"},
         "status": {"allocatable": alloc, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
     }
     if cordoned:
-        body["spec"] = {"unschedulable": True}
+        body.setdefault("spec", {})["unschedulable"] = True
+    if taints:
+        body.setdefault("spec", {})["taints"] = [dict(t) for t in taints]
     return body
 
 
