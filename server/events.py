@@ -273,7 +273,12 @@ class EventPublisher:
         self._auth = None
         self._sock = self._ctx.socket(zmq.XPUB)
         if curve_secret_key_file is not None:
-            self._auth = _curve_server(self._ctx, self._sock, curve_secret_key_file, curve_clients_dir)
+            try:
+                self._auth = _curve_server(self._ctx, self._sock, curve_secret_key_file, curve_clients_dir)
+            except ValueError:  # a bad key file: nothing left open behind the error
+                self._sock.close(0)
+                self._ctx.term()
+                raise
         self._sock.setsockopt(zmq.SNDHWM, KV_EVENTS_SNDHWM)
         self._sock.setsockopt(zmq.XPUB_NODROP, 1)  # a full subscriber queue shows as EAGAIN, so it is counted
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -331,18 +336,48 @@ class EventPublisher:
 
 def _curve_server(ctx, sock, secret_key_file: str, clients_dir: Optional[str]):
     """Make `sock` a CURVE server with the key pair in `secret_key_file`; a ZAP authenticator admits only the
-    clients whose public-key certificates are in `clients_dir`. Returns the running authenticator."""
+    clients whose public-key certificates are in `clients_dir`. Returns the running authenticator. A missing or
+    malformed file or directory is a ValueError naming the flag, raised before anything starts."""
     import zmq
     import zmq.auth
     from zmq.auth.thread import ThreadAuthenticator
 
     if not zmq.has("curve"):
         raise ValueError("--kv-events-curve-secret-key: this libzmq was built without CURVE (libsodium)")
-    public, secret = zmq.auth.load_certificate(secret_key_file)
-    if secret is None:
+    public, secret = _load_curve_certificate(secret_key_file)
+    if secret is None or not _z85_key(secret):
         raise ValueError(f"--kv-events-curve-secret-key {secret_key_file}: the file holds no secret key")
+    try:
+        clients = zmq.auth.load_certificates(clients_dir) if clients_dir is not None else {}
+    except (OSError, ValueError) as exc:  # not a directory, or a certificate in it without a public key
+        raise ValueError(f"--kv-events-curve-clients {clients_dir}: {exc}") from None
+    if not all(_z85_key(k) for k in clients):
+        raise ValueError(f"--kv-events-curve-clients {clients_dir}: a certificate holds a malformed public key")
     auth = ThreadAuthenticator(ctx)
     auth.start()
     auth.configure_curve(domain="*", location=clients_dir)
     sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
     return auth
+
+
+def _load_curve_certificate(path: str) -> tuple[bytes, Optional[bytes]]:
+    """(public, secret or None) of a zmq.auth certificate file; ValueError naming the flag when it is unreadable."""
+    import zmq.auth
+
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:  # missing, unreadable, or without a public key
+        raise ValueError(f"--kv-events-curve-secret-key {path}: {exc}") from None
+    if not _z85_key(public):
+        raise ValueError(f"--kv-events-curve-secret-key {path}: the public key is not a 40-character Z85 key")
+    return public, secret
+
+
+def _z85_key(key: bytes) -> bool:
+    """A CURVE key as certificates hold it: 40 Z85 characters (32 bytes)."""
+    from zmq.utils import z85
+
+    try:
+        return len(key) == 40 and len(z85.decode(key)) == 32
+    except (ValueError, KeyError, TypeError):
+        return False

@@ -160,12 +160,13 @@ class Replica(Proc):
 class NodeTier(Proc):
     """`warmfleet node-tier` on loopback: the replicas' --node-tier address and the router's --node-tier-events."""
 
-    def __init__(self, cwd: Path, node_name: str = "node-a", capacity_bytes: int = 256 << 20):
+    def __init__(self, cwd: Path, node_name: str = "node-a", capacity_bytes: int = 256 << 20,
+                 extra: tuple[str, ...] = ()):
         self.port, self.events_port, self.node_name = free_port(), free_port(), node_name
         super().__init__(f"node-tier-{node_name}", ["node-tier", "--capacity-bytes", str(capacity_bytes), "--host",
                                                     "127.0.0.1", "--port", str(self.port), "--events-port",
                                                     str(self.events_port), "--node-name", node_name,
-                                                    "--log-level", "warning"], cwd)
+                                                    "--log-level", "warning", *extra], cwd)
 
     @property
     def address(self) -> str:

@@ -11,7 +11,9 @@ A connection may open with {op: "hello", holder} naming the replica behind it (t
 replica holds in its primary pool; they end when its last connection closes). With WARMFLEET_NODE_TIER_TOKEN set,
 a connection must open with {op: "hello", token, holder?} (the token compared in constant time) or it is closed; that first frame may be at most HELLO_MAX_BYTES and must arrive within HELLO_TIMEOUT_S, so a peer
 without the token can make the tier hold neither a large frame nor an idle connection. The events port has no
-token: its NetworkPolicy (operator) keeps it to the service's routers and pickers.
+token; with --kv-events-curve-secret-key and --kv-events-curve-clients (the replicas' flags, same meaning) it is a ZMQ
+CURVE server that admits only the listed subscribers' keys, encrypted; either way its NetworkPolicy (operator) keeps
+it to the service's routers and pickers.
 """
 
 from __future__ import annotations
@@ -219,6 +221,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--events-port", type=int, default=5560, help="ZMQ PUB port of its KV events (contract 2).")
     p.add_argument("--node-name", required=True, help="The node's name (downward API spec.nodeName); the events' "
                    "topic is node:<NAME>.")
+    p.add_argument("--kv-events-curve-secret-key", metavar="FILE", help="ZMQ certificate file with the tier's CURVE "
+                   "key pair (zmq.auth.create_certificates writes one; the operator gives it the replicas' pair): the "
+                   "events socket is then encrypted and admits only the clients of --kv-events-curve-clients. Give both.")
+    p.add_argument("--kv-events-curve-clients", metavar="DIR", help="Directory of the public-key certificates of the "
+                   "subscribers (routers, pickers) allowed on the events socket (with --kv-events-curve-secret-key).")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -233,20 +240,27 @@ def run(args: argparse.Namespace) -> int:
     for flag, port in (("--port", args.port), ("--events-port", args.events_port)):
         if not 0 < port < 65536:
             raise ValueError(f"{flag} must be a TCP port (1-65535), got {port}")
+    curve = (args.kv_events_curve_secret_key, args.kv_events_curve_clients)
+    if (curve[0] is None) != (curve[1] is None):
+        raise ValueError("--kv-events-curve-secret-key and --kv-events-curve-clients go together")
     asyncio.run(serve(args.capacity_bytes, args.host, args.port, args.events_port, args.node_name,
-                      os.environ.get(TOKEN_ENV) or None))
+                      os.environ.get(TOKEN_ENV) or None, curve if curve[0] is not None else None))
     return 0
 
 
 async def serve(capacity_bytes: int, host: str, port: int, events_port: int, node_name: str,
-                token: Optional[str] = None) -> None:
+                token: Optional[str] = None, curve: Optional[tuple[str, str]] = None) -> None:
+    """Serve until cancelled; `curve`: (secret-key file, clients directory) of a CURVE events socket, None: plain."""
     bind = f"[{host}]" if ":" in host else host
-    publisher = EventPublisher(NODE_TOPIC_PREFIX + node_name, f"tcp://{bind}:{events_port}", verbose=True)
+    publisher = EventPublisher(NODE_TOPIC_PREFIX + node_name, f"tcp://{bind}:{events_port}", verbose=True,
+                               curve_secret_key_file=curve[0] if curve else None,
+                               curve_clients_dir=curve[1] if curve else None)
     node = NodeServer(NodeStore(capacity_bytes), publisher, token)
     publisher.publish([AllBlocksCleared()])  # it starts empty: seq 1 says so to anyone already listening
     server = await asyncio.start_server(node.serve_connection, host, port, limit=1 << 20)
     log.info("node tier up", extra={"fields": {"node": node_name, "port": port, "events_port": events_port,
-                                                  "capacity_bytes": capacity_bytes, "token": token is not None}})
+                                                  "capacity_bytes": capacity_bytes, "token": token is not None,
+                                                  "events_curve": curve is not None}})
     try:
         async with server:
             while True:

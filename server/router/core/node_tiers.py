@@ -8,7 +8,8 @@ subscription, and addresses that stop resolving are dropped with what they publi
 snapshot: on every (re)connect it publishes its whole state (a batch led by AllBlocksCleared, which the index takes
 as a snapshot: `apply_batch(self_syncing=True)`); after a gap the feed asks again by subscribing to a fresh
 NODE_STATE_TOPIC topic. A disconnect purges what that address published (the tier may come back empty; it says so
-with AllBlocksCleared when it does).
+with AllBlocksCleared when it does). With the router's CURVE keys (--kv-events-curve-*, the ones it uses for replicas)
+every feed is a CURVE client: a node tier runs with the replicas' key pair, so one server key covers both.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import zmq
 from ...events import NODE_STATE_TOPIC, NODE_TOPIC_PREFIX, EventBatch, decode
 from .index import Applied, KVIndex
 from .settings import parse_node_tier_events
-from .subscriber import pump
+from .subscriber import CurveKeys, pump
 
 log = logging.getLogger(__name__)
 RESOLVE_S = 10.0  # how often the names are resolved again
@@ -38,10 +39,11 @@ def node_key(node_name: str) -> str:
 
 
 class NodeFeed:
-    """One node tier's address: a SUB socket read from the loop's reader callback (as subscriber.py does)."""
+    """One node tier's address: a SUB socket read from the loop's reader callback (as subscriber.py does); a CURVE
+    client when `curve` is given."""
 
-    def __init__(self, endpoint: str, index: KVIndex):
-        self.endpoint, self.index = endpoint, index
+    def __init__(self, endpoint: str, index: KVIndex, curve: Optional[CurveKeys] = None):
+        self.endpoint, self.index, self.curve = endpoint, index, curve
         self.keys: set[str] = set()  # topics seen on this address (one node tier: one)
         self.connected = False
         self.bad_batches = 0
@@ -81,6 +83,8 @@ class NodeFeed:
         sock.setsockopt(zmq.RCVHWM, 100_000)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        if self.curve is not None:
+            self.curve.apply(sock)
         sock.setsockopt(zmq.SUBSCRIBE, NODE_TOPIC_PREFIX.encode())
         monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sock.connect(self.endpoint)
@@ -98,11 +102,13 @@ class NodeFeed:
 
 
 class NodeTiers:
-    """Every node tier the flags name, followed; `key_of(replica)` pairs a replica with its node's tier."""
+    """Every node tier the flags name, followed (over CURVE with `curve`); `key_of(replica)` pairs a replica with its
+    node's tier."""
 
-    def __init__(self, addresses: list[str], index: KVIndex, resolve_s: float = RESOLVE_S):
+    def __init__(self, addresses: list[str], index: KVIndex, resolve_s: float = RESOLVE_S,
+                 curve: Optional[CurveKeys] = None):
         self.addresses = [parse_node_tier_events(a) for a in addresses]
-        self.index, self.resolve_s = index, resolve_s
+        self.index, self.resolve_s, self.curve = index, resolve_s, curve
         self.feeds: dict[str, NodeFeed] = {}
         self._tasks: dict[str, asyncio.Task] = {}
 
@@ -131,7 +137,7 @@ class NodeTiers:
                 self.feeds.pop(ep, None)
                 log.info("node tier %s left", ep)
         for ep in endpoints - set(self._tasks):
-            self.feeds[ep] = NodeFeed(ep, self.index)
+            self.feeds[ep] = NodeFeed(ep, self.index, self.curve)
             self._tasks[ep] = asyncio.create_task(self.feeds[ep].run())
             log.info("following node tier %s", ep)
 

@@ -102,7 +102,7 @@ async def running(rt: RouterRuntime, metrics: RouterMetrics,
     if settings.node_tier_events:
         from .node_tiers import NodeTiers
 
-        nodes = fleet.node_tiers = NodeTiers(settings.node_tier_events, fleet.index)
+        nodes = fleet.node_tiers = NodeTiers(settings.node_tier_events, fleet.index, curve=rt.event_curve)
     router = Router(fleet, rt.renderer, rt.hash_cfg, metrics, settings.policy, settings.proxy.cold_key_blocks)
     router.peers = peers
     await fleet.set_members(rt.replicas)

@@ -209,13 +209,14 @@ class RouterSettings:
         "--media-url-ttl-s", "Seconds after which a learned image URL is forgotten (the object behind it may have "
         "changed; a stale entry only costs a predicted hit, never a wrong one)."))
     kv_events_curve_server_key: Optional[str] = field(default=None, metadata=opt(  # the replicas' public key
-        "--kv-events-curve-server-key", "Subscribe to the replicas' KV events over ZMQ CURVE: a certificate file "
-        "(zmq.auth's format) holding the public key of the replicas' --kv-events-curve-secret-key (one key for the "
-        "fleet). Needs --kv-events-curve-secret-key.", metavar="FILE"))
+        "--kv-events-curve-server-key", "Subscribe to the replicas' KV events (and the node tiers' of "
+        "--node-tier-events) over ZMQ CURVE: a certificate file (zmq.auth's format) holding the public key of the "
+        "replicas' --kv-events-curve-secret-key (one key for the fleet; node tiers run with the same pair). Needs "
+        "--kv-events-curve-secret-key.", metavar="FILE"))
     kv_events_curve_secret_key: Optional[str] = field(default=None, metadata=opt(  # this router's key pair
         "--kv-events-curve-secret-key", "This router's CURVE key pair (a secret certificate file as "
-        "zmq.auth.create_certificates writes it); its public key must be in the replicas' --kv-events-curve-clients "
-        "directory.", metavar="FILE"))
+        "zmq.auth.create_certificates writes it); its public key must be in the replicas' (and node tiers') "
+        "--kv-events-curve-clients directory.", metavar="FILE"))
     discover_service: Optional[str] = field(default=None, metadata=opt(
         "--discover-service", "Watch the EndpointSlices of this Service for replicas (Ready endpoints only).",
         metavar="NAMESPACE/NAME"))
