@@ -347,3 +347,35 @@ def test_a_vllm_or_fastdeploy_pool_keeps_its_per_replica_cpu_tier_and_status_and
                  if d["metadata"]["labels"]["app.kubernetes.io/component"] == "server"]
     args = server["spec"]["template"]["spec"]["containers"][0]["args"]
     assert all(f in args for f in flags)  # the tier the message names is the one rendered
+
+
+def test_with_kv_events_curve_the_tier_publishes_with_the_replicas_key_pair_and_off_renders_as_before():
+    """spec.router.kvEventsCurve: the tier's DaemonSet mounts the server pods' half of NAME-kv-curve and takes the
+    replicas' flags (parsed by `warmfleet node-tier`'s own parser), so the routers' one server key covers it; without
+    kvEventsCurve the DaemonSet is what it was."""
+    import argparse
+
+    from warmfleet.server.nodetier import server as node_server
+
+    def tier_and_server(body: dict) -> tuple[dict, dict]:
+        objs = render(body, [node_info(l4())], IMAGES)
+        (ds,) = of(objs, "DaemonSet")
+        (dep,) = [d for d in of(objs, "Deployment") if d["metadata"]["labels"]["app.kubernetes.io/component"] == "server"]
+        return ds["spec"]["template"]["spec"], dep["spec"]["template"]["spec"]
+
+    pod, server_pod = tier_and_server(svc({"mode": "Auto"}, router={"kvEventsCurve": True}))
+    (c,) = pod["containers"]
+    parser = argparse.ArgumentParser()
+    node_server.add_arguments(parser)
+    got = parser.parse_args(c["args"][1:])
+    assert got.kv_events_curve_secret_key == "/etc/warmfleet/kv-curve/replica.key_secret"
+    assert got.kv_events_curve_clients == "/etc/warmfleet/kv-curve/clients"
+    volume = next(v for v in pod["volumes"] if v["name"] == "kv-curve")
+    assert volume == next(v for v in server_pod["volumes"] if v["name"] == "kv-curve")  # the same Secret, same items
+    assert volume["secret"]["secretName"] == "qwen-kv-curve"
+    assert {i["path"] for i in volume["secret"]["items"]} == {"replica.key_secret", "clients/router.key"}  # no router secret
+    assert {"name": "kv-curve", "mountPath": "/etc/warmfleet/kv-curve", "readOnly": True} in c["volumeMounts"]
+    server_args = server_container({"spec": {"template": {"spec": server_pod}}})["args"]
+    assert flag(server_args, "--kv-events-curve-secret-key") == got.kv_events_curve_secret_key
+    plain, _ = tier_and_server(svc({"mode": "Auto"}))
+    assert "kv-curve" not in json.dumps(plain) and plain["containers"][0]["args"][-2:] == ["--node-name", "$(NODE_NAME)"]

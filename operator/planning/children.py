@@ -79,6 +79,6 @@ def build_children(owner: Owner, spec: InferenceServiceSpec, images: Images, pla
              [router_pdb(owner), router_deployment(owner, spec, images.router), router_service(owner, spec),
               router_peers_service(owner)])
     objs = with_client_keys(owner, spec, objs)  # spec.router.keysSecret: the replicas check client keys too
-    objs = with_kv_curve(owner, spec, objs)  # spec.router.kvEventsCurve: KV events over CURVE
     # spec.cache.nodeTier: its DaemonSets, Services and NetworkPolicy; server, router and picker pods pointed at it
-    return node_tier_children(owner, plan, images.router, spec.server.image_pull_policy, objs)
+    objs = node_tier_children(owner, plan, images.router, spec.server.image_pull_policy, objs)
+    return with_kv_curve(owner, spec, objs)  # spec.router.kvEventsCurve: KV events (replicas', node tiers') over CURVE

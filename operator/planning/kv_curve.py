@@ -3,11 +3,13 @@
 passes/kv_curve_secret.py creates the Secret once; this module says what it holds and what each pod mounts:
 
     Secret NAME-kv-curve: replica.key_secret, replica.key (public), router.key_secret, router.key (public)
-    server pods: --kv-events-curve-secret-key .../replica.key_secret --kv-events-curve-clients .../clients (router.key)
+    server, node-tier pods: --kv-events-curve-secret-key .../replica.key_secret --kv-events-curve-clients .../clients
     router, picker pods: --kv-events-curve-server-key .../replica.key --kv-events-curve-secret-key .../router.key_secret
 
 One key pair for every replica of the service and one for every router and picker: each side admits exactly the
-other's public key. The certificate files are in zmq.auth's format (what zmq.auth.load_certificate reads).
+other's public key (the clients directory holds router.key). The service's node tiers (spec.cache.nodeTier:
+`warmfleet node-tier`, the same two flags) publish with the replicas' pair, so a router's one server key covers
+replicas and node tiers alike. The certificate files are in zmq.auth's format (what zmq.auth.load_certificate reads).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Optional
 
+from warmfleet.operator.planning.node_tier_objects import COMPONENT as NODE_TIER  # its label and container name
 from warmfleet.operator.planning.objects import Owner, k8s_name, meta
 from warmfleet.operator.spec.constants import COMPONENT_LABEL
 from warmfleet.operator.spec.inference_service import InferenceServiceSpec
@@ -54,7 +57,8 @@ def _volume(owner: Owner, items: list[tuple[str, str]]) -> dict[str, Any]:
 
 
 def _server_side(owner: Owner) -> tuple[list[str], dict[str, Any]]:
-    """The replicas' flags and volume: their own key pair, the routers' public key as the one allowed client."""
+    """The replicas' (and node tiers') flags and volume: their own key pair, the routers' public key as the one
+    allowed client."""
     args = [flag_of(ServerConfig, "kv_events_curve_secret_key"), f"{CURVE_MOUNT}/{REPLICA}.key_secret",
             flag_of(ServerConfig, "kv_events_curve_clients"), f"{CURVE_MOUNT}/clients"]
     return args, _volume(owner, [(f"{REPLICA}.key_secret", f"{REPLICA}.key_secret"),
@@ -70,22 +74,24 @@ def _front_door_side(owner: Owner) -> tuple[list[str], dict[str, Any]]:
 
 
 def with_kv_curve(owner: Owner, spec: InferenceServiceSpec, objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Copies of `objs` whose server, router and picker containers mount their half of the CURVE Secret and take the
-    matching flags; `objs` unchanged unless spec.router.kvEventsCurve (check_spec refuses it for other engines)."""
+    """Copies of `objs` whose server, router and picker Deployments' and node-tier DaemonSets' containers mount their
+    half of the CURVE Secret and take the matching flags; `objs` unchanged unless spec.router.kvEventsCurve
+    (check_spec refuses it for other engines)."""
     if not spec.router.kv_events_curve:
         return objs
-    sides = {"server": _server_side(owner), "router": _front_door_side(owner), "epp": _front_door_side(owner)}
+    sides = {("Deployment", "server"): _server_side(owner), ("Deployment", "router"): _front_door_side(owner),
+             ("Deployment", "epp"): _front_door_side(owner), ("DaemonSet", NODE_TIER): _server_side(owner)}
     mount = {"name": CURVE_VOLUME, "mountPath": CURVE_MOUNT, "readOnly": True}
     out = []
     for obj in objs:
         component = (obj.get("spec", {}).get("template", {}).get("metadata", {}).get("labels") or {}).get(COMPONENT_LABEL)
-        if obj.get("kind") != "Deployment" or component not in sides:
+        if (obj.get("kind"), component) not in sides:
             out.append(obj)
             continue
         obj = copy.deepcopy(obj)
         pod = obj["spec"]["template"]["spec"]
         c = next(c for c in pod["containers"] if c["name"] == component)
-        args, volume = sides[component]
+        args, volume = sides[obj["kind"], component]
         c["args"] = [*c["args"], *args]
         c["volumeMounts"] = [*c.get("volumeMounts", []), mount]
         pod["volumes"] = [*pod.get("volumes", []), volume]
