@@ -399,7 +399,8 @@ class RouterSpec:
         False, doc=("Authenticate and encrypt the replicas' KV-event sockets with ZMQ CURVE (engine warmfleet only): the "
                     "operator generates the replicas' and the routers' (pickers') key pairs once into the Secret "
                     "NAME-kv-curve (never rotated by a reconcile: delete it to rotate) and passes them as "
-                    "--kv-events-curve-*; a pod without the routers' key gets no event, whatever the network allows."),
+                    "--kv-events-curve-*; the node tiers (cache.nodeTier) publish with the replicas' pair; a pod "
+                    "without the routers' key gets no event, whatever the network allows."),
     )
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = prop("ClusterIP", doc="Type of the router Service.")
     port: int = prop(8000, doc="Port of the router Service (the endpoint URL's port; proxy mode).", minimum=1, maximum=65535)
