@@ -168,17 +168,13 @@ def render_cmd(args: argparse.Namespace) -> int:
     """Print the children of every InferenceService in -f, sized for the nodes in --nodes, then its status.
 
     The last document per service is the InferenceService with the status the operator would
-    write before any pod is ready. Warnings go to stderr; with --strict they make the exit code 1.
+    write before any pod is ready, under a comment listing the Secrets the operator generates for it
+    (generated_secrets.py: never manifests, no key material; with -o json the list goes to stderr).
+    Warnings go to stderr; with --strict they make the exit code 1.
     """
-    from warmfleet.operator.passes import model_config as mc
-    from warmfleet.operator.passes.reconcile import owned, plan_for, utcnow
-    from warmfleet.operator.planning import gateway, objects
     from warmfleet.operator.planning.admin_policy import policy_from_env
     from warmfleet.operator.planning.nodes import node_info
-    from warmfleet.operator.planning.service_status import healthy_status
     from warmfleet.operator.spec.constants import KIND
-    from warmfleet.operator.spec.inference_service import served_name
-    from warmfleet.operator.spec.schema import SpecError
 
     nodes = [node_info(n) for n in load_docs(args.nodes) if n.get("kind", "Node") == "Node"]
     policy = policy_from_env(os.environ)  # the admin's policy, as the operator reads it (WARMFLEET_HOST_PATH_PREFIXES, ...)
@@ -186,44 +182,64 @@ def render_cmd(args: argparse.Namespace) -> int:
     if not services:
         raise ValueError(f"{args.filename} holds no {KIND}")
     objs: list[dict[str, Any]] = []
+    comments: list[str] = []
     warned = 0
     for svc in services:
-        body = dict(svc)
-        meta = body["metadata"] = {"namespace": "default", "uid": "00000000-0000-0000-0000-000000000000",
-                                   **(svc.get("metadata") or {})}
-        name = meta.get("name")
-        learned = mc.learn_now(body)  # config.json of an hf:// or s3:// source, with this machine's credentials
-        try:
-            owner, spec, plan = plan_for(body, nodes, default_images(args), learned, policy)
-        except SpecError as exc:  # one readable line naming the object (the CLI prints it, exit 2)
-            raise SpecError(exc.path, f"{exc.message} ({KIND} {name})") from None
-        objs += owned(plan.children, body)
-        if learned is not None and learned.error:
-            print(f"warmfleet operator render: warning: {KIND} {meta['namespace']}/{name}: config.json: {learned.error}",
-                  file=sys.stderr)
-            warned += 1
-        for w in render_warnings(plan):
-            print(f"warmfleet operator render: warning: {KIND} {meta['namespace']}/{name}: {w}", file=sys.stderr)
-            warned += 1
-        # gateway mode: as on a cluster serving the GIE (and Gateway API) CRDs, before the Gateway has an address
-        gw = (gateway.gateway_state(owner, spec, {}, pool_served=True, route_served=True, gateway_obj=None)
-              if spec.router.mode == "gateway" else None)
-        status = healthy_status(plan=plan, generation=meta.get("generation"), model=served_name(spec, owner.name),
-                                endpoint=gw.endpoint if gw is not None else objects.endpoint_url(owner, spec),
-                                selector=objects.selector_string(owner), ready_by_pool={}, router_ready=0, previous={},
-                                now=utcnow(), gateway=gw)
-        status = mc.with_model_config(status, body, learned, utcnow(), meta.get("generation"))
-        objs.append({**{k: v for k, v in svc.items() if k != "status"}, "status": status})
-    sys.stdout.write(dump(objs, args.output))
+        children, status_doc, notes, secrets = render_service(args, svc, nodes, policy)
+        for note in notes:
+            print(f"warmfleet operator render: warning: {note}", file=sys.stderr)
+        warned += len(notes)
+        if secrets and args.output == "json":  # a JSON List has no comments
+            sys.stderr.write(secrets)
+        objs += [*children, status_doc]
+        comments += [""] * len(children) + [secrets]
+    sys.stdout.write(dump(objs, args.output, comments))
     return 1 if warned and args.strict else 0
 
 
-def dump(objs: Iterable[dict[str, Any]], fmt: str = "yaml") -> str:
-    """Objects as YAML documents or a JSON List."""
+def render_service(args: argparse.Namespace, svc: dict[str, Any], nodes: list[Any], policy: Any,
+                   ) -> tuple[list[dict[str, Any]], dict[str, Any], list[str], str]:
+    """One InferenceService of `warmfleet operator render`: (its children, the service with the status the operator
+    would write, warnings naming it, the comment listing the Secrets the operator generates for it)."""
+    from warmfleet.operator.passes import model_config as mc
+    from warmfleet.operator.passes.reconcile import owned, plan_for, utcnow
+    from warmfleet.operator.planning import gateway, objects
+    from warmfleet.operator.planning.generated_secrets import generated_secrets, secrets_comment
+    from warmfleet.operator.planning.service_status import healthy_status
+    from warmfleet.operator.spec.constants import KIND
+    from warmfleet.operator.spec.inference_service import served_name
+    from warmfleet.operator.spec.schema import SpecError
+
+    body = dict(svc)
+    meta = body["metadata"] = {"namespace": "default", "uid": "00000000-0000-0000-0000-000000000000",
+                               **(svc.get("metadata") or {})}
+    name = meta.get("name")
+    learned = mc.learn_now(body)  # config.json of an hf:// or s3:// source, with this machine's credentials
+    try:
+        owner, spec, plan = plan_for(body, nodes, default_images(args), learned, policy)
+    except SpecError as exc:  # one readable line naming the object (the CLI prints it, exit 2)
+        raise SpecError(exc.path, f"{exc.message} ({KIND} {name})") from None
+    notes = [f"config.json: {learned.error}"] if learned is not None and learned.error else []
+    notes = [f"{KIND} {meta['namespace']}/{name}: {w}" for w in notes + render_warnings(plan)]
+    # gateway mode: as on a cluster serving the GIE (and Gateway API) CRDs, before the Gateway has an address
+    gw = (gateway.gateway_state(owner, spec, {}, pool_served=True, route_served=True, gateway_obj=None)
+          if spec.router.mode == "gateway" else None)
+    status = healthy_status(plan=plan, generation=meta.get("generation"), model=served_name(spec, owner.name),
+                            endpoint=gw.endpoint if gw is not None else objects.endpoint_url(owner, spec),
+                            selector=objects.selector_string(owner), ready_by_pool={}, router_ready=0, previous={},
+                            now=utcnow(), gateway=gw)
+    status = mc.with_model_config(status, body, learned, utcnow(), meta.get("generation"))
+    return (owned(plan.children, body), {**{k: v for k, v in svc.items() if k != "status"}, "status": status}, notes,
+            secrets_comment(owner, generated_secrets(owner, spec, plan.pools)))
+
+
+def dump(objs: Iterable[dict[str, Any]], fmt: str = "yaml", comments: list[str] | None = None) -> str:
+    """Objects as YAML documents, each under its comment (`comments`, parallel to `objs`), or a JSON List."""
     objs = list(objs)
     if fmt == "json":
         return json.dumps({"apiVersion": "v1", "kind": "List", "items": objs}, indent=2) + "\n"
-    return "".join("---\n" + yaml.dump(o, Dumper=_Dumper, sort_keys=False, width=120) for o in objs)
+    comments = comments or [""] * len(objs)
+    return "".join("---\n" + c + yaml.dump(o, Dumper=_Dumper, sort_keys=False, width=120) for o, c in zip(objs, comments))
 
 
 class _Dumper(yaml.SafeDumper):
