@@ -5,7 +5,7 @@ of a block already in its primary pool (policy.priced_copy_weight). Each figure 
 
     copy of one block       --node-tier-copy-s-per-block, else the median over the member replicas that measured
                             it (their Load events' `node_copy_s_per_block`: their node-tier client's get time per
-                            entry served, sent once they have loaded one; server/events.py)
+                            KV block served, sent once they have loaded one; server/events.py)
     prefill of one token    --prefill-s-per-token, else the router's fitted TTFT slope per prefill token
                             (ttft.TtftModels.prefill_s_per_token, fitted from streamed first tokens)
 
