@@ -36,7 +36,9 @@ from warmfleet.server.engine.block_pool import BlockPool
 from warmfleet.server.events import CPU, GPU, NODE_TOPIC_PREFIX, AllBlocksCleared, EventPublisher
 from warmfleet.server.hashing import BlockHash
 from warmfleet.server.nodetier.store import ENTRY_OVERHEAD, NodeStore
-from warmfleet.server.nodetier.wire import KV
+from warmfleet.server.nodetier.wire import KV, checksum
+
+EMPTY_SUM = checksum(b"")  # the simulator stores no bytes
 
 NO_HOST_BLOCK = -1  # the host side of a node-tier copy in a SwapPlan (the simulator executes no copies)
 
@@ -93,12 +95,12 @@ class NodeTier:
         in: a block the tier holds is only claimed or released, as the engine's client does (touch-or-put)."""
         if h in self:
             if held:
-                self.store.put(KV, h, "", b"", 0, holder=self._holder(rid), held=True)
+                self.store.put(KV, h, "", b"", EMPTY_SUM, holder=self._holder(rid), held=True)
             else:
                 self.store.release(KV, [h], self._holder(rid))
                 self.released_blocks += 1
             return False
-        self.store.put(KV, h, "", b"", 0, holder=self._holder(rid), held=held)
+        self.store.put(KV, h, "", b"", EMPTY_SUM, holder=self._holder(rid), held=held)
         self.stored_blocks += 1
         return True
 

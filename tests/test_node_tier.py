@@ -85,7 +85,7 @@ def test_server_answers_bad_requests_with_errors_not_exceptions():
     assert node.handle({"op": "nope"})["ok"] is False
     assert node.handle({"op": "get", "kind": "kv", "keys": "notalist"})["ok"] is False
     assert node.handle({"op": "put", "entries": [{"kind": "kv"}]})["ok"] is False
-    r = node.handle({"op": "put", "entries": [{"kind": "kv", "key": "str-not-bytes", "data": b"d", "crc": checksum(b"d")}]})
+    r = node.handle({"op": "put", "entries": [{"kind": "kv", "key": "str-not-bytes", "data": b"d", "sum": checksum(b"d")}]})
     assert r == {"ok": True, "stored": 0, "refused": 1}
     with pytest.raises(FrameError):
         frame_lengths(HEADER.pack(1 << 10, 1 << 30))
@@ -100,7 +100,7 @@ def test_server_answers_bad_requests_with_errors_not_exceptions():
 
 def test_a_frame_carries_entries_raw_after_its_metadata():
     blocks = [bytes([i]) * (1000 + i) for i in range(3)]
-    msg = {"op": "put", "entries": [{"kind": "kv", "key": b"k%d" % i, "data": d, "crc": checksum(d)}
+    msg = {"op": "put", "entries": [{"kind": "kv", "key": b"k%d" % i, "data": d, "sum": checksum(d)}
                                     for i, d in enumerate(blocks)]}
     head, *payload = pack(msg)
     assert [p for p in payload] == blocks and all(p is d for p, d in zip(payload, blocks))  # the blocks' own buffers
@@ -246,7 +246,7 @@ def test_a_long_answer_is_cut_at_the_frame_limit_and_says_so(monkeypatch):
 
     node = NodeServer(NodeStore(1 << 20), None)
     node.handle({"op": "put", "entries": [{"kind": "kv", "key": b"k%d" % i, "layout": "L", "data": bytes(100),
-                                           "crc": checksum(bytes(100))} for i in range(5)]})
+                                           "sum": checksum(bytes(100))} for i in range(5)]})
     monkeypatch.setattr(server, "MAX_ANSWER_BYTES", 350)
     r = node.handle({"op": "get", "kind": "kv", "keys": [b"k%d" % i for i in range(5)], "layout": "L"})
     assert len(r["entries"]) == 2 and r["cut"] is True

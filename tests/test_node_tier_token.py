@@ -64,7 +64,7 @@ async def test_the_right_token_opens_every_op():
         writer.writelines(pack({"op": "hello", "token": TOKEN}))
         assert await answer(reader) == {"ok": True}
         writer.writelines(pack({"op": "put", "entries": [{"kind": "kv", "key": b"k", "layout": "L", "data": b"d",
-                                                     "crc": checksum(b"d")}]}))
+                                                     "sum": checksum(b"d")}]}))
         assert (await answer(reader))["stored"] == 1
         writer.close()
 

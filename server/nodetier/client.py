@@ -162,7 +162,7 @@ class NodeTierClient:
                 entries = answer.get("entries", [])[:len(keys) - len(out)]
                 for e in entries:
                     data = e.get("data") if isinstance(e, dict) else None
-                    if not isinstance(data, memoryview) or checksum(data) != e.get("crc"):
+                    if not isinstance(data, memoryview) or checksum(data) != e.get("sum"):
                         answer["cut"] = False  # a torn or foreign entry: what precedes it is still whole
                         break
                     out.append(data)
@@ -182,7 +182,7 @@ class NodeTierClient:
 
     # ---- puts (background thread) --------------------------------------------------------
     def put_async(self, entries: list[dict]) -> None:
-        """Queue entries ({kind, key, layout, data, lora?, block_size?, held?}; crc added here) for the node tier;
+        """Queue entries ({kind, key, layout, data, lora?, block_size?, held?}; sum added here) for the node tier;
         `held`: this replica still holds the block (written through), else it evicted it."""
         size = sum(len(e["data"]) for e in entries)
         with self._lock:
@@ -191,7 +191,7 @@ class NodeTierClient:
                 return
             self._queued_bytes += size
         for e in entries:
-            e["crc"] = checksum(e["data"])
+            e["sum"] = checksum(e["data"])
         self._queue.put((entries, size))
 
     def _put_loop(self) -> None:

@@ -79,7 +79,7 @@ class NodeServer:
             if kind == KV and isinstance(e.get("block_size"), int) and e["block_size"] > 0:
                 self.store.block_size = e["block_size"]
             lora = e.get("lora") if isinstance(e.get("lora"), str) else None
-            ok = self.store.put(kind, key, str(e.get("layout", "")), data, int(e.get("crc", -1)), lora,
+            ok = self.store.put(kind, key, str(e.get("layout", "")), data, int(e.get("sum", -1)), lora,
                                 holder, e.get("held") is True)
             stored += ok
             refused += not ok
@@ -93,7 +93,7 @@ class NodeServer:
             size += len(e.data) + 64
             if size > MAX_ANSWER_BYTES and out:
                 break
-            out.append({"data": e.data, "crc": e.crc})
+            out.append({"data": e.data, "sum": e.sum})
         return {"ok": True, "entries": out, "cut": len(out) < len(entries)}
 
     def _release(self, msg: dict, holder: Optional[str]) -> dict:

@@ -33,7 +33,7 @@ Slot = tuple[str, Key]  # (kind, key)
 @dataclass
 class Entry:
     data: bytes
-    crc: int  # zlib.crc32 of data
+    sum: int  # wire.checksum (XXH3-64) of data
     layout: str  # shape of the bytes (dtype, block geometry): another layout's get is a miss
     lora: Optional[str] = None  # LoRA adapter of a KV block's chain (published in BlockStored), None: base model
 
@@ -77,14 +77,14 @@ class NodeStore:
         """Every entry's (kind, key), the next to be evicted first."""
         return [*self.held, *self.free]
 
-    def put(self, kind: str, key: Key, layout: str, data: bytes, crc: int, lora: Optional[str] = None,
+    def put(self, kind: str, key: Key, layout: str, data: bytes, digest: int, lora: Optional[str] = None,
             holder: Optional[str] = None, held: bool = False) -> bool:
         """Store one whole entry from `holder` (which still holds it in its primary pool if `held`: written
         through; else it evicted it); False (refused, nothing changed) if its checksum is wrong or it cannot fit."""
-        if kind not in (KV, ENC) or checksum(data) != crc:
+        if kind not in (KV, ENC) or checksum(data) != digest:
             self.counters.refused += 1
             return False
-        entry = Entry(bytes(data), crc, layout, lora)
+        entry = Entry(bytes(data), digest, layout, lora)
         if entry.cost > self.capacity_bytes:
             self.counters.refused += 1
             return False
