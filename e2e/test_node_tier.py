@@ -45,11 +45,15 @@ def tier_nodes(e2e_cluster: Cluster) -> Iterator[dict[str, str]]:
         made.append(node)
     c.apply(made)
     try:
-        for name in shapes:
-            wait_for(lambda n=name: is_ready(c.kubectl_json("get", "node", n)), 60, f"node {name} Ready")
+        for name in shapes:  # Ready, and the node lifecycle controller's not-ready taint gone (pools leave tainted nodes out)
+            wait_for(lambda n=name: ready_untainted(c.kubectl_json("get", "node", n)), 60, f"node {name} Ready, untainted")
         yield {label: "true"}
     finally:
         c.kubectl("delete", "node", *shapes, "--ignore-not-found", check=False)
+
+
+def ready_untainted(node: dict[str, Any]) -> bool:
+    return is_ready(node) and not (node.get("spec") or {}).get("taints")
 
 
 def daemonsets(c: Cluster, ex: Example) -> dict[str, dict[str, Any]]:
@@ -68,13 +72,16 @@ def container_memory(obj: dict[str, Any]) -> int:
     return quantity(c["resources"]["limits"]["memory"])
 
 
-def tiers_running(c: Cluster, ex: Example) -> dict[str, dict[str, Any]]:
-    """Every pool's DaemonSet rolled out on each of the pool's nodes, and status written for this generation; else
-    raises with what is missing (wait_for reports the last one)."""
+def tiers_running(c: Cluster, ex: Example, nodes: int = 3) -> dict[str, dict[str, Any]]:
+    """Every pool's DaemonSet rolled out on each of the pool's nodes, the pools covering all `nodes` of the test, and
+    status written for this generation; else raises with what is missing (wait_for reports the last one). (The
+    operator plans from its own watch of the nodes, which may not yet have seen a new node's taint lifted.)"""
     svc = wfis(c, ex)
     st = svc.get("status") or {}
     if st.get("observedGeneration") != svc["metadata"]["generation"] or not st.get("pools"):
         raise AssertionError(f"status not written for generation {svc['metadata']['generation']}: {st.get('conditions')}")
+    if sum(len(p["nodes"]) for p in st["pools"]) < nodes:
+        raise AssertionError(f"pools {[(p['name'], p['nodes']) for p in st['pools']]} cover fewer than {nodes} nodes")
     sets = daemonsets(c, ex)
     for pool in st["pools"]:
         ds = sets.get(pool["name"])
@@ -88,6 +95,10 @@ def tiers_running(c: Cluster, ex: Example) -> dict[str, dict[str, Any]]:
     return sets
 
 
+def tier_nodes_of(nodes: dict[str, Any], selector: dict[str, str]) -> list[str]:
+    return [n for n, o in nodes.items() if all(o["metadata"]["labels"].get(k) == v for k, v in selector.items())]
+
+
 def test_a_node_tier_per_pool_sized_within_every_nodes_allocatable_and_shown_in_status(
         e2e_cluster: Cluster, local_operator: LocalOperator, namespace: str, tier_nodes: dict[str, str]) -> None:
     c = e2e_cluster
@@ -97,7 +108,9 @@ def test_a_node_tier_per_pool_sized_within_every_nodes_allocatable_and_shown_in_
     st = wfis(c, ex)["status"]
     deps = servers(c, ex)
     nodes = {n["metadata"]["name"]: n for n in c.kubectl_json("get", "nodes")["items"]}
-    assert len(st["pools"]) >= 2 and set(sets) == {p["name"] for p in st["pools"]} == set(deps)
+    assert len(st["pools"]) >= 2 and set(sets) == {p["name"] for p in st["pools"]} == set(deps), (
+        [p["name"] for p in st["pools"]], [(x["type"], x["status"], x["reason"], x["message"]) for x in st["conditions"]],
+        {n: nodes[n]["spec"].get("taints") for n in tier_nodes_of(nodes, tier_nodes)})
     for pool in st["pools"]:
         tier, ds, dep = pool["nodeTier"], sets[pool["name"]], deps[pool["name"]]
         assert tier["capacityBytes"] > 0 and tier["sizeGib"] > 0 and tier["source"] == "auto", tier
