@@ -18,8 +18,8 @@ AllBlocksCleared: it starts empty). The node tier serves no HTTP snapshot: a bat
 carries its whole state (a subscriber syncs from it), and it publishes one to every new subscription, so a
 subscriber resyncs by subscribing to a fresh topic (`NODE_STATE_TOPIC` + anything). A replica names its node in its
 snapshot (`node`, from `warmfleet serve --node-name`), which is how a router maps replicas to node tiers.
-`node_copy_s_per_block` is the replica's measured cost of loading one entry from its node tier (seconds of the gets
-that served entries over the entries they served, since it started): sent only once it has loaded one, so Load
+`node_copy_s_per_block` is the replica's measured cost of loading one KV block from its node tier (seconds of the
+gets that served blocks over the blocks they served, since it started): sent only once it has loaded one, so Load
 events without a node tier are what they were; routers price a node-tier block by it (router/core/pricing.py).
 Snapshots carry Load's first four figures only (an older router reads them as it did).
 `lora_name` (vLLM's field, in vLLM's position) names the LoRA adapter whose chain the blocks belong to;
@@ -83,7 +83,7 @@ class Load:
     num_waiting: int
     free_gpu_blocks: int
     total_gpu_blocks: int
-    node_copy_s_per_block: Optional[float] = None  # seconds to load one node-tier entry, measured; None: none loaded
+    node_copy_s_per_block: Optional[float] = None  # seconds to load one node-tier KV block, measured; None: none loaded
 
 
 LOAD_FIGURES = ("num_running", "num_waiting", "free_gpu_blocks", "total_gpu_blocks")  # a snapshot's Load
