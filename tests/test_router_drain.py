@@ -231,6 +231,8 @@ def test_replays_are_queued_work_for_routing_but_not_in_the_queued_tokens_metric
     from warmfleet.server.router.core.router import Router
 
     class FakeFleet:
+        node_tiers = None  # follows no node tier
+
         def __init__(self, rep):
             self.registry = type("R", (), {"replicas": {rep.id: rep}})()
 
