@@ -229,7 +229,8 @@ def test_example_children_status_columns_and_pools(e2e_cluster: Cluster, example
     # the fixture pins warmfleet's engine on these (fake) GPU nodes: Ready, with the EngineFit warning
     assert conds == {"Ready": ("True", "AllReplicasReady"), "Progressing": ("False", "Stable"),
                      "Degraded": ("False", "AsExpected"), "InvalidSpec": ("False", "SpecValid"),
-                     "EngineFit": ("False", "NoGPUAttentionBackend"), "GPUMemoryKnown": ("True", "GPUMemoryFound")}, conds
+                     "EngineFit": ("False", "NoGPUAttentionBackend"), "GPUMemoryKnown": ("True", "GPUMemoryFound"),
+                     "TaintsTolerated": ("True", "AllTaintsTolerated")}, conds
     assert st["engine"]["kind"] == "warmfleet" and st["engine"]["chosenBy"] == "spec"
 
     # printer columns
@@ -558,7 +559,8 @@ def test_peer_engines_reconcile_to_ready_with_their_rendered_flags(e2e_cluster: 
     conds = {x["type"]: (x["status"], x["reason"]) for x in st["conditions"]}
     assert conds == {"Ready": ("True", "AllReplicasReady"), "Progressing": ("False", "Stable"),
                      "Degraded": ("False", "AsExpected"), "InvalidSpec": ("False", "SpecValid"),
-                     "EngineFit": ("True", "EngineFromSpec"), "GPUMemoryKnown": ("True", "GPUMemoryFound")}, conds
+                     "EngineFit": ("True", "EngineFromSpec"), "GPUMemoryKnown": ("True", "GPUMemoryFound"),
+                     "TaintsTolerated": ("True", "AllTaintsTolerated")}, conds
     assert st["pools"] and {p["engine"] for p in st["pools"]} == {kind}
     assert all(("encoderCacheTokens" in p["sizes"]) == (kind == "fastdeploy") for p in st["pools"])
 
