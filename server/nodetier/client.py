@@ -23,14 +23,13 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from .wire import HEADER, checksum, frame_lengths, pack, unpack
+from .wire import HEADER, MAX_KEYS, checksum, frame_lengths, pack, unpack
 
 log = logging.getLogger("warmfleet.nodetier")
 BACKOFF_MIN_S = 0.25
 BACKOFF_MAX_S = 10.0
 PUT_BATCH_BYTES = 8 << 20  # entries sent in one put frame
 PUT_QUEUE_BYTES = 256 << 20  # queued put payload beyond which new puts are dropped (counted)
-RELEASE_KEYS = 4096  # keys one release names (the tier's MAX_GET_KEYS)
 MAX_KNOWN_KEYS = 1 << 22  # keys believed in the tier (bounded by the primary pool; cleared if ever over this)
 
 
@@ -234,8 +233,8 @@ class NodeTierClient:
             known = [k for k in evicted if k in self._known]
             self._known.difference_update(evicted)
         released: set = set()
-        for i in range(0, len(known), RELEASE_KEYS):
-            part = known[i:i + RELEASE_KEYS]
+        for i in range(0, len(known), MAX_KEYS):
+            part = known[i:i + MAX_KEYS]
             missing = self._put_conn.call({"op": "release", "kind": "kv", "keys": part}).get("missing", [])
             released.update(set(part) - set(missing))
         self.counters.put_released += len(released)

@@ -27,12 +27,11 @@ from typing import Optional
 
 from ..events import NODE_TOPIC_PREFIX, AllBlocksCleared, EventPublisher
 from .store import NodeStore
-from .wire import ENC, HEADER, KINDS, KV, MAX_FRAME_BYTES, Buffer, FrameError, frame_lengths, pack, unpack
+from .wire import ENC, HEADER, KINDS, KV, MAX_FRAME_BYTES, MAX_KEYS, Buffer, FrameError, frame_lengths, pack, unpack
 
 log = logging.getLogger("warmfleet.nodetier")
 TOKEN_ENV = "WARMFLEET_NODE_TIER_TOKEN"
 SUBSCRIPTION_POLL_S = 0.05  # how often new subscriptions are looked for (each gets the whole state)
-MAX_GET_KEYS = 4096  # keys one get or release may name
 MAX_ANSWER_BYTES = MAX_FRAME_BYTES // 2  # entry bytes one get answers at most
 WRITE_CHUNK = 1 << 20  # bytes handed to the transport at a time (write_frame)
 HELLO_MAX_BYTES = 4096  # the first frame of a connection when a token is required
@@ -185,8 +184,8 @@ def _holder_of(hello: dict) -> Optional[str]:
 
 def _kind_keys(msg: dict, op: str) -> tuple[str, list]:
     kind, keys = msg.get("kind"), msg.get("keys")
-    if kind not in KINDS or not isinstance(keys, list) or len(keys) > MAX_GET_KEYS:
-        raise ValueError(f"{op} needs a kind of {KINDS} and at most {MAX_GET_KEYS} keys")
+    if kind not in KINDS or not isinstance(keys, list) or len(keys) > MAX_KEYS:
+        raise ValueError(f"{op} needs a kind of {KINDS} and at most {MAX_KEYS} keys")
     return kind, [k for k in keys if _key_ok(kind, k)]
 
 

@@ -37,6 +37,7 @@ MAX_FRAME_BYTES = 256 << 20  # one frame (a put's batch or a get's answer, metad
 MAX_META_BYTES = 16 << 20  # its metadata at most 16 MiB
 HEADER = struct.Struct(">II")  # metadata bytes, payload bytes
 KV, ENC = "kv", "enc"
+MAX_KEYS = 4096  # keys one get or release may name
 KINDS = (KV, ENC)
 Buffer = Union[bytes, bytearray, memoryview]
 
